@@ -1,0 +1,287 @@
+"""Checkpoint fingerprint cost: vLLM 0.31 header-only hash vs wcache warm and cold keys, local and remote.
+
+One run measures, side by side (interleaved, median of ``--repeat``):
+
+* on a local directory and on the same directory behind ``latencyfs`` (every FUSE request sleeps
+  ``--latency-ms``, emulating OSSFS-like round trips):
+  (a) header-only fingerprint, vLLM 0.31's ``hash_checkpoint`` (opens every shard, no tensor bytes),
+  (b) wcache warm key (every shard's digests come from the stat-validated digest store),
+  (c) wcache cold key (every tensor byte hashed with BLAKE3, ``rehash=True``);
+* on local disk with the page cache warm: wcache's cold-key hashing throughput against a plain read of
+  the same shard files with large reads.
+
+Run::
+
+    .venv/bin/python benchmarks/fingerprint.py                     # many-shards preset, 20 ms, 3 repeats
+    .venv/bin/python benchmarks/fingerprint.py --skip-fuse         # machines without FUSE
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from wcache.digest_store import DigestStore
+from wcache.key import compute_key
+from wcache.synth import write_checkpoint
+from wcache.vllm_compat import header_fingerprint
+
+# The store ignores receipts for files changed within 2 s of being hashed (racy-git rule).
+RACY_WINDOW_S = 2.0
+TARGET_WARM_SPEEDUP = 20.0
+READ_CHUNK_BYTES = 16 * 1024 * 1024
+
+HEADER = "header-only (vLLM 0.31)"
+WARM = "wcache warm key"
+COLD = "wcache cold key"
+METHODS = (HEADER, WARM, COLD)
+
+
+@dataclass(slots=True)
+class Samples:
+    """Wall times of one method on one storage, and what each run reported."""
+
+    seconds: list[float] = field(default_factory=list)
+    results: set[str] = field(default_factory=set)
+    notes: set[str] = field(default_factory=set)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def timed(fn: Callable[[], str]) -> tuple[float, str]:
+    """Run ``fn`` once; its wall time and its result."""
+    began = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - began, result
+
+
+def measure_storage(model_dir: Path, store: DigestStore, repeat: int) -> dict[str, Samples]:
+    """Interleave the three methods ``repeat`` times; the cold key runs first so it fills the store."""
+    samples = {m: Samples() for m in METHODS}
+
+    def cold() -> str:
+        keyfile = compute_key(model_dir, store=store, rehash=True)
+        samples[COLD].notes.add(f"{keyfile.stats.bytes_hashed / 1e6:,.0f} MB hashed")
+        return keyfile.key.short_id
+
+    def warm() -> str:
+        keyfile = compute_key(model_dir, store=store)
+        stats = keyfile.stats
+        samples[WARM].notes.add(f"{stats.shards_from_store}/{stats.num_shards} shards from store")
+        if stats.shards_hashed:
+            samples[WARM].notes.add(f"MISS: {stats.shards_hashed} shards hashed")
+        return keyfile.key.short_id
+
+    def header() -> str:
+        return header_fingerprint(model_dir)
+
+    for _ in range(repeat):
+        for method, fn in ((COLD, cold), (WARM, warm), (HEADER, header)):
+            seconds, result = timed(fn)
+            samples[method].seconds.append(seconds)
+            samples[method].results.add(result)
+    return samples
+
+
+def shard_files(model_dir: Path) -> list[Path]:
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def read_all(paths: list[Path]) -> int:
+    """Read every file start to end with large reads into one reused buffer; the bytes read."""
+    buffer = bytearray(READ_CHUNK_BYTES)
+    view = memoryview(buffer)
+    total = 0
+    for path in paths:
+        with path.open("rb", buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    return total
+
+
+def measure_throughput(model_dir: Path, store: DigestStore, repeat: int) -> tuple[float, float, int]:
+    """Median raw read and cold-key hashing rates (bytes/s) over local files with a warm page cache."""
+    paths = shard_files(model_dir)
+    read_all(paths)  # warm the page cache
+    read_s: list[float] = []
+    hash_s: list[float] = []
+    hashed = 0
+    for _ in range(repeat):
+        began = time.perf_counter()
+        nbytes = read_all(paths)
+        read_s.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        hashed = compute_key(model_dir, store=store, rehash=True).stats.bytes_hashed
+        hash_s.append(time.perf_counter() - began)
+    return nbytes / statistics.median(read_s), hashed / statistics.median(hash_s), nbytes
+
+
+def stat_latency(model_dir: Path, count: int = 10) -> float:
+    """Mean seconds of one sequential ``os.stat`` of a shard (the per-shard cost without concurrency)."""
+    path = shard_files(model_dir)[0]
+    began = time.perf_counter()
+    for _ in range(count):
+        path.stat()
+    return (time.perf_counter() - began) / count
+
+
+def fmt_seconds(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.2f} s"
+
+
+def fmt_rate(rate: float) -> str:
+    return f"{rate / 1e9:,.2f} GB/s"
+
+
+@contextlib.contextmanager
+def workspace(workdir: Path | None) -> Iterator[Path]:
+    """The given directory (kept), or a temporary one removed afterwards."""
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        yield workdir
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="wcache-bench-"))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="many-shards", help="wcache.synth preset (many-shards)")
+    parser.add_argument("--latency-ms", type=float, default=20.0, help="latencyfs sleep per request (20)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is shown")
+    parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: temp dir)")
+    parser.add_argument("--skip-fuse", action="store_true", help="measure local storage only")
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+
+    console = Console()
+    err = Console(stderr=True)
+    if not args.skip_fuse:
+        # Imported here so --skip-fuse works where fusepy or libfuse 2 is missing.
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from latencyfs import fuse_available, mounted
+
+        problem = fuse_available()
+        if problem is not None:
+            err.print(f"latencyfs cannot run here: {problem}. Use --skip-fuse.")
+            return 2
+
+    with workspace(args.workdir) as work:
+        model_dir = work / "checkpoint"
+        store_dir = work / "digest-store"
+        for owned in (model_dir, store_dir):
+            shutil.rmtree(owned, ignore_errors=True)
+        os.environ["WCACHE_CACHE_DIR"] = str(store_dir)  # nothing may touch the user's own store
+
+        err.print(f"writing the {args.preset!r} checkpoint to {model_dir} ...")
+        write_checkpoint(args.preset, model_dir)
+        shards = shard_files(model_dir)
+        total_bytes = sum(p.stat().st_size for p in shards)
+        written = max(max(p.stat().st_mtime_ns, p.stat().st_ctime_ns) for p in model_dir.iterdir())
+        # Receipts for files younger than the racy window are not trusted, so the warm key would miss.
+        wait_s = RACY_WINDOW_S + 0.2 - (time.time_ns() - written) / 1e9
+        if wait_s > 0:
+            err.print(f"waiting {wait_s:.1f} s so the digest store trusts receipts (racy-git rule) ...")
+            time.sleep(wait_s)
+
+        storages: dict[str, dict[str, Samples]] = {}
+        stat_s: dict[str, float] = {}
+        with DigestStore.open(store_dir) as store:
+            err.print("local: read throughput vs cold-key hashing ...")
+            read_rate, hash_rate, nbytes = measure_throughput(model_dir, store, args.repeat)
+            err.print("local: header-only, warm key, cold key ...")
+            storages["local"] = measure_storage(model_dir, store, args.repeat)
+            stat_s["local"] = stat_latency(model_dir)
+            if not args.skip_fuse:
+                remote = f"latencyfs {args.latency_ms:g} ms"
+                err.print(f"{remote}: header-only, warm key, cold key ...")
+                with mounted(model_dir, args.latency_ms) as mnt:
+                    storages[remote] = measure_storage(mnt, store, args.repeat)
+                    stat_s[remote] = stat_latency(mnt)
+
+    # Every storage and every run must agree: same content, same key, same header fingerprint.
+    agree = {m: set().union(*(s[m].results for s in storages.values())) for m in (HEADER, WARM)}
+    agree[WARM] |= set().union(*(s[COLD].results for s in storages.values()))
+    consistent = all(len(v) == 1 for v in agree.values())
+
+    title = (
+        f"Fingerprinting {args.preset}: {len(shards)} shards, {total_bytes / 1e6:,.0f} MB "
+        f"(median of {args.repeat})"
+    )
+    table = Table(title=title)
+    table.add_column("storage")
+    table.add_column("method")
+    table.add_column("time", justify="right")
+    table.add_column("vs header-only", justify="right")
+    table.add_column("notes")
+    for name, samples in storages.items():
+        base = samples[HEADER].median
+        for i, method in enumerate(METHODS):
+            s = samples[method]
+            speed = base / s.median
+            ratio = (
+                "1.0×"
+                if method == HEADER
+                else f"{speed:,.1f}× faster"
+                if speed >= 1
+                else (f"{1 / speed:,.1f}× slower")
+            )
+            notes = ", ".join(sorted(s.notes))
+            if method == HEADER:
+                notes = f"sequential stat {stat_s[name] * 1e3:,.1f} ms/file"
+            table.add_row(
+                name if i == 0 else "",
+                method,
+                fmt_seconds(s.median),
+                ratio,
+                notes,
+                end_section=i == len(METHODS) - 1,
+            )
+    console.print(table)
+
+    tput = Table(title="Hashing throughput, local disk, page cache warm")
+    tput.add_column("what")
+    tput.add_column("rate", justify="right")
+    tput.add_column("vs raw read", justify="right")
+    tput.add_row(
+        f"raw read ({READ_CHUNK_BYTES >> 20} MiB reads, {nbytes / 1e6:,.0f} MB)", fmt_rate(read_rate), "1.00"
+    )
+    tput.add_row(
+        "wcache cold key (BLAKE3 of every tensor)", fmt_rate(hash_rate), f"{hash_rate / read_rate:.2f}"
+    )
+    console.print(tput)
+
+    console.print(
+        "keys and header fingerprints identical across storages and runs: "
+        + ("[green]yes[/]" if consistent else f"[red]NO[/] {agree}")
+    )
+    if not args.skip_fuse:
+        remote_samples = storages[f"latencyfs {args.latency_ms:g} ms"]
+        speedup = remote_samples[HEADER].median / remote_samples[WARM].median
+        verdict = "[bold green]PASS[/]" if speedup >= TARGET_WARM_SPEEDUP else "[bold red]FAIL[/]"
+        console.print(
+            f"[bold]warm key vs header-only, {len(shards)} shards at {args.latency_ms:g} ms/request: "
+            f"{speedup:,.1f}× faster[/] (target ≥ {TARGET_WARM_SPEEDUP:g}×) {verdict}"
+        )
+    return 0 if consistent else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

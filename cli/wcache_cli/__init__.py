@@ -1,0 +1,1 @@
+"""The wcache command line: Typer commands over the wcache library; presentation and parsing only."""

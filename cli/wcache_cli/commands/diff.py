@@ -1,0 +1,44 @@
+"""`wcache diff`: explain why two checkpoints or saved keys do (or do not) share a key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from wcache.errors import EXIT_DIFFERENCE
+from wcache.key_diff import diff_keys
+
+from wcache_cli.operands import key_of_operand
+from wcache_cli.output import out
+from wcache_cli.params import DtypeOpt, JsonOpt, PlanOpt, QuantizationOpt, RankOpt, TpOpt, plan_from_options
+from wcache_cli.render import diff_json, diff_renderable
+
+OperandArg = Annotated[
+    Path, typer.Argument(help="Checkpoint directory, .safetensors file, or saved key file.", show_default=False)
+]
+
+
+def diff(
+    a: OperandArg,
+    b: OperandArg,
+    tp: TpOpt = 1,
+    rank: RankOpt = 0,
+    dtype: DtypeOpt = "auto",
+    quantization: QuantizationOpt = "none",
+    plan: PlanOpt = "fused",
+    json: JsonOpt = False,
+) -> None:
+    """Compare two keys field by field and name every changed, added or removed tensor.
+
+    Plan options apply to checkpoint operands; a key file carries its own plan. Exits 1 when the keys differ.
+    """
+    spec = plan_from_options(tp, rank, dtype, quantization, plan)
+    key_a, key_b = key_of_operand(a, spec), key_of_operand(b, spec)
+    result = diff_keys(key_a, key_b)
+    if json:
+        out.json(diff_json(result, key_a, key_b))
+    else:
+        out.print(diff_renderable(result, key_a, key_b))
+    if not result.identical:
+        raise typer.Exit(EXIT_DIFFERENCE)

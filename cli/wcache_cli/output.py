@@ -1,0 +1,38 @@
+"""One output object: data on stdout (rich for people, JSON for programs), diagnostics on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+
+class Output:
+    """Where every command prints; respects NO_COLOR and non-TTY output through rich."""
+
+    def __init__(self) -> None:
+        self.stdout = Console(highlight=False, soft_wrap=True)
+        self.stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def json(self, value: Any) -> None:
+        # Plain print: rich would re-wrap long strings and break the document.
+        sys.stdout.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+
+    def print(self, *renderables: Any) -> None:
+        self.stdout.print(*renderables)
+
+    def error(self, message: str) -> None:
+        self.stderr.print(f"[bold red]error:[/] {escape(message)}")
+
+    def warning(self, message: str) -> None:
+        self.stderr.print(f"[yellow]warning:[/] {escape(message)}")
+
+    def hint(self, message: str) -> None:
+        self.stderr.print(f"[dim]{escape(message)}[/]")
+
+
+out = Output()

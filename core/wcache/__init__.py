@@ -1,0 +1,8 @@
+"""wcache: content-fingerprinted caches of processed LLM weights."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("wcache")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.0.0+unknown"

@@ -1,0 +1,119 @@
+"""Find a checkpoint's shards, its config and its index, and check that the index tells the truth."""
+
+from __future__ import annotations
+
+import json
+import stat
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from wcache.errors import CheckpointError
+from wcache.safetensors_header import ShardHeader
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointLayout:
+    """What a checkpoint path names: its shards, and the config and index read from its directory."""
+
+    root: Path
+    shards: tuple[Path, ...]
+    config: dict[str, Any] | None
+    weight_map: dict[str, str] | None  # tensor name → shard file name, from the index
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
+    try:
+        return json.loads(text)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}), so the {what} cannot be read.") from None
+
+
+def locate(path: Path) -> CheckpointLayout:
+    """Resolve a model directory or a single .safetensors file into a layout.
+
+    Reads only config.json and the index (concurrently, because on remote storage each is a round trip);
+    shard files are not touched here.
+    """
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist.") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
+    if not stat.S_ISDIR(mode):
+        if path.suffix != ".safetensors":
+            raise CheckpointError(f"{path} is neither a model directory nor a .safetensors file.")
+        return CheckpointLayout(root=path.parent, shards=(path,), config=None, weight_map=None)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        config_future: Future[Any] = pool.submit(_read_json, path / CONFIG_NAME, "model config")
+        index_future: Future[Any] = pool.submit(_read_json, path / INDEX_NAME, "shard index")
+        config, index = config_future.result(), index_future.result()
+
+    if config is not None and not isinstance(config, dict):
+        raise CheckpointError(f"{path / CONFIG_NAME} is not a JSON object.")
+    if index is None:
+        single = path / SINGLE_NAME
+        # The shard's stat happens later with all the others; a missing file is reported there.
+        return CheckpointLayout(root=path, shards=(single,), config=config, weight_map=None)
+    weight_map = _parse_index(index, path / INDEX_NAME)
+    shard_names = sorted(set(weight_map.values()))
+    return CheckpointLayout(
+        root=path, shards=tuple(path / name for name in shard_names), config=config, weight_map=weight_map
+    )
+
+
+def _parse_index(index: Any, index_path: Path) -> dict[str, str]:
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        raise CheckpointError(f"{index_path} has no weight_map object.")
+    weight_map = index["weight_map"]
+    if not weight_map:
+        raise CheckpointError(f"{index_path} lists no tensors.")
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise CheckpointError(f"{index_path} maps tensor {tensor!r} to something that is not a file name.")
+        pure = PurePosixPath(shard)
+        # A shard name that escapes the model directory would let an index point at any file on the machine.
+        if pure.is_absolute() or ".." in pure.parts or len(pure.parts) != 1:
+            raise CheckpointError(f"{index_path} names shard {shard!r}, which is not a file in the model directory.")
+    return dict(weight_map)
+
+
+def check_index(layout: CheckpointLayout, headers: Mapping[Path, ShardHeader], index_path: Path) -> None:
+    """Every index entry points at a tensor its shard holds, and every shard tensor is in the index."""
+    seen: dict[str, Path] = {}
+    for shard, header in headers.items():
+        for tensor in header.tensors:
+            if tensor.name in seen:
+                raise CheckpointError(
+                    f"tensor {tensor.name!r} is stored twice, in {seen[tensor.name]} and in {shard}."
+                )
+            seen[tensor.name] = shard
+    if layout.weight_map is None:
+        return
+    for tensor_name, shard_name in layout.weight_map.items():
+        holder = seen.get(tensor_name)
+        if holder is None:
+            raise CheckpointError(
+                f"{index_path} lists tensor {tensor_name!r} in {shard_name}, but no shard holds it."
+            )
+        if holder.name != shard_name:
+            raise CheckpointError(
+                f"{index_path} lists tensor {tensor_name!r} in {shard_name}, but it is in {holder.name}."
+            )
+    for tensor_name, holder in seen.items():
+        if tensor_name not in layout.weight_map:
+            raise CheckpointError(f"{holder} holds tensor {tensor_name!r}, which {index_path} does not list.")

@@ -1,0 +1,218 @@
+"""The digest store: SQLite receipts that let a file's digests be reused while its stat identity holds."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import platformdirs
+
+from wcache.safetensors_header import PREFIX_BYTES, ShardHeader, TensorInfo
+from wcache.shard_hash import FileIdentity, ShardRecord
+
+log = logging.getLogger("wcache")
+
+SCHEMA_VERSION = "1"
+DB_NAME = "digests.sqlite3"
+# Racy-git rule: a file written within this window of being hashed may be written again without its
+# mtime moving (coarse timestamps, or a writer still busy), so such a receipt is never trusted.
+RACY_WINDOW_NS = 2_000_000_000
+BUSY_TIMEOUT_S = 30.0
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS shards (
+    file_id TEXT PRIMARY KEY,
+    size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    ctime_ns INTEGER NOT NULL,
+    hashed_at_ns INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    record BLOB NOT NULL
+);
+"""
+
+
+def default_store_dir() -> Path:
+    """`WCACHE_CACHE_DIR`, else the platform's user cache directory for wcache."""
+    override = os.environ.get("WCACHE_CACHE_DIR")
+    return Path(override) if override else Path(platformdirs.user_cache_dir("wcache"))
+
+
+def _file_id(identity: FileIdentity) -> str:
+    # Inode numbers can exceed SQLite's signed 64-bit integers on some filesystems; text never overflows.
+    return f"{identity.dev}:{identity.ino}"
+
+
+def is_trusted(identity: FileIdentity, hashed_at_ns: int) -> bool:
+    """A receipt is trusted only if the file's last change lies safely before the moment it was hashed."""
+    return max(identity.mtime_ns, identity.ctime_ns) < hashed_at_ns - RACY_WINDOW_NS
+
+
+def encode_record(record: ShardRecord) -> bytes:
+    tensors = [
+        [t.name, t.dtype, list(t.shape), t.start, t.end, digest]
+        for t, digest in zip(record.header.tensors, record.digests, strict=True)
+    ]
+    payload = {"h": record.header.header_bytes, "m": record.header.metadata, "t": tensors}
+    return msgpack.packb(payload, use_bin_type=True)
+
+
+def decode_record(blob: bytes, path: Path, identity: FileIdentity, hashed_at_ns: int) -> ShardRecord | None:
+    """Decode a stored record; anything malformed is treated as absent rather than trusted."""
+    try:
+        payload: Any = msgpack.unpackb(blob, raw=False)
+        tensors = tuple(
+            TensorInfo(name=str(n), dtype=str(d), shape=tuple(int(x) for x in s), start=int(a), end=int(b))
+            for n, d, s, a, b, _ in payload["t"]
+        )
+        digests = tuple(str(entry[5]) for entry in payload["t"])
+        header = ShardHeader(header_bytes=int(payload["h"]), metadata=dict(payload["m"]), tensors=tensors)
+    except (ValueError, TypeError, KeyError, msgpack.UnpackException):
+        return None
+    if PREFIX_BYTES + header.header_bytes + header.data_bytes != identity.size:
+        return None
+    return ShardRecord(path=path, identity=identity, header=header, digests=digests, hashed_at_ns=hashed_at_ns)
+
+
+class DigestStore:
+    """Receipts keyed by (device, inode); a corrupt database is moved aside and rebuilt with a warning."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / DB_NAME
+        self._conn: sqlite3.Connection | None = None
+        self._disabled_reason: str | None = None
+        self._connect()
+
+    @classmethod
+    def open(cls, path: Path | None = None) -> DigestStore:
+        """Open (creating if needed) the store in directory `path`, or the default directory."""
+        return cls(path if path is not None else default_store_dir())
+
+    @property
+    def enabled(self) -> bool:
+        return self._conn is not None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> DigestStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- opening, checking and rebuilding -------------------------------------------------------------
+
+    def _connect(self) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            self._disable(f"its directory {self.directory} cannot be created ({exc.strerror})")
+            return
+        try:
+            self._conn = self._open_checked()
+        except sqlite3.DatabaseError as exc:
+            self._rebuild(str(exc))
+
+    def _open_checked(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.executescript(_SCHEMA)
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+            if row is None:
+                conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema', ?)", (SCHEMA_VERSION,))
+            elif row[0] != SCHEMA_VERSION:
+                raise sqlite3.DatabaseError(f"schema version {row[0]!r}, expected {SCHEMA_VERSION!r}")
+            conn.execute("SELECT count(*) FROM shards").fetchone()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    @contextlib.contextmanager
+    def _rebuild_lock(self) -> Iterator[None]:
+        with open(self.directory / "digests.lock", "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def _rebuild(self, reason: str) -> None:
+        self.close()
+        try:
+            with self._rebuild_lock():
+                # Another process may have rebuilt it while we waited for the lock.
+                with contextlib.suppress(sqlite3.DatabaseError):
+                    self._conn = self._open_checked()
+                    return
+                aside = self.path.with_name(f"{DB_NAME}.corrupt-{time.time_ns()}")
+                for suffix in ("", "-wal", "-shm"):
+                    source = Path(f"{self.path}{suffix}")
+                    if source.exists():
+                        source.rename(Path(f"{aside}{suffix}"))
+                log.warning("The digest store %s was unreadable (%s); moved it to %s and started a new one.",
+                            self.path, reason, aside)
+                self._conn = self._open_checked()
+        except (OSError, sqlite3.DatabaseError) as exc:
+            self._disable(f"it could not be rebuilt ({exc})")
+
+    def _disable(self, reason: str) -> None:
+        self.close()
+        if self._disabled_reason is None:
+            log.warning("The digest store %s is not used: %s; every file will be hashed.", self.path, reason)
+        self._disabled_reason = reason
+
+    # -- receipts ------------------------------------------------------------------------------------
+
+    def lookup(self, path: Path, identity: FileIdentity) -> ShardRecord | None:
+        """The stored record for this exact file identity, if one is trusted."""
+        if self._conn is None:
+            return None
+        try:
+            row = self._conn.execute(
+                "SELECT size, mtime_ns, ctime_ns, hashed_at_ns, record FROM shards WHERE file_id = ?",
+                (_file_id(identity),),
+            ).fetchone()
+        except sqlite3.OperationalError as exc:
+            log.warning("The digest store %s could not be read (%s); hashing %s.", self.path, exc, path)
+            return None
+        except sqlite3.DatabaseError as exc:
+            self._rebuild(str(exc))
+            return None
+        if row is None:
+            return None
+        size, mtime_ns, ctime_ns, hashed_at_ns, blob = row
+        if (size, mtime_ns, ctime_ns) != (identity.size, identity.mtime_ns, identity.ctime_ns):
+            return None
+        if not is_trusted(identity, hashed_at_ns):
+            return None
+        return decode_record(blob, path, identity, hashed_at_ns)
+
+    def put(self, record: ShardRecord) -> None:
+        """Store a receipt; failures (full disk, read-only store) are warnings, never errors."""
+        if self._conn is None:
+            return
+        identity = record.identity
+        row = (
+            _file_id(identity), identity.size, identity.mtime_ns, identity.ctime_ns,
+            record.hashed_at_ns, str(record.path), encode_record(record),
+        )
+        try:
+            self._conn.execute("INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+        except sqlite3.OperationalError as exc:
+            # "database or disk is full", "readonly database", a writer holding the lock past the timeout:
+            # the key is still right, only the next run pays for hashing again.
+            self._disable(f"writing failed ({exc})")
+        except sqlite3.DatabaseError as exc:
+            self._rebuild(str(exc))

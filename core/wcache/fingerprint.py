@@ -1,0 +1,126 @@
+"""Fingerprint a whole checkpoint: concurrent stats, store lookups, and hashing of whatever is not known."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from wcache.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointLayout, check_index
+from wcache.digest_store import DigestStore
+from wcache.errors import CheckpointError
+from wcache.manifest import TensorDigest, merkle_root
+from wcache.shard_hash import FileIdentity, ShardRecord, hash_shard
+
+# Stats are round trips on remote storage; issuing them all at once makes a warm key cost one latency.
+MAX_STAT_THREADS = 64
+MAX_SHARD_THREADS = 4
+
+
+class HashProgress(Protocol):
+    """Receives progress while shards are hashed; calls may come from several threads."""
+
+    def start(self, total_bytes: int, num_files: int) -> None: ...
+
+    def advance(self, nbytes: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FingerprintStats:
+    """How a fingerprint was obtained: how much came from the store and how much was hashed."""
+
+    num_shards: int
+    shards_from_store: int
+    shards_hashed: int
+    bytes_hashed: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """A checkpoint's Merkle root, its manifest sorted by tensor name, and how it was obtained."""
+
+    root: str
+    manifest: tuple[TensorDigest, ...]
+    stats: FingerprintStats
+
+
+def _stat_all(layout: CheckpointLayout) -> list[FileIdentity]:
+    def one(path: Path) -> FileIdentity:
+        try:
+            return FileIdentity.of(os.stat(path))
+        except FileNotFoundError:
+            if layout.weight_map is None and path.name == SINGLE_NAME and path.parent == layout.root:
+                raise CheckpointError(
+                    f"{layout.root} holds neither {SINGLE_NAME} nor {INDEX_NAME}."
+                ) from None
+            raise CheckpointError(
+                f"{layout.root / INDEX_NAME} lists shard {path.name}, which does not exist."
+            ) from None
+        except OSError as exc:
+            raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
+
+    with ThreadPoolExecutor(max_workers=min(MAX_STAT_THREADS, len(layout.shards))) as pool:
+        return list(pool.map(one, layout.shards))
+
+
+def fingerprint_checkpoint(
+    layout: CheckpointLayout,
+    store: DigestStore | None,
+    *,
+    rehash: bool = False,
+    progress: HashProgress | None = None,
+) -> Fingerprint:
+    """Fingerprint every tensor of `layout`; shards with a trusted receipt are not opened at all."""
+    began = time.perf_counter()
+    identities = _stat_all(layout)
+    records: dict[Path, ShardRecord] = {}
+    if store is not None and not rehash:
+        for path, identity in zip(layout.shards, identities, strict=True):
+            record = store.lookup(path, identity)
+            if record is not None:
+                records[path] = record
+
+    cold = [(p, i) for p, i in zip(layout.shards, identities, strict=True) if p not in records]
+    bytes_hashed = 0
+    if cold:
+        if progress is not None:
+            progress.start(sum(i.size for _, i in cold), len(cold))
+        on_bytes = progress.advance if progress is not None else None
+        workers = os.cpu_count() or 2
+        with (
+            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="wcache-hash") as tensor_pool,
+            ThreadPoolExecutor(max_workers=min(MAX_SHARD_THREADS, len(cold))) as shard_pool,
+        ):
+            futures = [shard_pool.submit(hash_shard, path, tensor_pool, on_bytes) for path, _ in cold]
+            for future in futures:
+                record = future.result()
+                records[record.path] = record
+                bytes_hashed += record.header.data_bytes
+                if store is not None:
+                    store.put(record)
+
+    check_index(layout, {p: records[p].header for p in layout.shards}, layout.root / INDEX_NAME)
+    manifest = tuple(
+        sorted(
+            (
+                TensorDigest(t.name, t.dtype, t.shape, t.nbytes, digest)
+                for path in layout.shards
+                for t, digest in zip(records[path].header.tensors, records[path].digests, strict=True)
+            ),
+            key=lambda e: e.name,
+        )
+    )
+    if not manifest:
+        raise CheckpointError(f"{layout.root} holds no tensors.")
+    stats = FingerprintStats(
+        num_shards=len(layout.shards),
+        shards_from_store=len(layout.shards) - len(cold),
+        shards_hashed=len(cold),
+        bytes_hashed=bytes_hashed,
+        seconds=time.perf_counter() - began,
+    )
+    return Fingerprint(root=merkle_root(manifest), manifest=manifest, stats=stats)

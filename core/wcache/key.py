@@ -1,0 +1,170 @@
+"""WeightCacheKey: the fields that determine one rank's processed bytes, and the key file that carries it."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, fields
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import wcache
+from wcache.canonical import digest_of
+from wcache.checkpoint import locate
+from wcache.digest_store import DigestStore
+from wcache.dtypes import SAFETENSORS_TO_PLAN
+from wcache.errors import BadInputError, KeyFileError
+from wcache.fingerprint import FingerprintStats, HashProgress, fingerprint_checkpoint
+from wcache.manifest import TensorDigest, merkle_root
+from wcache.model_config import canonical_config, config_digest, config_dtype
+from wcache.plan import PlanSpec
+
+# Bumped whenever processing code changes the bytes it produces for the same inputs.
+FORMAT_VERSION = 1
+KEY_SCHEMA = "wcache.key/1"
+SHORT_ID_HEX = 12
+
+
+@dataclass(frozen=True, slots=True)
+class WeightCacheKey:
+    """The compared fields; anything informational travels beside the key, never inside it."""
+
+    checkpoint: str
+    config: str
+    plan: str
+    format: int
+
+    @property
+    def digest(self) -> str:
+        return digest_of(asdict(self))
+
+    @property
+    def short_id(self) -> str:
+        return self.digest[:SHORT_ID_HEX]
+
+    def mismatched_fields(self, other: WeightCacheKey) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+@dataclass(frozen=True, slots=True)
+class KeyFile:
+    """A key with what explains it: the plan, the canonical config, the manifest, and where it came from."""
+
+    key: WeightCacheKey
+    plan: PlanSpec
+    config: dict[str, Any] | None
+    manifest: tuple[TensorDigest, ...]
+    source: str
+    created: str
+    wcache_version: str
+    stats: FingerprintStats | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.manifest)
+
+    def to_json(self) -> dict[str, Any]:
+        """The key file document; `stats` describe one computation and are not part of it."""
+        return {
+            "schema": KEY_SCHEMA,
+            "id": self.key.short_id,
+            "key": asdict(self.key),
+            "plan": self.plan.to_json(),
+            "config": self.config,
+            "info": {
+                "source": self.source,
+                "created": self.created,
+                "wcache_version": self.wcache_version,
+                "num_tensors": len(self.manifest),
+                "total_bytes": self.total_bytes,
+            },
+            "tensors": [e.to_json() for e in self.manifest],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, origin: str) -> KeyFile:
+        """Rebuild a key file, checking that its manifest still adds up to its checkpoint digest."""
+        try:
+            if data.get("schema") != KEY_SCHEMA:
+                raise ValueError(f"schema is {data.get('schema')!r}, expected {KEY_SCHEMA!r}")
+            key = WeightCacheKey(**data["key"])
+            manifest = tuple(
+                TensorDigest(str(t["name"]), str(t["dtype"]), tuple(int(d) for d in t["shape"]),
+                             int(t["nbytes"]), str(t["digest"]))
+                for t in data["tensors"]
+            )
+            plan = PlanSpec.from_json(data["plan"])
+            info = data["info"]
+            result = cls(key=key, plan=plan, config=data["config"], manifest=manifest,
+                         source=str(info["source"]), created=str(info["created"]),
+                         wcache_version=str(info["wcache_version"]))
+        except (AttributeError, KeyError, TypeError, ValueError, BadInputError) as exc:
+            raise KeyFileError(f"{origin} is not a wcache key file ({exc}).") from None
+        # A hand-edited key file must not pass for the checkpoint it claims to describe.
+        if not manifest or merkle_root(manifest) != key.checkpoint:
+            raise KeyFileError(f"{origin} has a tensor list that does not match its checkpoint digest.")
+        if plan.dtype == "auto" or plan.digest() != key.plan:
+            raise KeyFileError(f"{origin} has a plan that does not match its plan digest.")
+        if config_digest(result.config) != key.config:
+            raise KeyFileError(f"{origin} has a config that does not match its config digest.")
+        return result
+
+
+def _dominant_dtype(manifest: tuple[TensorDigest, ...]) -> str:
+    by_bytes: Counter[str] = Counter()
+    for entry in manifest:
+        by_bytes[entry.dtype] += entry.nbytes
+    for dtype, _ in by_bytes.most_common():
+        if dtype in SAFETENSORS_TO_PLAN:
+            return SAFETENSORS_TO_PLAN[dtype]
+    return "float32"
+
+
+def compute_key(
+    path: Path,
+    plan: PlanSpec | None = None,
+    *,
+    store: DigestStore | None = None,
+    rehash: bool = False,
+    progress: HashProgress | None = None,
+) -> KeyFile:
+    """The key of checkpoint `path` under `plan`; warm shards cost one stat each and no reads."""
+    plan = plan or PlanSpec()
+    layout = locate(path)
+    fingerprint = fingerprint_checkpoint(layout, store, rehash=rehash, progress=progress)
+    resolved = plan.resolve(config_dtype(layout.config) or _dominant_dtype(fingerprint.manifest))
+    key = WeightCacheKey(
+        checkpoint=fingerprint.root,
+        config=config_digest(layout.config),
+        plan=resolved.digest(),
+        format=FORMAT_VERSION,
+    )
+    return KeyFile(
+        key=key,
+        plan=resolved,
+        config=canonical_config(layout.config),
+        manifest=fingerprint.manifest,
+        source=str(path.resolve()),
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        wcache_version=wcache.__version__,
+        stats=fingerprint.stats,
+    )
+
+
+def load_key_file(path: Path) -> KeyFile:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KeyFileError(f"{path} cannot be read as a key file ({exc}).") from None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise KeyFileError(f"{path} is not a wcache key file (not JSON).") from None
+    return KeyFile.from_json(data, str(path))
+
+
+def is_key_file(path: Path) -> bool:
+    """A regular file that is not a .safetensors file is read as a saved key."""
+    return path.is_file() and path.suffix != ".safetensors"
+

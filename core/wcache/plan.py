@@ -1,0 +1,64 @@
+"""The processing plan's description: what turns checkpoint tensors into one rank's engine tensors."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from wcache.canonical import digest_of
+from wcache.dtypes import PLAN_DTYPES
+from wcache.errors import BadInputError
+
+LAYOUTS = ("fused", "identity")
+QUANTIZATIONS = ("none", "int8", "fp8")
+DTYPES = ("auto", *PLAN_DTYPES)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSpec:
+    """Everything about processing that changes the bytes a rank holds.
+
+    `dtype` may be "auto" here; `resolve()` replaces it with the checkpoint's dtype before it is digested,
+    so "auto" and the dtype it stands for give the same key. DP size is deliberately absent: a dense
+    model's processed bytes do not depend on it.
+    """
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    dtype: str = "auto"
+    quantization: str = "none"
+    quantization_config: dict[str, Any] = field(default_factory=dict)
+    layout: str = "fused"
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise BadInputError(f"--tp must be at least 1, not {self.tp_size}.")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise BadInputError(f"--rank must be between 0 and {self.tp_size - 1} for --tp {self.tp_size}.")
+        if self.dtype not in DTYPES:
+            raise BadInputError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
+        if self.quantization not in QUANTIZATIONS:
+            raise BadInputError(
+                f"--quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}."
+            )
+        if self.layout not in LAYOUTS:
+            raise BadInputError(f"--plan must be one of {', '.join(LAYOUTS)}, not {self.layout!r}.")
+
+    def resolve(self, checkpoint_dtype: str) -> PlanSpec:
+        """This plan with "auto" replaced by `checkpoint_dtype` (a plan dtype name)."""
+        if self.dtype != "auto":
+            return self
+        return PlanSpec(self.tp_size, self.tp_rank, checkpoint_dtype, self.quantization,
+                        dict(self.quantization_config), self.layout)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PlanSpec:
+        return cls(**data)
+
+    def digest(self) -> str:
+        if self.dtype == "auto":
+            raise ValueError("resolve() the plan's dtype before digesting it")
+        return digest_of(self.to_json())

@@ -1,0 +1,211 @@
+"""Write Hugging Face–style test checkpoints with deterministic random weights (Llama/Qwen3 family)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import blake3
+
+from wcache.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, locate
+from wcache.errors import BadInputError, CheckpointError
+from wcache.safetensors_header import read_header
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """A checkpoint shape: its config.json, how many shards it is written in, and its dtype."""
+
+    config: Mapping[str, Any]
+    num_shards: int
+    write_lm_head: bool
+
+
+def _qwen3_config(**overrides: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 28,
+    }
+    config.update(overrides)
+    config["layer_types"] = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+    return config
+
+
+PRESETS: dict[str, Preset] = {
+    # Mixed full and sliding-window layers so the engine's SWA paths have something to chew on; float32
+    # so outputs can be compared with transformers to 1e-4. Written as two shards to exercise the index.
+    "tiny": Preset(
+        config=_qwen3_config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=320, max_position_embeddings=2048,
+            bos_token_id=256, eos_token_id=257, tie_word_embeddings=False, torch_dtype="float32",
+            sliding_window=32, use_sliding_window=True, max_window_layers=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        ),
+        num_shards=2,
+        write_lm_head=True,
+    ),
+    # Qwen/Qwen3-0.6B's exact tensor names, shapes and dtype. Its published file also stores lm_head.weight
+    # although the embeddings are tied: 311 tensors, 1,503,264,768 data bytes.
+    "qwen3-0.6b": Preset(
+        config=_qwen3_config(
+            hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+            num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+            bos_token_id=151643, eos_token_id=151645, tie_word_embeddings=True, torch_dtype="bfloat16",
+        ),
+        num_shards=1,
+        write_lm_head=True,
+    ),
+    # The shard count of the #60944 report (66 shards) with small tensors: the cost is per file, not per byte.
+    "many-shards": Preset(
+        config=_qwen3_config(
+            hidden_size=128, intermediate_size=384, num_hidden_layers=16, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, vocab_size=1024, max_position_embeddings=4096,
+            bos_token_id=1000, eos_token_id=1001, tie_word_embeddings=False, torch_dtype="bfloat16",
+        ),
+        num_shards=66,
+        write_lm_head=True,
+    ),
+}
+
+
+def tensor_shapes(config: Mapping[str, Any], write_lm_head: bool) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Hugging Face tensor names and shapes of a Llama/Qwen3 model, in module order."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_out = config["num_attention_heads"] * head_dim
+    kv_out = config["num_key_value_heads"] * head_dim
+    yield "model.embed_tokens.weight", (config["vocab_size"], hidden)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (hidden,)
+        yield f"{p}.self_attn.q_proj.weight", (q_out, hidden)
+        yield f"{p}.self_attn.k_proj.weight", (kv_out, hidden)
+        yield f"{p}.self_attn.v_proj.weight", (kv_out, hidden)
+        yield f"{p}.self_attn.o_proj.weight", (hidden, q_out)
+        if config.get("model_type") == "qwen3":
+            yield f"{p}.self_attn.q_norm.weight", (head_dim,)
+            yield f"{p}.self_attn.k_norm.weight", (head_dim,)
+        yield f"{p}.post_attention_layernorm.weight", (hidden,)
+        yield f"{p}.mlp.gate_proj.weight", (inter, hidden)
+        yield f"{p}.mlp.up_proj.weight", (inter, hidden)
+        yield f"{p}.mlp.down_proj.weight", (hidden, inter)
+    yield "model.norm.weight", (hidden,)
+    if write_lm_head or not config.get("tie_word_embeddings", False):
+        yield "lm_head.weight", (config["vocab_size"], hidden)
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    # Seeded per tensor name, so the same tensor has the same bytes however the checkpoint is sharded.
+    return int.from_bytes(blake3.blake3(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+def make_tensors(preset: Preset, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic weights: N(0, 0.02) matrices and norms near 1, in the preset's dtype."""
+    import torch
+
+    dtype = getattr(torch, preset.config["torch_dtype"])
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in tensor_shapes(preset.config, preset.write_lm_head):
+        generator = torch.Generator().manual_seed(_tensor_seed(seed, name))
+        values = torch.randn(shape, generator=generator, dtype=torch.float32)
+        values = 1.0 + 0.1 * values if len(shape) == 1 else 0.02 * values
+        tensors[name] = values.to(dtype)
+    return tensors
+
+
+def split_names(sizes: list[tuple[str, int]], num_shards: int) -> list[list[str]]:
+    """Split names, in order, into exactly `num_shards` non-empty groups of roughly equal bytes."""
+    if not 1 <= num_shards <= len(sizes):
+        raise BadInputError(f"cannot split {len(sizes)} tensors into {num_shards} shards.")
+    target = sum(n for _, n in sizes) / num_shards
+    groups: list[list[str]] = [[]]
+    filled = 0
+    for i, (name, nbytes) in enumerate(sizes):
+        shards_to_open = num_shards - len(groups)
+        if groups[-1] and shards_to_open > 0 and (filled >= target or len(sizes) - i <= shards_to_open):
+            groups.append([])
+            filled = 0
+        groups[-1].append(name)
+        filled += nbytes
+    return groups
+
+
+def write_tensors(
+    tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any] | None, dest: Path, num_shards: int
+) -> Path:
+    """Write `tensors` to a new directory `dest` as `num_shards` shards (an index when more than one)."""
+    from safetensors.torch import save_file
+
+    if dest.exists() and any(dest.iterdir()):
+        raise BadInputError(f"{dest} already exists and is not empty; choose a new directory.")
+    dest.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (dest / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    sizes = [(name, t.numel() * t.element_size()) for name, t in tensors.items()]
+    groups = split_names(sizes, num_shards)
+    if num_shards == 1:
+        save_file(dict(tensors), str(dest / SINGLE_NAME), metadata={"format": "pt"})
+        return dest
+    weight_map: dict[str, str] = {}
+    for number, names in enumerate(groups, start=1):
+        shard = f"model-{number:05d}-of-{num_shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, str(dest / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, shard))
+    index = {"metadata": {"total_size": sum(n for _, n in sizes)}, "weight_map": weight_map}
+    (dest / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return dest
+
+
+def write_checkpoint(preset: str, dest: Path, *, seed: int = 0, num_shards: int | None = None) -> Path:
+    """Write preset `preset` ("tiny", "qwen3-0.6b", "many-shards") to the new directory `dest`."""
+    if preset not in PRESETS:
+        raise BadInputError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}.")
+    chosen = PRESETS[preset]
+    return write_tensors(make_tensors(chosen, seed), chosen.config, dest, num_shards or chosen.num_shards)
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint, by name (for re-splitting and tests)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in locate(path).shards:
+        tensors.update(load_file(str(shard)))
+    return tensors
+
+
+def overwrite_tensor_bytes(path: Path, name: str, start: int, data: bytes) -> Path:
+    """Overwrite bytes of tensor `name` from byte `start` of its data, in place; the header is untouched."""
+    for shard in locate(path).shards:
+        fd = os.open(shard, os.O_RDWR)
+        try:
+            header = read_header(fd, os.fstat(fd).st_size, shard)
+            tensor = next((t for t in header.tensors if t.name == name), None)
+            if tensor is None:
+                continue
+            if start < 0 or start + len(data) > tensor.nbytes:
+                raise BadInputError(f"tensor {name!r} has {tensor.nbytes} bytes; cannot write there.")
+            os.pwrite(fd, data, header.data_start + tensor.start + start)
+            return shard
+        finally:
+            os.close(fd)
+    raise CheckpointError(f"{path} has no tensor {name!r}.")
