@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 from wcache.digest_store import DigestStore
 from wcache.key import compute_key
@@ -74,7 +74,7 @@ def measure_storage(model_dir: Path, store: DigestStore, repeat: int) -> dict[st
 
     def cold() -> str:
         keyfile = compute_key(model_dir, store=store, rehash=True)
-        samples[COLD].notes.add(f"{keyfile.stats.bytes_hashed / 1e6:,.0f} MB hashed")
+        samples[COLD].notes.add(f"{keyfile.stats.bytes_hashed / 1e6:,.1f} MB hashed")
         return keyfile.key.short_id
 
     def warm() -> str:
@@ -97,6 +97,7 @@ def measure_storage(model_dir: Path, store: DigestStore, repeat: int) -> dict[st
 
 
 def shard_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory, sorted by name."""
     return sorted(model_dir.glob("*.safetensors"))
 
 
@@ -139,10 +140,14 @@ def stat_latency(model_dir: Path, count: int = 10) -> float:
 
 
 def fmt_seconds(seconds: float) -> str:
+    """A duration in µs, ms or s, whichever reads best."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:,.0f} µs"
     return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.2f} s"
 
 
 def fmt_rate(rate: float) -> str:
+    """Bytes per second as GB/s (10^9)."""
     return f"{rate / 1e9:,.2f} GB/s"
 
 
@@ -160,19 +165,68 @@ def workspace(workdir: Path | None) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _ratio(base: float, seconds: float) -> str:
+    """How much faster (or slower) ``seconds`` is than ``base``."""
+    speed = base / seconds
+    return f"{speed:,.1f}× faster" if speed >= 1 else f"{1 / speed:,.1f}× slower"
+
+
+def results_table(title: str, storages: dict[str, dict[str, Samples]], stat_s: dict[str, float]) -> Table:
+    """The fingerprinting table: each storage's three methods and their ratio to header-only."""
+    table = Table(title=title)
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("storage", "left"),
+        ("method", "left"),
+        ("time", "right"),
+        ("min–max", "right"),
+        ("vs header-only", "right"),
+        ("notes", "left"),
+    )
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=name != "notes")
+    for name, samples in storages.items():
+        base = samples[HEADER].median
+        for i, method in enumerate(METHODS):
+            s = samples[method]
+            if method == HEADER:
+                notes = f"one sequential stat: {fmt_seconds(stat_s[name])}"
+            else:
+                notes = ", ".join(sorted(s.notes))
+            table.add_row(
+                name if i == 0 else "",
+                method,
+                fmt_seconds(s.median),
+                f"{fmt_seconds(min(s.seconds))}–{fmt_seconds(max(s.seconds))}",
+                "1.0×" if method == HEADER else _ratio(base, s.median),
+                notes,
+                end_section=i == len(METHODS) - 1,
+            )
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run every measurement and print the tables; exit 1 when keys disagree across storages."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="many-shards", help="wcache.synth preset (many-shards)")
     parser.add_argument("--latency-ms", type=float, default=20.0, help="latencyfs sleep per request (20)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is shown")
     parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: temp dir)")
     parser.add_argument("--skip-fuse", action="store_true", help="measure local storage only")
+    parser.add_argument(
+        "--throughput-preset",
+        default=None,
+        help="preset for the throughput section (default: --preset); qwen3-0.6b (1.5 GB) measures "
+        "bandwidth rather than per-file overhead",
+    )
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.latency_ms < 0:
+        parser.error("--latency-ms must not be negative")
 
-    console = Console()
-    err = Console(stderr=True)
+    # Rich falls back to 80 columns when stdout is not a terminal; the table needs more to stay readable.
+    console = Console() if sys.stdout.isatty() else Console(width=140)
+    err = Console(stderr=True, soft_wrap=True)
     if not args.skip_fuse:
         # Imported here so --skip-fuse works where fusepy or libfuse 2 is missing.
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -183,15 +237,20 @@ def main(argv: list[str] | None = None) -> int:
             err.print(f"latencyfs cannot run here: {problem}. Use --skip-fuse.")
             return 2
 
+    tput_preset = args.throughput_preset or args.preset
     with workspace(args.workdir) as work:
         model_dir = work / "checkpoint"
+        tput_dir = model_dir if tput_preset == args.preset else work / "throughput-checkpoint"
         store_dir = work / "digest-store"
-        for owned in (model_dir, store_dir):
+        for owned in {model_dir, tput_dir, store_dir}:
             shutil.rmtree(owned, ignore_errors=True)
         os.environ["WCACHE_CACHE_DIR"] = str(store_dir)  # nothing may touch the user's own store
 
         err.print(f"writing the {args.preset!r} checkpoint to {model_dir} ...")
         write_checkpoint(args.preset, model_dir)
+        if tput_dir != model_dir:
+            err.print(f"writing the {tput_preset!r} checkpoint to {tput_dir} ...")
+            write_checkpoint(tput_preset, tput_dir)
         shards = shard_files(model_dir)
         total_bytes = sum(p.stat().st_size for p in shards)
         written = max(max(p.stat().st_mtime_ns, p.stat().st_ctime_ns) for p in model_dir.iterdir())
@@ -203,14 +262,14 @@ def main(argv: list[str] | None = None) -> int:
 
         storages: dict[str, dict[str, Samples]] = {}
         stat_s: dict[str, float] = {}
+        remote = f"latencyfs {args.latency_ms:g} ms"
         with DigestStore.open(store_dir) as store:
-            err.print("local: read throughput vs cold-key hashing ...")
-            read_rate, hash_rate, nbytes = measure_throughput(model_dir, store, args.repeat)
+            err.print(f"local: raw read vs cold-key hashing of {tput_preset!r} ...")
+            read_rate, hash_rate, nbytes = measure_throughput(tput_dir, store, args.repeat)
             err.print("local: header-only, warm key, cold key ...")
             storages["local"] = measure_storage(model_dir, store, args.repeat)
             stat_s["local"] = stat_latency(model_dir)
             if not args.skip_fuse:
-                remote = f"latencyfs {args.latency_ms:g} ms"
                 err.print(f"{remote}: header-only, warm key, cold key ...")
                 with mounted(model_dir, args.latency_ms) as mnt:
                     storages[remote] = measure_storage(mnt, store, args.repeat)
@@ -221,51 +280,22 @@ def main(argv: list[str] | None = None) -> int:
     agree[WARM] |= set().union(*(s[COLD].results for s in storages.values()))
     consistent = all(len(v) == 1 for v in agree.values())
 
-    title = (
-        f"Fingerprinting {args.preset}: {len(shards)} shards, {total_bytes / 1e6:,.0f} MB "
-        f"(median of {args.repeat})"
-    )
-    table = Table(title=title)
-    table.add_column("storage")
-    table.add_column("method")
-    table.add_column("time", justify="right")
-    table.add_column("vs header-only", justify="right")
-    table.add_column("notes")
-    for name, samples in storages.items():
-        base = samples[HEADER].median
-        for i, method in enumerate(METHODS):
-            s = samples[method]
-            speed = base / s.median
-            ratio = (
-                "1.0×"
-                if method == HEADER
-                else f"{speed:,.1f}× faster"
-                if speed >= 1
-                else (f"{1 / speed:,.1f}× slower")
-            )
-            notes = ", ".join(sorted(s.notes))
-            if method == HEADER:
-                notes = f"sequential stat {stat_s[name] * 1e3:,.1f} ms/file"
-            table.add_row(
-                name if i == 0 else "",
-                method,
-                fmt_seconds(s.median),
-                ratio,
-                notes,
-                end_section=i == len(METHODS) - 1,
-            )
-    console.print(table)
+    title = f"Fingerprinting {args.preset}: {len(shards)} shards, {total_bytes / 1e6:,.1f} MB, median of {args.repeat}"
+    console.print(results_table(title, storages, stat_s))
 
-    tput = Table(title="Hashing throughput, local disk, page cache warm")
+    tput = Table(
+        title=f"Hashing throughput: {tput_preset}, local disk, page cache warm, median of {args.repeat}",
+        caption=(
+            "small checkpoint: per-file costs dominate; --throughput-preset qwen3-0.6b measures bandwidth"
+            if nbytes < 256e6
+            else None
+        ),
+    )
     tput.add_column("what")
     tput.add_column("rate", justify="right")
     tput.add_column("vs raw read", justify="right")
-    tput.add_row(
-        f"raw read ({READ_CHUNK_BYTES >> 20} MiB reads, {nbytes / 1e6:,.0f} MB)", fmt_rate(read_rate), "1.00"
-    )
-    tput.add_row(
-        "wcache cold key (BLAKE3 of every tensor)", fmt_rate(hash_rate), f"{hash_rate / read_rate:.2f}"
-    )
+    tput.add_row(f"raw read ({READ_CHUNK_BYTES >> 20} MiB reads, {nbytes / 1e6:,.1f} MB)", fmt_rate(read_rate), "1.00")
+    tput.add_row("wcache cold key (BLAKE3 of every tensor)", fmt_rate(hash_rate), f"{hash_rate / read_rate:.2f}")
     console.print(tput)
 
     console.print(
@@ -273,11 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         + ("[green]yes[/]" if consistent else f"[red]NO[/] {agree}")
     )
     if not args.skip_fuse:
-        remote_samples = storages[f"latencyfs {args.latency_ms:g} ms"]
-        speedup = remote_samples[HEADER].median / remote_samples[WARM].median
+        speedup = storages[remote][HEADER].median / storages[remote][WARM].median
         verdict = "[bold green]PASS[/]" if speedup >= TARGET_WARM_SPEEDUP else "[bold red]FAIL[/]"
         console.print(
-            f"[bold]warm key vs header-only, {len(shards)} shards at {args.latency_ms:g} ms/request: "
+            f"[bold]warm key vs header-only, {len(shards)} shards at {args.latency_ms:g} ms per request: "
             f"{speedup:,.1f}× faster[/] (target ≥ {TARGET_WARM_SPEEDUP:g}×) {verdict}"
         )
     return 0 if consistent else 1

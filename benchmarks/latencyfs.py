@@ -242,9 +242,7 @@ def mounted(
     if trace is not None:
         cmd += ["--trace", str(trace)]
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=_die_with_parent
-        )
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=_die_with_parent)
         try:
             deadline = time.monotonic() + timeout_s
             while not os.path.ismount(mnt):
@@ -284,9 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("src", type=Path, help="directory to mirror (read-only)")
     parser.add_argument("mountpoint", type=Path, help="empty directory to mount on")
     parser.add_argument("--latency-ms", type=float, default=20.0, help="sleep per FUSE request (20)")
-    parser.add_argument(
-        "--direct-io", action="store_true", help="bypass the page cache for reads within one open too"
-    )
+    parser.add_argument("--direct-io", action="store_true", help="bypass the page cache for reads within one open too")
     parser.add_argument("--trace", type=Path, default=None, help="append one line per request to this file")
     args = parser.parse_args(argv)
     serve(args.src, args.mountpoint, args.latency_ms, direct_io=args.direct_io, trace=args.trace)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
+
+PIPE_WIDTH = 200
 
 
 class Output:
@@ -15,6 +18,9 @@ class Output:
 
     def __init__(self) -> None:
         self.stdout = Console(highlight=False, soft_wrap=True)
+        if not self.stdout.is_terminal and "COLUMNS" not in os.environ:
+            # Piped output is read by grep and by people scrolling logs: never fold a tensor name at 80.
+            self.stdout = Console(highlight=False, soft_wrap=True, width=PIPE_WIDTH)
         self.stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
     def json(self, value: Any) -> None:
