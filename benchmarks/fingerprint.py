@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tput = Table(
         title=f"Hashing throughput: {tput_preset}, local disk, page cache warm, median of {args.repeat}",
+        min_width=100,
         caption=(
             "small checkpoint: per-file costs dominate; --throughput-preset qwen3-0.6b measures bandwidth"
             if nbytes < 256e6

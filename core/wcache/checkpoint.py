@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,16 +29,32 @@ class CheckpointLayout:
     weight_map: dict[str, str] | None  # tensor name → shard file name, from the index
 
 
-def _read_json(path: Path, what: str) -> Any:
+def _read_small_file(path: Path) -> bytes | None:
+    # os.open/os.read rather than Path.read_bytes: on a remote filesystem every extra fstat, ioctl (isatty)
+    # and lookup is a round trip, and these two files are on the warm path.
     try:
-        text = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        text = _read_small_file(path)
     except OSError as exc:
         raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
+    if text is None:
+        return None
     try:
         return json.loads(text)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc}), so the {what} cannot be read.") from None
 
 

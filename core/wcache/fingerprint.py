@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import stat
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +18,7 @@ from wcache.manifest import TensorDigest, merkle_root
 from wcache.shard_hash import FileIdentity, ShardRecord, hash_shard
 
 # Stats are round trips on remote storage; issuing them all at once makes a warm key cost one latency.
-MAX_STAT_THREADS = 64
+MAX_STAT_THREADS = 256
 MAX_SHARD_THREADS = 4
 
 
@@ -51,7 +53,10 @@ class Fingerprint:
 def _stat_all(layout: CheckpointLayout) -> list[FileIdentity]:
     def one(path: Path) -> FileIdentity:
         try:
-            return FileIdentity.of(os.stat(path))
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{path} is not a regular file.")
+            return FileIdentity.of(st)
         except FileNotFoundError:
             if layout.weight_map is None and path.name == SINGLE_NAME and path.parent == layout.root:
                 raise CheckpointError(
@@ -65,6 +70,24 @@ def _stat_all(layout: CheckpointLayout) -> list[FileIdentity]:
 
     with ThreadPoolExecutor(max_workers=min(MAX_STAT_THREADS, len(layout.shards))) as pool:
         return list(pool.map(one, layout.shards))
+
+
+def manifest_of(layout: CheckpointLayout, records: Mapping[Path, ShardRecord]) -> tuple[TensorDigest, ...]:
+    """Check the index against the shards' headers and list every tensor's digest, sorted by name."""
+    check_index(layout, {p: records[p].header for p in layout.shards}, layout.root / INDEX_NAME)
+    manifest = tuple(
+        sorted(
+            (
+                TensorDigest(t.name, t.dtype, t.shape, t.nbytes, digest)
+                for path in layout.shards
+                for t, digest in zip(records[path].header.tensors, records[path].digests, strict=True)
+            ),
+            key=lambda e: e.name,
+        )
+    )
+    if not manifest:
+        raise CheckpointError(f"{layout.root} holds no tensors.")
+    return manifest
 
 
 def fingerprint_checkpoint(
@@ -96,26 +119,14 @@ def fingerprint_checkpoint(
             ThreadPoolExecutor(max_workers=min(MAX_SHARD_THREADS, len(cold))) as shard_pool,
         ):
             futures = [shard_pool.submit(hash_shard, path, tensor_pool, on_bytes) for path, _ in cold]
-            for future in futures:
-                record = future.result()
-                records[record.path] = record
-                bytes_hashed += record.header.data_bytes
-                if store is not None:
-                    store.put(record)
+            hashed = [future.result() for future in futures]
+        for record in hashed:
+            records[record.path] = record
+            bytes_hashed += record.header.data_bytes
+        if store is not None:
+            store.put_many(hashed)
 
-    check_index(layout, {p: records[p].header for p in layout.shards}, layout.root / INDEX_NAME)
-    manifest = tuple(
-        sorted(
-            (
-                TensorDigest(t.name, t.dtype, t.shape, t.nbytes, digest)
-                for path in layout.shards
-                for t, digest in zip(records[path].header.tensors, records[path].digests, strict=True)
-            ),
-            key=lambda e: e.name,
-        )
-    )
-    if not manifest:
-        raise CheckpointError(f"{layout.root} holds no tensors.")
+    manifest = manifest_of(layout, records)
     stats = FingerprintStats(
         num_shards=len(layout.shards),
         shards_from_store=len(layout.shards) - len(cold),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
@@ -11,7 +12,7 @@ from typing import Any
 
 import wcache
 from wcache.canonical import digest_of
-from wcache.checkpoint import locate
+from wcache.checkpoint import CheckpointLayout, locate
 from wcache.digest_store import DigestStore
 from wcache.dtypes import SAFETENSORS_TO_PLAN
 from wcache.errors import BadInputError, KeyFileError
@@ -99,7 +100,7 @@ class KeyFile:
             result = cls(key=key, plan=plan, config=data["config"], manifest=manifest,
                          source=str(info["source"]), created=str(info["created"]),
                          wcache_version=str(info["wcache_version"]))
-        except (AttributeError, KeyError, TypeError, ValueError, BadInputError) as exc:
+        except (AttributeError, KeyError, TypeError, ValueError, OverflowError, BadInputError) as exc:
             raise KeyFileError(f"{origin} is not a wcache key file ({exc}).") from None
         # A hand-edited key file must not pass for the checkpoint it claims to describe.
         if not manifest or merkle_root(manifest) != key.checkpoint:
@@ -130,12 +131,22 @@ def compute_key(
     progress: HashProgress | None = None,
 ) -> KeyFile:
     """The key of checkpoint `path` under `plan`; warm shards cost one stat each and no reads."""
-    plan = plan or PlanSpec()
     layout = locate(path)
     fingerprint = fingerprint_checkpoint(layout, store, rehash=rehash, progress=progress)
-    resolved = plan.resolve(config_dtype(layout.config) or _dominant_dtype(fingerprint.manifest))
+    return make_key_file(path, layout, fingerprint.manifest, plan or PlanSpec(), fingerprint.stats)
+
+
+def make_key_file(
+    path: Path,
+    layout: CheckpointLayout,
+    manifest: tuple[TensorDigest, ...],
+    plan: PlanSpec,
+    stats: FingerprintStats | None,
+) -> KeyFile:
+    """Assemble the key of a fingerprinted checkpoint; "auto" dtype resolves to the checkpoint's own."""
+    resolved = plan.resolve(config_dtype(layout.config) or _dominant_dtype(manifest))
     key = WeightCacheKey(
-        checkpoint=fingerprint.root,
+        checkpoint=merkle_root(manifest),
         config=config_digest(layout.config),
         plan=resolved.digest(),
         format=FORMAT_VERSION,
@@ -144,11 +155,11 @@ def compute_key(
         key=key,
         plan=resolved,
         config=canonical_config(layout.config),
-        manifest=fingerprint.manifest,
-        source=str(path.resolve()),
+        manifest=manifest,
+        source=os.path.abspath(path),  # noqa: PTH100  (no syscalls: resolve() costs round trips on remote storage)
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         wcache_version=wcache.__version__,
-        stats=fingerprint.stats,
+        stats=stats,
     )
 
 
@@ -159,7 +170,7 @@ def load_key_file(path: Path) -> KeyFile:
         raise KeyFileError(f"{path} cannot be read as a key file ({exc}).") from None
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise KeyFileError(f"{path} is not a wcache key file (not JSON).") from None
     return KeyFile.from_json(data, str(path))
 

@@ -92,7 +92,7 @@ def parse_header(raw: bytes, file_size: int, path: Path) -> ShardHeader:
         document = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
     except UnicodeDecodeError:
         raise CheckpointError(f"{path} has a header that is not UTF-8.") from None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path} has a header that is not valid JSON ({exc}).") from None
     if not isinstance(document, dict):
         raise CheckpointError(f"{path} has a header that is not a JSON object.")

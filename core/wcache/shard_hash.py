@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, wait
@@ -68,40 +69,97 @@ def _hash_tensor(view: memoryview, base: int, tensor: TensorInfo, on_bytes: Byte
     return hasher.hexdigest()
 
 
+class OpenShard:
+    """One open shard: a single open, a validated header, and a read-only map of the whole file.
+
+    The fingerprint hashes through it; the daemon also builds its tensors from the same map, so a shard's
+    bytes come off the disk once for both.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            # O_NONBLOCK: opening a FIFO planted as a shard must fail below, not wait for a writer forever.
+            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} does not exist.") from None
+        except OSError as exc:
+            raise CheckpointError(f"{path} cannot be opened ({exc.strerror}).") from None
+        self._map: mmap.mmap | None = None
+        self._view: memoryview | None = None
+        try:
+            st = os.fstat(self._fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{path} is not a regular file.")
+            self.identity = FileIdentity.of(st)
+            self.header = read_header(self._fd, self.identity.size, path)
+            if self.header.data_bytes > 0:
+                self._map = mmap.mmap(self._fd, 0, prot=mmap.PROT_READ)
+                self._view = memoryview(self._map)
+        except OSError as exc:
+            self.close()
+            raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> OpenShard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def tensor_bytes(self, tensor: TensorInfo) -> memoryview:
+        """A read-only view of one tensor's data; release it before the shard closes."""
+        if self._view is None:
+            return memoryview(b"")
+        start = self.header.data_start + tensor.start
+        return self._view[start : start + tensor.nbytes]
+
+    def hash_tensors(self, pool: Executor, on_bytes: BytesCallback | None = None) -> tuple[str, ...]:
+        """BLAKE3 of every tensor, in header order, hashed concurrently."""
+        if self._view is None:
+            return tuple(blake3.blake3().hexdigest() for _ in self.header.tensors)
+        futures = [
+            pool.submit(_hash_tensor, self._view, self.header.data_start, tensor, on_bytes)
+            for tensor in self.header.tensors
+        ]
+        # Every task must finish before the map can close, even when one of them failed.
+        wait(futures)
+        try:
+            return tuple(f.result() for f in futures)
+        except OSError as exc:
+            raise CheckpointError(f"{self.path} cannot be read ({exc.strerror}).") from None
+
+    def unchanged(self) -> bool:
+        """Whether the file still has the identity it had when opened, by descriptor and by path."""
+        try:
+            after = FileIdentity.of(os.fstat(self._fd))
+            current = FileIdentity.of(os.stat(self.path))
+        except OSError:
+            return False
+        return self.identity == after == current
+
+    def record(self, digests: tuple[str, ...]) -> ShardRecord:
+        return ShardRecord(self.path, self.identity, self.header, digests, time.time_ns())
+
+
 def _hash_once(path: Path, pool: Executor, on_bytes: BytesCallback | None) -> tuple[ShardRecord, bool]:
     """One attempt; returns the record and whether the file stayed the same while it was read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} does not exist.") from None
-    except OSError as exc:
-        raise CheckpointError(f"{path} cannot be opened ({exc.strerror}).") from None
-    try:
-        before = FileIdentity.of(os.fstat(fd))
-        header = read_header(fd, before.size, path)
-        digests: list[str] = []
-        if header.data_bytes > 0:
-            with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
-                futures = [
-                    pool.submit(_hash_tensor, view, header.data_start, tensor, on_bytes)
-                    for tensor in header.tensors
-                ]
-                # Every task must finish before the map closes, even when one of them failed.
-                wait(futures)
-                digests = [f.result() for f in futures]
-        else:
-            digests = [blake3.blake3().hexdigest() for _ in header.tensors]
-        after = FileIdentity.of(os.fstat(fd))
-    except OSError as exc:
-        raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
-    finally:
-        os.close(fd)
-    try:
-        current = FileIdentity.of(os.stat(path))
-    except FileNotFoundError:
-        current = None
-    record = ShardRecord(path, before, header, tuple(digests), time.time_ns())
-    return record, before == after == current
+    with OpenShard(path) as shard:
+        record = shard.record(shard.hash_tensors(pool, on_bytes))
+        return record, shard.unchanged()
 
 
 def hash_shard(path: Path, pool: Executor, on_bytes: BytesCallback | None = None) -> ShardRecord:

@@ -1,0 +1,202 @@
+"""The arena: every processed tensor of one rank in one contiguous block.
+
+CPU: a sealed-size memfd. The daemon fills it through a writable map; an engine receives the descriptor by
+SCM_RIGHTS and maps it read-only, so an engine bug cannot corrupt the shared weights, and the engine's map
+stays valid after the daemon exits (the memfd lives while any map or descriptor does).
+
+CUDA: one device allocation per rank and one IPC handle exported per client. With the legacy CUDA IPC
+used by PyTorch, the memory dies with the exporting process, so an engine must treat daemon loss as fatal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from wcache.errors import UnavailableError
+
+# 256 bytes covers every SIMD width and CUDA's allocation granularity for vectorised loads.
+ALIGNMENT = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaEntry:
+    """Where one tensor lives in the arena."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
+
+    @classmethod
+    def from_wire(cls, item: Any) -> ArenaEntry:
+        name, dtype, shape, offset, nbytes = item
+        return cls(str(name), str(dtype), tuple(int(d) for d in shape), int(offset), int(nbytes))
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r}")
+    return dtype
+
+
+def plan_layout(specs: Sequence[tuple[str, str, tuple[int, ...], int]]) -> tuple[tuple[ArenaEntry, ...], int]:
+    """Aligned offsets for (name, dtype, shape, nbytes) in order; returns the entries and the total size."""
+    entries = []
+    offset = 0
+    for name, dtype, shape, nbytes in specs:
+        offset = -(-offset // ALIGNMENT) * ALIGNMENT
+        entries.append(ArenaEntry(name, dtype, shape, offset, nbytes))
+        offset += nbytes
+    return tuple(entries), max(offset, 1)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def view_tensors(buffer: Any, entries: Sequence[ArenaEntry]) -> dict[str, torch.Tensor]:
+    """Tensors over a CPU buffer (no copies); read-only buffers give tensors that must not be written."""
+    tensors = {}
+    with warnings.catch_warnings():
+        # torch warns that a read-only buffer gives a tensor it cannot protect; the map's PROT_READ does.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        for e in entries:
+            raw = torch.frombuffer(buffer, dtype=torch.uint8, count=e.nbytes, offset=e.offset) if e.nbytes else (
+                torch.empty(0, dtype=torch.uint8)
+            )
+            tensors[e.name] = raw.view(torch_dtype(e.dtype)).reshape(e.shape)
+    return tensors
+
+
+class CpuArena:
+    """A memfd of fixed size; writable in the daemon, shared read-only with engines."""
+
+    def __init__(self, total_bytes: int, label: str = "wcache-arena") -> None:
+        self.total_bytes = total_bytes
+        self.fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, total_bytes)
+            # Nobody may shrink it: an engine's map of a shrunk memfd faults (SIGBUS) on the lost pages.
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self._map: mmap.mmap | None = mmap.mmap(self.fd, total_bytes, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def write(self, entry: ArenaEntry, tensor: torch.Tensor) -> None:
+        source = _as_bytes(tensor)
+        if source.numel() != entry.nbytes:
+            raise ValueError(f"{entry.name}: {source.numel()} bytes do not fit an entry of {entry.nbytes}")
+        if entry.nbytes == 0:
+            return
+        assert self._map is not None
+        target = torch.frombuffer(self._map, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
+        target.copy_(source)
+        del target
+
+    def tensors(self, entries: Sequence[ArenaEntry]) -> dict[str, torch.Tensor]:
+        """Writable views in the daemon's own map (for verification and tests)."""
+        assert self._map is not None
+        return view_tensors(self._map, entries)
+
+    def close(self) -> None:
+        """Drop the daemon's map and descriptor; engines' maps of the memfd stay valid."""
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+            self._map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@dataclass
+class MappedArena:
+    """An engine's read-only map of a daemon's CPU arena, and the tensors viewing it."""
+
+    mapping: mmap.mmap
+    tensors: dict[str, torch.Tensor]
+
+
+def map_cpu_arena(fd: int, total_bytes: int, entries: Sequence[ArenaEntry]) -> MappedArena:
+    """Map a received memfd read-only and view its tensors; the descriptor is closed afterwards."""
+    try:
+        size = os.fstat(fd).st_size
+        if size < total_bytes:
+            raise UnavailableError(f"the daemon's arena holds {size} bytes, fewer than the {total_bytes} it announced.")
+        mapping = mmap.mmap(fd, total_bytes, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return MappedArena(mapping, view_tensors(mapping, entries))
+
+
+class CudaArena:
+    """One device allocation per rank, exported as a CUDA IPC handle per client.
+
+    Written against torch.multiprocessing.reductions; it runs only where CUDA exists and has not been
+    exercised on this project's CPU-only CI.
+    """
+
+    def __init__(self, total_bytes: int, device: str) -> None:
+        if not torch.cuda.is_available():
+            raise UnavailableError(f"device {device} was requested but this machine has no CUDA device.")
+        self.device = torch.device(device)
+        self.total_bytes = total_bytes
+        self.block = torch.empty(total_bytes, dtype=torch.uint8, device=self.device)
+
+    def write(self, entry: ArenaEntry, tensor: torch.Tensor) -> None:
+        if entry.nbytes:
+            self.block[entry.offset : entry.offset + entry.nbytes].copy_(_as_bytes(tensor), non_blocking=False)
+
+    def tensors(self, entries: Sequence[ArenaEntry]) -> dict[str, torch.Tensor]:
+        return {
+            e.name: self.block[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).reshape(e.shape)
+            for e in entries
+        }
+
+    def export_handle(self) -> dict[str, Any]:
+        """The IPC fields a client needs to rebuild the block (msgpack-safe: bytes and ints only)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _, args = reduce_tensor(self.block)
+        # args: (cls, size, stride, offset, storage_cls, dtype, device, handle, storage_size, storage_offset,
+        #        requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required)
+        return {
+            "handle": bytes(args[7]), "storage_size": int(args[8]), "storage_offset": int(args[9]),
+            "ref_counter_handle": bytes(args[11]), "ref_counter_offset": int(args[12]),
+            "event_handle": bytes(args[13]) if args[13] is not None else b"",
+            "event_sync_required": bool(args[14]), "total_bytes": self.total_bytes,
+        }
+
+    def close(self) -> None:
+        del self.block
+        torch.cuda.empty_cache()
+
+
+def open_cuda_handle(fields: dict[str, Any], device_index: int) -> torch.Tensor:
+    """Rebuild a daemon's CUDA block in this process from its exported IPC fields."""
+    if not torch.cuda.is_available():
+        raise UnavailableError("the daemon serves CUDA memory but this process sees no CUDA device.")
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    total = int(fields["total_bytes"])
+    return rebuild_cuda_tensor(
+        torch.Tensor, (total,), (1,), 0, torch.storage.TypedStorage, torch.uint8, device_index,
+        fields["handle"], int(fields["storage_size"]), int(fields["storage_offset"]), False,
+        fields["ref_counter_handle"], int(fields["ref_counter_offset"]),
+        fields["event_handle"] or None, bool(fields["event_sync_required"]),
+    )

@@ -1,0 +1,413 @@
+"""The processing plan in action: which engine tensors one rank holds, and how each is made from checkpoint tensors.
+
+`build_plan` turns a resolved `PlanSpec`, config.json and the checkpoint's manifest into a `ProcessingPlan`: a
+fixed, ordered list of `OutputSpec`s and, for each, a recipe of checkpoint slices. `ProcessingPlan.produce`
+runs one recipe. The daemon and the engine's disk path both call it, so their processed bytes are equal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from wcache.errors import BadInputError, CheckpointError
+from wcache.manifest import TensorDigest
+from wcache.plan import PlanSpec
+from wcache.quantize import QUANTIZED_DTYPES, channel_scales, is_linear_weight, quantize_rows, scale_name
+
+# safetensors dtype names → torch dtype names. Names missing from the installed torch are rejected when a plan
+# is built, not at import, so an older torch still serves every checkpoint that does not use them.
+_TORCH_NAMES: dict[str, str] = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
+    "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+}
+
+# Only these are cast to the plan's dtype. float8 tensors are floating point too, but in a checkpoint they
+# are already-quantized codes whose meaning depends on separate scales: casting them would silently change it.
+_CASTABLE = frozenset({"F16", "BF16", "F32", "F64"})
+
+_ROTARY_BUFFER = ".rotary_emb.inv_freq"
+
+Source = Callable[[str], torch.Tensor]
+
+
+class UnsupportedPlanError(BadInputError):
+    """The plan cannot be applied to this checkpoint (its layout, its config, or the TP size)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutputSpec:
+    """One engine tensor this rank holds."""
+
+    name: str  # engine name
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16", "int8", "float8_e4m3fn"
+    shape: tuple[int, ...]
+    sources: tuple[str, ...]  # checkpoint tensor names it is made from
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A slice of one checkpoint tensor: `length` indices from `start` along `dim`, or all of it if `dim` is None."""
+
+    source: str
+    dim: int | None
+    start: int
+    length: int
+    source_shape: tuple[int, ...]
+    source_dtype: str  # torch dtype name, checked against what `source()` returns
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """How one output is made: pieces stacked along dim 0 into `shape`, rows past them zero (vocab padding).
+
+    `kind` is "tensor" (cast into the output dtype), "quantized" (the stacked float32 weight, quantized) or
+    "scale" (that weight's per-row scales).
+    """
+
+    kind: str
+    pieces: tuple[Piece, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessingPlan:
+    """One rank's engine tensors in a fixed order, and the recipe for each. Build it with `build_plan`."""
+
+    spec: PlanSpec
+    outputs: tuple[OutputSpec, ...]
+    recipes: Mapping[str, Recipe] = field(default_factory=dict, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all outputs together (before any arena alignment)."""
+        return sum(o.nbytes for o in self.outputs)
+
+    def produce(self, output: OutputSpec, source: Source, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Make one output from checkpoint tensors; `source(name)` returns one (never written to).
+
+        Returns a new contiguous CPU tensor with exactly `output.dtype` and `output.shape`, or, when `out` is
+        given (a contiguous tensor of that dtype and shape, e.g. a slot in an arena), fills and returns `out`,
+        so the daemon writes each output once instead of copying it again.
+        """
+        recipe = self.recipes.get(output.name)
+        if recipe is None or output.shape != (recipe.shape[:1] if recipe.kind == "scale" else recipe.shape):
+            raise KeyError(f"{output.name!r} with shape {output.shape} is not an output of this plan")
+        dtype = getattr(torch, output.dtype)
+        if out is not None and (out.dtype != dtype or tuple(out.shape) != output.shape or not out.is_contiguous()):
+            raise ValueError(f"out for {output.name!r} must be a contiguous {output.dtype} tensor of shape "
+                             f"{output.shape}, not {out.dtype} {tuple(out.shape)}")
+        if recipe.kind == "tensor":
+            return _assemble(recipe, source, dtype, out)
+        # Quantization works on the stacked weight in float32 on the CPU: an exact upcast of any floating source,
+        # and CPU float32 arithmetic that gives the same bits on every call and in every process.
+        weight = _assemble(recipe, source, torch.float32, None)
+        method = self.spec.quantization
+        scales = channel_scales(weight, method)
+        result = scales if recipe.kind == "scale" else quantize_rows(weight, scales, method)
+        if out is None:
+            return result
+        return out.copy_(result)
+
+
+def process_all(plan: ProcessingPlan, source: Source) -> dict[str, torch.Tensor]:
+    """Every output of the plan, by engine name, in the plan's order."""
+    return {o.name: plan.produce(o, source) for o in plan.outputs}
+
+
+def _assemble(recipe: Recipe, source: Source, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    # Pieces are views of the source (narrow never copies), and copy_ casts while it writes into the result, so
+    # the only full-size buffer is the output itself: no checkpoint tensor is ever materialized first.
+    target = out if out is not None else torch.empty(recipe.shape, dtype=dtype)
+    fetched: dict[str, torch.Tensor] = {}
+    row = 0
+    for piece in recipe.pieces:
+        tensor = fetched.get(piece.source)
+        if tensor is None:
+            tensor = fetched[piece.source] = _fetch(source, piece)
+        if piece.dim is None:
+            target.copy_(tensor)
+            return target
+        view = tensor.narrow(piece.dim, piece.start, piece.length)
+        target.narrow(0, row, view.shape[0]).copy_(view)
+        row += view.shape[0]
+    if row < recipe.shape[0]:
+        target.narrow(0, row, recipe.shape[0] - row).zero_()
+    return target
+
+
+def _fetch(source: Source, piece: Piece) -> torch.Tensor:
+    tensor = source(piece.source)
+    if tuple(tensor.shape) != piece.source_shape or tensor.dtype != getattr(torch, piece.source_dtype):
+        raise CheckpointError(
+            f"tensor {piece.source!r} reads as {str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)} "
+            f"but its header says {piece.source_dtype} {piece.source_shape}."
+        )
+    return tensor
+
+
+class _Builder:
+    """Collects outputs and recipes in order, choosing each output's dtype and adding quantization scales."""
+
+    def __init__(self, spec: PlanSpec, manifest: Mapping[str, TensorDigest]) -> None:
+        self.spec = spec
+        self.manifest = manifest
+        self.outputs: list[OutputSpec] = []
+        self.recipes: dict[str, Recipe] = {}
+
+    def piece(self, name: str, dim: int | None = None, start: int = 0, length: int = 0) -> Piece:
+        entry = self.manifest[name]
+        return Piece(name, dim, start, length, tuple(entry.shape), _torch_name(entry))
+
+    def whole(self, name: str) -> None:
+        """An output that is a checkpoint tensor unchanged but for its dtype."""
+        self.add(name, (self.piece(name),), tuple(self.manifest[name].shape))
+
+    def add(self, name: str, pieces: tuple[Piece, ...], shape: tuple[int, ...], sources: tuple[str, ...] = ()) -> None:
+        sources = sources or tuple(dict.fromkeys(p.source for p in pieces))
+        entries = [self.manifest[s] for s in sources]
+        castable = all(e.dtype in _CASTABLE for e in entries)
+        method = self.spec.quantization
+        if method != "none" and is_linear_weight(name, shape):
+            if not castable:
+                raise UnsupportedPlanError(
+                    f"tensor {sources[0]!r} is stored as {entries[0].dtype}; quantizing an already quantized "
+                    "checkpoint is not supported."
+                )
+            self._emit(OutputSpec(name, QUANTIZED_DTYPES[method], shape, sources), Recipe("quantized", pieces, shape))
+            self._emit(OutputSpec(scale_name(name), "float32", shape[:1], sources), Recipe("scale", pieces, shape))
+            return
+        if castable:
+            dtype = self.spec.dtype
+        elif self.spec.layout == "identity":
+            dtype = _torch_name(entries[0])  # identity keeps non-floating and float8 tensors exactly as stored
+        else:
+            raise UnsupportedPlanError(
+                f"tensor {sources[0]!r} is stored as {entries[0].dtype}, which the fused plan cannot shard or cast; "
+                "use --plan identity."
+            )
+        self._emit(OutputSpec(name, dtype, shape, sources), Recipe("tensor", pieces, shape))
+
+    def _emit(self, output: OutputSpec, recipe: Recipe) -> None:
+        if output.name in self.recipes:
+            # Only possible when a checkpoint already holds `x.weight_scale` next to a weight being quantized.
+            raise UnsupportedPlanError(
+                f"tensor {output.name!r} would be made twice because the checkpoint already holds quantization "
+                "scales; quantizing it again is not supported."
+            )
+        self.outputs.append(output)
+        self.recipes[output.name] = recipe
+
+    def plan(self) -> ProcessingPlan:
+        return ProcessingPlan(self.spec, tuple(self.outputs), dict(self.recipes))
+
+
+def build_plan(spec: PlanSpec, config: Mapping[str, Any] | None, tensors: Sequence[TensorDigest]) -> ProcessingPlan:
+    """The plan for one rank of `spec` over a checkpoint with this config and manifest.
+
+    Raises `UnsupportedPlanError` (exit code 2) with one sentence for anything it cannot do.
+    """
+    if spec.dtype == "auto":
+        raise ValueError("resolve() the plan's dtype before building a processing plan")
+    manifest: dict[str, TensorDigest] = {}
+    for entry in tensors:
+        if entry.name in manifest:
+            raise CheckpointError(f"tensor {entry.name!r} appears twice in the checkpoint.")
+        _torch_name(entry)
+        manifest[entry.name] = entry
+    builder = _Builder(spec, manifest)
+    if spec.layout == "identity":
+        if spec.tp_size != 1:
+            raise UnsupportedPlanError("the identity plan holds unsharded weights; use --tp 1 or --plan fused.")
+        # Sorted, so the order does not depend on how the manifest was listed (by shard, by name).
+        for name in sorted(manifest):
+            builder.whole(name)
+        return builder.plan()
+    _build_fused(builder, _Dims.from_config(config), manifest)
+    return builder.plan()
+
+
+def _torch_name(entry: TensorDigest) -> str:
+    name = _TORCH_NAMES.get(entry.dtype)
+    if name is None or not hasattr(torch, name):
+        raise UnsupportedPlanError(f"tensor {entry.name!r} has dtype {entry.dtype}, which this torch cannot hold.")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class _Dims:
+    """The config fields that shape a Llama/Qwen2/Qwen3/Mistral checkpoint."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    layers: int
+    tie: bool
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | None) -> _Dims:
+        if config is None:
+            raise UnsupportedPlanError(
+                "the fused plan needs the model's config.json to split heads; add it or use --plan identity."
+            )
+
+        def number(key: str, default: int | None = None) -> int:
+            value = config.get(key)
+            if value is None:
+                if default is None:
+                    raise UnsupportedPlanError(f"config.json has no {key}, which the fused plan needs.")
+                return default
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UnsupportedPlanError(
+                    f"config.json has {key} = {value!r}; the fused plan needs a positive integer."
+                )
+            return value
+
+        hidden, heads = number("hidden_size"), number("num_attention_heads")
+        # Hugging Face's defaults: no num_key_value_heads means multi-head attention, no head_dim means
+        # hidden_size split evenly across heads.
+        kv_heads = number("num_key_value_heads", heads)
+        if config.get("head_dim") is None and hidden % heads:
+            raise UnsupportedPlanError(
+                f"config.json has no head_dim and hidden_size {hidden} is not a multiple of {heads} heads."
+            )
+        head_dim = number("head_dim", hidden // heads)
+        tie = config.get("tie_word_embeddings", False)
+        return cls(hidden, heads, kv_heads, head_dim, number("intermediate_size"), number("vocab_size"),
+                   number("num_hidden_layers"), bool(tie))
+
+
+def _build_fused(b: _Builder, d: _Dims, manifest: Mapping[str, TensorDigest]) -> None:
+    tp, rank = b.spec.tp_size, b.spec.tp_rank
+    if d.heads % tp:
+        raise UnsupportedPlanError(f"{d.heads} attention heads cannot be split evenly across --tp {tp}.")
+    if d.kv_heads % tp and tp % d.kv_heads:
+        raise UnsupportedPlanError(
+            f"{d.kv_heads} key/value heads can be neither split nor replicated evenly across --tp {tp}."
+        )
+    if d.intermediate % tp:
+        raise UnsupportedPlanError(f"intermediate_size {d.intermediate} cannot be split evenly across --tp {tp}.")
+
+    expected, required = _expected_shapes(d)
+    unknown = sorted(n for n in manifest if n not in expected and not n.endswith(_ROTARY_BUFFER))
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise UnsupportedPlanError(
+            f"the fused plan does not know tensor {unknown[0]!r}{more}; use --plan identity to load it by name."
+        )
+    missing = [n for n in required if n not in manifest]
+    if missing:
+        raise UnsupportedPlanError(f"the checkpoint lacks {missing[0]!r}, which the fused plan needs.")
+    for name, entry in manifest.items():
+        shape = expected.get(name)
+        if shape is not None and tuple(entry.shape) != shape:
+            raise UnsupportedPlanError(
+                f"tensor {name!r} has shape {tuple(entry.shape)} but config.json implies {shape}."
+            )
+
+    # Column-parallel attention: rank r holds a contiguous block of query heads and the key/value heads they
+    # read. With fewer kv heads than ranks each kv head is replicated, and rank r holds head r*kv//tp (vLLM's rule).
+    q_rows = d.heads // tp * d.head_dim
+    kv_per_rank = max(d.kv_heads // tp, 1)
+    kv_start = rank * d.kv_heads // tp * d.head_dim
+    kv_rows = kv_per_rank * d.head_dim
+    inter = d.intermediate // tp
+
+    def rows(name: str, start: int, length: int) -> Piece:
+        return b.piece(name, 0, start, length)
+
+    def cols(name: str, start: int, length: int) -> Piece:
+        return b.piece(name, 1, start, length)
+
+    _vocab_parallel(b, "model.embed_tokens.weight", d)
+    for i in range(d.layers):
+        p = f"model.layers.{i}"
+        a, m = f"{p}.self_attn", f"{p}.mlp"
+        b.whole(f"{p}.input_layernorm.weight")
+        qkv = (rows(f"{a}.q_proj.weight", rank * q_rows, q_rows), rows(f"{a}.k_proj.weight", kv_start, kv_rows),
+               rows(f"{a}.v_proj.weight", kv_start, kv_rows))
+        b.add(f"{a}.qkv_proj.weight", qkv, (q_rows + 2 * kv_rows, d.hidden))
+        present = [n for n in (f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias") if n in manifest]
+        if 0 < len(present) < 3:
+            raise UnsupportedPlanError(
+                f"layer {i} has a bias for only some of q, k and v, so qkv_proj cannot be fused."
+            )
+        if present:
+            biases = (rows(f"{a}.q_proj.bias", rank * q_rows, q_rows), rows(f"{a}.k_proj.bias", kv_start, kv_rows),
+                      rows(f"{a}.v_proj.bias", kv_start, kv_rows))
+            b.add(f"{a}.qkv_proj.bias", biases, (q_rows + 2 * kv_rows,))
+        b.add(f"{a}.o_proj.weight", (cols(f"{a}.o_proj.weight", rank * q_rows, q_rows),), (d.hidden, q_rows))
+        # A row-parallel bias is added once after the all-reduce, so every rank keeps all of it.
+        for optional in (f"{a}.o_proj.bias", f"{a}.q_norm.weight", f"{a}.k_norm.weight"):
+            if optional in manifest:
+                b.whole(optional)
+        b.whole(f"{p}.post_attention_layernorm.weight")
+        gate_up = (rows(f"{m}.gate_proj.weight", rank * inter, inter), rows(f"{m}.up_proj.weight", rank * inter, inter))
+        b.add(f"{m}.gate_up_proj.weight", gate_up, (2 * inter, d.hidden))
+        b.add(f"{m}.down_proj.weight", (cols(f"{m}.down_proj.weight", rank * inter, inter),), (d.hidden, inter))
+    b.whole("model.norm.weight")
+    # Tied embeddings: the engine reuses embed_tokens, so lm_head exists only if the checkpoint stores one
+    # (Qwen3-0.6B does, tied or not); the engine then uses the stored bytes, exactly as transformers does.
+    if "lm_head.weight" in manifest:
+        _vocab_parallel(b, "lm_head.weight", d)
+
+
+def _vocab_parallel(b: _Builder, name: str, d: _Dims) -> None:
+    # The vocab is padded up to a multiple of tp with zero rows so that every rank's shard has one shape (one
+    # arena layout for all ranks); the engine masks logits past vocab_size.
+    tp, rank = b.spec.tp_size, b.spec.tp_rank
+    per_rank = -(-d.vocab // tp)
+    start = rank * per_rank
+    real = max(0, min(per_rank, d.vocab - start))
+    pieces = (b.piece(name, 0, start, real),) if real else ()
+    b.add(name, pieces, (per_rank, d.hidden), sources=(name,))
+
+
+def _expected_shapes(d: _Dims) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """Every tensor name the fused plan understands with its shape, and those it cannot do without."""
+    q_out, kv_out = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    expected: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (d.vocab, d.hidden),
+        "model.norm.weight": (d.hidden,),
+        "lm_head.weight": (d.vocab, d.hidden),
+    }
+    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not d.tie:
+        required.append("lm_head.weight")
+    for i in range(d.layers):
+        p = f"model.layers.{i}"
+        a, m = f"{p}.self_attn", f"{p}.mlp"
+        layer = {
+            f"{p}.input_layernorm.weight": (d.hidden,),
+            f"{a}.q_proj.weight": (q_out, d.hidden),
+            f"{a}.k_proj.weight": (kv_out, d.hidden),
+            f"{a}.v_proj.weight": (kv_out, d.hidden),
+            f"{a}.o_proj.weight": (d.hidden, q_out),
+            f"{p}.post_attention_layernorm.weight": (d.hidden,),
+            f"{m}.gate_proj.weight": (d.intermediate, d.hidden),
+            f"{m}.up_proj.weight": (d.intermediate, d.hidden),
+            f"{m}.down_proj.weight": (d.hidden, d.intermediate),
+        }
+        required.extend(layer)
+        expected.update(layer)
+        expected.update({
+            f"{a}.q_norm.weight": (d.head_dim,),
+            f"{a}.k_norm.weight": (d.head_dim,),
+            f"{a}.q_proj.bias": (q_out,),
+            f"{a}.k_proj.bias": (kv_out,),
+            f"{a}.v_proj.bias": (kv_out,),
+            f"{a}.o_proj.bias": (d.hidden,),
+        })
+    return expected, required

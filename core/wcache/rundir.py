@@ -1,0 +1,191 @@
+"""The run directory: where daemons publish descriptors and sockets, checked before anything trusts it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import stat
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from wcache.errors import BadInputError
+
+log = logging.getLogger("wcache")
+
+DESCRIPTOR_SUFFIX = ".json"
+SOCKET_SUFFIX = ".sock"
+# AF_UNIX paths are limited to 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+
+
+class RunDirError(BadInputError):
+    """The run directory is missing, not ours, or readable by others."""
+
+
+def default_run_dir() -> Path:
+    """`WCACHE_RUN_DIR`, else `$XDG_RUNTIME_DIR/wcache`, else `/tmp/wcache-<uid>`."""
+    override = os.environ.get("WCACHE_RUN_DIR")
+    if override:
+        return Path(override)
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "wcache"
+    return Path(f"/tmp/wcache-{os.getuid()}")
+
+
+def check_run_dir(path: Path) -> Path:
+    """Refuse a run dir that is a symlink, not ours, or open to group or others."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise RunDirError(f"run directory {path} does not exist.") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise RunDirError(f"run directory {path} is a symlink; refusing to use it.")
+    if not stat.S_ISDIR(st.st_mode):
+        raise RunDirError(f"run directory {path} is not a directory.")
+    if st.st_uid != os.getuid():
+        raise RunDirError(f"run directory {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}).")
+    if st.st_mode & 0o077:
+        raise RunDirError(
+            f"run directory {path} is accessible to group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+            "use chmod 700 or another --run-dir."
+        )
+    return path
+
+
+def ensure_run_dir(path: Path) -> Path:
+    """Create the run dir (mode 0700) if needed, then check it."""
+    if not path.exists() and not path.is_symlink():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise RunDirError(f"run directory {path} cannot be created ({exc.strerror}).") from None
+    return check_run_dir(path)
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonDescriptor:
+    """What a ready daemon publishes about itself; static for the daemon's life."""
+
+    name: str
+    pid: int
+    pid_created: float
+    device: str
+    tp_size: int
+    tp_rank: int
+    key_id: str
+    key: dict[str, Any]
+    plan: dict[str, Any]
+    config: dict[str, Any] | None
+    source: str
+    socket: str
+    health_url: str | None
+    supervisor_pid: int | None
+    started: str
+    weights_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> DaemonDescriptor:
+        return cls(**data)
+
+
+def daemon_name(device: str, key_id: str) -> str:
+    """File stem for a daemon: device and key, so two models on one device never collide."""
+    return f"{device.replace(':', '')}-{key_id}"
+
+
+def socket_path(run_dir: Path, name: str) -> Path:
+    path = run_dir / f"{name}{SOCKET_SUFFIX}"
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise RunDirError(f"socket path {path} is longer than AF_UNIX allows; choose a shorter --run-dir.")
+    return path
+
+
+def descriptor_path(run_dir: Path, name: str) -> Path:
+    return run_dir / f"{name}{DESCRIPTOR_SUFFIX}"
+
+
+def write_descriptor(run_dir: Path, descriptor: DaemonDescriptor) -> Path:
+    """Write atomically (temp file, then rename), mode 0600."""
+    final = descriptor_path(run_dir, descriptor.name)
+    temporary = final.with_suffix(f".tmp-{os.getpid()}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(descriptor.to_json(), f, indent=2)
+    temporary.replace(final)
+    return final
+
+
+def remove_daemon_files(run_dir: Path, name: str) -> None:
+    for path in (descriptor_path(run_dir, name), run_dir / f"{name}{SOCKET_SUFFIX}"):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def process_created(pid: int) -> float | None:
+    """The start time psutil reports for `pid`, or None when no such process runs."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def is_alive(descriptor: DaemonDescriptor) -> bool:
+    """Alive means the pid runs and started when the descriptor says; a reused pid is not our daemon."""
+    created = process_created(descriptor.pid)
+    if created is None:
+        return False
+    try:
+        if psutil.Process(descriptor.pid).status() == psutil.STATUS_ZOMBIE:
+            return False
+    except psutil.Error:
+        return False
+    return abs(created - descriptor.pid_created) < 0.01
+
+
+def read_descriptors(run_dir: Path) -> list[DaemonDescriptor]:
+    """Every readable descriptor in the run dir, sorted by name; unreadable ones are warned about."""
+    if not run_dir.exists():
+        return []
+    check_run_dir(run_dir)
+    found = []
+    for path in sorted(run_dir.glob(f"*{DESCRIPTOR_SUFFIX}")):
+        try:
+            found.append(DaemonDescriptor.from_json(json.loads(path.read_text())))
+        except FileNotFoundError:
+            continue  # removed by its daemon while we listed
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning("Ignoring unreadable daemon descriptor %s (%s).", path, exc)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Census:
+    """Live daemons, and the stale descriptors that were found (and removed) on the way."""
+
+    live: tuple[DaemonDescriptor, ...]
+    stale: tuple[DaemonDescriptor, ...]
+
+
+def census(run_dir: Path, *, clean: bool = True) -> Census:
+    """List daemons; descriptors of dead daemons are removed along with their sockets when `clean`."""
+    live, stale = [], []
+    for descriptor in read_descriptors(run_dir):
+        if is_alive(descriptor):
+            live.append(descriptor)
+        else:
+            stale.append(descriptor)
+            if clean:
+                remove_daemon_files(run_dir, descriptor.name)
+    return Census(tuple(live), tuple(stale))

@@ -1,0 +1,430 @@
+"""The digest store survives corruption, bad rows, unwritable places and concurrent writers, and trusts only
+receipts it may trust (racy-git rule, ctime).
+
+Real SQLite files, real checkpoints, real `wcache` processes; every test has its own store directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+from wcache.digest_store import DB_NAME, RACY_WINDOW_NS, SCHEMA_VERSION, DigestStore, is_trusted
+from wcache.key import KeyFile, compute_key
+from wcache.shard_hash import FileIdentity
+from wcache.synth import overwrite_tensor_bytes, write_checkpoint
+
+NUM_SHARDS = 2  # the "tiny" preset
+CONCURRENT = 4
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+
+
+def _command() -> list[str]:
+    script = Path(sys.executable).with_name("wcache")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "wcache_cli.main"]
+
+
+def _env(cache: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "WCACHE_DEBUG"}
+    env.update(WCACHE_CACHE_DIR=str(cache), NO_COLOR="1", COLUMNS="200")
+    return env
+
+
+def wcache_cli(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
+    """Run the real `wcache` process against store directory `cache`."""
+    return subprocess.run([*_command(), *args], capture_output=True, text=True, env=_env(cache), timeout=120)
+
+
+def cli_key_id(result: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["id"]
+
+
+def stderr_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+def assert_one_store_warning(result: subprocess.CompletedProcess[str]) -> str:
+    lines = stderr_lines(result)
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("warning:"), lines
+    assert "digest store" in lines[0], lines
+    return lines[0]
+
+
+def key_with(checkpoint: Path, cache: Path) -> KeyFile:
+    with DigestStore(cache) as store:
+        assert store.enabled
+        return compute_key(checkpoint, store=store)
+
+
+def reference_key(checkpoint: Path) -> KeyFile:
+    """The key from hashing every byte, with no store at all."""
+    return compute_key(checkpoint)
+
+
+def store_rows(cache: Path) -> list[tuple[str, bytes]]:
+    with sqlite3.connect(cache / DB_NAME) as conn:
+        return list(conn.execute("SELECT path, record FROM shards ORDER BY path"))
+
+
+def corrupt_files(cache: Path) -> list[Path]:
+    return sorted(p for p in cache.glob(f"{DB_NAME}.corrupt-*") if not p.name.endswith(("-wal", "-shm")))
+
+
+def shard_paths(checkpoint: Path) -> list[str]:
+    return sorted(str(p) for p in checkpoint.glob("*.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def aged(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Checkpoints written once, then left alone past the racy window so their receipts can be trusted.
+
+    Every test gets its own store, so reading these is shared safely; a test that modifies a checkpoint
+    gets its own ("mutable").
+    """
+    root = tmp_path_factory.mktemp("aged")
+    checkpoints = {"shared": write_checkpoint("tiny", root / "shared"),
+                   "mutable": write_checkpoint("tiny", root / "mutable")}
+    for seed in range(CONCURRENT):
+        checkpoints[f"seed{seed}"] = write_checkpoint("tiny", root / f"seed{seed}", seed=seed + 1)
+    time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)
+    return checkpoints
+
+
+# -- (a) corrupt store file ------------------------------------------------------------------------------
+
+
+def _garbage(cache: Path) -> bytes:
+    return random.Random(7).randbytes(8192)
+
+
+def _sqlite_magic_then_garbage(cache: Path) -> bytes:
+    return b"SQLite format 3\x00" + random.Random(8).randbytes(8192)
+
+
+def _real_store_with_garbage_pages(cache: Path) -> bytes:
+    # A real store whose page header survives but whose pages do not.
+    work = cache.parent / "donor"
+    DigestStore(work).close()  # the last close folds the WAL into the main file
+    data = bytearray((work / DB_NAME).read_bytes())
+    data[100:] = random.Random(9).randbytes(len(data) - 100)
+    return bytes(data)
+
+
+@pytest.mark.parametrize("make", [_garbage, _sqlite_magic_then_garbage, _real_store_with_garbage_pages])
+def test_corrupt_store_is_moved_aside_and_rebuilt(make, tmp_path: Path, aged: dict[str, Path]) -> None:
+    checkpoint = aged["shared"]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    garbage = make(cache)
+    (cache / DB_NAME).write_bytes(garbage)
+
+    result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    assert cli_key_id(result) == reference_key(checkpoint).key.short_id
+    assert_one_store_warning(result)
+
+    aside = corrupt_files(cache)
+    assert len(aside) == 1, aside
+    assert aside[0].read_bytes() == garbage
+    # The new store holds this run's receipts and answers the next lookup without hashing.
+    assert sorted(path for path, _ in store_rows(cache)) == shard_paths(checkpoint)
+    warm = key_with(checkpoint, cache)
+    assert warm.stats is not None
+    assert warm.stats.shards_from_store == warm.stats.num_shards == NUM_SHARDS
+    # And it stays healthy: the next process neither warns nor hashes.
+    again = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    assert cli_key_id(again) == warm.key.short_id
+    assert stderr_lines(again) == []
+    assert len(corrupt_files(cache)) == 1
+
+
+# -- (b) wrong schema ------------------------------------------------------------------------------------
+
+
+def test_store_with_another_schema_version_is_rebuilt(tmp_path: Path, aged: dict[str, Path]) -> None:
+    checkpoint = aged["shared"]
+    cache = tmp_path / "cache"
+    key_with(checkpoint, cache)
+    with sqlite3.connect(cache / DB_NAME) as conn:
+        conn.execute("UPDATE meta SET value = '999' WHERE key = 'schema'")
+
+    result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    assert cli_key_id(result) == reference_key(checkpoint).key.short_id
+    assert "schema" in assert_one_store_warning(result)
+    assert len(corrupt_files(cache)) == 1
+    with sqlite3.connect(cache / DB_NAME) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == (SCHEMA_VERSION,)
+    warm = key_with(checkpoint, cache)
+    assert warm.stats is not None and warm.stats.shards_from_store == NUM_SHARDS
+
+
+def test_store_with_a_foreign_table_layout_is_rebuilt(tmp_path: Path, aged: dict[str, Path]) -> None:
+    # A store from another layout that never recorded a schema version: its `shards` table lacks the
+    # columns wcache reads. It is as unusable as a wrong version and must be rebuilt once, not fail forever.
+    checkpoint = aged["shared"]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with sqlite3.connect(cache / DB_NAME) as conn:
+        conn.execute("CREATE TABLE shards (file_id TEXT PRIMARY KEY, digest TEXT)")
+        conn.execute("INSERT INTO shards VALUES ('1:2', 'abc')")
+
+    result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    assert cli_key_id(result) == reference_key(checkpoint).key.short_id
+    assert_one_store_warning(result)
+    assert len(corrupt_files(cache)) == 1
+    warm = key_with(checkpoint, cache)
+    assert warm.stats is not None and warm.stats.shards_from_store == NUM_SHARDS
+
+
+# -- (c) garbage record blobs ----------------------------------------------------------------------------
+
+
+def _valid_blob_truncated(blob: bytes) -> bytes:
+    return blob[: len(blob) // 2]
+
+
+def _packed(value: object) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def _first_tensor_edited(blob: bytes, index: int, value: object) -> bytes:
+    payload = msgpack.unpackb(blob, raw=False)
+    payload["t"][0][index] = value
+    return _packed(payload)
+
+
+GARBAGE_BLOBS = {
+    "empty": lambda blob: b"",
+    "random-bytes": lambda blob: random.Random(1).randbytes(len(blob)),
+    "truncated": _valid_blob_truncated,
+    "trailing-junk": lambda blob: blob + b"\x00junk",
+    "an-integer": lambda blob: _packed(7),
+    "a-string": lambda blob: _packed("abcdef"),
+    "map-without-tensors": lambda blob: _packed({"h": 1, "m": {}}),
+    "tensor-rows-of-wrong-arity": lambda blob: _packed({"h": 1, "m": {}, "t": [[1, 2, 3]]}),
+    "metadata-not-a-map": lambda blob: _packed({**msgpack.unpackb(blob, raw=False), "m": 5}),
+    "deeply-nested": lambda blob: b"\x91" * 100_000 + b"\x00",
+    "shape-a-string": lambda blob: _first_tensor_edited(blob, 2, "x"),
+    "offset-nan": lambda blob: _first_tensor_edited(blob, 4, float("nan")),
+    "shape-infinite": lambda blob: _first_tensor_edited(blob, 2, [float("inf")]),
+    "header-size-infinite": lambda blob: _packed({**msgpack.unpackb(blob, raw=False), "h": float("inf")}),
+}
+
+
+@pytest.mark.parametrize("case", list(GARBAGE_BLOBS))
+def test_garbage_record_is_a_miss_and_the_file_is_hashed_again(
+    case: str, tmp_path: Path, aged: dict[str, Path]
+) -> None:
+    checkpoint = aged["shared"]
+    cache = tmp_path / "cache"
+    cold = key_with(checkpoint, cache)
+    warm = key_with(checkpoint, cache)
+    assert warm.stats is not None and warm.stats.shards_from_store == NUM_SHARDS  # the receipts were good
+    with sqlite3.connect(cache / DB_NAME) as conn:
+        for file_id, blob in list(conn.execute("SELECT file_id, record FROM shards")):
+            conn.execute("UPDATE shards SET record = ? WHERE file_id = ?", (GARBAGE_BLOBS[case](blob), file_id))
+
+    rehashed = key_with(checkpoint, cache)
+    assert rehashed.key == cold.key
+    assert rehashed.stats is not None and rehashed.stats.shards_hashed == NUM_SHARDS
+    # The bad rows were replaced by good ones.
+    healed = key_with(checkpoint, cache)
+    assert healed.stats is not None and healed.stats.shards_from_store == NUM_SHARDS
+
+
+def test_garbage_record_through_the_cli_is_silent_and_right(tmp_path: Path, aged: dict[str, Path]) -> None:
+    checkpoint = aged["shared"]
+    cache = tmp_path / "cache"
+    expected = key_with(checkpoint, cache).key.short_id
+    with sqlite3.connect(cache / DB_NAME) as conn:
+        conn.execute("UPDATE shards SET record = ?", (random.Random(2).randbytes(300),))
+    result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    assert cli_key_id(result) == expected
+    assert stderr_lines(result) == []
+
+
+# -- (d) a store that cannot be used ---------------------------------------------------------------------
+
+
+def test_store_path_that_is_a_file_is_one_warning(tmp_path: Path, aged: dict[str, Path], caplog) -> None:
+    checkpoint = aged["shared"]
+    cache = tmp_path / "not-a-directory"
+    cache.write_text("a user's file, which wcache must leave alone\n")
+
+    result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    assert cli_key_id(result) == reference_key(checkpoint).key.short_id
+    assert_one_store_warning(result)
+    assert cache.read_text() == "a user's file, which wcache must leave alone\n"
+
+    with caplog.at_level(logging.WARNING, logger="wcache"), DigestStore(cache) as store:
+        assert not store.enabled
+        key = compute_key(checkpoint, store=store)
+    assert key.key == reference_key(checkpoint).key
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+
+
+def test_store_file_that_is_a_directory_is_one_warning(tmp_path: Path, aged: dict[str, Path]) -> None:
+    checkpoint = aged["shared"]
+    cache = tmp_path / "cache"
+    (cache / DB_NAME).mkdir(parents=True)
+    result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    assert cli_key_id(result) == reference_key(checkpoint).key.short_id
+    assert_one_store_warning(result)
+
+
+needs_non_root = pytest.mark.skipif(
+    os.geteuid() == 0, reason="root writes into any directory whatever its mode, so chmod 0500 cannot block"
+)
+
+
+@needs_non_root
+@pytest.mark.parametrize("existing_store", [False, True], ids=["empty-directory", "existing-store"])
+def test_unwritable_store_directory_is_one_warning(
+    existing_store: bool, tmp_path: Path, aged: dict[str, Path]
+) -> None:
+    checkpoint = aged["shared"]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    if existing_store:
+        key_with(aged["seed0"], cache)  # receipts for another checkpoint, so this one must be written
+    cache.chmod(0o500)
+    try:
+        result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+        assert cli_key_id(result) == reference_key(checkpoint).key.short_id
+        assert_one_store_warning(result)
+    finally:
+        cache.chmod(0o700)
+
+
+# -- (e) concurrency -------------------------------------------------------------------------------------
+
+
+def _run_concurrently(checkpoints: list[Path], cache: Path) -> list[subprocess.CompletedProcess[str]]:
+    procs = [
+        subprocess.Popen([*_command(), "key", str(c), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=_env(cache))
+        for c in checkpoints
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+@pytest.mark.parametrize("start", ["no-store-yet", "corrupt-store"])
+def test_concurrent_processes_share_one_store(start: str, tmp_path: Path, aged: dict[str, Path]) -> None:
+    checkpoints = [aged[f"seed{i}"] for i in range(CONCURRENT)]
+    expected = [reference_key(c).key.short_id for c in checkpoints]
+    assert len(set(expected)) == CONCURRENT
+    cache = tmp_path / "cache"
+    if start == "corrupt-store":
+        cache.mkdir()
+        (cache / DB_NAME).write_bytes(random.Random(3).randbytes(4096))
+
+    results = _run_concurrently(checkpoints, cache)
+
+    assert [cli_key_id(r) for r in results] == expected
+    warnings = [line for r in results for line in stderr_lines(r)]
+    if start == "no-store-yet":
+        assert warnings == []
+    else:
+        # Exactly one process rebuilds; the others find the new store, so no good store is moved aside.
+        assert len(corrupt_files(cache)) == 1
+        assert len(warnings) == 1 and "digest store" in warnings[0], warnings
+    assert [path for path, _ in store_rows(cache)] == sorted(p for c in checkpoints for p in shard_paths(c))
+    for checkpoint, short_id in zip(checkpoints, expected, strict=True):
+        warm = key_with(checkpoint, cache)
+        assert warm.key.short_id == short_id
+        assert warm.stats is not None and warm.stats.shards_from_store == NUM_SHARDS
+
+
+# -- (f) racy-git rule -----------------------------------------------------------------------------------
+
+
+def test_is_trusted_only_past_the_racy_window() -> None:
+    hashed_at = 10 * RACY_WINDOW_NS
+
+    def identity(mtime_ns: int, ctime_ns: int) -> FileIdentity:
+        return FileIdentity(dev=1, ino=2, size=3, mtime_ns=mtime_ns, ctime_ns=ctime_ns)
+
+    old = hashed_at - RACY_WINDOW_NS - 1
+    assert is_trusted(identity(old, old), hashed_at)
+    assert not is_trusted(identity(hashed_at - RACY_WINDOW_NS, old), hashed_at)
+    assert not is_trusted(identity(old, hashed_at - RACY_WINDOW_NS), hashed_at)
+    assert not is_trusted(identity(old, hashed_at + 1), hashed_at)
+
+
+@pytest.mark.parametrize("backdate_mtime", [False, True], ids=["as-written", "mtime-backdated"])
+def test_receipt_for_a_freshly_written_file_is_not_trusted(backdate_mtime: bool, tmp_path: Path) -> None:
+    checkpoint = write_checkpoint("tiny", tmp_path / "fresh")
+    if backdate_mtime:
+        # An old mtime does not make a fresh file safe: its ctime still says it just changed.
+        hour_ago = time.time_ns() - 3600 * 10**9
+        for shard in checkpoint.glob("*.safetensors"):
+            os.utime(shard, ns=(hour_ago, hour_ago))
+    cache = tmp_path / "cache"
+    first = key_with(checkpoint, cache)
+    second = key_with(checkpoint, cache)
+    with sqlite3.connect(cache / DB_NAME) as conn:
+        racy = [h - max(m, c) for m, c, h in conn.execute("SELECT mtime_ns, ctime_ns, hashed_at_ns FROM shards")]
+    if max(racy) >= RACY_WINDOW_NS:
+        pytest.skip("this machine took longer than the racy window between writing and hashing")
+    assert second.key == first.key
+    assert second.stats is not None and second.stats.shards_hashed > 0
+    assert second.stats.shards_from_store == 0
+
+
+def test_receipt_taken_past_the_racy_window_is_trusted(tmp_path: Path, aged: dict[str, Path]) -> None:
+    checkpoint = aged["shared"]
+    cache = tmp_path / "cache"
+    first = key_with(checkpoint, cache)
+    assert first.stats is not None and first.stats.shards_hashed == NUM_SHARDS
+    second = key_with(checkpoint, cache)
+    assert second.key == first.key
+    assert second.stats is not None
+    assert second.stats.shards_from_store == second.stats.num_shards == NUM_SHARDS
+    assert second.stats.shards_hashed == 0 and second.stats.bytes_hashed == 0
+
+
+# -- (g) ctime catches a disguised edit ------------------------------------------------------------------
+
+
+def test_edit_with_size_and_mtime_restored_is_caught_by_ctime(tmp_path: Path, aged: dict[str, Path]) -> None:
+    checkpoint = aged["mutable"]
+    cache = tmp_path / "cache"
+    before = key_with(checkpoint, cache)
+    warm = key_with(checkpoint, cache)
+    assert warm.stats is not None and warm.stats.shards_from_store == NUM_SHARDS  # receipts are trusted
+
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+    shard = checkpoint / index["weight_map"]["model.norm.weight"]
+    old = os.stat(shard)
+    assert overwrite_tensor_bytes(checkpoint, "model.norm.weight", 0, b"\x00" * 4) == shard
+    # Put size and mtime back as a careful editor (or a restore tool) would; only ctime can tell.
+    os.utime(shard, ns=(old.st_atime_ns, old.st_mtime_ns))
+    new = os.stat(shard)
+    assert (new.st_size, new.st_mtime_ns, new.st_ino) == (old.st_size, old.st_mtime_ns, old.st_ino)
+
+    after = key_with(checkpoint, cache)
+    assert after.key != before.key
+    assert after.key == reference_key(checkpoint).key
+    assert after.stats is not None
+    assert (after.stats.shards_hashed, after.stats.shards_from_store) == (1, NUM_SHARDS - 1)
+    digests_before = {e.name: e.digest for e in before.manifest}
+    digests_after = {e.name: e.digest for e in after.manifest}
+    assert digests_after.keys() == digests_before.keys()
+    assert {n for n in digests_after if digests_after[n] != digests_before[n]} == {"model.norm.weight"}
