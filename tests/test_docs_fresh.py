@@ -194,12 +194,12 @@ def test_roff_escaping(synthetic_root: Path) -> None:
     assert lines[verbatim : verbatim + 5] == [
         ".nf",
         "Examples, kept line by line:",
-        "  \\fBwcache things paint fast a.png\\fR",
+        "  wcache things paint fast a.png",
         "  wcache things paint slow b.png",
         ".fi",
     ]
     # Only requests and the comment line may start with a dot or an apostrophe.
-    requests = ('.\\"', ".TH", ".nh", ".SH", ".PP", ".TP")
+    requests = ('.\\"', ".TH", ".nh", ".SH", ".PP", ".TP", ".nf", ".fi")
     assert all(line.startswith(requests) for line in lines if line.startswith((".", "'")))
 
 
@@ -235,6 +235,7 @@ def test_escaped_text_renders_as_written(synthetic_root: Path) -> None:
     text = " ".join(result.stdout.split())
     assert result.stderr == ""
     assert "'Quoted' paragraphs stay text. .dotted ones too: C:\\back\\slash, --flags, header-only." in text
+    assert "\n       Examples, kept line by line:\n         wcache things paint fast a.png\n" in result.stdout
 
 
 @pytest.mark.skipif(shutil.which("man") is None, reason="man is not installed")

@@ -138,7 +138,11 @@ class DigestStore:
                 conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema', ?)", (SCHEMA_VERSION,))
             elif row[0] != SCHEMA_VERSION:
                 raise sqlite3.DatabaseError(f"schema version {row[0]!r}, expected {SCHEMA_VERSION!r}")
-            conn.execute("SELECT count(*) FROM shards").fetchone()
+            # Name every column: a table of the same name from another layout must fail here and be rebuilt.
+            conn.execute(
+                "SELECT file_id, size, mtime_ns, ctime_ns, hashed_at_ns, path, record FROM shards LIMIT 0"
+            ).fetchall()
+            conn.execute("SELECT key, value FROM meta LIMIT 0").fetchall()
         except BaseException:
             conn.close()
             raise
@@ -187,7 +191,7 @@ class DigestStore:
                 (_file_id(identity),),
             ).fetchone()
         except sqlite3.OperationalError as exc:
-            log.warning("The digest store %s could not be read (%s); hashing %s.", self.path, exc, path)
+            self._disable(f"reading failed ({exc})")
             return None
         except sqlite3.DatabaseError as exc:
             self._rebuild(str(exc))

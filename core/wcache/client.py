@@ -1,0 +1,68 @@
+"""Talking to a daemon: connect, check who is listening, send one request and read its reply."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from wcache.errors import UnavailableError
+from wcache.protocol import Frame, ProtocolError, peer_uid, receive, send
+
+CONNECT_TIMEOUT_S = 5.0
+REQUEST_TIMEOUT_S = 30.0
+
+
+class DaemonError(UnavailableError):
+    """The daemon answered with an error, or could not be reached."""
+
+
+class DaemonConnection:
+    """One connection to one daemon; for a zero-copy engine, keeping it open is its lease."""
+
+    def __init__(self, path: str | Path, timeout: float = CONNECT_TIMEOUT_S) -> None:
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(self.path)
+            uid = peer_uid(self.sock)
+        except OSError as exc:
+            self.sock.close()
+            raise DaemonError(f"cannot connect to the daemon at {self.path} ({exc.strerror or exc}).") from None
+        if uid != os.getuid():
+            self.sock.close()
+            # Fail closed the other way too: weights from another user's process are not ours to trust.
+            raise DaemonError(f"the socket {self.path} belongs to a process of uid {uid}, not yours.")
+        self.sock.settimeout(REQUEST_TIMEOUT_S)
+
+    def __enter__(self) -> DaemonConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def request(self, message_type: str, **fields: Any) -> Frame:
+        """Send a request and return the reply; an error reply raises DaemonError with its message."""
+        try:
+            send(self.sock, message_type, fields)
+            reply = receive(self.sock)
+        except (OSError, ProtocolError) as exc:
+            raise DaemonError(f"the daemon at {self.path} stopped answering ({exc}).") from None
+        if reply.type == "error":
+            for fd in reply.fds:
+                os.close(fd)
+            raise DaemonError(f"the daemon at {self.path} refused {message_type}: {reply.fields.get('message')}.")
+        return reply
+
+
+def request_once(path: str | Path, message_type: str, **fields: Any) -> Frame:
+    """Open a connection, make one request, close."""
+    with DaemonConnection(path) as conn:
+        return conn.request(message_type, **fields)
