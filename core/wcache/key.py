@@ -90,11 +90,7 @@ class KeyFile:
             if data.get("schema") != KEY_SCHEMA:
                 raise ValueError(f"schema is {data.get('schema')!r}, expected {KEY_SCHEMA!r}")
             key = WeightCacheKey(**data["key"])
-            manifest = tuple(
-                TensorDigest(str(t["name"]), str(t["dtype"]), tuple(int(d) for d in t["shape"]),
-                             int(t["nbytes"]), str(t["digest"]))
-                for t in data["tensors"]
-            )
+            manifest = tuple(TensorDigest.from_json(t) for t in data["tensors"])
             plan = PlanSpec.from_json(data["plan"])
             info = data["info"]
             result = cls(key=key, plan=plan, config=data["config"], manifest=manifest,

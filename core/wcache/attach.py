@@ -1,0 +1,363 @@
+"""The engine side: compute the local key while connecting, compare, then map, copy or fall back to disk.
+
+Every outcome is an event in the run dir's log: a hit, a miss with its reason and key diff, a fallback, and
+the loss of a daemon a zero-copy engine depends on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wcache.arena import ArenaEntry, MappedArena, map_cpu_arena, open_cuda_handle, torch_dtype
+from wcache.checkpoint import locate
+from wcache.client import DaemonConnection, DaemonError
+from wcache.digest_store import DigestStore
+from wcache.errors import BadInputError, UnavailableError
+from wcache.events import append_event
+from wcache.fingerprint import HashProgress
+from wcache.key import FORMAT_VERSION, KeyFile, compute_key
+from wcache.key_diff import KeyDiff, diff_keys
+from wcache.loader import load_from_disk
+from wcache.model_config import config_digest, config_dtype
+from wcache.plan import PlanSpec
+from wcache.remote_key import daemon_key_file
+from wcache.rundir import DaemonDescriptor, census, default_run_dir
+
+MODES = ("zero_copy", "copy")
+KEY_FIELDS = ("checkpoint", "config", "plan", "format")
+MAX_DIFF_TENSORS_IN_EVENT = 50
+
+
+class AttachMissError(UnavailableError):
+    """No daemon could serve this key and falling back to disk was not allowed."""
+
+    def __init__(self, message: str, report: AttachReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class AttachReport:
+    """What happened: hit, miss or fallback, why, against which daemon, and how long each step took."""
+
+    outcome: str
+    mode: str
+    device: str
+    key_id: str | None
+    daemon: str | None = None
+    daemon_key_id: str | None = None
+    reason: str | None = None
+    mismatched: list[str] = field(default_factory=list)
+    diff: KeyDiff | None = None
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    bytes_mapped: int = 0
+    num_tensors: int = 0
+    daemon_lost: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "outcome": self.outcome, "mode": self.mode, "device": self.device, "key_id": self.key_id,
+            "daemon": self.daemon, "daemon_key_id": self.daemon_key_id, "reason": self.reason,
+            "mismatched": self.mismatched, "diff": diff_summary(self.diff) if self.diff else None,
+            "timings_ms": self.timings_ms, "bytes_mapped": self.bytes_mapped, "num_tensors": self.num_tensors,
+            "daemon_lost": self.daemon_lost,
+        }
+
+
+def diff_summary(diff: KeyDiff) -> dict[str, Any]:
+    """A compact, JSON-ready diff for events and reports."""
+    return {
+        "fields": [c.name for c in diff.fields],
+        "plan": {c.name: [c.a, c.b] for c in diff.plan},
+        "config": [c.name for c in diff.config],
+        "changed": [c.name for c in diff.changed[:MAX_DIFF_TENSORS_IN_EVENT]],
+        "added": [e.name for e in diff.added[:MAX_DIFF_TENSORS_IN_EVENT]],
+        "removed": [e.name for e in diff.removed[:MAX_DIFF_TENSORS_IN_EVENT]],
+        "num_changed": len(diff.changed), "num_added": len(diff.added), "num_removed": len(diff.removed),
+    }
+
+
+def describe_diff(diff: KeyDiff) -> str:
+    """One clause naming what differs, for the miss sentence."""
+    parts = []
+    if diff.changed:
+        names = ", ".join(c.name for c in diff.changed[:3]) + (" …" if len(diff.changed) > 3 else "")
+        parts.append(f"{len(diff.changed)} tensor(s) changed: {names}")
+    if diff.added or diff.removed:
+        parts.append(f"{len(diff.added)} tensor(s) added, {len(diff.removed)} removed")
+    if diff.plan:
+        parts.append("plan " + ", ".join(f"{c.name} {c.a}→{c.b}" for c in diff.plan))
+    if diff.config:
+        parts.append("config " + ", ".join(c.name for c in diff.config[:5]))
+    fields = ", ".join(c.name for c in diff.fields)
+    return f"differs in {fields}" + (f" ({'; '.join(parts)})" if parts else "")
+
+
+class AttachedWeights:
+    """Processed tensors for one rank, and the lease that keeps zero-copy tensors backed."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], report: AttachReport, run_dir: Path) -> None:
+        self.tensors = tensors
+        self.report = report
+        self._run_dir = run_dir
+        self._connection: DaemonConnection | None = None
+        self._mapping: MappedArena | None = None
+        self._closing = threading.Event()
+        self.lost = threading.Event()
+
+    def _hold_lease(self, connection: DaemonConnection, mapping: MappedArena | None) -> None:
+        self._connection = connection
+        self._mapping = mapping
+        threading.Thread(target=self._watch, name="wcache-lease-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        assert self._connection is not None
+        sock = self._connection.sock
+        sock.settimeout(None)
+        try:
+            data = sock.recv(1)
+        except OSError:
+            data = b""
+        if self._closing.is_set():
+            return
+        # The daemon never speaks unprompted: any wake-up here means the connection is gone.
+        self.report.daemon_lost = True
+        self.lost.set()
+        append_event(self._run_dir, "daemon_lost", daemon=self.report.daemon, key_id=self.report.key_id,
+                     device=self.report.device, tensors_valid=self.report.device == "cpu",
+                     unexpected_data=bool(data))
+
+    def close(self) -> None:
+        """End the lease; CPU tensors stay readable while referenced (the memfd outlives the lease)."""
+        self._closing.set()
+        if self._connection is not None:
+            with contextlib.suppress(OSError):
+                self._connection.sock.shutdown(socket.SHUT_RDWR)
+            self._connection.close()
+            self._connection = None
+
+    def __enter__(self) -> AttachedWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _partial_key(path: Path, plan: PlanSpec) -> dict[str, Any]:
+    """Config, plan and format only: what a trusted daemon is still checked against (no shard is touched)."""
+    layout = locate(path)
+    dtype = config_dtype(layout.config)
+    if plan.dtype == "auto" and dtype is None:
+        raise BadInputError(f"{path} declares no torch_dtype in config.json; pass --dtype with --trust-daemon.")
+    resolved = plan.resolve(dtype or plan.dtype)
+    return {"config": config_digest(layout.config), "plan": resolved.digest(), "format": FORMAT_VERSION}
+
+
+def _connect_all(descriptors: list[DaemonDescriptor]) -> dict[str, DaemonConnection | DaemonError]:
+    results: dict[str, DaemonConnection | DaemonError] = {}
+    for d in descriptors:
+        try:
+            results[d.name] = DaemonConnection(d.socket)
+        except DaemonError as exc:
+            results[d.name] = exc
+    return results
+
+
+def attach(
+    model: Path,
+    plan: PlanSpec | None = None,
+    *,
+    device: str = "cpu",
+    mode: str = "zero_copy",
+    fallback: bool = True,
+    trust_daemon: bool = False,
+    daemon: str | None = None,
+    run_dir: Path | None = None,
+    store: DigestStore | None = None,
+    progress: HashProgress | None = None,
+    dp_size: int = 1,
+) -> AttachedWeights:
+    """Get one rank's processed tensors from a daemon holding this checkpoint's key, or from disk.
+
+    `daemon` names a daemon (its name or key id prefix) to use; `trust_daemon` skips the checkpoint stat
+    pass for it and compares only config, plan and format. DP size is recorded, never compared.
+    """
+    if mode not in MODES:
+        raise BadInputError(f"--mode must be zero_copy or copy, not {mode!r}.")
+    plan = plan or PlanSpec()
+    run_dir = run_dir or default_run_dir()
+    began = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    def full_key() -> KeyFile:
+        t = time.perf_counter()
+        result = compute_key(model, plan, store=store, progress=progress)
+        timings["key"] = (time.perf_counter() - t) * 1000
+        return result
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wcache-key") as pool:
+        if trust_daemon:
+            t = time.perf_counter()
+            wanted = _partial_key(model, plan)
+            timings["key"] = (time.perf_counter() - t) * 1000
+            local: KeyFile | None = None
+        else:
+            key_future = pool.submit(full_key)
+        t = time.perf_counter()
+        live = census(run_dir).live if run_dir.exists() else ()
+        candidates = [d for d in live if d.device == device and _named(d, daemon)]
+        connections = _connect_all(candidates)
+        timings["connect"] = (time.perf_counter() - t) * 1000
+        if not trust_daemon:
+            local = key_future.result()
+            wanted = {f: getattr(local.key, f) for f in KEY_FIELDS}
+
+    key_id = local.key.short_id if local is not None else None
+    report = AttachReport(outcome="miss", mode=mode, device=device, key_id=key_id, timings_ms=timings)
+    try:
+        matches = [
+            d for d in candidates
+            if all(d.key[f] == wanted[f] for f in wanted) and isinstance(connections[d.name], DaemonConnection)
+        ]
+        if trust_daemon and daemon is None and len(matches) > 1:
+            raise BadInputError(
+                f"{len(matches)} daemons on {device} match this config and plan; name one with --daemon."
+            )
+        for descriptor in matches:
+            connection = connections.pop(descriptor.name)
+            assert isinstance(connection, DaemonConnection)
+            weights = _try_map(connection, descriptor, wanted, mode, report, run_dir, began, dp_size)
+            if weights is not None:
+                return weights
+        # A miss: explain it against the nearest daemon, then fall back or refuse.
+        if local is None:
+            local = compute_key(model, plan, store=store, progress=progress)
+            report.key_id = local.key.short_id
+        _explain_miss(report, local, candidates, connections, device)
+        append_event(run_dir, "attach_miss", source=str(model), key_id=report.key_id, device=device,
+                     reason=report.reason, daemon=report.daemon, mismatched=report.mismatched,
+                     diff=diff_summary(report.diff) if report.diff else None, dp_size=dp_size)
+        if not fallback:
+            raise AttachMissError(f"{report.reason}; not falling back to disk (fallback disabled).", report)
+        t = time.perf_counter()
+        tensors = load_from_disk(local, model)
+        timings["disk_load"] = (time.perf_counter() - t) * 1000
+        timings["total"] = (time.perf_counter() - began) * 1000
+        report.outcome = "fallback"
+        report.num_tensors = len(tensors)
+        append_event(run_dir, "fallback", source=str(model), key_id=report.key_id, device=device,
+                     reason=report.reason, seconds=round(timings["disk_load"] / 1000, 3), dp_size=dp_size)
+        return AttachedWeights(tensors, report, run_dir)
+    finally:
+        for leftover in connections.values():
+            if isinstance(leftover, DaemonConnection):
+                leftover.close()
+
+
+def _named(descriptor: DaemonDescriptor, daemon: str | None) -> bool:
+    return daemon is None or descriptor.name == daemon or descriptor.key_id.startswith(daemon)
+
+
+def _try_map(
+    connection: DaemonConnection, descriptor: DaemonDescriptor, wanted: dict[str, Any], mode: str,
+    report: AttachReport, run_dir: Path, began: float, dp_size: int,
+) -> AttachedWeights | None:
+    t = time.perf_counter()
+    try:
+        hello = connection.request("hello", key=wanted, pid=os.getpid(), dp_size=dp_size)
+        if hello.fields.get("status") != "hit":
+            report.mismatched = list(hello.fields.get("mismatched", []))
+            report.reason = f"daemon {descriptor.name} answered {hello.fields.get('status')}"
+            connection.close()
+            return None
+        reply = connection.request("map", mode=mode)
+    except DaemonError as exc:
+        report.reason = str(exc).rstrip(".")
+        connection.close()
+        return None
+    entries = [ArenaEntry.from_wire(item) for item in reply.fields["entries"]]
+    total = int(reply.fields["total_bytes"])
+    mapping: MappedArena | None = None
+    if reply.fields.get("kind") == "memfd":
+        if len(reply.fds) != 1:
+            connection.close()
+            raise UnavailableError(f"daemon {descriptor.name} sent no arena descriptor.")
+        mapping = map_cpu_arena(reply.fds[0], total, entries)
+        tensors = mapping.tensors
+    else:
+        block = open_cuda_handle(reply.fields["cuda"], torch.device(descriptor.device).index or 0)
+        tensors = {
+            e.name: block[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).reshape(e.shape)
+            for e in entries
+        }
+    report.timings_ms["map"] = (time.perf_counter() - t) * 1000
+    if mode == "copy":
+        t = time.perf_counter()
+        tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+        report.timings_ms["copy"] = (time.perf_counter() - t) * 1000
+        with contextlib.suppress(DaemonError):
+            connection.request("release")
+        connection.close()
+        if mapping is not None:
+            mapping.tensors.clear()
+            with contextlib.suppress(BufferError):
+                mapping.mapping.close()
+    report.timings_ms["total"] = (time.perf_counter() - began) * 1000
+    report.outcome = "hit"
+    report.reason = None
+    report.daemon = descriptor.name
+    report.daemon_key_id = descriptor.key_id
+    report.bytes_mapped = total
+    report.num_tensors = len(tensors)
+    append_event(run_dir, "attach_hit", source=descriptor.source, key_id=descriptor.key_id, daemon=descriptor.name,
+                 device=report.device, mode=mode, bytes=total, dp_size=dp_size,
+                 timings_ms={k: round(v, 3) for k, v in report.timings_ms.items()})
+    weights = AttachedWeights(tensors, report, run_dir)
+    if mode == "zero_copy":
+        weights._hold_lease(connection, mapping)
+    return weights
+
+
+def _explain_miss(
+    report: AttachReport, local: KeyFile, candidates: list[DaemonDescriptor],
+    connections: dict[str, DaemonConnection | DaemonError], device: str,
+) -> None:
+    serve_failure = report.reason  # set when a daemon with our key could not serve (released, gone)
+    if not candidates:
+        report.reason = f"no daemon runs on {device}"
+        return
+    # The nearest daemon is the one with the fewest differing key fields.
+    def distance(d: DaemonDescriptor) -> int:
+        return sum(d.key[f] != getattr(local.key, f) for f in KEY_FIELDS)
+
+    nearest = min(candidates, key=distance)
+    report.daemon = nearest.name
+    report.daemon_key_id = nearest.key_id
+    report.mismatched = [f for f in KEY_FIELDS if nearest.key[f] != getattr(local.key, f)]
+    connection = connections.get(nearest.name)
+    if isinstance(connection, DaemonConnection):
+        with contextlib.suppress(DaemonError):
+            # Saying hello lets the daemon count the miss and its reason in its own metrics.
+            connection.request("hello", key={f: getattr(local.key, f) for f in KEY_FIELDS}, pid=os.getpid())
+            manifest = connection.request("manifest")
+            report.diff = diff_keys(daemon_key_file(nearest, manifest.fields["tensors"]), local)
+    others = len(candidates) - 1
+    if report.diff is not None and report.mismatched:
+        what = describe_diff(report.diff)
+    elif report.mismatched:
+        what = "differs in " + ", ".join(report.mismatched)
+    else:
+        what = f"could not serve ({serve_failure or 'no reason given'})"
+    also = f" (and {others} other daemon(s) on {device})" if others else ""
+    report.reason = (f"the daemon on {device} holds key {nearest.key_id}, not {local.key.short_id}: it {what}"
+                     f"{also}")

@@ -1,0 +1,128 @@
+"""The supervisor's HTTP endpoints: /health (200 only while every rank is ready and holds weights),
+/metrics (Prometheus text) and /stats (JSON)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from wcache.client import DaemonError, request_once
+
+STATS_TIMEOUT_S = 2.0
+
+
+class RankTable:
+    """The ranks a supervisor started, as they become ready; read by every HTTP request."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self._lock = threading.Lock()
+        self._sockets: dict[int, str] = {}
+        self._gone: set[int] = set()
+
+    def ready(self, rank: int, socket_path: str) -> None:
+        with self._lock:
+            self._sockets[rank] = socket_path
+
+    def gone(self, rank: int) -> None:
+        with self._lock:
+            self._gone.add(rank)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Each expected rank's stats, or its state when it cannot answer."""
+        with self._lock:
+            sockets, gone = dict(self._sockets), set(self._gone)
+        ranks = []
+        for rank in range(self.expected):
+            if rank in gone:
+                ranks.append({"tp_rank": rank, "state": "exited", "holds_weights": False})
+            elif rank not in sockets:
+                ranks.append({"tp_rank": rank, "state": "loading", "holds_weights": False})
+            else:
+                try:
+                    ranks.append(request_once(sockets[rank], "stats").fields)
+                except DaemonError as exc:
+                    ranks.append({"tp_rank": rank, "state": "unreachable", "holds_weights": False,
+                                  "error": str(exc)})
+        return ranks
+
+
+def healthy(ranks: list[dict[str, Any]]) -> bool:
+    return bool(ranks) and all(r.get("state") == "ready" and r.get("holds_weights") for r in ranks)
+
+
+class _StatsCollector(Collector):
+    def __init__(self, table: RankTable) -> None:
+        self.table = table
+
+    def collect(self) -> Iterator[Metric]:
+        ranks = self.table.snapshot()
+        labels = ["tp_rank", "key_id"]
+        ready = GaugeMetricFamily("wcache_daemon_ready", "1 while the rank is ready and holds weights.", labels=labels)
+        weights = GaugeMetricFamily("wcache_daemon_weights_bytes", "Bytes of processed weights held.", labels=labels)
+        leases = GaugeMetricFamily("wcache_daemon_leases", "Zero-copy engines attached now.", labels=labels)
+        attaches = CounterMetricFamily("wcache_attaches", "Maps served.", labels=[*labels, "mode"])
+        hits = CounterMetricFamily("wcache_hits", "Hellos whose key matched.", labels=labels)
+        misses = CounterMetricFamily("wcache_misses", "Hellos whose key did not match, by reason.",
+                                     labels=[*labels, "reason"])
+        served = CounterMetricFamily("wcache_bytes_served", "Bytes of weights mapped or copied by engines.",
+                                     labels=labels)
+        bad = CounterMetricFamily("wcache_bad_frames", "Connections dropped for malformed frames.", labels=labels)
+        for r in ranks:
+            values = [str(r.get("tp_rank", "")), str(r.get("key_id", ""))]
+            counters = r.get("counters", {})
+            ready.add_metric(values, 1.0 if r.get("state") == "ready" and r.get("holds_weights") else 0.0)
+            weights.add_metric(values, float(r.get("weights_bytes", 0)))
+            leases.add_metric(values, float(r.get("leases", 0)))
+            for mode in ("zero_copy", "copy"):
+                attaches.add_metric([*values, mode], float(counters.get(f"attaches_{mode}", 0)))
+            hits.add_metric(values, float(counters.get("hits", 0)))
+            for name, count in counters.items():
+                if name.startswith("misses_"):
+                    misses.add_metric([*values, name.removeprefix("misses_")], float(count))
+            served.add_metric(values, float(counters.get("bytes_served", 0)))
+            bad.add_metric(values, float(counters.get("bad_frames", 0)))
+        yield from (ready, weights, leases, attaches, hits, misses, served, bad)
+
+
+def serve_health(table: RankTable, host: str, port: int) -> ThreadingHTTPServer:
+    """Start the endpoints in a background thread; returns the server (its port may have been 0)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StatsCollector(table))
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/health":
+                ranks = table.snapshot()
+                ok = healthy(ranks)
+                self._reply(200 if ok else 503, "application/json",
+                            json.dumps({"status": "ok" if ok else "unavailable", "ranks": ranks}).encode())
+            elif path == "/metrics":
+                self._reply(200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(registry))
+            elif path == "/stats":
+                self._reply(200, "application/json", json.dumps({"ranks": table.snapshot()}).encode())
+            else:
+                self._reply(404, "text/plain", b"not found\n")
+
+        def _reply(self, code: int, content_type: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # probes every few seconds would drown the daemon log
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="wcache-health", daemon=True).start()
+    return server

@@ -1,0 +1,210 @@
+"""The preload supervisor: starts one daemon per rank, reports progress, serves health, watches the ranks.
+
+`python -m wcache.daemon.supervisor ...` is started by `wcache preload`; it writes JSON status lines on
+stdout until every rank is ready (or one failed), then keeps running without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from wcache.daemon.health import RankTable, serve_health
+from wcache.daemon.status_pipe import StatusWriter, parse_line
+from wcache.errors import EXIT_BAD_INPUT, WcacheError
+from wcache.events import append_event
+from wcache.rundir import census, ensure_run_dir
+
+TERM_GRACE_S = 10.0
+
+
+def rank_devices(device: str, tp_size: int) -> list[str]:
+    """One device per rank: "cpu" for all; "cuda" for cuda:0..N-1; "cuda:0,1" as listed."""
+    if device == "cpu":
+        return ["cpu"] * tp_size
+    if device == "cuda":
+        return [f"cuda:{r}" for r in range(tp_size)]
+    if device.startswith("cuda:"):
+        indices = device.removeprefix("cuda:").split(",")
+        if len(indices) != tp_size or not all(i.isdigit() for i in indices):
+            raise WcacheError(f"--device {device} must list exactly {tp_size} CUDA device numbers for --tp {tp_size}.")
+        return [f"cuda:{i}" for i in indices]
+    raise WcacheError(f"--device must be cpu, cuda or cuda:N[,M...], not {device!r}.")
+
+
+@dataclass
+class _Rank:
+    rank: int
+    device: str
+    process: subprocess.Popen[str]
+    done: int = 0
+    total: int = 0
+    ready: dict[str, Any] | None = None
+    failure: str | None = None
+    exit_code: int | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
+class Supervisor:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.status = StatusWriter()
+        self.run_dir = ensure_run_dir(args.run_dir)
+        self.devices = rank_devices(args.device, args.tp)
+        self.table = RankTable(args.tp)
+        self.ranks: list[_Rank] = []
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.stopping = False
+
+    def run(self) -> int:
+        census(self.run_dir)  # clean descriptors of dead daemons before adding ours
+        server = serve_health(self.table, self.args.health_host, self.args.health_port)
+        health_url = f"http://{self.args.health_host}:{server.server_address[1]}"
+        append_event(self.run_dir, "preload", source=str(self.args.model), device=self.args.device,
+                     tp_size=self.args.tp, health_url=health_url)
+        began = time.perf_counter()
+        for rank, device in enumerate(self.devices):
+            self.ranks.append(self._spawn(rank, device, health_url))
+        outcome = self._wait_until_settled()
+        if outcome is not None:
+            reason, code = outcome
+            self._terminate_all()
+            append_event(self.run_dir, "preload_failed", source=str(self.args.model), reason=reason)
+            self.status.emit("failed", reason=reason, exit_code=code)
+            server.shutdown()
+            return code
+        self.status.emit(
+            "ready", seconds=round(time.perf_counter() - began, 3), health_url=health_url,
+            ranks=[r.ready for r in self.ranks],
+        )
+        self.status.close()
+        # Watch until every rank has exited (stopped, or killed), then take the health server down.
+        for r in self.ranks:
+            r.finished.wait()
+        server.shutdown()
+        return 0
+
+    def _spawn(self, rank: int, device: str, health_url: str) -> _Rank:
+        a = self.args
+        logs = self.run_dir / "logs"
+        logs.mkdir(mode=0o700, exist_ok=True)
+        log_file = (logs / f"preload-{os.getpid()}-rank{rank}.log").open("a")
+        command = [
+            sys.executable, "-m", "wcache.daemon", "--model", str(a.model), "--device", device,
+            "--tp", str(a.tp), "--rank", str(rank), "--dtype", a.dtype, "--quantization", a.quantization,
+            "--plan", a.plan, "--run-dir", str(self.run_dir), "--health-url", health_url,
+            "--supervisor-pid", str(os.getpid()),
+        ]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
+                                   text=True, bufsize=1)
+        log_file.close()
+        state = _Rank(rank, device, process)
+        threading.Thread(target=self._follow, args=(state,), daemon=True).start()
+        return state
+
+    def _follow(self, state: _Rank) -> None:
+        stream: IO[str] = state.process.stdout  # type: ignore[assignment]
+        for line in stream:
+            message = parse_line(line)
+            if message is None:
+                continue
+            with self.changed:
+                if message["event"] == "progress":
+                    state.done, state.total = int(message.get("done", 0)), int(message.get("total", 0))
+                    done = sum(r.done for r in self.ranks)
+                    total = sum(r.total for r in self.ranks)
+                    self.status.emit("progress", done=done, total=total)
+                elif message["event"] == "ready":
+                    state.ready = message
+                    self.table.ready(state.rank, message["socket"])
+                elif message["event"] == "failed":
+                    state.failure = str(message.get("reason", "unknown reason"))
+                self.changed.notify_all()
+        code = state.process.wait()
+        with self.changed:
+            state.exit_code = code
+            self.changed.notify_all()
+        self.table.gone(state.rank)
+        state.finished.set()
+        if state.ready is not None and not self.stopping:
+            append_event(self.run_dir, "daemon_exited", daemon=state.ready.get("name"), rank=state.rank,
+                         exit_code=code)
+
+    def _wait_until_settled(self) -> tuple[str, int] | None:
+        """None once every rank is ready; else the first failure's reason and exit code."""
+        with self.changed:
+            while True:
+                for r in self.ranks:
+                    if r.failure is not None or (r.exit_code is not None and r.ready is None):
+                        reason = r.failure or f"rank {r.rank} exited with code {r.exit_code} while loading."
+                        code = r.exit_code if r.exit_code not in (None, 0) else 1
+                        if r.exit_code is None:
+                            code = EXIT_BAD_INPUT if r.failure else 1
+                        return f"rank {r.rank}: {reason}", code
+                if self.stopping:
+                    return "preload was stopped before every rank was ready.", 1
+                if all(r.ready is not None for r in self.ranks):
+                    return None
+                self.changed.wait(0.5)
+
+    def _terminate_all(self) -> None:
+        for r in self.ranks:
+            if r.process.poll() is None:
+                r.process.terminate()
+        deadline = time.monotonic() + TERM_GRACE_S
+        for r in self.ranks:
+            try:
+                r.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                r.process.kill()
+                r.process.wait()
+
+    def stop(self) -> None:
+        with self.changed:
+            self.stopping = True
+            self.changed.notify_all()
+        threading.Thread(target=self._terminate_all, daemon=True).start()
+
+
+def _arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m wcache.daemon.supervisor")
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none")
+    parser.add_argument("--plan", default="fused")
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--health-host", default="127.0.0.1")
+    parser.add_argument("--health-port", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(sys.argv[1:] if argv is None else argv)
+    try:
+        supervisor = Supervisor(args)
+    except WcacheError as exc:
+        StatusWriter().emit("failed", reason=str(exc), exit_code=exc.exit_code)
+        return exc.exit_code
+    signal.signal(signal.SIGTERM, lambda *_: supervisor.stop())
+    signal.signal(signal.SIGINT, lambda *_: supervisor.stop())
+    try:
+        return supervisor.run()
+    except OSError as exc:
+        supervisor._terminate_all()
+        supervisor.status.emit("failed", reason=f"the supervisor failed: {exc}.", exit_code=1)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
