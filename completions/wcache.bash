@@ -6,7 +6,7 @@
 # Succeeds when $2 names a subcommand of the command path $1.
 _wcache_is_subcommand() {
     case "${1:+$1 }$2" in
-        demo|diff|key) return 0 ;;
+        attach|demo|diff|key|preload|status|stop) return 0 ;;
     esac
     return 1
 }
@@ -14,7 +14,7 @@ _wcache_is_subcommand() {
 # Prints the subcommands of the command path $1.
 _wcache_subcommands() {
     case "$1" in
-        '') echo 'demo diff key' ;;
+        '') echo 'attach demo diff key preload status stop' ;;
     esac
     :
 }
@@ -23,9 +23,13 @@ _wcache_subcommands() {
 _wcache_options() {
     case "$1" in
         '') echo '--verbose -v --version -h --help' ;;
+        attach) echo '--tp --rank --dtype --quantization --plan --device --mode --no-fallback --trust-daemon --daemon --run-dir --json -h --help' ;;
         demo) echo '--dir -h --help' ;;
-        diff) echo '--tp --rank --dtype --quantization --plan --json -h --help' ;;
-        key) echo '--tp --rank --dtype --quantization --plan --tensors --rehash --json -h --help' ;;
+        diff) echo '--tp --rank --dtype --quantization --plan --run-dir --json -h --help' ;;
+        key) echo '--tp --rank --dtype --quantization --plan --tensors --rehash --run-dir --json -h --help' ;;
+        preload) echo '--device --tp --dtype --quantization --plan --run-dir --health-port --health-host --detach --json -h --help' ;;
+        status) echo '--run-dir --json -h --help' ;;
+        stop) echo '--all --force --run-dir -h --help' ;;
     esac
     :
 }
@@ -33,9 +37,13 @@ _wcache_options() {
 # Sets _wcache_n to how many words option $2 of the command path $1 consumes.
 _wcache_arity() {
     case "${1:+$1 }$2" in
+        'attach --tp'|'attach --rank'|'attach --dtype'|'attach --quantization'|'attach --plan'|'attach --device'|'attach --mode'|'attach --daemon'|'attach --run-dir') _wcache_n=1; return ;;
         'demo --dir') _wcache_n=1; return ;;
-        'diff --tp'|'diff --rank'|'diff --dtype'|'diff --quantization'|'diff --plan') _wcache_n=1; return ;;
-        'key --tp'|'key --rank'|'key --dtype'|'key --quantization'|'key --plan') _wcache_n=1; return ;;
+        'diff --tp'|'diff --rank'|'diff --dtype'|'diff --quantization'|'diff --plan'|'diff --run-dir') _wcache_n=1; return ;;
+        'key --tp'|'key --rank'|'key --dtype'|'key --quantization'|'key --plan'|'key --run-dir') _wcache_n=1; return ;;
+        'preload --device'|'preload --tp'|'preload --dtype'|'preload --quantization'|'preload --plan'|'preload --run-dir'|'preload --health-port'|'preload --health-host') _wcache_n=1; return ;;
+        'status --run-dir') _wcache_n=1; return ;;
+        'stop --run-dir') _wcache_n=1; return ;;
     esac
     _wcache_n=0
 }
@@ -43,7 +51,26 @@ _wcache_arity() {
 # Completes $3 as the value of option $2 of the command path $1.
 _wcache_option_value() {
     case "${1:+$1 }$2" in
+        'attach --dtype') _wcache_words 'auto float32 float16 bfloat16' "$3" ;;
+        'attach --quantization') _wcache_words 'none int8 fp8' "$3" ;;
+        'attach --plan') _wcache_words 'fused identity' "$3" ;;
+        'attach --mode') _wcache_words 'zero_copy copy' "$3" ;;
+        'attach --run-dir') _wcache_paths path "$3" ;;
         'demo --dir') _wcache_paths path "$3" ;;
+        'diff --dtype') _wcache_words 'auto float32 float16 bfloat16' "$3" ;;
+        'diff --quantization') _wcache_words 'none int8 fp8' "$3" ;;
+        'diff --plan') _wcache_words 'fused identity' "$3" ;;
+        'diff --run-dir') _wcache_paths path "$3" ;;
+        'key --dtype') _wcache_words 'auto float32 float16 bfloat16' "$3" ;;
+        'key --quantization') _wcache_words 'none int8 fp8' "$3" ;;
+        'key --plan') _wcache_words 'fused identity' "$3" ;;
+        'key --run-dir') _wcache_paths path "$3" ;;
+        'preload --dtype') _wcache_words 'auto float32 float16 bfloat16' "$3" ;;
+        'preload --quantization') _wcache_words 'none int8 fp8' "$3" ;;
+        'preload --plan') _wcache_words 'fused identity' "$3" ;;
+        'preload --run-dir') _wcache_paths path "$3" ;;
+        'status --run-dir') _wcache_paths path "$3" ;;
+        'stop --run-dir') _wcache_paths path "$3" ;;
     esac
     :
 }
@@ -52,6 +79,13 @@ _wcache_option_value() {
 # fails when the command takes no argument there.
 _wcache_argument() {
     case "$1" in
+        attach)
+            case "$2" in
+                0) _wcache_paths path "$3" ;;
+                *) return 1 ;;
+            esac
+            return 0
+            ;;
         diff)
             case "$2" in
                 0) _wcache_paths path "$3" ;;
@@ -63,6 +97,20 @@ _wcache_argument() {
         key)
             case "$2" in
                 0) _wcache_paths path "$3" ;;
+                *) return 1 ;;
+            esac
+            return 0
+            ;;
+        preload)
+            case "$2" in
+                0) _wcache_paths path "$3" ;;
+                *) return 1 ;;
+            esac
+            return 0
+            ;;
+        stop)
+            case "$2" in
+                0) : ;;
                 *) return 1 ;;
             esac
             return 0

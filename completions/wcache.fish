@@ -4,7 +4,7 @@
 # Succeeds when $argv[2] names a subcommand of the command path $argv[1].
 function __wcache_is_subcommand
     switch (string trim -- "$argv[1] $argv[2]")
-        case 'demo' 'diff' 'key'
+        case 'attach' 'demo' 'diff' 'key' 'preload' 'status' 'stop'
             return 0
     end
     return 1
@@ -13,11 +13,19 @@ end
 # Prints how many words option $argv[2] of the command path $argv[1] consumes.
 function __wcache_arity
     switch (string trim -- "$argv[1] $argv[2]")
+        case 'attach --tp' 'attach --rank' 'attach --dtype' 'attach --quantization' 'attach --plan' 'attach --device' 'attach --mode' 'attach --daemon' 'attach --run-dir'
+            echo 1; return
         case 'demo --dir'
             echo 1; return
-        case 'diff --tp' 'diff --rank' 'diff --dtype' 'diff --quantization' 'diff --plan'
+        case 'diff --tp' 'diff --rank' 'diff --dtype' 'diff --quantization' 'diff --plan' 'diff --run-dir'
             echo 1; return
-        case 'key --tp' 'key --rank' 'key --dtype' 'key --quantization' 'key --plan'
+        case 'key --tp' 'key --rank' 'key --dtype' 'key --quantization' 'key --plan' 'key --run-dir'
+            echo 1; return
+        case 'preload --device' 'preload --tp' 'preload --dtype' 'preload --quantization' 'preload --plan' 'preload --run-dir' 'preload --health-port' 'preload --health-host'
+            echo 1; return
+        case 'status --run-dir'
+            echo 1; return
+        case 'stop --run-dir'
             echo 1; return
     end
     echo 0
@@ -61,12 +69,32 @@ end
 complete -c wcache -f
 
 # wcache
+complete -c wcache -n '__wcache_at ""' -a 'attach' -d 'Attach to a daemon as an engine would: hit or miss, why, and how long key, connect and map took.'
 complete -c wcache -n '__wcache_at ""' -a 'demo' -d 'Build a tiny checkpoint, fingerprint it, and show that wcache catches a change header-only keys miss.'
 complete -c wcache -n '__wcache_at ""' -a 'diff' -d 'Compare two keys field by field and name every changed, added or removed tensor.'
 complete -c wcache -n '__wcache_at ""' -a 'key' -d 'Show the content fingerprint (WeightCacheKey) of a checkpoint.'
+complete -c wcache -n '__wcache_at ""' -a 'preload' -d 'Start one daemon per TP rank holding the checkpoint\'s processed weights.'
+complete -c wcache -n '__wcache_at ""' -a 'status' -d 'List the daemons in the run dir: device, model, key, state, memory, leases, uptime and health.'
+complete -c wcache -n '__wcache_at ""' -a 'stop' -d 'Stop daemons; refuses while zero-copy engines hold leases unless --force.'
 complete -c wcache -n '__wcache_at ""' -l 'verbose' -s 'v' -d 'Show tracebacks for errors (also WCACHE_DEBUG=1).'
 complete -c wcache -n '__wcache_at ""' -l 'version' -d 'Print the version and exit.'
 complete -c wcache -n '__wcache_at ""' -s 'h' -l 'help' -d 'Show this message and exit.'
+
+# wcache attach
+complete -c wcache -n '__wcache_at attach' -l 'tp' -x -d 'Tensor-parallel size.'
+complete -c wcache -n '__wcache_at attach' -l 'rank' -x -d 'Tensor-parallel rank (0 ≤ rank < tp).'
+complete -c wcache -n '__wcache_at attach' -l 'dtype' -x -a 'auto float32 float16 bfloat16' -d 'Processed dtype; auto keeps the checkpoint\'s.'
+complete -c wcache -n '__wcache_at attach' -l 'quantization' -x -a 'none int8 fp8' -d 'Weight-only quantization.'
+complete -c wcache -n '__wcache_at attach' -l 'plan' -x -a 'fused identity' -d 'Tensor layout: fused (qkv, gate_up) or identity.'
+complete -c wcache -n '__wcache_at attach' -l 'device' -x -d 'cpu, cuda, or cuda:N[,M...] (one per rank).'
+complete -c wcache -n '__wcache_at attach' -l 'mode' -x -a 'zero_copy copy' -d 'zero_copy maps the daemon\'s memory; copy takes a private copy.'
+complete -c wcache -n '__wcache_at attach' -l 'no-fallback' -d 'Fail (exit 3) on a miss instead of loading from disk.'
+complete -c wcache -n '__wcache_at attach' -l 'trust-daemon' -d 'Skip the checkpoint stat pass; still compare config and plan.'
+complete -c wcache -n '__wcache_at attach' -l 'daemon' -x -d 'Use this daemon (name or key id prefix).'
+complete -c wcache -n '__wcache_at attach' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
+complete -c wcache -n '__wcache_at attach' -l 'json' -d 'Print one JSON document instead of tables.'
+complete -c wcache -n '__wcache_at attach' -s 'h' -l 'help' -d 'Show this message and exit.'
+complete -c wcache -n '__wcache_at attach' -F
 
 # wcache demo
 complete -c wcache -n '__wcache_at demo' -l 'dir' -r -F -d 'Where to write the demo checkpoints [default: <cache dir>/demo].'
@@ -75,9 +103,10 @@ complete -c wcache -n '__wcache_at demo' -s 'h' -l 'help' -d 'Show this message 
 # wcache diff
 complete -c wcache -n '__wcache_at diff' -l 'tp' -x -d 'Tensor-parallel size.'
 complete -c wcache -n '__wcache_at diff' -l 'rank' -x -d 'Tensor-parallel rank (0 ≤ rank < tp).'
-complete -c wcache -n '__wcache_at diff' -l 'dtype' -x -d 'Processed dtype: auto, float32, float16 or bfloat16.'
-complete -c wcache -n '__wcache_at diff' -l 'quantization' -x -d 'Weight-only quantization: none, int8 or fp8.'
-complete -c wcache -n '__wcache_at diff' -l 'plan' -x -d 'Tensor layout: fused (qkv, gate_up) or identity.'
+complete -c wcache -n '__wcache_at diff' -l 'dtype' -x -a 'auto float32 float16 bfloat16' -d 'Processed dtype; auto keeps the checkpoint\'s.'
+complete -c wcache -n '__wcache_at diff' -l 'quantization' -x -a 'none int8 fp8' -d 'Weight-only quantization.'
+complete -c wcache -n '__wcache_at diff' -l 'plan' -x -a 'fused identity' -d 'Tensor layout: fused (qkv, gate_up) or identity.'
+complete -c wcache -n '__wcache_at diff' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
 complete -c wcache -n '__wcache_at diff' -l 'json' -d 'Print one JSON document instead of tables.'
 complete -c wcache -n '__wcache_at diff' -s 'h' -l 'help' -d 'Show this message and exit.'
 complete -c wcache -n '__wcache_at diff' -F
@@ -85,11 +114,37 @@ complete -c wcache -n '__wcache_at diff' -F
 # wcache key
 complete -c wcache -n '__wcache_at key' -l 'tp' -x -d 'Tensor-parallel size.'
 complete -c wcache -n '__wcache_at key' -l 'rank' -x -d 'Tensor-parallel rank (0 ≤ rank < tp).'
-complete -c wcache -n '__wcache_at key' -l 'dtype' -x -d 'Processed dtype: auto, float32, float16 or bfloat16.'
-complete -c wcache -n '__wcache_at key' -l 'quantization' -x -d 'Weight-only quantization: none, int8 or fp8.'
-complete -c wcache -n '__wcache_at key' -l 'plan' -x -d 'Tensor layout: fused (qkv, gate_up) or identity.'
+complete -c wcache -n '__wcache_at key' -l 'dtype' -x -a 'auto float32 float16 bfloat16' -d 'Processed dtype; auto keeps the checkpoint\'s.'
+complete -c wcache -n '__wcache_at key' -l 'quantization' -x -a 'none int8 fp8' -d 'Weight-only quantization.'
+complete -c wcache -n '__wcache_at key' -l 'plan' -x -a 'fused identity' -d 'Tensor layout: fused (qkv, gate_up) or identity.'
 complete -c wcache -n '__wcache_at key' -l 'tensors' -d 'Also list every tensor and its digest.'
 complete -c wcache -n '__wcache_at key' -l 'rehash' -d 'Hash every byte again instead of trusting the digest store.'
+complete -c wcache -n '__wcache_at key' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
 complete -c wcache -n '__wcache_at key' -l 'json' -d 'Print one JSON document instead of tables.'
 complete -c wcache -n '__wcache_at key' -s 'h' -l 'help' -d 'Show this message and exit.'
 complete -c wcache -n '__wcache_at key' -F
+
+# wcache preload
+complete -c wcache -n '__wcache_at preload' -l 'device' -x -d 'cpu, cuda, or cuda:N[,M...] (one per rank).'
+complete -c wcache -n '__wcache_at preload' -l 'tp' -x -d 'Tensor-parallel size.'
+complete -c wcache -n '__wcache_at preload' -l 'dtype' -x -a 'auto float32 float16 bfloat16' -d 'Processed dtype; auto keeps the checkpoint\'s.'
+complete -c wcache -n '__wcache_at preload' -l 'quantization' -x -a 'none int8 fp8' -d 'Weight-only quantization.'
+complete -c wcache -n '__wcache_at preload' -l 'plan' -x -a 'fused identity' -d 'Tensor layout: fused (qkv, gate_up) or identity.'
+complete -c wcache -n '__wcache_at preload' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
+complete -c wcache -n '__wcache_at preload' -l 'health-port' -x -d 'Port for /health, /metrics and /stats (0 picks a free one).'
+complete -c wcache -n '__wcache_at preload' -l 'health-host' -x -d 'Address the health server binds.'
+complete -c wcache -n '__wcache_at preload' -l 'detach' -d 'Return once ready and leave the daemons running.'
+complete -c wcache -n '__wcache_at preload' -l 'json' -d 'Print one JSON document instead of tables.'
+complete -c wcache -n '__wcache_at preload' -s 'h' -l 'help' -d 'Show this message and exit.'
+complete -c wcache -n '__wcache_at preload' -F
+
+# wcache status
+complete -c wcache -n '__wcache_at status' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
+complete -c wcache -n '__wcache_at status' -l 'json' -d 'Print one JSON document instead of tables.'
+complete -c wcache -n '__wcache_at status' -s 'h' -l 'help' -d 'Show this message and exit.'
+
+# wcache stop
+complete -c wcache -n '__wcache_at stop' -l 'all' -d 'Stop every daemon in the run dir.'
+complete -c wcache -n '__wcache_at stop' -l 'force' -d 'Stop even while engines hold zero-copy leases.'
+complete -c wcache -n '__wcache_at stop' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
+complete -c wcache -n '__wcache_at stop' -s 'h' -l 'help' -d 'Show this message and exit.'

@@ -7,9 +7,12 @@ from typing import Annotated
 import typer
 import wcache
 
+from wcache_cli.commands.attach import attach
 from wcache_cli.commands.demo import demo
 from wcache_cli.commands.diff import diff
 from wcache_cli.commands.key import key
+from wcache_cli.commands.preload import preload
+from wcache_cli.commands.status import status, stop
 from wcache_cli.state import state
 
 app = typer.Typer(
@@ -43,6 +46,10 @@ def root(
     state.verbose = verbose
 
 
+app.command()(preload)
+app.command()(status)
+app.command()(stop)
+app.command()(attach)
 app.command()(key)
 app.command()(diff)
 app.command()(demo)

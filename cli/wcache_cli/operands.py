@@ -1,12 +1,16 @@
-"""Turn a command-line operand (a checkpoint path or a saved key file) into a key."""
+"""Turn a command-line operand (a checkpoint path, a saved key file or a running daemon) into a key."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from wcache.client import request_once
 from wcache.digest_store import DigestStore
+from wcache.errors import BadInputError
 from wcache.key import KeyFile, compute_key, is_key_file, load_key_file
 from wcache.plan import PlanSpec
+from wcache.remote_key import daemon_key_file
+from wcache.rundir import DaemonDescriptor, census
 
 from wcache_cli.progress import hash_bar
 
@@ -17,8 +21,26 @@ def key_of_checkpoint(path: Path, plan: PlanSpec, *, rehash: bool = False) -> Ke
         return compute_key(path, plan, store=store, rehash=rehash, progress=bar)
 
 
-def key_of_operand(operand: Path, plan: PlanSpec) -> KeyFile:
-    """A saved key file is read as is; anything else is a checkpoint whose key is computed under `plan`."""
+def find_daemons(run_dir: Path, ident: str) -> list[DaemonDescriptor]:
+    """Live daemons whose name or key id starts with `ident`."""
+    live = census(run_dir).live if run_dir.exists() else ()
+    return [d for d in live if d.name.startswith(ident) or d.key_id.startswith(ident)]
+
+
+def key_of_daemon(descriptor: DaemonDescriptor) -> KeyFile:
+    reply = request_once(descriptor.socket, "manifest")
+    return daemon_key_file(descriptor, reply.fields["tensors"])
+
+
+def key_of_operand(operand: Path, plan: PlanSpec, run_dir: Path) -> KeyFile:
+    """A saved key file is read as is, a daemon id asks that daemon, anything else is a checkpoint."""
     if is_key_file(operand):
         return load_key_file(operand)
+    if not operand.exists() and len(operand.parts) == 1:
+        daemons = find_daemons(run_dir, str(operand))
+        if len(daemons) > 1:
+            names = ", ".join(d.name for d in daemons)
+            raise BadInputError(f"{operand} matches {len(daemons)} daemons ({names}); give more of the id.")
+        if daemons:
+            return key_of_daemon(daemons[0])
     return key_of_checkpoint(operand, plan)

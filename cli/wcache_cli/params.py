@@ -2,23 +2,61 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from wcache.plan import PlanSpec
+from wcache.rundir import default_run_dir
+
+
+class Dtype(StrEnum):
+    auto = "auto"
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+class Quantization(StrEnum):
+    none = "none"
+    int8 = "int8"
+    fp8 = "fp8"
+
+
+class Layout(StrEnum):
+    fused = "fused"
+    identity = "identity"
+
+
+class Mode(StrEnum):
+    zero_copy = "zero_copy"
+    copy = "copy"
+
 
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size.", min=1)]
 RankOpt = Annotated[int, typer.Option("--rank", help="Tensor-parallel rank (0 ≤ rank < tp).", min=0)]
-DtypeOpt = Annotated[
-    str, typer.Option("--dtype", help="Processed dtype: auto, float32, float16 or bfloat16.")
-]
-QuantizationOpt = Annotated[
-    str, typer.Option("--quantization", help="Weight-only quantization: none, int8 or fp8.")
-]
-PlanOpt = Annotated[str, typer.Option("--plan", help="Tensor layout: fused (qkv, gate_up) or identity.")]
+DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Processed dtype; auto keeps the checkpoint's.")]
+QuantizationOpt = Annotated[Quantization, typer.Option("--quantization", help="Weight-only quantization.")]
+PlanOpt = Annotated[Layout, typer.Option("--plan", help="Tensor layout: fused (qkv, gate_up) or identity.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, or cuda:N[,M...] (one per rank).")]
+RunDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--run-dir",
+        help="Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, "
+        "else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].",
+        show_default=False,
+    ),
+]
 
 
-def plan_from_options(tp: int, rank: int, dtype: str, quantization: str, layout: str) -> PlanSpec:
+def plan_from_options(tp: int, rank: int, dtype: Dtype, quantization: Quantization, layout: Layout) -> PlanSpec:
     """A validated plan; bad combinations raise BadInputError with the flag to fix."""
-    return PlanSpec(tp_size=tp, tp_rank=rank, dtype=dtype, quantization=quantization, layout=layout)
+    return PlanSpec(tp_size=tp, tp_rank=rank, dtype=dtype.value, quantization=quantization.value,
+                    layout=layout.value)
+
+
+def run_dir_or_default(run_dir: Path | None) -> Path:
+    return run_dir if run_dir is not None else default_run_dir()

@@ -118,24 +118,12 @@ class AttachedWeights:
     def _hold_lease(self, connection: DaemonConnection, mapping: MappedArena | None) -> None:
         self._connection = connection
         self._mapping = mapping
-        threading.Thread(target=self._watch, name="wcache-lease-watch", daemon=True).start()
-
-    def _watch(self) -> None:
-        assert self._connection is not None
-        sock = self._connection.sock
-        sock.settimeout(None)
-        try:
-            data = sock.recv(1)
-        except OSError:
-            data = b""
-        if self._closing.is_set():
-            return
-        # The daemon never speaks unprompted: any wake-up here means the connection is gone.
-        self.report.daemon_lost = True
-        self.lost.set()
-        append_event(self._run_dir, "daemon_lost", daemon=self.report.daemon, key_id=self.report.key_id,
-                     device=self.report.device, tensors_valid=self.report.device == "cpu",
-                     unexpected_data=bool(data))
+        # The watcher gets only what it needs: a thread that held the tensors could end up freeing them
+        # during interpreter shutdown, which torch does not survive.
+        threading.Thread(
+            target=_watch_lease, args=(connection.sock, self._closing, self.lost, self.report, self._run_dir),
+            name="wcache-lease-watch", daemon=True,
+        ).start()
 
     def close(self) -> None:
         """End the lease; CPU tensors stay readable while referenced (the memfd outlives the lease)."""
@@ -151,6 +139,23 @@ class AttachedWeights:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _watch_lease(
+    sock: socket.socket, closing: threading.Event, lost: threading.Event, report: AttachReport, run_dir: Path
+) -> None:
+    sock.settimeout(None)
+    try:
+        data = sock.recv(1)
+    except OSError:
+        data = b""
+    if closing.is_set():
+        return
+    # The daemon never speaks unprompted: any wake-up here means the connection is gone.
+    report.daemon_lost = True
+    lost.set()
+    append_event(run_dir, "daemon_lost", daemon=report.daemon, key_id=report.key_id, device=report.device,
+                 tensors_valid=report.device == "cpu", unexpected_data=bool(data))
 
 
 def _partial_key(path: Path, plan: PlanSpec) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import fcntl
 import logging
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,6 +92,7 @@ class DigestStore:
         self.path = directory / DB_NAME
         self._conn: sqlite3.Connection | None = None
         self._disabled_reason: str | None = None
+        self._lock = threading.RLock()
         self._connect()
 
     @classmethod
@@ -127,7 +129,9 @@ class DigestStore:
             self._rebuild(str(exc))
 
     def _open_checked(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        # One store may be used from a worker thread (an engine computes its key while it connects); the
+        # store's own lock serialises every use, so SQLite's same-thread check is not needed.
+        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             # A lost receipt after a power cut costs one rehash; an fsync per write costs every run.
@@ -183,6 +187,10 @@ class DigestStore:
 
     def lookup(self, path: Path, identity: FileIdentity) -> ShardRecord | None:
         """The stored record for this exact file identity, if one is trusted."""
+        with self._lock:
+            return self._lookup(path, identity)
+
+    def _lookup(self, path: Path, identity: FileIdentity) -> ShardRecord | None:
         if self._conn is None:
             return None
         try:
@@ -211,6 +219,10 @@ class DigestStore:
 
     def put_many(self, records: list[ShardRecord]) -> None:
         """Store receipts in one transaction; failures (full disk, read-only store) are warnings, never errors."""
+        with self._lock:
+            self._put_many(records)
+
+    def _put_many(self, records: list[ShardRecord]) -> None:
         if self._conn is None or not records:
             return
         rows = [

@@ -11,11 +11,25 @@ from wcache.key_diff import diff_keys
 
 from wcache_cli.operands import key_of_operand
 from wcache_cli.output import out
-from wcache_cli.params import DtypeOpt, JsonOpt, PlanOpt, QuantizationOpt, RankOpt, TpOpt, plan_from_options
+from wcache_cli.params import (
+    Dtype,
+    DtypeOpt,
+    JsonOpt,
+    Layout,
+    PlanOpt,
+    Quantization,
+    QuantizationOpt,
+    RankOpt,
+    RunDirOpt,
+    TpOpt,
+    plan_from_options,
+    run_dir_or_default,
+)
 from wcache_cli.render import diff_json, diff_renderable
 
 OperandArg = Annotated[
-    Path, typer.Argument(help="Checkpoint directory, .safetensors file, or saved key file.", show_default=False)
+    Path,
+    typer.Argument(help="Checkpoint directory, .safetensors file, saved key file, or daemon id.", show_default=False),
 ]
 
 
@@ -24,9 +38,10 @@ def diff(
     b: OperandArg,
     tp: TpOpt = 1,
     rank: RankOpt = 0,
-    dtype: DtypeOpt = "auto",
-    quantization: QuantizationOpt = "none",
-    plan: PlanOpt = "fused",
+    dtype: DtypeOpt = Dtype.auto,
+    quantization: QuantizationOpt = Quantization.none,
+    plan: PlanOpt = Layout.fused,
+    run_dir: RunDirOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Compare two keys field by field and name every changed, added or removed tensor.
@@ -34,7 +49,8 @@ def diff(
     Plan options apply to checkpoint operands; a key file carries its own plan. Exits 1 when the keys differ.
     """
     spec = plan_from_options(tp, rank, dtype, quantization, plan)
-    key_a, key_b = key_of_operand(a, spec), key_of_operand(b, spec)
+    where = run_dir_or_default(run_dir)
+    key_a, key_b = key_of_operand(a, spec, where), key_of_operand(b, spec, where)
     result = diff_keys(key_a, key_b)
     if json:
         out.json(diff_json(result, key_a, key_b))

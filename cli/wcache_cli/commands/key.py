@@ -6,24 +6,41 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from wcache.errors import BadInputError
 
-from wcache_cli.operands import key_of_checkpoint
+from wcache_cli.operands import find_daemons, key_of_checkpoint, key_of_daemon
 from wcache_cli.output import out
-from wcache_cli.params import DtypeOpt, JsonOpt, PlanOpt, QuantizationOpt, RankOpt, TpOpt, plan_from_options
+from wcache_cli.params import (
+    Dtype,
+    DtypeOpt,
+    JsonOpt,
+    Layout,
+    PlanOpt,
+    Quantization,
+    QuantizationOpt,
+    RankOpt,
+    RunDirOpt,
+    TpOpt,
+    plan_from_options,
+    run_dir_or_default,
+)
 from wcache_cli.render import key_table, tensors_table
 
 
 def key(
-    path: Annotated[Path, typer.Argument(help="Model directory or .safetensors file.", show_default=False)],
+    path: Annotated[
+        Path, typer.Argument(help="Model directory, .safetensors file, or running daemon id.", show_default=False)
+    ],
     tp: TpOpt = 1,
     rank: RankOpt = 0,
-    dtype: DtypeOpt = "auto",
-    quantization: QuantizationOpt = "none",
-    plan: PlanOpt = "fused",
+    dtype: DtypeOpt = Dtype.auto,
+    quantization: QuantizationOpt = Quantization.none,
+    plan: PlanOpt = Layout.fused,
     tensors: Annotated[bool, typer.Option("--tensors", help="Also list every tensor and its digest.")] = False,
     rehash: Annotated[
         bool, typer.Option("--rehash", help="Hash every byte again instead of trusting the digest store.")
     ] = False,
+    run_dir: RunDirOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Show the content fingerprint (WeightCacheKey) of a checkpoint.
@@ -31,7 +48,11 @@ def key(
     `wcache key MODEL --json > model.key` saves a key file that `wcache diff model.key MODEL` can later
     compare against the checkpoint.
     """
-    key_file = key_of_checkpoint(path, plan_from_options(tp, rank, dtype, quantization, plan), rehash=rehash)
+    spec = plan_from_options(tp, rank, dtype, quantization, plan)
+    daemons = [] if path.exists() or len(path.parts) != 1 else find_daemons(run_dir_or_default(run_dir), str(path))
+    if len(daemons) > 1:
+        raise BadInputError(f"{path} matches {len(daemons)} daemons; give more of the id.")
+    key_file = key_of_daemon(daemons[0]) if daemons else key_of_checkpoint(path, spec, rehash=rehash)
     if json:
         out.json(key_file.to_json())
         return
