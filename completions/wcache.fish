@@ -70,7 +70,7 @@ complete -c wcache -f
 
 # wcache
 complete -c wcache -n '__wcache_at ""' -a 'attach' -d 'Attach to a daemon as an engine would: hit or miss, why, and how long key, connect and map took.'
-complete -c wcache -n '__wcache_at ""' -a 'demo' -d 'Build a tiny checkpoint, fingerprint it, and show that wcache catches a change header-only keys miss.'
+complete -c wcache -n '__wcache_at ""' -a 'demo' -d 'Build a tiny checkpoint, show that wcache catches a change header-only keys miss, then serve and attach it.'
 complete -c wcache -n '__wcache_at ""' -a 'diff' -d 'Compare two keys field by field and name every changed, added or removed tensor.'
 complete -c wcache -n '__wcache_at ""' -a 'key' -d 'Show the content fingerprint (WeightCacheKey) of a checkpoint.'
 complete -c wcache -n '__wcache_at ""' -a 'preload' -d 'Start one daemon per TP rank holding the checkpoint\'s processed weights.'

@@ -207,7 +207,9 @@ def test_added_and_removed_tensors(tiny_template: Path, tmp_path: Path) -> None:
     assert not diff.changed
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["key", "{tiny}"], ["diff", "{tiny}", "{tiny}"], ["--version"]])
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["key", "{tiny}"], ["diff", "{tiny}", "{tiny}"], ["--version"], ["status"]]
+)
 def test_light_commands_do_not_import_torch_or_textual(argv: list[str], tiny_template: Path) -> None:
     args = [a.format(tiny=tiny_template) for a in argv]
     probe = (

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -10,11 +12,16 @@ import typer
 from rich.table import Table
 from wcache.digest_store import default_store_dir
 from wcache.errors import EXIT_DIFFERENCE, BadInputError
+from wcache.events import read_events
 from wcache.key_diff import diff_keys
 from wcache.plan import PlanSpec
+from wcache.rundir import census
 
+from wcache_cli.commands.preload import launch
+from wcache_cli.commands.status import shutdown_daemon
 from wcache_cli.operands import key_of_checkpoint
 from wcache_cli.output import out
+from wcache_cli.params import Dtype, Layout, Quantization
 from wcache_cli.render import diff_renderable, key_table
 
 # A demo directory holds this marker, so a rerun only ever deletes what an earlier demo wrote.
@@ -38,7 +45,7 @@ def demo(
                      show_default=False),
     ] = None,
 ) -> None:
-    """Build a tiny checkpoint, fingerprint it, and show that wcache catches a change header-only keys miss."""
+    """Build a tiny checkpoint, show that wcache catches a change header-only keys miss, then serve and attach it."""
     from wcache import synth, vllm_compat
 
     workdir = directory or default_store_dir() / "demo"
@@ -82,5 +89,50 @@ def demo(
     if wcache_same or not named:
         out.error("the demo expected wcache to name exactly the zeroed tensor, and it did not.")
         raise typer.Exit(EXIT_DIFFERENCE)
-    out.print(f"\nDone. Try: [bold]wcache key {original} --tensors[/] and "
-              f"[bold]wcache diff {original} {modified} --json[/]")
+
+    run_dir = Path(tempfile.mkdtemp(prefix="wcache-demo-", dir="/tmp"))
+    supervisor: subprocess.Popen[str] | None = None
+    try:
+        out.print(f"\n[bold]4.[/] wcache preload {original} --tp 2 (one daemon per rank, run dir {run_dir})")
+        supervisor, ready = launch(original, "cpu", 2, Dtype.auto, Quantization.none, Layout.fused, run_dir)
+        keys = ", ".join(r["key_id"] for r in ready["ranks"])
+        out.print(f"READY in {ready['seconds']:.2f} s: rank keys {keys}; health {ready['health_url']}/health")
+        served_ok = _attach_both(original, modified, victim.name, run_dir)
+    finally:
+        for descriptor in census(run_dir).live:
+            shutdown_daemon(descriptor, force=True)
+        if supervisor is not None:
+            supervisor.wait(timeout=30)  # it exits once its ranks have
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if not served_ok:
+        raise typer.Exit(EXIT_DIFFERENCE)
+    out.print(f"\nDone. Try: [bold]wcache key {original} --tensors[/], "
+              f"[bold]wcache diff {original} {modified} --json[/], and "
+              f"[bold]wcache preload {original} --tp 2[/] in one terminal with "
+              f"[bold]wcache attach {original} --tp 2 --rank 1[/] in another.")
+
+
+def _attach_both(original: Path, modified: Path, victim: str, run_dir: Path) -> bool:
+    """Steps 5–6: attach the original (a hit), then the zeroed copy (a miss naming the tensor, then disk)."""
+    from wcache.attach import attach
+    from wcache.digest_store import DigestStore
+
+    with DigestStore.open() as store:
+        out.print(f"\n[bold]5.[/] An engine for rank 0 attaches {original} (zero-copy)")
+        with attach(original, PlanSpec(tp_size=2, tp_rank=0), run_dir=run_dir, store=store) as hit:
+            timings = ", ".join(f"{k} {v:.1f} ms" for k, v in hit.report.timings_ms.items())
+            out.print(f"[green]HIT[/] {hit.report.daemon}: {hit.report.num_tensors} tensors mapped; {timings}")
+
+        out.print(f"\n[bold]6.[/] An engine for rank 0 attaches the zeroed copy {modified}")
+        with attach(modified, PlanSpec(tp_size=2, tp_rank=0), run_dir=run_dir, store=store) as miss:
+            out.print(f"[red]MISS[/] {miss.report.reason}")
+            out.print(f"[yellow]FALLBACK[/] loaded {miss.report.num_tensors} tensors from disk with the same plan "
+                      f"in {miss.report.timings_ms.get('disk_load', 0):.1f} ms; the daemon's weights were not used.")
+    ok = hit.report.outcome == "hit" and miss.report.outcome == "fallback" and miss.report.diff is not None and [
+        c.name for c in miss.report.diff.changed
+    ] == [victim]
+    if not ok:
+        out.error("the demo expected a hit for the original and a miss naming the zeroed tensor for the copy.")
+    events = [e["kind"] for e in read_events(run_dir)]
+    out.print(f"Events written to {run_dir}/events.jsonl: {', '.join(events)}")
+    return ok

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -66,6 +65,35 @@ def _follow(stream: IO[str]) -> dict[str, Any] | None:
     return None
 
 
+def launch(
+    model: Path, device: str, tp: int, dtype: Dtype, quantization: Quantization, plan: Layout, run_dir: Path,
+    health_host: str = "127.0.0.1", health_port: int = 0,
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """Start a supervisor and follow its progress until every rank is ready; raise with the reason otherwise."""
+    logs = run_dir / "logs"
+    logs.mkdir(mode=0o700, exist_ok=True)
+    log_path = logs / f"supervisor-{os.getpid()}.log"
+    command = _supervisor_command(model, device, tp, dtype, quantization, plan, run_dir, health_host, health_port)
+    with log_path.open("a") as log_file:
+        # A session of its own: Ctrl-C here reaches the supervisor only through us, so it can stop cleanly.
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
+                                   text=True, bufsize=1, start_new_session=True)
+    assert process.stdout is not None
+    try:
+        outcome = _follow(process.stdout)
+    except KeyboardInterrupt:
+        process.send_signal(signal.SIGTERM)
+        process.wait()
+        raise PreloadFailedError("preload was interrupted; the daemons were stopped.") from None
+    if outcome is None or outcome["event"] == "failed":
+        code = process.wait()
+        reason = outcome.get("reason") if outcome else f"the supervisor exited with code {code}; see {log_path}"
+        error = PreloadFailedError(str(reason).rstrip(".") + ".")
+        error.exit_code = int(outcome.get("exit_code", 1)) if outcome else EXIT_UNAVAILABLE
+        raise error
+    return process, outcome
+
+
 def preload(
     model: Annotated[Path, typer.Argument(help="Model directory or .safetensors file.", show_default=False)],
     device: DeviceOpt = "cpu",
@@ -87,29 +115,10 @@ def preload(
     then publishes its socket. Without --detach, preload stays in the foreground; Ctrl-C stops the daemons.
     """
     where = ensure_run_dir(run_dir_or_default(run_dir))
-    logs = where / "logs"
-    logs.mkdir(mode=0o700, exist_ok=True)
-    log_path = logs / f"supervisor-{os.getpid()}.log"
-    command = _supervisor_command(model, device, tp, dtype, quantization, plan, where, health_host, health_port)
-    with log_path.open("a") as log_file:
-        # A session of its own: Ctrl-C here reaches the supervisor only through us, so it can stop cleanly.
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
-                                   text=True, bufsize=1, start_new_session=True)
-    assert process.stdout is not None
-    try:
-        outcome = _follow(process.stdout)
-    except KeyboardInterrupt:
-        process.send_signal(signal.SIGTERM)
-        process.wait()
-        raise PreloadFailedError("preload was interrupted; the daemons were stopped.") from None
-    if outcome is None or outcome["event"] == "failed":
-        code = process.wait()
-        reason = outcome.get("reason") if outcome else f"the supervisor exited with code {code}; see {log_path}"
-        error = PreloadFailedError(str(reason).rstrip(".") + ".")
-        error.exit_code = int(outcome.get("exit_code", 1)) if outcome else EXIT_UNAVAILABLE
-        raise error
+    process, outcome = launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port)
     _print_ready(outcome, model, device, json_output)
     if detach:
+        assert process.stdout is not None
         process.stdout.close()
         out.hint(f"Daemons keep running; stop them with: wcache stop --all --run-dir {where}")
         return
@@ -125,8 +134,7 @@ def preload(
 def _print_ready(ready: dict[str, Any], model: Path, device: str, json_output: bool) -> None:
     ranks = ready.get("ranks", [])
     if json_output:
-        sys.stdout.write(json.dumps(ready) + "\n")
-        sys.stdout.flush()
+        out.json(ready)
         return
     total = sum(int(r.get("weights_bytes", 0)) for r in ranks)
     keys = " ".join(r.get("key_id", "?") for r in ranks)

@@ -96,21 +96,26 @@ def stop(
             out.print(f"No daemons in {where}.")
             return
         raise UnavailableError(f"no running daemon matches {ident!r} in {where}; `wcache status` lists them.")
-    refused = []
+    refused = [f"{d.name} ({leases} lease(s))" for d in targets if (leases := shutdown_daemon(d, force=force))]
     for descriptor in targets:
-        try:
-            reply = request_once(descriptor.socket, "shutdown", force=force).fields
-        except DaemonError as exc:
-            raise UnavailableError(f"daemon {descriptor.name} did not answer ({exc})") from None
-        if not reply.get("stopping"):
-            refused.append(f"{descriptor.name} ({reply.get('leases')} lease(s))")
-            continue
-        _wait_gone(descriptor)
-        out.print(f"stopped {descriptor.name}")
+        if not any(r.startswith(descriptor.name + " ") for r in refused):
+            out.print(f"stopped {descriptor.name}")
     if refused:
         raise BadInputError(
             f"engines still hold leases on {', '.join(refused)}; detach them first or use --force."
         )
+
+
+def shutdown_daemon(descriptor: DaemonDescriptor, *, force: bool) -> int:
+    """Ask a daemon to stop and wait until it has; returns the lease count when it refused (else 0)."""
+    try:
+        reply = request_once(descriptor.socket, "shutdown", force=force).fields
+    except DaemonError as exc:
+        raise UnavailableError(f"daemon {descriptor.name} did not answer ({exc})") from None
+    if not reply.get("stopping"):
+        return int(reply.get("leases") or 1)
+    _wait_gone(descriptor)
+    return 0
 
 
 def _wait_gone(descriptor: DaemonDescriptor) -> None:
