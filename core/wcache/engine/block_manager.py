@@ -1,0 +1,110 @@
+"""Paged KV block accounting with a chained-hash prefix cache and LRU eviction (pure Python, no torch)."""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import blake3
+
+ROOT_HASH = b"\x00" * 16
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """One hash per full block; each covers its parent's hash, so equal hashes mean equal prefixes."""
+    hashes = []
+    parent = ROOT_HASH
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = array("q", tokens[start : start + block_size]).tobytes()
+        parent = blake3.blake3(parent + block).digest(length=16)
+        hashes.append(parent)
+    return hashes
+
+
+class KVCacheFullError(RuntimeError):
+    """Every block is in use by a running request; nothing can be evicted."""
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+
+
+class BlockManager:
+    """Blocks are free (in LRU order, oldest first), in use (ref_count > 0), or both free and cached.
+
+    A free block keeps its hash until it is reused, so a later request can still hit it; reuse evicts the
+    least recently released block first.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """Block ids of the longest cached prefix of `hashes` (stops at the first miss)."""
+        found = []
+        for h in hashes:
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """Take references on cached blocks a request adopts."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+
+    def allocate(self) -> int:
+        """A fresh block for new tokens, evicting the least recently used cached block if needed."""
+        if not self._free:
+            raise KVCacheFullError("the KV cache has no free block; raise num_blocks or shorten the request.")
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self._cached.get(block.hash) == block_id:
+                del self._cached[block.hash]
+            block.hash = None
+        block.ref_count = 1
+        return block_id
+
+    def register(self, block_id: int, block_hash: bytes) -> bool:
+        """Make a filled block findable; False when an equal block is already cached (the first one stays)."""
+        if block_hash in self._cached:
+            return self._cached[block_hash] == block_id
+        block = self.blocks[block_id]
+        block.hash = block_hash
+        self._cached[block_hash] = block_id
+        return True
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop a request's references; unreferenced blocks become free but stay cached until reused."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise AssertionError(f"block {block_id} released more often than acquired")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None  # most recently used end
+
+    def is_cached(self, block_id: int) -> bool:
+        block = self.blocks[block_id]
+        return block.hash is not None and self._cached.get(block.hash) == block_id

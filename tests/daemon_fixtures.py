@@ -1,0 +1,328 @@
+"""Helpers for the daemon end-to-end tests: private run dirs, real preloads, raw frames, and cleanup that always runs.
+
+Every `DaemonRig` lives in its own `/tmp/wc-XXXXXXXX` directory (mode 0700; AF_UNIX paths must stay under
+108 bytes). Everything a test starts carries that path on its command line (`--run-dir`, `--model`, or an
+argument given for the purpose), so teardown can find and kill whatever is left, and the modules can check
+at the end that nothing survived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import psutil
+from wcache.client import request_once
+from wcache.events import read_events
+from wcache.rundir import DESCRIPTOR_SUFFIX, DaemonDescriptor, read_descriptors
+
+CLI_TIMEOUT_S = 120.0
+KILL_WAIT_S = 15.0
+# Every base directory a rig made in this interpreter, for the end-of-module survivor check.
+CREATED_BASES: list[Path] = []
+
+
+def _cmdline(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return ""
+
+
+def processes_mentioning(marker: str) -> list[psutil.Process]:
+    """Live (non-zombie) processes other than this one whose command line contains `marker`."""
+    found = []
+    for process in psutil.process_iter():
+        if process.pid == os.getpid():
+            continue
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.Error:
+            continue
+        if marker in _cmdline(process):
+            found.append(process)
+    return found
+
+
+def kill_and_wait(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """SIGKILL each process and wait for it; returns those still alive (not even zombies) afterwards."""
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(signal.SIGKILL)
+    # A killed process whose parent has not reaped it yet is a zombie: dead, holding nothing. (PID 1 may reap
+    # orphans only now and then, so waiting for the pid to vanish could take long.)
+    deadline = time.monotonic() + KILL_WAIT_S
+    alive = [p for p in processes if _is_running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if _is_running(p)]
+    for process in processes:
+        with contextlib.suppress(psutil.Error, ChildProcessError):
+            os.waitpid(process.pid, os.WNOHANG)  # reap it if it happens to be our child
+    return alive
+
+
+def _is_running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def survivors() -> list[str]:
+    """`pid cmdline` of every live process that mentions a rig directory made in this interpreter."""
+    found = []
+    for base in CREATED_BASES:
+        for process in processes_mentioning(str(base)):
+            found.append(f"{process.pid} {_cmdline(process)}")
+    return found
+
+
+def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.05, what: str = "condition") -> Any:
+    """Poll `predicate` until it returns something truthy; fail the test with `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def http_status(url: str, timeout: float = 5.0) -> tuple[int, dict[str, Any] | str]:
+    """GET `url`; the status code and the body (parsed when it is JSON), whether 2xx or not."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            code, body, kind = response.status, response.read(), response.headers.get_content_type()
+    except urllib.error.HTTPError as exc:
+        code, body, kind = exc.code, exc.read(), exc.headers.get_content_type()
+    text = body.decode()
+    return code, (json.loads(text) if kind == "application/json" else text)
+
+
+@dataclass
+class DaemonRig:
+    """One private run dir, its own digest store, and every daemon preloaded into it."""
+
+    base: Path
+    run_dir: Path
+    cache_dir: Path
+    env: dict[str, str]
+    supervisor_pids: set[int] = field(default_factory=set)
+    extra_paths: list[Path] = field(default_factory=list)
+
+    @classmethod
+    def create(cls) -> DaemonRig:
+        base = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+        CREATED_BASES.append(base)
+        run_dir = base / "r"
+        run_dir.mkdir(mode=0o700)
+        cache_dir = base / "cache"
+        cache_dir.mkdir(mode=0o700)
+        env = {"WCACHE_RUN_DIR": str(run_dir), "WCACHE_CACHE_DIR": str(cache_dir), "NO_COLOR": "1",
+               "COLUMNS": "200"}
+        return cls(base, run_dir, cache_dir, env)
+
+    # -- running things ----------------------------------------------------------------------------------
+
+    def cli(self, *args: str, timeout: float = CLI_TIMEOUT_S, as_json: bool = False) -> Any:
+        """Run `wcache ARGS` with this rig's environment; with `as_json`, insist on exit 0 and parse stdout."""
+        result = subprocess.run(
+            [sys.executable, "-m", "wcache_cli.main", *args], capture_output=True, text=True,
+            env={**os.environ, **self.env}, timeout=timeout, stdin=subprocess.DEVNULL,
+        )
+        if as_json:
+            assert result.returncode == 0, f"wcache {' '.join(args)} exited {result.returncode}: {result.stderr}"
+            return json.loads(result.stdout)
+        return result
+
+    def python(self, code: str, *args: str, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+        """Run a Python snippet in a fresh interpreter with this rig's environment; the base path rides along
+        in argv so a leftover process is found by the sweep."""
+        return subprocess.run(
+            [sys.executable, "-c", code, str(self.base), *args], capture_output=True, text=True,
+            env={**os.environ, **self.env}, timeout=timeout, stdin=subprocess.DEVNULL,
+        )
+
+    def preload(self, model: Path, *options: str) -> list[DaemonDescriptor]:
+        """`wcache preload MODEL --detach` into this run dir; the new daemons' descriptors, by rank."""
+        result = self.cli("preload", str(model), "--detach", "--json", "--run-dir", str(self.run_dir), *options)
+        self._remember_supervisors()
+        assert result.returncode == 0, f"preload of {model} failed ({result.returncode}): {result.stderr}"
+        ready = json.loads(result.stdout)
+        names = [r["name"] for r in sorted(ready["ranks"], key=lambda r: r["rank"])]
+        by_name = {d.name: d for d in self.descriptors()}
+        assert set(names) <= set(by_name), f"preload reported {names} but the run dir holds {sorted(by_name)}"
+        found = [by_name[n] for n in names]
+        self.supervisor_pids.update(d.supervisor_pid for d in found if d.supervisor_pid)
+        return found
+
+    def _remember_supervisors(self) -> None:
+        marker = f"--run-dir {self.run_dir}"
+        for process in processes_mentioning(marker):
+            if "wcache.daemon.supervisor" in _cmdline(process):
+                self.supervisor_pids.add(process.pid)
+
+    # -- looking -----------------------------------------------------------------------------------------
+
+    def descriptors(self) -> list[DaemonDescriptor]:
+        return read_descriptors(self.run_dir)
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in read_events(self.run_dir) if kind is None or e["kind"] == kind]
+
+    @staticmethod
+    def stats(descriptor: DaemonDescriptor) -> dict[str, Any]:
+        return dict(request_once(descriptor.socket, "stats").fields)
+
+    def status(self) -> dict[str, Any]:
+        return self.cli("status", "--json", "--run-dir", str(self.run_dir), as_json=True)
+
+    # -- cleaning up -------------------------------------------------------------------------------------
+
+    def cleanup(self) -> list[str]:
+        """Stop, then kill, everything this rig started, and remove its files; returns what survived."""
+        # Undo anything a test loosened or tightened, so the CLI and rmtree can work.
+        with contextlib.suppress(OSError):
+            if not self.run_dir.is_symlink():
+                os.chmod(self.run_dir, 0o700)
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+            self.cli("stop", "--all", "--force", "--run-dir", str(self.run_dir), timeout=60)
+        listed: set[int] = set(self.supervisor_pids)
+        for path in self.run_dir.glob(f"*{DESCRIPTOR_SUFFIX}"):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                data = json.loads(path.read_text())
+                listed.update(p for p in (data.get("pid"), data.get("supervisor_pid")) if isinstance(p, int))
+        targets: dict[int, psutil.Process] = {}
+        for pid in listed:
+            with contextlib.suppress(psutil.Error):
+                process = psutil.Process(pid)
+                # Only ours: a recycled pid belongs to someone else and is left alone.
+                if str(self.base) in _cmdline(process):
+                    targets[pid] = process
+        for process in processes_mentioning(str(self.base)):
+            targets.setdefault(process.pid, process)
+        # Daemons first, so a live supervisor reaps them; then the supervisors.
+        ordered = sorted(targets.values(), key=lambda p: p.pid in self.supervisor_pids)
+        left = kill_and_wait(ordered)
+        for path in [self.base, *self.extra_paths]:
+            _remove_tree(path)
+        return [f"{p.pid} {_cmdline(p)}" for p in left]
+
+
+def _remove_tree(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+        return
+    if not path.exists():
+        return
+    for root, dirs, _files in os.walk(path):
+        for name in dirs:
+            with contextlib.suppress(OSError):
+                if not os.path.islink(os.path.join(root, name)):
+                    os.chmod(os.path.join(root, name), 0o700)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def daemon_rig() -> Iterator[DaemonRig]:
+    """A rig that is torn down however the test ends; teardown fails loudly if anything survived."""
+    rig = DaemonRig.create()
+    try:
+        yield rig
+    finally:
+        left = rig.cleanup()
+        assert not left, f"processes survived the cleanup of {rig.base}: {left}"
+        assert not rig.base.exists(), f"{rig.base} was not removed"
+
+
+def copy_checkpoint(source: Path, dest: Path) -> Path:
+    shutil.copytree(source, dest)
+    return dest
+
+
+# -- raw protocol --------------------------------------------------------------------------------------------
+
+LENGTH = struct.Struct("!I")
+
+
+def raw_frame(body: bytes) -> bytes:
+    return LENGTH.pack(len(body)) + body
+
+
+def msg(message: Any) -> bytes:
+    """A length-prefixed frame of any msgpack value (valid or not as a request)."""
+    return raw_frame(msgpack.packb(message, use_bin_type=True))
+
+
+def request_frame(message_type: str, **fields: Any) -> bytes:
+    return msg({"v": 1, "type": message_type, **fields})
+
+
+def raw_connect(path: str, timeout: float = 5.0) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    sock.connect(path)
+    return sock
+
+
+def read_until_closed(sock: socket.socket, timeout: float = 10.0) -> bytes:
+    """Everything the peer sends until it closes; fails if it neither closes nor sends within `timeout`."""
+    sock.settimeout(timeout)
+    chunks = []
+    while True:
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        except TimeoutError:
+            raise AssertionError(f"the daemon kept the connection open for {timeout} s") from None
+        if not data:
+            break
+        chunks.append(data)
+    return b"".join(chunks)
+
+
+def read_reply(sock: socket.socket, timeout: float = 10.0) -> dict[str, Any]:
+    """One reply frame, decoded to its map (fds are not expected here)."""
+    sock.settimeout(timeout)
+    header = _recv_exact(sock, LENGTH.size)
+    (length,) = LENGTH.unpack(header)
+    return msgpack.unpackb(_recv_exact(sock, length), raw=False)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise AssertionError(f"the daemon closed the connection after {len(data)} of {n} bytes")
+        data += chunk
+    return data
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)

@@ -1,0 +1,546 @@
+"""End to end on CPU: real `wcache preload` daemons, real sockets and memfds, real HTTP, real CLI runs.
+
+Each rig is a private run dir under /tmp that is stopped, swept (SIGKILL) and removed however a test ends;
+the module checks at the end that no process mentioning any rig's path survived.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from daemon_fixtures import (
+    DaemonRig,
+    copy_checkpoint,
+    daemon_rig,
+    http_status,
+    mode_of,
+    request_frame,
+    survivors,
+    wait_for,
+)
+from wcache.attach import AttachedWeights, attach
+from wcache.key import compute_key
+from wcache.loader import load_from_disk
+from wcache.plan import PlanSpec
+from wcache.rundir import DaemonDescriptor
+from wcache.synth import overwrite_tensor_bytes, write_checkpoint, write_tensors
+
+NOBODY = 65534
+# Which checkpoint bytes each zeroed copy overwrites, and the processed tensor that must differ on rank 0.
+ZEROED = {
+    "norm": ("model.norm.weight", 0, 256),
+    # Rows 4..7 of the vocab-parallel embedding: past the first KiB, inside rank 0's half of the vocab.
+    "embed": ("model.embed_tokens.weight", 1024, 1024),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nothing_survives() -> Iterator[None]:
+    yield
+    left = survivors()
+    assert not left, f"processes outlived the tests: {left}"
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_template: Path) -> Iterator[tuple[DaemonRig, Path, list[DaemonDescriptor]]]:
+    """`tiny` preloaded with --tp 2 on cpu; tests on it only attach, read and compare."""
+    with daemon_rig() as rig:
+        model = copy_checkpoint(tiny_template, rig.base / "tiny")
+        yield rig, model, rig.preload(model, "--tp", "2")
+
+
+@pytest.fixture(scope="module")
+def zeroed(shared: tuple[DaemonRig, Path, list[DaemonDescriptor]]) -> dict[str, Path]:
+    """Copies of the shared checkpoint with part of one tensor zeroed."""
+    rig, model, _ = shared
+    copies = {}
+    for label, (tensor, start, size) in ZEROED.items():
+        copy = copy_checkpoint(model, rig.base / f"zeroed-{label}")
+        overwrite_tensor_bytes(copy, tensor, start, bytes(size))
+        copies[label] = copy
+    return copies
+
+
+@pytest.fixture
+def rig() -> Iterator[DaemonRig]:
+    with daemon_rig() as made:
+        yield made
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_byte_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert tuple(got[name].shape) == tuple(want[name].shape), name
+        assert torch.equal(as_bytes(got[name]), as_bytes(want[name])), f"{name} differs"
+
+
+def disk_tensors(model: Path, spec: PlanSpec) -> dict[str, torch.Tensor]:
+    return load_from_disk(compute_key(model, spec), model)
+
+
+def memfd_maps() -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line.strip() for line in f if "memfd:wcache-arena" in line]
+
+
+def one_sentence(stderr: str) -> str:
+    text = stderr.strip()
+    assert text, "expected an error sentence on stderr"
+    assert "\n" not in text, f"expected one line on stderr, got: {stderr!r}"
+    assert "Traceback" not in text
+    assert text.endswith("."), text
+    return text
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# -- 1. TP=2 zero-copy attach equals the disk path; a second engine adds no private copy ---------------------
+
+
+def test_tp2_zero_copy_attach_is_byte_equal_to_disk(shared: tuple[DaemonRig, Path, list[DaemonDescriptor]]) -> None:
+    rig, model, daemons = shared
+    assert [d.tp_rank for d in daemons] == [0, 1]
+    assert len({d.key_id for d in daemons}) == 2, "each rank's processed bytes have their own key"
+    maps_before = set(memfd_maps())
+    for descriptor in daemons:
+        spec = PlanSpec(tp_size=2, tp_rank=descriptor.tp_rank)
+        with attach(model, spec, run_dir=rig.run_dir) as weights:
+            report = weights.report
+            assert (report.outcome, report.mode, report.daemon) == ("hit", "zero_copy", descriptor.name)
+            assert report.bytes_mapped == descriptor.weights_bytes
+            assert_byte_equal(weights.tensors, disk_tensors(model, spec))
+            # The engine's map of the arena is read-only and shared.
+            new_maps = [m for m in memfd_maps() if m not in maps_before]
+            assert new_maps and all(m.split()[1] == "r--s" for m in new_maps), new_maps
+            assert rig.stats(descriptor)["leases"] == 1
+        wait_for(lambda d=descriptor: rig.stats(d)["leases"] == 0, what="the lease to end after close()")
+    hits = [e for e in rig.events("attach_hit") if e["source"] == str(model)]
+    assert {e["daemon"] for e in hits} >= {d.name for d in daemons}
+
+
+def test_health_metrics_and_stats_while_ready(shared: tuple[DaemonRig, Path, list[DaemonDescriptor]]) -> None:
+    _, _, daemons = shared
+    url = daemons[0].health_url
+    assert url and url.startswith("http://127.0.0.1:")
+    assert all(d.health_url == url for d in daemons), "one supervisor serves health for every rank"
+    code, body = http_status(f"{url}/health")
+    assert code == 200 and isinstance(body, dict) and body["status"] == "ok"
+    assert sorted(r["tp_rank"] for r in body["ranks"]) == [0, 1]
+    code, metrics = http_status(f"{url}/metrics")
+    assert code == 200 and isinstance(metrics, str)
+    ready_lines = [line for line in metrics.splitlines() if line.startswith("wcache_daemon_ready{")]
+    assert len(ready_lines) == 2 and all(line.endswith(" 1.0") for line in ready_lines), ready_lines
+    assert "wcache_attaches_total" in metrics and "wcache_bad_frames_total" in metrics
+    code, stats = http_status(f"{url}/stats")
+    assert code == 200 and isinstance(stats, dict)
+    assert {r["name"] for r in stats["ranks"]} == {d.name for d in daemons}
+
+
+def test_second_engine_zero_copy_adds_no_private_copy(rig: DaemonRig) -> None:
+    # 128 MiB of weights, so that a private copy (or its absence) stands far above interpreter noise.
+    generator = torch.Generator().manual_seed(7)
+    big = {f"w{i}.weight": torch.randn(4096, 4096, generator=generator) for i in range(2)}
+    weights_bytes = sum(t.numel() * t.element_size() for t in big.values())
+    model = write_tensors(big, None, rig.base / "big", 1)
+    del big
+    spec = PlanSpec(layout="identity")
+    (daemon,) = rig.preload(model, "--plan", "identity")
+    assert daemon.weights_bytes >= weights_bytes
+
+    engine = r"""
+import gc, json, sys
+from pathlib import Path
+import psutil
+from wcache.attach import attach
+from wcache.digest_store import DigestStore
+from wcache.plan import PlanSpec
+
+base = Path(sys.argv[1])
+me = psutil.Process()
+def uss():
+    gc.collect()
+    return me.memory_full_info().uss
+def touch(tensors):
+    return sum(float(t.double().sum()) for t in tensors.values())
+result = {}
+with DigestStore.open() as store:
+    for mode in ("zero_copy", "copy"):
+        before = uss()
+        weights = attach(base / "big", PlanSpec(layout="identity"), mode=mode, run_dir=base / "r", store=store)
+        checksum = touch(weights.tensors)
+        result[mode] = {"outcome": weights.report.outcome, "uss_increase": uss() - before, "sum": checksum}
+        weights.close()
+        del weights
+print(json.dumps(result))
+"""
+    # This process is the first engine and keeps its lease while the second one attaches.
+    with attach(model, spec, run_dir=rig.run_dir) as first:
+        assert first.report.outcome == "hit"
+        expected_sum = sum(float(t.double().sum()) for t in first.tensors.values())
+        result = rig.python(engine)
+        assert result.returncode == 0, result.stderr
+        measured = json.loads(result.stdout)
+        zero_copy, copy = measured["zero_copy"], measured["copy"]
+        assert zero_copy["outcome"] == "hit" and copy["outcome"] == "hit"
+        assert zero_copy["sum"] == expected_sum == copy["sum"]
+        assert zero_copy["uss_increase"] < 0.10 * weights_bytes, (
+            f"zero-copy attach added {zero_copy['uss_increase']} private bytes for {weights_bytes} of weights"
+        )
+        # The control: copy mode really does take a private copy of (about) every byte.
+        assert copy["uss_increase"] > 0.90 * weights_bytes, copy
+        # Our own mapping still reads the same bytes, even though the copy engine made the daemon release.
+        assert sum(float(t.double().sum()) for t in first.tensors.values()) == expected_sum
+
+
+# -- 2. A zeroed-tensor copy against a daemon holding the original ----------------------------------------------
+
+
+@pytest.mark.parametrize("label", sorted(ZEROED))
+def test_zeroed_copy_misses_and_falls_back_to_its_own_bytes(
+    shared: tuple[DaemonRig, Path, list[DaemonDescriptor]], zeroed: dict[str, Path], label: str
+) -> None:
+    rig, model, daemons = shared
+    copy, (tensor, _, _) = zeroed[label], ZEROED[label]
+    spec = PlanSpec(tp_size=2, tp_rank=0)
+    with attach(copy, spec, run_dir=rig.run_dir) as weights:
+        report = weights.report
+        assert report.outcome == "fallback"
+        assert report.daemon == daemons[0].name, "the miss is explained against the daemon of the same rank"
+        assert report.mismatched == ["checkpoint"]
+        assert report.diff is not None
+        assert [c.name for c in report.diff.changed] == [tensor]
+        assert not report.diff.added and not report.diff.removed
+        assert tensor in (report.reason or "")
+        # The fallback holds the copy's own processed bytes, not the daemon's.
+        assert_byte_equal(weights.tensors, disk_tensors(copy, spec))
+        original = disk_tensors(model, spec)
+        differing = [n for n in original if not torch.equal(as_bytes(original[n]), as_bytes(weights.tensors[n]))]
+        assert differing == [tensor]
+    misses = [e for e in rig.events("attach_miss") if e["source"] == str(copy)]
+    assert misses, "no attach_miss event"
+    assert misses[-1]["diff"]["changed"] == [tensor] and misses[-1]["mismatched"] == ["checkpoint"]
+    assert misses[-1]["daemon"] == daemons[0].name
+    fallbacks = [e for e in rig.events("fallback") if e["source"] == str(copy)]
+    assert fallbacks and fallbacks[-1]["key_id"] == misses[-1]["key_id"]
+
+
+def test_cli_attach_no_fallback_exits_3_naming_the_tensor(
+    shared: tuple[DaemonRig, Path, list[DaemonDescriptor]], zeroed: dict[str, Path]
+) -> None:
+    rig, _, _ = shared
+    result = rig.cli("attach", str(zeroed["norm"]), "--tp", "2", "--rank", "0", "--no-fallback",
+                     "--run-dir", str(rig.run_dir))
+    assert result.returncode == 3, (result.stdout, result.stderr)
+    assert "model.norm.weight" in one_sentence(result.stderr)
+    assert not [e for e in rig.events("fallback") if e["source"] == str(zeroed["norm"]) and e["pid"] != os.getpid()]
+
+
+# -- 9. `wcache key` and `wcache diff` accept a running daemon ----------------------------------------------
+
+
+def test_key_and_diff_take_a_daemon_operand(
+    shared: tuple[DaemonRig, Path, list[DaemonDescriptor]], zeroed: dict[str, Path]
+) -> None:
+    rig, _, daemons = shared
+    rank0 = daemons[0]
+    key = rig.cli("key", rank0.name, "--json", "--run-dir", str(rig.run_dir), as_json=True)
+    assert key["id"] == rank0.key_id
+    assert key["key"] == rank0.key
+    assert (key["plan"]["tp_size"], key["plan"]["tp_rank"]) == (2, 0)
+
+    diff = rig.cli("diff", rank0.name, str(zeroed["norm"]), "--tp", "2", "--rank", "0", "--json",
+                   "--run-dir", str(rig.run_dir))
+    assert diff.returncode == 1, diff.stderr
+    document = json.loads(diff.stdout)
+    assert document["identical"] is False
+    assert document["a"]["id"] == rank0.key_id
+    assert [f["name"] for f in document["fields"]] == ["checkpoint"]
+    assert [c["name"] for c in document["tensors"]["changed"]] == ["model.norm.weight"]
+
+    human = rig.cli("diff", rank0.name, str(zeroed["norm"]), "--tp", "2", "--rank", "0",
+                    "--run-dir", str(rig.run_dir))
+    assert human.returncode == 1 and "model.norm.weight" in human.stdout
+
+
+# -- 5. Permissions, peer credentials, and the run dir check ---------------------------------------------------
+
+
+def test_run_dir_is_0700_and_files_0600(shared: tuple[DaemonRig, Path, list[DaemonDescriptor]]) -> None:
+    rig, _, daemons = shared
+    assert mode_of(rig.run_dir) == 0o700
+    for d in daemons:
+        assert stat.S_ISSOCK(os.lstat(d.socket).st_mode)
+        assert mode_of(Path(d.socket)) == 0o600, d.socket
+        assert mode_of(rig.run_dir / f"{d.name}.json") == 0o600
+    assert mode_of(rig.run_dir / "events.jsonl") == 0o600
+
+
+PEER = r"""
+import json, os, socket, sys
+path = sys.argv[2]
+frame = bytes.fromhex(sys.argv[3])
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+result = {"uid": os.getuid()}
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.settimeout(10)
+try:
+    sock.connect(path)
+except PermissionError:
+    result["connect"] = "EACCES"
+else:
+    result["connect"] = "ok"
+    received = b""
+    try:
+        sock.sendall(frame)
+        while chunk := sock.recv(65536):
+            received += chunk
+        result["ending"] = "eof"
+    except (ConnectionResetError, BrokenPipeError) as exc:
+        result["ending"] = type(exc).__name__
+    except TimeoutError:
+        result["ending"] = "timeout"
+    result["received"] = len(received)
+print(json.dumps(result))
+"""
+
+
+def test_a_client_of_another_uid_is_refused(shared: tuple[DaemonRig, Path, list[DaemonDescriptor]]) -> None:
+    if os.getuid() != 0:
+        pytest.skip("dropping to another uid needs root")
+    rig, _, daemons = shared
+    target = daemons[0]
+    frame = request_frame("stats").hex()
+    refused_before = rig.stats(target)["counters"].get("refused_peers", 0)
+
+    # The 0700 run dir alone keeps another user from reaching the socket.
+    through_run_dir = rig.python(PEER, target.socket, frame)
+    assert through_run_dir.returncode == 0, through_run_dir.stderr
+    assert json.loads(through_run_dir.stdout) == {"uid": NOBODY, "connect": "EACCES"}
+
+    # SO_PEERCRED itself: a hard link of the socket in a traversable dir, the socket opened up for a moment.
+    outside = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+    rig.extra_paths.append(outside)
+    outside.chmod(0o711)
+    link = outside / "s.sock"
+    os.link(target.socket, link)
+    try:
+        os.chmod(target.socket, 0o666)
+        through_link = rig.python(PEER, str(link), frame)
+    finally:
+        os.chmod(target.socket, 0o600)
+        link.unlink()
+        outside.rmdir()
+    assert through_link.returncode == 0, through_link.stderr
+    seen = json.loads(through_link.stdout)
+    assert seen["connect"] == "ok"
+    assert seen["ending"] in ("eof", "ConnectionResetError", "BrokenPipeError"), seen
+    assert seen["received"] == 0, "the daemon must not answer another uid at all"
+    wait_for(lambda: rig.stats(target)["counters"].get("refused_peers", 0) == refused_before + 1,
+             what="refused_peers to count the refusal")
+    assert psutil.Process(target.pid).is_running()
+
+
+@pytest.mark.parametrize("kind", ["open-0755", "symlink", "other-uid"])
+def test_status_refuses_an_unsafe_run_dir(
+    shared: tuple[DaemonRig, Path, list[DaemonDescriptor]], kind: str
+) -> None:
+    rig, _, _ = shared
+    bad = rig.base / f"bad-{kind}"
+    if kind == "open-0755":
+        bad.mkdir()
+        bad.chmod(0o755)
+        expected = "accessible to group or others"
+    elif kind == "symlink":
+        bad.symlink_to(rig.run_dir)  # points at a perfectly good run dir: the link itself is refused
+        expected = "symlink"
+    else:
+        if os.getuid() != 0:
+            pytest.skip("chown to another uid needs root")
+        bad.mkdir(mode=0o700)
+        os.chown(bad, NOBODY, NOBODY)
+        expected = f"uid {NOBODY}"
+    result = rig.cli("status", "--run-dir", str(bad))
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    sentence = one_sentence(result.stderr)
+    assert str(bad) in sentence and expected in sentence, sentence
+
+
+# -- 3. Copy mode: the engine owns its tensors, the daemon releases, /health turns 503 -------------------------
+
+
+def test_copy_mode_owns_its_tensors_and_the_daemon_releases(rig: DaemonRig, tiny_template: Path) -> None:
+    model = copy_checkpoint(tiny_template, rig.base / "tiny")
+    daemons = rig.preload(model, "--tp", "2")
+    url = daemons[0].health_url
+    assert http_status(f"{url}/health")[0] == 200
+
+    spec = PlanSpec(tp_size=2, tp_rank=0)
+    maps_before = set(memfd_maps())
+    weights = attach(model, spec, mode="copy", run_dir=rig.run_dir)
+    assert (weights.report.outcome, weights.report.mode) == ("hit", "copy")
+    assert set(memfd_maps()) <= maps_before, "copy mode must not keep the daemon's arena mapped"
+    expected = disk_tensors(model, spec)
+    assert_byte_equal(weights.tensors, expected)
+
+    stats = rig.stats(daemons[0])
+    assert (stats["state"], stats["holds_weights"], stats["weights_bytes"], stats["leases"]) == (
+        "released", False, 0, 0)
+    code, body = http_status(f"{url}/health")
+    assert code == 503 and isinstance(body, dict) and body["status"] == "unavailable"
+
+    cli = rig.cli("attach", str(model), "--tp", "2", "--rank", "1", "--mode", "copy", "--json",
+                  "--run-dir", str(rig.run_dir), as_json=True)
+    assert (cli["outcome"], cli["mode"], cli["daemon"]) == ("hit", "copy", daemons[1].name)
+    status = rig.status()
+    assert {d["name"]: d["state"] for d in status["daemons"]} == {d.name: "released" for d in daemons}
+    assert all(d["health_status"] == 503 for d in status["daemons"])
+    releases = [e for e in rig.events("release") if e["mode"] == "copy"]
+    assert {e["daemon"] for e in releases} == {d.name for d in daemons}
+
+    # A released daemon serves nobody: the next engine falls back to disk.
+    with attach(model, spec, run_dir=rig.run_dir) as later:
+        assert later.report.outcome == "fallback"
+        assert "released" in (later.report.reason or "")
+
+    stop = rig.cli("stop", "--all", "--run-dir", str(rig.run_dir))
+    assert stop.returncode == 0, stop.stderr
+    for d in daemons:
+        wait_for(lambda d=d: pid_gone(d.pid), what=f"daemon {d.name} to exit")
+    assert_byte_equal(weights.tensors, expected)
+
+
+# -- 4. Two checkpoints on one device; DP size never causes a miss ----------------------------------------------
+
+
+def test_two_checkpoints_do_not_collide_and_dp_size_hits_the_same_daemon(
+    rig: DaemonRig, tiny_template: Path
+) -> None:
+    first = copy_checkpoint(tiny_template, rig.base / "tiny")
+    second = write_checkpoint("tiny", rig.base / "tiny-seed1", seed=1)
+    (a,) = rig.preload(first)
+    (b,) = rig.preload(second)
+    assert a.name != b.name and a.socket != b.socket and a.key_id != b.key_id
+    assert a.device == b.device == "cpu"
+    assert {d.name for d in rig.descriptors()} == {a.name, b.name}
+    for d in (a, b):
+        assert Path(d.socket).exists() and psutil.Process(d.pid).is_running()
+    assert {d["name"]: d["state"] for d in rig.status()["daemons"]} == {a.name: "ready", b.name: "ready"}
+
+    spec = PlanSpec()
+    for model, daemon in ((first, a), (second, b)):
+        with attach(model, spec, run_dir=rig.run_dir) as weights:
+            assert (weights.report.outcome, weights.report.daemon) == ("hit", daemon.name)
+            assert_byte_equal(weights.tensors, disk_tensors(model, spec))
+
+    engines: list[AttachedWeights] = []
+    try:
+        for dp_size in (1, 4):
+            engines.append(attach(first, spec, run_dir=rig.run_dir, dp_size=dp_size))
+        assert [(w.report.outcome, w.report.daemon) for w in engines] == [("hit", a.name)] * 2
+        assert rig.stats(a)["leases"] == 2 and rig.stats(b)["leases"] == 0
+    finally:
+        for w in engines:
+            w.close()
+    hits = [e for e in rig.events("attach_hit") if e["daemon"] == a.name]
+    assert {e["dp_size"] for e in hits} == {1, 4}
+
+
+# -- 7. kill -9 under an attached engine ------------------------------------------------------------------------
+
+
+def test_kill_9_under_an_attached_engine(rig: DaemonRig, tiny_template: Path) -> None:
+    model = copy_checkpoint(tiny_template, rig.base / "tiny")
+    (daemon,) = rig.preload(model)
+    spec = PlanSpec()
+    with attach(model, spec, run_dir=rig.run_dir) as weights:
+        assert weights.report.outcome == "hit"
+        snapshot = {name: t.clone() for name, t in weights.tensors.items()}
+        os.kill(daemon.pid, signal.SIGKILL)
+        wait_for(lambda: pid_gone(daemon.pid), what="the killed daemon to exit")
+        assert weights.lost.wait(5), "the engine did not notice its daemon was gone"
+        assert weights.report.daemon_lost
+        # The memfd outlives its daemon: the mapped tensors still read the same bytes.
+        assert_byte_equal(weights.tensors, snapshot)
+        assert_byte_equal(weights.tensors, disk_tensors(model, spec))
+        assert all(torch.isfinite(t).all() for t in weights.tensors.values())
+    lost = wait_for(lambda: [e for e in rig.events("daemon_lost") if e["daemon"] == daemon.name],
+                    what="a daemon_lost event")
+    assert lost[-1]["tensors_valid"] is True and lost[-1]["pid"] == os.getpid()
+
+    files = (Path(daemon.socket), rig.run_dir / f"{daemon.name}.json")
+    assert all(f.exists() for f in files), "a killed daemon cannot remove its own files"
+    status = rig.status()
+    assert [s["name"] for s in status["stale_removed"]] == [daemon.name]
+    assert status["daemons"] == []
+    assert not any(f.exists() for f in files)
+    assert rig.status()["stale_removed"] == [], "a stale daemon is reported once, then it is gone"
+
+
+# -- 8. stop refuses while leased, --force stops; SIGTERM cleans up --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stoppable(tiny_template: Path) -> Iterator[tuple[DaemonRig, Path, list[DaemonDescriptor]]]:
+    """A TP=2 preload whose rank 0 is stopped by `wcache stop` and rank 1 by SIGTERM."""
+    with daemon_rig() as made:
+        model = copy_checkpoint(tiny_template, made.base / "tiny")
+        yield made, model, made.preload(model, "--tp", "2")
+
+
+def test_stop_refuses_while_a_lease_is_held_and_force_stops(
+    stoppable: tuple[DaemonRig, Path, list[DaemonDescriptor]]
+) -> None:
+    rig, model, daemons = stoppable
+    target = daemons[0]
+    spec = PlanSpec(tp_size=2, tp_rank=0)
+    with attach(model, spec, run_dir=rig.run_dir) as weights:
+        assert weights.report.outcome == "hit"
+        refused = rig.cli("stop", target.name, "--run-dir", str(rig.run_dir))
+        assert refused.returncode == 2, (refused.stdout, refused.stderr)
+        assert "lease" in one_sentence(refused.stderr)
+        assert psutil.Process(target.pid).is_running()
+        assert rig.stats(target)["leases"] == 1
+
+        forced = rig.cli("stop", target.name, "--force", "--run-dir", str(rig.run_dir))
+        assert forced.returncode == 0, forced.stderr
+        assert f"stopped {target.name}" in forced.stdout
+        assert pid_gone(target.pid)
+        assert not Path(target.socket).exists()
+        assert not (rig.run_dir / f"{target.name}.json").exists()
+        assert weights.lost.wait(5)
+        assert_byte_equal(weights.tensors, disk_tensors(model, spec))
+    stops = [e for e in rig.events("stop") if e["daemon"] == target.name]
+    assert len(stops) == 1 and stops[0]["leases"] == 1
+
+
+def test_sigterm_removes_socket_and_descriptor(stoppable: tuple[DaemonRig, Path, list[DaemonDescriptor]]) -> None:
+    rig, _, daemons = stoppable
+    target = daemons[1]
+    files = (Path(target.socket), rig.run_dir / f"{target.name}.json")
+    assert all(f.exists() for f in files)
+    os.kill(target.pid, signal.SIGTERM)
+    wait_for(lambda: pid_gone(target.pid), what="the daemon to exit on SIGTERM")
+    assert not any(f.exists() for f in files)
+    assert [e["leases"] for e in rig.events("stop") if e["daemon"] == target.name] == [0]
+    assert target.name not in {d["name"] for d in rig.status()["daemons"]}
