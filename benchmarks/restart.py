@@ -423,9 +423,9 @@ def _ms(value: float) -> str:
 
 def notes_for(row: str, s: Samples, bench: Bench) -> str:
     if row == ST_LOAD:
-        return f"load_file {_ms(s.part('load_file'))} ms + plan {_ms(s.part('plan'))} ms"
+        return f"load_file (lazy mmap) {_ms(s.part('load_file'))} ms + plan (reads) {_ms(s.part('plan'))} ms"
     if row == WC_LOAD:
-        return "tensors viewed from read-only maps, plan writes each output once; key not counted"
+        return "views of read-only maps; the plan writes each output once"
     if row in (ZERO_COPY, ZERO_COPY_TOUCH, COPY):
         text = (f"key {_ms(s.part('key'))} ‖ connect {_ms(s.part('connect'))}, map {_ms(s.part('map'))}")
         if "copy" in s.parts_ms:

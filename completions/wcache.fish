@@ -4,7 +4,7 @@
 # Succeeds when $argv[2] names a subcommand of the command path $argv[1].
 function __wcache_is_subcommand
     switch (string trim -- "$argv[1] $argv[2]")
-        case 'attach' 'demo' 'diff' 'key' 'preload' 'status' 'stop'
+        case 'attach' 'demo' 'diff' 'key' 'preload' 'status' 'stop' 'verify'
             return 0
     end
     return 1
@@ -13,7 +13,7 @@ end
 # Prints how many words option $argv[2] of the command path $argv[1] consumes.
 function __wcache_arity
     switch (string trim -- "$argv[1] $argv[2]")
-        case 'attach --tp' 'attach --rank' 'attach --dtype' 'attach --quantization' 'attach --plan' 'attach --device' 'attach --mode' 'attach --daemon' 'attach --run-dir'
+        case 'attach --tp' 'attach --rank' 'attach --dtype' 'attach --quantization' 'attach --plan' 'attach --device' 'attach --mode' 'attach --daemon' 'attach --prompt' 'attach --max-new-tokens' 'attach --port' 'attach --host' 'attach --run-dir'
             echo 1; return
         case 'demo --dir'
             echo 1; return
@@ -26,6 +26,8 @@ function __wcache_arity
         case 'status --run-dir'
             echo 1; return
         case 'stop --run-dir'
+            echo 1; return
+        case 'verify --prompts' 'verify --num-prompts' 'verify --max-new-tokens' 'verify --tp' 'verify --rank' 'verify --dtype' 'verify --quantization' 'verify --plan' 'verify --device' 'verify --mode' 'verify --daemon' 'verify --run-dir'
             echo 1; return
     end
     echo 0
@@ -76,6 +78,7 @@ complete -c wcache -n '__wcache_at ""' -a 'key' -d 'Show the content fingerprint
 complete -c wcache -n '__wcache_at ""' -a 'preload' -d 'Start one daemon per TP rank holding the checkpoint\'s processed weights.'
 complete -c wcache -n '__wcache_at ""' -a 'status' -d 'List the daemons in the run dir: device, model, key, state, memory, leases, uptime and health.'
 complete -c wcache -n '__wcache_at ""' -a 'stop' -d 'Stop daemons; refuses while zero-copy engines hold leases unless --force.'
+complete -c wcache -n '__wcache_at ""' -a 'verify' -d 'Check that a daemon serves this checkpoint\'s weights; exit 1 on any difference.'
 complete -c wcache -n '__wcache_at ""' -l 'verbose' -s 'v' -d 'Show tracebacks for errors (also WCACHE_DEBUG=1).'
 complete -c wcache -n '__wcache_at ""' -l 'version' -d 'Print the version and exit.'
 complete -c wcache -n '__wcache_at ""' -s 'h' -l 'help' -d 'Show this message and exit.'
@@ -91,6 +94,12 @@ complete -c wcache -n '__wcache_at attach' -l 'mode' -x -a 'zero_copy copy' -d '
 complete -c wcache -n '__wcache_at attach' -l 'no-fallback' -d 'Fail (exit 3) on a miss instead of loading from disk.'
 complete -c wcache -n '__wcache_at attach' -l 'trust-daemon' -d 'Skip the checkpoint stat pass; still compare config and plan.'
 complete -c wcache -n '__wcache_at attach' -l 'daemon' -x -d 'Use this daemon (name or key id prefix).'
+complete -c wcache -n '__wcache_at attach' -l 'prompt' -x -d 'Generate from this prompt (greedy) and print the text.'
+complete -c wcache -n '__wcache_at attach' -l 'max-new-tokens' -x -d 'Tokens to generate per prompt.'
+complete -c wcache -n '__wcache_at attach' -l 'serve' -d 'Serve POST /v1/completions, /health and /metrics.'
+complete -c wcache -n '__wcache_at attach' -l 'port' -x -d 'Port for --serve (0 picks a free one).'
+complete -c wcache -n '__wcache_at attach' -l 'host' -x -d 'Address for --serve.'
+complete -c wcache -n '__wcache_at attach' -l 'no-swa-bounded-replay' -d 'Keep sliding-window KV in the prefix cache instead.'
 complete -c wcache -n '__wcache_at attach' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
 complete -c wcache -n '__wcache_at attach' -l 'json' -d 'Print one JSON document instead of tables.'
 complete -c wcache -n '__wcache_at attach' -s 'h' -l 'help' -d 'Show this message and exit.'
@@ -148,3 +157,23 @@ complete -c wcache -n '__wcache_at stop' -l 'all' -d 'Stop every daemon in the r
 complete -c wcache -n '__wcache_at stop' -l 'force' -d 'Stop even while engines hold zero-copy leases.'
 complete -c wcache -n '__wcache_at stop' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
 complete -c wcache -n '__wcache_at stop' -s 'h' -l 'help' -d 'Show this message and exit.'
+
+# wcache verify
+complete -c wcache -n '__wcache_at verify' -l 'greedy' -d 'Compare greedy tokens of a cached engine and a disk engine.'
+complete -c wcache -n '__wcache_at verify' -l 'content' -d 'Re-hash the checkpoint and the daemon\'s arena against its record.'
+complete -c wcache -n '__wcache_at verify' -l 'prompts' -r -F -d 'A file of prompts, one per line.'
+complete -c wcache -n '__wcache_at verify' -l 'num-prompts' -x -d 'Built-in prompts to use.'
+complete -c wcache -n '__wcache_at verify' -l 'max-new-tokens' -x -d 'Tokens to generate per prompt.'
+complete -c wcache -n '__wcache_at verify' -l 'tp' -x -d 'Tensor-parallel size.'
+complete -c wcache -n '__wcache_at verify' -l 'rank' -x -d 'Tensor-parallel rank (0 ≤ rank < tp).'
+complete -c wcache -n '__wcache_at verify' -l 'dtype' -x -a 'auto float32 float16 bfloat16' -d 'Processed dtype; auto keeps the checkpoint\'s.'
+complete -c wcache -n '__wcache_at verify' -l 'quantization' -x -a 'none int8 fp8' -d 'Weight-only quantization.'
+complete -c wcache -n '__wcache_at verify' -l 'plan' -x -a 'fused identity' -d 'Tensor layout: fused (qkv, gate_up) or identity.'
+complete -c wcache -n '__wcache_at verify' -l 'device' -x -d 'cpu, cuda, or cuda:N[,M...] (one per rank).'
+complete -c wcache -n '__wcache_at verify' -l 'mode' -x -a 'zero_copy copy' -d 'zero_copy maps the daemon\'s memory; copy takes a private copy.'
+complete -c wcache -n '__wcache_at verify' -l 'trust-daemon' -d 'Skip the checkpoint stat pass; still compare config and plan.'
+complete -c wcache -n '__wcache_at verify' -l 'daemon' -x -d 'Use this daemon (name or key id prefix).'
+complete -c wcache -n '__wcache_at verify' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
+complete -c wcache -n '__wcache_at verify' -l 'json' -d 'Print one JSON document instead of tables.'
+complete -c wcache -n '__wcache_at verify' -s 'h' -l 'help' -d 'Show this message and exit.'
+complete -c wcache -n '__wcache_at verify' -F

@@ -60,3 +60,13 @@ def plan_from_options(tp: int, rank: int, dtype: Dtype, quantization: Quantizati
 
 def run_dir_or_default(run_dir: Path | None) -> Path:
     return run_dir if run_dir is not None else default_run_dir()
+
+
+ModeOpt = Annotated[Mode, typer.Option("--mode", help="zero_copy maps the daemon's memory; copy takes a private copy.")]
+TrustDaemonOpt = Annotated[
+    bool, typer.Option("--trust-daemon", help="Skip the checkpoint stat pass; still compare config and plan.")
+]
+DaemonOpt = Annotated[
+    str | None, typer.Option("--daemon", help="Use this daemon (name or key id prefix).", show_default=False)
+]
+MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Tokens to generate per prompt.", min=1)]

@@ -31,7 +31,7 @@ from wcache.loader import load_from_disk
 from wcache.model_config import config_digest, config_dtype
 from wcache.plan import PlanSpec
 from wcache.remote_key import daemon_key_file
-from wcache.rundir import DaemonDescriptor, census, default_run_dir
+from wcache.rundir import DaemonDescriptor, census, default_run_dir, ensure_run_dir
 
 MODES = ("zero_copy", "copy")
 KEY_FIELDS = ("checkpoint", "config", "plan", "format")
@@ -200,7 +200,8 @@ def attach(
     if mode not in MODES:
         raise BadInputError(f"--mode must be zero_copy or copy, not {mode!r}.")
     plan = plan or PlanSpec()
-    run_dir = run_dir or default_run_dir()
+    # Created (0700, owner-checked) even when no daemon runs: misses and fallbacks are logged there too.
+    run_dir = ensure_run_dir(run_dir or default_run_dir())
     began = time.perf_counter()
     timings: dict[str, float] = {}
 
@@ -219,7 +220,7 @@ def attach(
         else:
             key_future = pool.submit(full_key)
         t = time.perf_counter()
-        live = census(run_dir).live if run_dir.exists() else ()
+        live = census(run_dir).live
         candidates = [d for d in live if d.device == device and _named(d, daemon)]
         connections = _connect_all(candidates)
         timings["connect"] = (time.perf_counter() - t) * 1000

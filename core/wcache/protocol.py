@@ -30,9 +30,6 @@ class PeerClosedError(ProtocolError):
     """The peer closed the connection (cleanly, or by dying)."""
 
 
-REQUEST_TYPES = frozenset({"hello", "manifest", "map", "release", "stats", "shutdown"})
-
-
 @dataclass(frozen=True, slots=True)
 class Frame:
     """A decoded message: its type, its fields, and any file descriptors that came with it."""

@@ -1,34 +1,37 @@
-"""`wcache attach`: attach to the daemon holding a checkpoint's key, as an engine would, and report how."""
+"""`wcache attach`: attach as an engine would, and optionally generate or serve an OpenAI-style API."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 from wcache.digest_store import DigestStore
+from wcache.errors import BadInputError
 
 from wcache_cli.output import out
 from wcache_cli.params import (
+    DaemonOpt,
     DeviceOpt,
     Dtype,
     DtypeOpt,
     JsonOpt,
     Layout,
+    MaxNewTokensOpt,
     Mode,
+    ModeOpt,
     PlanOpt,
     Quantization,
     QuantizationOpt,
     RankOpt,
     RunDirOpt,
     TpOpt,
+    TrustDaemonOpt,
     plan_from_options,
     run_dir_or_default,
 )
 from wcache_cli.render import human_bytes
-
-ModeOpt = Annotated[Mode, typer.Option("--mode", help="zero_copy maps the daemon's memory; copy takes a private copy.")]
 
 
 def attach(
@@ -43,44 +46,138 @@ def attach(
     no_fallback: Annotated[
         bool, typer.Option("--no-fallback", help="Fail (exit 3) on a miss instead of loading from disk.")
     ] = False,
-    trust_daemon: Annotated[
-        bool, typer.Option("--trust-daemon", help="Skip the checkpoint stat pass; still compare config and plan.")
-    ] = False,
-    daemon: Annotated[
-        str | None, typer.Option("--daemon", help="Use this daemon (name or key id prefix).", show_default=False)
+    trust_daemon: TrustDaemonOpt = False,
+    daemon: DaemonOpt = None,
+    prompt: Annotated[
+        str | None, typer.Option("--prompt", help="Generate from this prompt (greedy) and print the text.",
+                                 show_default=False)
     ] = None,
+    max_new_tokens: MaxNewTokensOpt = 32,
+    serve: Annotated[bool, typer.Option("--serve", help="Serve POST /v1/completions, /health and /metrics.")] = False,
+    port: Annotated[int, typer.Option("--port", help="Port for --serve (0 picks a free one).")] = 8000,
+    host: Annotated[str, typer.Option("--host", help="Address for --serve.")] = "127.0.0.1",
+    no_swa_bounded_replay: Annotated[
+        bool, typer.Option("--no-swa-bounded-replay", help="Keep sliding-window KV in the prefix cache instead.")
+    ] = False,
     run_dir: RunDirOpt = None,
     json: JsonOpt = False,
 ) -> None:
-    """Attach to a daemon as an engine would: hit or miss, why, and how long key, connect and map took."""
+    """Attach to a daemon as an engine would: hit or miss, why, and how long key, connect and map took.
+
+    With --prompt, run the reference engine on the attached weights; with --serve, keep it up behind an
+    OpenAI-compatible API. With --tp N, those two run every rank (gloo) and --rank is ignored.
+    """
+    if prompt is not None and serve:
+        raise BadInputError("use --prompt or --serve, not both.")
+    where = run_dir_or_default(run_dir)
+    options: dict[str, Any] = {"device": device, "mode": mode.value, "fallback": not no_fallback,
+                               "trust_daemon": trust_daemon, "daemon": daemon}
+    if prompt is not None or serve:
+        from wcache.engine import EngineConfig
+
+        engine_config = EngineConfig(swa_bounded_replay=not no_swa_bounded_replay)
+        spec = plan_from_options(tp, 0, dtype, quantization, plan)
+        if serve:
+            _serve(model, spec.to_json(), engine_config, options, host, port, where)
+        else:
+            _generate(model, spec.to_json(), engine_config, options, where, prompt or "", max_new_tokens, json)
+        return
+    _report_only(model, plan_from_options(tp, rank, dtype, quantization, plan), options, where, json)
+
+
+def _report_only(model: Path, spec: Any, options: dict[str, Any], where: Path, json: bool) -> None:
     from wcache.attach import AttachMissError
     from wcache.attach import attach as attach_weights
 
-    spec = plan_from_options(tp, rank, dtype, quantization, plan)
     try:
         with DigestStore.open() as store:
-            weights = attach_weights(
-                model, spec, device=device, mode=mode.value, fallback=not no_fallback, trust_daemon=trust_daemon,
-                daemon=daemon, run_dir=run_dir_or_default(run_dir), store=store,
-            )
+            weights = attach_weights(model, spec, run_dir=where, store=store, **options)
     except AttachMissError as miss:
         if json:
             out.json(miss.report.to_json())
         raise
     with weights:
-        report = weights.report
         if json:
-            out.json(report.to_json())
-            return
-        if report.outcome == "hit":
-            out.print(f"[green]HIT[/] {report.daemon} ({report.mode}): {report.num_tensors} tensors, "
-                      f"{human_bytes(report.bytes_mapped)}")
+            out.json(weights.report.to_json())
         else:
-            out.print(f"[red]MISS[/] {report.reason}")
-            out.print(f"[yellow]FALLBACK[/] loaded {report.num_tensors} tensors from disk with the same plan")
-        timings = Table(title="timings", title_justify="left")
-        timings.add_column("step")
-        timings.add_column("ms", justify="right")
-        for step, ms in report.timings_ms.items():
-            timings.add_row(step, f"{ms:.1f}")
-        out.print(timings)
+            _print_report(weights.report)
+
+
+def _print_report(report: Any) -> None:
+    if report.outcome == "hit":
+        out.print(f"[green]HIT[/] {report.daemon} ({report.mode}): {report.num_tensors} tensors, "
+                  f"{human_bytes(report.bytes_mapped)}")
+    else:
+        out.print(f"[red]MISS[/] {report.reason}")
+        out.print(f"[yellow]FALLBACK[/] loaded {report.num_tensors} tensors from disk with the same plan")
+    timings = Table(title="timings", title_justify="left")
+    timings.add_column("step")
+    timings.add_column("ms", justify="right")
+    for step, ms in report.timings_ms.items():
+        timings.add_row(step, f"{ms:.1f}")
+    out.print(timings)
+
+
+def generate_rank(tp: Any, model: Path, plan: dict[str, Any], engine_config: Any, options: dict[str, Any],
+                  where: Path, prompt: str, max_new_tokens: int) -> dict[str, Any]:
+    """One rank of `--prompt`: attach, generate, and describe what happened (rank 0's answer is shown)."""
+    import time
+
+    from wcache.engine import Engine
+    from wcache.plan import PlanSpec
+
+    spec = PlanSpec.from_json({**plan, "tp_rank": tp.rank})
+    engine = Engine.from_attach(model, spec, engine_config, tp, run_dir=where, **options)
+    try:
+        began = time.perf_counter()
+        text, generation = engine.complete(prompt, max_new_tokens)
+        seconds = time.perf_counter() - began
+        report = engine.attach_report
+        return {"text": text, "token_ids": generation.token_ids, "prompt_tokens": generation.prompt_tokens,
+                "generate_ms": round(seconds * 1000, 3), "attach": report.to_json() if report else None}
+    finally:
+        engine.close()
+
+
+def _generate(model: Path, plan: dict[str, Any], engine_config: Any, options: dict[str, Any], where: Path,
+              prompt: str, max_new_tokens: int, json: bool) -> None:
+    if plan["tp_size"] == 1:
+        from wcache.engine.parallel import TensorParallel
+
+        result = generate_rank(TensorParallel(), model, plan, engine_config, options, where, prompt, max_new_tokens)
+    else:
+        from wcache.engine.tp_launch import run_tensor_parallel
+
+        result = run_tensor_parallel(generate_rank, plan["tp_size"], model, plan, engine_config, options, where,
+                                     prompt, max_new_tokens)[0]
+    if json:
+        out.json(result)
+        return
+    attach_report = result["attach"] or {}
+    timings = ", ".join(f"{k} {v:.1f} ms" for k, v in attach_report.get("timings_ms", {}).items())
+    out.print(f"[dim]weights: {attach_report.get('outcome')} ({timings})[/]")
+    out.print(result["text"])
+    out.print(f"[dim]{len(result['token_ids'])} tokens from a {result['prompt_tokens']}-token prompt in "
+              f"{result['generate_ms']:.0f} ms[/]")
+
+
+def announce(url: str, engine: Any) -> None:
+    """Printed by the serving rank once it listens (module level, so a spawned rank can call it)."""
+    report = engine.attach_report
+    outcome = report.outcome if report is not None else "disk"
+    out.print(f"SERVING {url}/v1/completions (weights: {outcome}); /health and /metrics beside it. Ctrl-C stops.")
+
+
+def _serve(model: Path, plan: dict[str, Any], engine_config: Any, options: dict[str, Any], host: str, port: int,
+           where: Path) -> None:
+    from wcache.engine.serving import serve_rank
+
+    if plan["tp_size"] == 1:
+        from wcache.engine.parallel import TensorParallel
+
+        serve_rank(TensorParallel(), model, plan, engine_config, options, host, port, where, announce)
+        return
+    from wcache.engine.tp_launch import run_tensor_parallel
+
+    run_tensor_parallel(serve_rank, plan["tp_size"], model, plan, engine_config, options, host, port, where, announce,
+                        timeout=None)

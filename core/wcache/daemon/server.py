@@ -21,6 +21,8 @@ from wcache.rundir import DaemonDescriptor, remove_daemon_files
 
 log = logging.getLogger("wcache.daemon")
 
+# A reply: its type, its fields, and the descriptors that travel with it.
+Reply = tuple[str, dict[str, Any], tuple[int, ...]]
 # A client that stops mid-frame must not hold a thread forever.
 CLIENT_TIMEOUT_S = 60.0
 KEY_FIELDS = ("checkpoint", "config", "plan", "format")
@@ -138,7 +140,7 @@ class DaemonServer:
         finally:
             self._end_lease(client)
 
-    def _dispatch(self, client: _Client, frame: Frame) -> tuple[str, dict[str, Any], tuple[int, ...]]:
+    def _dispatch(self, client: _Client, frame: Frame) -> Reply:
         for fd in frame.fds:
             os.close(fd)  # clients never send descriptors; do not leak what a bad one sends
         handler = getattr(self, f"_handle_{frame.type}", None)
@@ -172,7 +174,7 @@ class DaemonServer:
         return {"name": d.name, "key_id": d.key_id, "key": d.key, "plan": d.plan, "config": d.config,
                 "source": d.source, "device": d.device, "state": state}
 
-    def _handle_hello(self, client: _Client, fields: dict[str, Any]) -> tuple[str, dict[str, Any], tuple[int, ...]]:
+    def _handle_hello(self, client: _Client, fields: dict[str, Any]) -> Reply:
         wanted = require(fields, "key", dict)
         client.pid = fields.get("pid") if isinstance(fields.get("pid"), int) else None
         # A client that trusts us may leave out `checkpoint`; every field it sends must match.
@@ -195,11 +197,11 @@ class DaemonServer:
         client.matched = status == "hit"
         return "hello", {"status": status, "mismatched": mismatched, "daemon": self._summary()}, ()
 
-    def _handle_manifest(self, client: _Client, fields: dict[str, Any]) -> tuple[str, dict[str, Any], tuple[int, ...]]:
+    def _handle_manifest(self, client: _Client, fields: dict[str, Any]) -> Reply:
         tensors = [e.to_json() for e in self.loaded.key_file.manifest]
         return "manifest", {"tensors": tensors, "daemon": self._summary()}, ()
 
-    def _handle_map(self, client: _Client, fields: dict[str, Any]) -> tuple[str, dict[str, Any], tuple[int, ...]]:
+    def _handle_map(self, client: _Client, fields: dict[str, Any]) -> Reply:
         mode = require(fields, "mode", str)
         if mode not in ("zero_copy", "copy"):
             raise ProtocolError(f"mode must be zero_copy or copy, not {mode!r}")
@@ -226,7 +228,7 @@ class DaemonServer:
             reply["cuda"] = arena.export_handle()
         return "map", reply, fds
 
-    def _handle_release(self, client: _Client, fields: dict[str, Any]) -> tuple[str, dict[str, Any], tuple[int, ...]]:
+    def _handle_release(self, client: _Client, fields: dict[str, Any]) -> Reply:
         if client.mode == "copy":
             # Copy mode hands ownership to the engine: the daemon lets go of its weights.
             with self.shared.lock:
@@ -239,6 +241,18 @@ class DaemonServer:
             self._end_lease(client)
         client.mode = None
         return "released", {"state": self._summary()["state"]}, ()
+
+    def _handle_check_arena(self, client: _Client, fields: dict[str, Any]) -> Reply:
+        """Re-hash every processed tensor in the arena against the digest recorded when it was built."""
+        from wcache.loader import processed_digest
+
+        with self.shared.lock:
+            if self.shared.state != "ready":
+                return "error", {"message": "this daemon released its weights; nothing to check"}, ()
+            tensors = self.loaded.arena.tensors(self.loaded.entries)
+            changed = [name for name, tensor in tensors.items()
+                       if processed_digest(tensor) != self.loaded.processed_digests[name]]
+        return "arena", {"checked": len(tensors), "changed": changed}, ()
 
     def stats(self) -> dict[str, Any]:
         d = self.descriptor
@@ -253,10 +267,10 @@ class DaemonServer:
                 "load_s": round(self.loaded.load_seconds, 3), "counters": dict(self.shared.counters),
             }
 
-    def _handle_stats(self, client: _Client, fields: dict[str, Any]) -> tuple[str, dict[str, Any], tuple[int, ...]]:
+    def _handle_stats(self, client: _Client, fields: dict[str, Any]) -> Reply:
         return "stats", self.stats(), ()
 
-    def _handle_shutdown(self, client: _Client, fields: dict[str, Any]) -> tuple[str, dict[str, Any], tuple[int, ...]]:
+    def _handle_shutdown(self, client: _Client, fields: dict[str, Any]) -> Reply:
         force = bool(fields.get("force", False))
         with self.shared.lock:
             leases = len(self.shared.leases - {client.ident})

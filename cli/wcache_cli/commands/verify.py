@@ -1,0 +1,137 @@
+"""`wcache verify`: prove that cached weights are the checkpoint's weights (tokens and content)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+from wcache.errors import EXIT_DIFFERENCE, BadInputError
+
+from wcache_cli.output import out
+from wcache_cli.params import (
+    DaemonOpt,
+    DeviceOpt,
+    Dtype,
+    DtypeOpt,
+    JsonOpt,
+    Layout,
+    MaxNewTokensOpt,
+    Mode,
+    ModeOpt,
+    PlanOpt,
+    Quantization,
+    QuantizationOpt,
+    RankOpt,
+    RunDirOpt,
+    TpOpt,
+    TrustDaemonOpt,
+    plan_from_options,
+    run_dir_or_default,
+)
+
+
+def _read_prompts(path: Path) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInputError(f"{path} cannot be read as a prompts file ({exc}).") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise BadInputError(f"{path} holds no prompts (one per line).")
+    return prompts
+
+
+def verify(
+    model: Annotated[Path, typer.Argument(help="Model directory or .safetensors file.", show_default=False)],
+    greedy: Annotated[
+        bool, typer.Option("--greedy", help="Compare greedy tokens of a cached engine and a disk engine.")
+    ] = False,
+    content: Annotated[
+        bool, typer.Option("--content", help="Re-hash the checkpoint and the daemon's arena against its record.")
+    ] = False,
+    prompts: Annotated[
+        Path | None, typer.Option("--prompts", help="A file of prompts, one per line.", show_default=False)
+    ] = None,
+    num_prompts: Annotated[int, typer.Option("--num-prompts", help="Built-in prompts to use.", min=1)] = 4,
+    max_new_tokens: MaxNewTokensOpt = 16,
+    tp: TpOpt = 1,
+    rank: RankOpt = 0,
+    dtype: DtypeOpt = Dtype.auto,
+    quantization: QuantizationOpt = Quantization.none,
+    plan: PlanOpt = Layout.fused,
+    device: DeviceOpt = "cpu",
+    mode: ModeOpt = Mode.zero_copy,
+    trust_daemon: TrustDaemonOpt = False,
+    daemon: DaemonOpt = None,
+    run_dir: RunDirOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Check that a daemon serves this checkpoint's weights; exit 1 on any difference.
+
+    --greedy runs the same prompts at temperature 0 through an engine attached to the daemon and one loaded
+    from disk (every TP rank for --tp N) and compares token ids. --content re-hashes the checkpoint without
+    the digest store and has the daemon re-hash its arena, listing every differing tensor.
+    """
+    if not greedy and not content:
+        raise BadInputError("choose what to verify: --greedy, --content, or both.")
+    where = run_dir_or_default(run_dir)
+    document: dict[str, Any] = {}
+    failed = False
+    if content:
+        from wcache.verify import verify_content
+
+        spec = plan_from_options(tp, rank, dtype, quantization, plan)
+        content_report = verify_content(model, spec, where, device, daemon).to_json()
+        document["content"] = content_report
+        failed |= not content_report["ok"]
+        if not json:
+            _print_content(content_report)
+    if greedy:
+        from wcache.verify import default_prompts, verify_greedy
+
+        texts = _read_prompts(prompts) if prompts is not None else default_prompts(num_prompts)
+        spec = plan_from_options(tp, 0 if tp > 1 else rank, dtype, quantization, plan)
+        greedy_report = verify_greedy(model, spec, texts, max_new_tokens, run_dir=where, device=device,
+                                      mode=mode.value, trust_daemon=trust_daemon, daemon=daemon).to_json()
+        document["greedy"] = greedy_report
+        failed |= not greedy_report["all_match"]
+        if not json:
+            _print_greedy(greedy_report)
+    if json:
+        out.json({"ok": not failed, **document})
+    if failed:
+        raise typer.Exit(EXIT_DIFFERENCE)
+
+
+def _print_content(report: dict[str, Any]) -> None:
+    source, arena = report["source"], report["arena"]
+    if source["changed"] or source["added"] or source["removed"]:
+        out.print(f"[red]SOURCE DIFFERS[/] daemon {report['daemon']} was built from other bytes than the checkpoint "
+                  f"on disk: changed {source['changed']}, added {source['added']}, removed {source['removed']}")
+    else:
+        out.print(f"[green]SOURCE OK[/] daemon {report['daemon']} recorded the same tensor digests as a fresh hash")
+    if arena["changed"]:
+        out.print(f"[red]ARENA MODIFIED[/] {len(arena['changed'])} of {arena['checked']} processed tensors no "
+                  f"longer match what was built: {', '.join(arena['changed'])}")
+    else:
+        out.print(f"[green]ARENA OK[/] all {arena['checked']} processed tensors match their build digests")
+
+
+def _print_greedy(report: dict[str, Any]) -> None:
+    attach = report["attach"]
+    out.print(f"cached engine: {attach.get('outcome')} from {attach.get('daemon')} ({attach.get('mode')})")
+    table = Table(title="greedy tokens, cached vs disk", title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("prompt")
+    table.add_column("result")
+    for r in report["prompts"]:
+        verdict = "[green]match[/]" if r["match"] else f"[red]diverges at token {r['first_divergence']}[/]"
+        preview = r["prompt"] if len(r["prompt"]) <= 48 else r["prompt"][:45] + "…"
+        table.add_row(str(r["index"]), preview, verdict)
+    out.print(table)
+    if report["all_match"]:
+        out.print("[green]VERIFIED[/] cached and disk weights give the same greedy tokens")
+    else:
+        out.print("[red]MISMATCH[/] the cached weights are not this checkpoint's weights")

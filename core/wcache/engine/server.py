@@ -1,0 +1,227 @@
+"""An OpenAI-compatible completions endpoint for the reference engine, with /health and /metrics.
+
+Metric names follow vLLM where the meaning is the same (`vllm:prefix_cache_queries`, ...) and carry a
+`wcache:` prefix for what vLLM does not export (replay), so one dashboard reads this engine and vLLM alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from wcache.engine.engine import Engine, Generation
+from wcache.events import append_event
+
+MAX_BODY_BYTES = 1 << 20
+MAX_TOKENS_LIMIT = 4096
+ENGINES_DIR = "engines"
+
+
+class RequestError(Exception):
+    """A client request the server answers with 400 and this message."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServedEngine:
+    """What the server knows about its engine besides the engine itself."""
+
+    engine: Engine
+    model_name: str
+    generate: Callable[[list[int], int], Generation]  # the TP-aware entry (rank 0 drives the others)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, served: ServedEngine) -> None:
+        self.served = served
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.served.engine.counters
+        labels = ["model_name", "engine"]
+        values = [self.served.model_name, "0"]
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", c.prefix_queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens of adopted prefix-cache hits.", c.prefix_hits)
+        yield counter("vllm:prompt_tokens", "Prompt tokens received.", c.prefix_queries)
+        yield counter("vllm:generation_tokens", "Tokens generated.", c.generation_tokens)
+        yield counter("vllm:request_success", "Finished requests.", c.requests)
+        running = 1.0 if self.served.engine.lock.locked() else 0.0
+        yield gauge("vllm:num_requests_running", "Requests running now.", running)
+        yield counter("wcache:prefix_cache_adopted_hits", "Requests whose prefix hit was adopted.", c.adopted_hits)
+        yield counter("wcache:prefix_cache_rejected_hits", "Hits no longer than the window, not adopted.",
+                      c.rejected_hits)
+        yield counter("wcache:replayed_tokens", "Tokens recomputed to rebuild sliding windows.", c.replayed_tokens)
+        yield counter("wcache:prefill_tokens_computed", "Prompt tokens computed in prefill.", c.prefill_tokens)
+        yield counter("wcache:prefill_tokens_saved", "Prompt tokens not computed thanks to the cache.",
+                      c.prefill_tokens_saved)
+        yield gauge("wcache:swa_cached_bytes", "Sliding-window KV held for cached prefixes.", c.swa_cached_bytes)
+        report = self.served.engine.attach_report
+        info = GaugeMetricFamily("wcache:engine_weights_info", "Where this engine's weights came from.",
+                                 labels=[*labels, "outcome", "mode", "daemon"])
+        info.add_metric([*values, report.outcome if report else "disk", report.mode if report else "",
+                         (report.daemon or "") if report else ""], 1.0)
+        yield info
+        yield gauge("wcache:daemon_lost", "1 after the daemon backing zero-copy weights went away.",
+                    1.0 if report is not None and report.daemon_lost else 0.0)
+
+
+def _completion(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    tokenizer = served.engine.tokenizer
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("this engine has no tokenizer; send token ids")
+        token_ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        token_ids = list(prompt)
+    else:
+        raise RequestError("prompt must be a non-empty string or a list of token ids")
+    if not token_ids:
+        raise RequestError("prompt is empty")
+    if any(not 0 <= t < served.engine.model_config.vocab_size for t in token_ids):
+        raise RequestError("prompt holds token ids outside the vocabulary")
+    max_tokens = body.get("max_tokens", 16)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+        raise RequestError(f"max_tokens must be an integer between 1 and {MAX_TOKENS_LIMIT}")
+    temperature = body.get("temperature", 0)
+    if not isinstance(temperature, int | float) or temperature != 0:
+        raise RequestError("only greedy decoding is supported: temperature must be 0")
+    generation = served.generate(token_ids, max_tokens)
+    text = tokenizer.decode(generation.token_ids) if tokenizer is not None else ""
+    eos = set(served.engine.model_config.eos_token_ids)
+    finished = "stop" if generation.token_ids and generation.token_ids[-1] in eos else "length"
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": served.model_name,
+        "choices": [{"index": 0, "text": text, "token_ids": generation.token_ids, "logprobs": None,
+                     "finish_reason": finished}],
+        "usage": {"prompt_tokens": generation.prompt_tokens, "completion_tokens": len(generation.token_ids),
+                  "total_tokens": generation.prompt_tokens + len(generation.token_ids)},
+        "wcache": {"hit_tokens": generation.hit_tokens, "adopted": generation.adopted,
+                   "replayed_tokens": generation.replayed_tokens, "prefill_tokens": generation.prefill_tokens},
+    }
+
+
+def make_server(served: ServedEngine, host: str, port: int) -> ThreadingHTTPServer:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineCollector(served))
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/health":
+                report = served.engine.attach_report
+                lost = report is not None and report.daemon_lost
+                # CPU weights outlive their daemon (memfd); CUDA weights die with it.
+                ok = not (lost and report.device != "cpu")
+                self._json(200 if ok else 503, {"status": "ok" if ok else "weights lost", "daemon_lost": lost})
+            elif path == "/metrics":
+                self._send(200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(registry))
+            elif path == "/v1/models":
+                self._json(200, {"object": "list", "data": [{"id": served.model_name, "object": "model",
+                                                             "owned_by": "wcache"}]})
+            else:
+                self._json(404, {"error": {"message": f"no route {path}", "type": "not_found"}})
+
+        def do_POST(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path != "/v1/completions":
+                self._json(404, {"error": {"message": f"no route {path}", "type": "not_found"}})
+                return
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                if not 0 < length <= MAX_BODY_BYTES:
+                    raise RequestError(f"the body must be 1..{MAX_BODY_BYTES} bytes of JSON")
+                body = json.loads(self.rfile.read(length))
+                if not isinstance(body, dict):
+                    raise RequestError("the body must be a JSON object")
+                self._json(200, _completion(served, body))
+            except (RequestError, ValueError) as exc:
+                self._json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+
+        def _json(self, code: int, value: Any) -> None:
+            self._send(code, "application/json", json.dumps(value).encode())
+
+        def _send(self, code: int, content_type: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    return server
+
+
+class CounterEvents:
+    """Writes the engine's counters to the run dir's event log every `interval` seconds (and at the end)."""
+
+    def __init__(self, served: ServedEngine, run_dir: Path, url: str, interval: float = 5.0) -> None:
+        self.served, self.run_dir, self.url, self.interval = served, run_dir, url, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="wcache-engine-counters", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _emit(self) -> None:
+        report = self.served.engine.attach_report
+        append_event(self.run_dir, "engine_counters", engine_pid=os.getpid(), url=self.url,
+                     model=self.served.model_name, outcome=report.outcome if report else "disk",
+                     **self.served.engine.counters.snapshot())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._emit()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._emit()
+
+
+def write_engine_descriptor(run_dir: Path, url: str, served: ServedEngine, source: str) -> Path:
+    """Announce the engine in the run dir so `wcache top` can find and scrape it."""
+    report = served.engine.attach_report
+    directory = run_dir / ENGINES_DIR
+    directory.mkdir(mode=0o700, exist_ok=True)
+    path = directory / f"{os.getpid()}.json"
+    document = {
+        "pid": os.getpid(), "url": url, "model": served.model_name, "source": source,
+        "attach": report.to_json() if report is not None else {"outcome": "disk"},
+        "started": time.time(),
+    }
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(document))
+    temporary.replace(path)
+    return path

@@ -1,0 +1,184 @@
+"""Proof instead of trust: greedy tokens from cached weights vs disk weights, and content re-hashing.
+
+`verify_greedy` runs the same prompts at temperature 0 through an engine attached to a daemon and an
+engine loaded from disk, and compares token ids; it catches a wrong hit whatever the key said.
+`verify_content` compares a daemon's recorded source digests with a fresh hash of the checkpoint, and has
+the daemon re-hash its processed arena against the digests it recorded when it built it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from wcache.client import DaemonConnection, DaemonError
+from wcache.errors import BadInputError, UnavailableError
+from wcache.key import compute_key
+from wcache.key_diff import KeyDiff, diff_keys
+from wcache.model_config import config_digest
+from wcache.plan import PlanSpec
+from wcache.remote_key import daemon_key_file
+from wcache.rundir import DaemonDescriptor, census
+
+_WORDS = (
+    "weights", "cache", "daemon", "engine", "restart", "shard", "tensor", "prefix", "window", "replay", "token",
+    "block", "memory", "attach", "checkpoint", "digest", "merkle", "plan", "rank", "device", "socket", "health",
+    "metric", "event", "verify", "greedy", "content", "arena", "the", "a", "of", "and", "to", "in", "is", "on",
+    "for", "with", "that", "this", "from", "by", "at", "as", "be", "are", "was", "it", "not", "or",
+)
+
+
+def default_prompts(count: int, seed: int = 0) -> list[str]:
+    """Deterministic English-like prompts, long enough to cross a small sliding window."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(14, 28))) for _ in range(count)]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptResult:
+    index: int
+    prompt: str
+    match: bool
+    first_divergence: int | None
+    cached_tokens: list[int]
+    disk_tokens: list[int]
+
+
+@dataclass
+class GreedyReport:
+    """Per-prompt comparison of cached and disk engines, and how the cached engine got its weights."""
+
+    results: list[PromptResult]
+    attach: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def all_match(self) -> bool:
+        return all(r.match for r in self.results)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"all_match": self.all_match, "attach": self.attach, "prompts": [asdict(r) for r in self.results]}
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _run_prompts(tp: Any, model: Path, plan: dict[str, Any], prompts: list[str], max_new_tokens: int,
+                 attach_options: dict[str, Any]) -> GreedyReport:
+    from wcache.engine import Engine, EngineConfig
+
+    spec = PlanSpec.from_json(plan)
+    # No prefix caching: each prompt must exercise the weights, not a cache shared between prompts.
+    engine_config = EngineConfig(enable_prefix_caching=False)
+    cached = Engine.from_attach(model, spec, engine_config, tp, fallback=False, **attach_options)
+    try:
+        disk = Engine.from_disk(model, spec, engine_config, tp)
+        if cached.tokenizer is None:
+            raise BadInputError(f"{model} has no tokenizer to encode the prompts.")
+        results = []
+        for index, prompt in enumerate(prompts):
+            ids = cached.tokenizer.encode(prompt)
+            a = cached.generate(ids, max_new_tokens).token_ids
+            b = disk.generate(ids, max_new_tokens).token_ids
+            divergence = _first_divergence(a, b)
+            results.append(PromptResult(index, prompt, divergence is None, divergence, a, b))
+        report = cached.attach_report
+        return GreedyReport(results, report.to_json() if report is not None else {})
+    finally:
+        cached.close()
+
+
+def verify_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int,
+                  **attach_options: Any) -> GreedyReport:
+    """Compare greedy tokens of an attached engine and a disk engine; TP plans run every rank (gloo)."""
+    if not prompts:
+        raise BadInputError("there are no prompts to verify with.")
+    if plan.tp_size == 1:
+        from wcache.engine.parallel import TensorParallel
+
+        return _run_prompts(TensorParallel(), model, plan.to_json(), prompts, max_new_tokens, attach_options)
+    from wcache.engine.tp_launch import run_tensor_parallel
+
+    # Every rank must attach its own shard; each runs the same prompts and rank 0's answer is the report.
+    reports = run_tensor_parallel(_run_prompts_rank, plan.tp_size, model, plan.to_json(), prompts,
+                                  max_new_tokens, attach_options)
+    return reports[0]
+
+
+def _run_prompts_rank(tp: Any, model: Path, plan: dict[str, Any], prompts: list[str], max_new_tokens: int,
+                      attach_options: dict[str, Any]) -> GreedyReport:
+    rank_plan = {**plan, "tp_rank": tp.rank}
+    return _run_prompts(tp, model, rank_plan, prompts, max_new_tokens, attach_options)
+
+
+@dataclass
+class ContentReport:
+    """Source tensors that differ between the daemon's record and the disk, and arena tensors that changed."""
+
+    daemon: str
+    source_diff: KeyDiff | None
+    arena_changed: list[str]
+    arena_checked: int
+
+    @property
+    def ok(self) -> bool:
+        source_ok = self.source_diff is None or not (
+            self.source_diff.changed or self.source_diff.added or self.source_diff.removed
+        )
+        return source_ok and not self.arena_changed
+
+    def to_json(self) -> dict[str, Any]:
+        diff = self.source_diff
+        return {
+            "ok": self.ok,
+            "daemon": self.daemon,
+            "source": {
+                "changed": [c.name for c in diff.changed] if diff else [],
+                "added": [e.name for e in diff.added] if diff else [],
+                "removed": [e.name for e in diff.removed] if diff else [],
+            },
+            "arena": {"checked": self.arena_checked, "changed": self.arena_changed},
+        }
+
+
+def pick_daemon(model: Path, plan: PlanSpec, run_dir: Path, device: str, daemon: str | None) -> DaemonDescriptor:
+    """The daemon an engine for `model` under `plan` would use, judged by config and plan alone."""
+    from wcache.checkpoint import locate
+    from wcache.model_config import config_dtype
+
+    layout = locate(model)
+    resolved = plan.resolve(config_dtype(layout.config) or (plan.dtype if plan.dtype != "auto" else "float32"))
+    live = census(run_dir).live if run_dir.exists() else ()
+    if daemon is not None:
+        named = [d for d in live if d.name.startswith(daemon) or d.key_id.startswith(daemon)]
+        if len(named) != 1:
+            raise UnavailableError(f"{len(named)} running daemons match {daemon!r} in {run_dir}; name exactly one.")
+        return named[0]
+    wanted_config, wanted_plan = config_digest(layout.config), resolved.digest()
+    fitting = [d for d in live if d.device == device and d.key["config"] == wanted_config
+               and d.key["plan"] == wanted_plan]
+    if not fitting:
+        raise UnavailableError(f"no daemon on {device} in {run_dir} holds {model} under this plan.")
+    if len(fitting) > 1:
+        raise UnavailableError(f"{len(fitting)} daemons on {device} fit this plan; name one with --daemon.")
+    return fitting[0]
+
+
+def verify_content(model: Path, plan: PlanSpec, run_dir: Path, device: str = "cpu",
+                   daemon: str | None = None) -> ContentReport:
+    """Fresh full hash of the checkpoint (no digest store) against the daemon's record, and its arena."""
+    descriptor = pick_daemon(model, plan, run_dir, device, daemon)
+    fresh = compute_key(model, plan, store=None, rehash=True)
+    try:
+        with DaemonConnection(descriptor.socket) as connection:
+            manifest = connection.request("manifest").fields["tensors"]
+            arena = connection.request("check_arena").fields
+    except DaemonError as exc:
+        raise UnavailableError(f"daemon {descriptor.name} could not be checked ({exc})") from None
+    source = diff_keys(daemon_key_file(descriptor, manifest), fresh)
+    return ContentReport(descriptor.name, source, list(arena.get("changed", [])), int(arena.get("checked", 0)))
