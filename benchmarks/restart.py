@@ -421,7 +421,7 @@ def _ms(value: float) -> str:
     return f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
 
 
-def notes_for(row: str, s: Samples, bench: Bench) -> str:
+def notes_for(row: str, cache: str, s: Samples, bench: Bench) -> str:
     if row == ST_LOAD:
         return f"load_file (lazy mmap) {_ms(s.part('load_file'))} ms + plan (reads) {_ms(s.part('plan'))} ms"
     if row == WC_LOAD:
@@ -440,8 +440,11 @@ def notes_for(row: str, s: Samples, bench: Bench) -> str:
         return f"{bench.checkpoint_bytes / 1e6:,.1f} MB in {len(bench.shards)} shard(s)"
     if row == PRELOAD:
         ranks = bench.spec.tp_size
-        return (f"CLI → supervisor → {ranks} daemon(s), fresh digest store; "
+        text = (f"CLI → supervisor → {ranks} daemon(s), fresh digest store; "
                 f"supervisor's own count {_ms(s.part('supervisor'))} ms")
+        if cache == DROPPED:
+            text += "; the drop evicted Python and torch too, so their imports read from disk"
+        return text
     if row == RANK_LOAD:
         return "the daemon's load_s" + (" (slowest rank; each reads all shards)" if bench.spec.tp_size > 1 else "")
     return ""
@@ -477,7 +480,7 @@ def results_table(bench: Bench, title: str, baseline: tuple[str, str], caption: 
             table.add_row(
                 phase if i == 0 else "", row, cache, fmt_seconds(s.median),
                 f"{fmt_seconds(min(s.seconds))}–{fmt_seconds(max(s.seconds))}", rate, versus,
-                notes_for(row, s, bench), end_section=i == len(rows) - 1,
+                notes_for(row, cache, s, bench), end_section=i == len(rows) - 1,
             )
     return table
 

@@ -285,8 +285,9 @@ def raw_connect(path: str, timeout: float = 5.0) -> socket.socket:
     return sock
 
 
-def read_until_closed(sock: socket.socket, timeout: float = 10.0) -> bytes:
-    """Everything the peer sends until it closes; fails if it neither closes nor sends within `timeout`."""
+def read_until_closed(sock: socket.socket, timeout: float = 10.0, *, stop_at_data: bool = False) -> bytes:
+    """Everything the peer sends until it closes (or its first bytes, with `stop_at_data`); fails if it
+    neither closes nor sends within `timeout`."""
     sock.settimeout(timeout)
     chunks = []
     while True:
@@ -299,6 +300,8 @@ def read_until_closed(sock: socket.socket, timeout: float = 10.0) -> bytes:
         if not data:
             break
         chunks.append(data)
+        if stop_at_data:
+            break
     return b"".join(chunks)
 
 

@@ -28,6 +28,7 @@ def test_demo_walks_the_whole_flow(tmp_path: Path) -> None:
         assert "model.embed_tokens.weight" in out
         assert "READY" in out and "HIT" in out and "MISS" in out and "FALLBACK" in out
         assert "attach_hit" in out and "attach_miss" in out and "fallback" in out
+        assert "VERIFIED" in out and "MISMATCH" in out and "SOURCE DIFFERS" in out
     finally:
         leftovers = [p for p in _demo_processes() if p.pid not in before]
         for process in leftovers:

@@ -91,48 +91,81 @@ def demo(
         raise typer.Exit(EXIT_DIFFERENCE)
 
     run_dir = Path(tempfile.mkdtemp(prefix="wcache-demo-", dir="/tmp"))
-    supervisor: subprocess.Popen[str] | None = None
+    supervisors: list[subprocess.Popen[str]] = []
     try:
-        out.print(f"\n[bold]4.[/] wcache preload {original} --tp 2 (one daemon per rank, run dir {run_dir})")
-        supervisor, ready = launch(original, "cpu", 2, Dtype.auto, Quantization.none, Layout.fused, run_dir)
-        keys = ", ".join(r["key_id"] for r in ready["ranks"])
-        out.print(f"READY in {ready['seconds']:.2f} s: rank keys {keys}; health {ready['health_url']}/health")
-        served_ok = _attach_both(original, modified, victim.name, run_dir)
+        served_ok = _serve_attach_verify(original, modified, victim.name, run_dir, supervisors)
     finally:
         for descriptor in census(run_dir).live:
             shutdown_daemon(descriptor, force=True)
-        if supervisor is not None:
-            supervisor.wait(timeout=30)  # it exits once its ranks have
+        for supervisor in supervisors:
+            supervisor.wait(timeout=30)  # each exits once its ranks have
         shutil.rmtree(run_dir, ignore_errors=True)
     if not served_ok:
         raise typer.Exit(EXIT_DIFFERENCE)
     out.print(f"\nDone. Try: [bold]wcache key {original} --tensors[/], "
               f"[bold]wcache diff {original} {modified} --json[/], and "
               f"[bold]wcache preload {original} --tp 2[/] in one terminal with "
-              f"[bold]wcache attach {original} --tp 2 --rank 1[/] in another.")
+              f"[bold]wcache attach {original} --tp 2 --prompt 'the weights cache'[/] in another.")
 
 
-def _attach_both(original: Path, modified: Path, victim: str, run_dir: Path) -> bool:
-    """Steps 5–6: attach the original (a hit), then the zeroed copy (a miss naming the tensor, then disk)."""
-    from wcache.attach import attach
+def _preload(model: Path, run_dir: Path, supervisors: list[subprocess.Popen[str]]) -> str:
+    supervisor, ready = launch(model, "cpu", 1, Dtype.auto, Quantization.none, Layout.fused, run_dir)
+    supervisors.append(supervisor)
+    key_id = ready["ranks"][0]["key_id"]
+    out.print(f"READY in {ready['seconds']:.2f} s: key {key_id}; health {ready['health_url']}/health")
+    return str(key_id)
+
+
+def _serve_attach_verify(
+    original: Path, modified: Path, victim: str, run_dir: Path, supervisors: list[subprocess.Popen[str]]
+) -> bool:
+    """Steps 4–9: preload, a hit that generates, a miss that falls back, and verify passing then failing."""
     from wcache.digest_store import DigestStore
+    from wcache.engine import Engine
+    from wcache.verify import default_prompts, verify_content, verify_greedy
 
-    with DigestStore.open() as store:
-        out.print(f"\n[bold]5.[/] An engine for rank 0 attaches {original} (zero-copy)")
-        with attach(original, PlanSpec(tp_size=2, tp_rank=0), run_dir=run_dir, store=store) as hit:
-            timings = ", ".join(f"{k} {v:.1f} ms" for k, v in hit.report.timings_ms.items())
-            out.print(f"[green]HIT[/] {hit.report.daemon}: {hit.report.num_tensors} tensors mapped; {timings}")
+    from wcache_cli.commands.verify import print_content, print_greedy
 
-        out.print(f"\n[bold]6.[/] An engine for rank 0 attaches the zeroed copy {modified}")
-        with attach(modified, PlanSpec(tp_size=2, tp_rank=0), run_dir=run_dir, store=store) as miss:
-            out.print(f"[red]MISS[/] {miss.report.reason}")
-            out.print(f"[yellow]FALLBACK[/] loaded {miss.report.num_tensors} tensors from disk with the same plan "
-                      f"in {miss.report.timings_ms.get('disk_load', 0):.1f} ms; the daemon's weights were not used.")
-    ok = hit.report.outcome == "hit" and miss.report.outcome == "fallback" and miss.report.diff is not None and [
-        c.name for c in miss.report.diff.changed
-    ] == [victim]
+    out.print(f"\n[bold]4.[/] wcache preload {original} (a daemon holding the processed weights; run dir {run_dir})")
+    _preload(original, run_dir, supervisors)
+
+    out.print(f"\n[bold]5.[/] An engine attaches {original} (zero-copy) and generates")
+    engine = Engine.from_attach(original, PlanSpec(), run_dir=run_dir)
+    try:
+        hit = engine.attach_report
+        timings = ", ".join(f"{k} {v:.1f} ms" for k, v in hit.timings_ms.items())
+        out.print(f"[green]HIT[/] {hit.daemon}: {hit.num_tensors} tensors mapped; {timings}")
+        text, generation = engine.complete("the weights cache daemon", 24)
+        out.print(f"generated {len(generation.token_ids)} tokens (random weights, so no prose): {text!r}")
+    finally:
+        engine.close()
+
+    out.print(f"\n[bold]6.[/] An engine attaches the zeroed copy {modified}")
+    from wcache.attach import attach
+
+    with DigestStore.open() as store, attach(modified, PlanSpec(), run_dir=run_dir, store=store) as miss:
+        out.print(f"[red]MISS[/] {miss.report.reason}")
+        out.print(f"[yellow]FALLBACK[/] loaded {miss.report.num_tensors} tensors from disk with the same plan "
+                  f"in {miss.report.timings_ms.get('disk_load', 0):.1f} ms; the daemon's weights were not used.")
+    missed_right = miss.report.diff is not None and [c.name for c in miss.report.diff.changed] == [victim]
+
+    prompts = default_prompts(3)
+    out.print(f"\n[bold]7.[/] wcache verify {original} --greedy")
+    passing = verify_greedy(original, PlanSpec(), prompts, 12, run_dir=run_dir).to_json()
+    print_greedy(passing)
+
+    out.print(f"\n[bold]8.[/] wcache preload {modified}, then verify {original} through it with --trust-daemon")
+    copy_key = _preload(modified, run_dir, supervisors)
+    failing = verify_greedy(original, PlanSpec(), prompts, 12, run_dir=run_dir, trust_daemon=True,
+                            daemon=copy_key).to_json()
+    print_greedy(failing)
+    content = verify_content(original, PlanSpec(), run_dir, daemon=copy_key).to_json()
+    print_content(content)
+
+    ok = (hit.outcome == "hit" and miss.report.outcome == "fallback" and missed_right and passing["all_match"]
+          and not failing["all_match"] and content["source"]["changed"] == [victim])
     if not ok:
-        out.error("the demo expected a hit for the original and a miss naming the zeroed tensor for the copy.")
+        out.error("the demo expected a hit, a miss naming the zeroed tensor, a passing verify and a failing one.")
     events = [e["kind"] for e in read_events(run_dir)]
-    out.print(f"Events written to {run_dir}/events.jsonl: {', '.join(events)}")
+    out.print(f"\nEvents written to {run_dir}/events.jsonl: {', '.join(events)}")
     return ok

@@ -87,7 +87,7 @@ def verify(
         document["content"] = content_report
         failed |= not content_report["ok"]
         if not json:
-            _print_content(content_report)
+            print_content(content_report)
     if greedy:
         from wcache.verify import default_prompts, verify_greedy
 
@@ -98,14 +98,14 @@ def verify(
         document["greedy"] = greedy_report
         failed |= not greedy_report["all_match"]
         if not json:
-            _print_greedy(greedy_report)
+            print_greedy(greedy_report)
     if json:
         out.json({"ok": not failed, **document})
     if failed:
         raise typer.Exit(EXIT_DIFFERENCE)
 
 
-def _print_content(report: dict[str, Any]) -> None:
+def print_content(report: dict[str, Any]) -> None:
     source, arena = report["source"], report["arena"]
     if source["changed"] or source["added"] or source["removed"]:
         out.print(f"[red]SOURCE DIFFERS[/] daemon {report['daemon']} was built from other bytes than the checkpoint "
@@ -119,7 +119,7 @@ def _print_content(report: dict[str, Any]) -> None:
         out.print(f"[green]ARENA OK[/] all {arena['checked']} processed tensors match their build digests")
 
 
-def _print_greedy(report: dict[str, Any]) -> None:
+def print_greedy(report: dict[str, Any]) -> None:
     attach = report["attach"]
     out.print(f"cached engine: {attach.get('outcome')} from {attach.get('daemon')} ({attach.get('mode')})")
     table = Table(title="greedy tokens, cached vs disk", title_justify="left")
