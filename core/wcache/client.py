@@ -22,7 +22,8 @@ class DaemonError(UnavailableError):
 class DaemonConnection:
     """One connection to one daemon; for a zero-copy engine, keeping it open is its lease."""
 
-    def __init__(self, path: str | Path, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    def __init__(self, path: str | Path, timeout: float = CONNECT_TIMEOUT_S,
+                 request_timeout: float = REQUEST_TIMEOUT_S) -> None:
         self.path = str(path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
@@ -36,7 +37,7 @@ class DaemonConnection:
             self.sock.close()
             # Fail closed the other way too: weights from another user's process are not ours to trust.
             raise DaemonError(f"the socket {self.path} belongs to a process of uid {uid}, not yours.")
-        self.sock.settimeout(REQUEST_TIMEOUT_S)
+        self.sock.settimeout(request_timeout)
 
     def __enter__(self) -> DaemonConnection:
         return self
@@ -62,7 +63,8 @@ class DaemonConnection:
         return reply
 
 
-def request_once(path: str | Path, message_type: str, **fields: Any) -> Frame:
-    """Open a connection, make one request, close."""
-    with DaemonConnection(path) as conn:
+def request_once(path: str | Path, message_type: str, *, timeout: float | None = None, **fields: Any) -> Frame:
+    """Open a connection, make one request, close; `timeout` bounds connect and reply alike."""
+    connect, reply = (timeout, timeout) if timeout is not None else (CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S)
+    with DaemonConnection(path, connect, reply) as conn:
         return conn.request(message_type, **fields)

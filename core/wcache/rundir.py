@@ -19,6 +19,8 @@ log = logging.getLogger("wcache")
 
 DESCRIPTOR_SUFFIX = ".json"
 SOCKET_SUFFIX = ".sock"
+# Serving engines announce themselves here (one JSON file per engine pid) for `wcache top`.
+ENGINES_DIR = "engines"
 # AF_UNIX paths are limited to 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
 

@@ -23,10 +23,10 @@ from prometheus_client.registry import Collector
 
 from wcache.engine.engine import Engine, Generation
 from wcache.events import append_event
+from wcache.rundir import ENGINES_DIR
 
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_LIMIT = 4096
-ENGINES_DIR = "engines"
 
 
 class RequestError(Exception):

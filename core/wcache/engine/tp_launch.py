@@ -20,13 +20,16 @@ Design choices, and why:
 - **Any failure stops every rank.** When one rank raises, the others are usually blocked in a collective
   that will never complete; they are terminated, then killed if they ignore SIGTERM, and always reaped,
   so no process is left behind. The first failure is the one reported: later ones are mostly the other
-  ranks noticing their peer is gone.
+  ranks noticing their peer is gone. If the parent itself is killed, the kernel SIGTERMs the ranks
+  (Linux PR_SET_PDEATHSIG), which matters for servers started with `timeout=None`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import time
@@ -51,22 +54,30 @@ _TERMINATE_GRACE_S = 5.0
 # After a rank exits cleanly, how long its last message may still be in flight through the pipe.
 _DRAIN_GRACE_S = 5.0
 
+# "No timeout" for gloo: a finite span, since gloo adds it to the clock in int64 nanoseconds.
+_NO_TIMEOUT = timedelta(days=3650)
+
+# linux/prctl.h: deliver a signal to this process when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
 _OK = "ok"
 _ERROR = "error"
 
 
 def run_tensor_parallel(
-    fn: Callable[[TensorParallel, *Ts], T], tp_size: int, *args: *Ts, timeout: float = 300
+    fn: Callable[[TensorParallel, *Ts], T], tp_size: int, *args: *Ts, timeout: float | None = 300
 ) -> list[T]:
     """Run `fn(TensorParallel(rank, tp_size), *args)` on `tp_size` CPU processes; results in rank order.
 
     Raises RuntimeError naming the rank and its error (with the rank's traceback) when any rank raises,
     dies, or when not every rank has returned within `timeout` seconds; all ranks are stopped first.
+    `timeout=None` waits for as long as the ranks run (a server); it also lifts the process group's
+    per-collective timeout, so ranks may sit idle in a collective (waiting for rank 0's next request).
     """
     if tp_size < 1:
         raise ValueError(f"tp_size must be at least 1, not {tp_size}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive, not {timeout}")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout must be positive (or None for no limit), not {timeout}")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="wcache-tp-") as rendezvous_dir:
         init_method = Path(rendezvous_dir, "rendezvous").as_uri()
@@ -77,7 +88,7 @@ def run_tensor_parallel(
                 receiver, sender = ctx.Pipe(duplex=False)
                 process = ctx.Process(
                     target=_rank_main,
-                    args=(rank, tp_size, init_method, timeout, sender, fn, args),
+                    args=(rank, tp_size, init_method, timeout, sender, os.getpid(), fn, args),
                     name=f"wcache-tp-rank{rank}",
                 )
                 process.start()
@@ -85,14 +96,16 @@ def run_tensor_parallel(
                 sender.close()
                 processes.append(process)
                 receivers.append(receiver)
-            return _collect(processes, receivers, time.monotonic() + timeout, timeout)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            return _collect(processes, receivers, deadline, timeout)
         finally:
             _stop_all(processes)
             for receiver in receivers:
                 receiver.close()
 
 
-def _collect(processes: list[Any], receivers: list[Connection], deadline: float, timeout: float) -> list[Any]:
+def _collect(processes: list[Any], receivers: list[Connection], deadline: float | None,
+             timeout: float | None) -> list[Any]:
     """Read one message per rank; raise on the first error, unexplained exit, or the deadline."""
     results: dict[int, Any] = {}
     pending = {receiver: rank for rank, receiver in enumerate(receivers)}
@@ -100,7 +113,7 @@ def _collect(processes: list[Any], receivers: list[Connection], deadline: float,
     exited_at: dict[int, float] = {}
     while pending:
         now = time.monotonic()
-        if now >= deadline:
+        if deadline is not None and now >= deadline:
             missing = sorted(pending.values())
             names = f"rank {missing[0]}" if len(missing) == 1 else "ranks " + ", ".join(map(str, missing))
             raise RuntimeError(f"tensor-parallel {names} did not finish within {timeout:g} s")
@@ -111,24 +124,31 @@ def _collect(processes: list[Any], receivers: list[Connection], deadline: float,
                 raise RuntimeError(f"tensor-parallel rank {rank} exited without returning a result")
         watched: list[Any] = list(pending)
         watched += [s for s, rank in sentinels.items() if rank in pending.values() and rank not in exited_at]
-        for ready in wait(watched, timeout=min(deadline - now, 0.5)):
+        # Wake at least twice a second to re-check the deadline and the drain grace period.
+        for ready in wait(watched, timeout=0.5 if deadline is None else min(deadline - now, 0.5)):
             if ready in pending:
-                rank = pending[ready]
+                rank = pending.pop(ready)
                 try:
-                    status, payload = pickle.loads(ready.recv_bytes())
+                    data = ready.recv_bytes()
                 except (EOFError, OSError):
-                    # Closed without a message: the process died; its sentinel tells how.
-                    del pending[ready]
+                    # Closed without a message: the process died; its exit status tells how.
                     processes[rank].join(_TERMINATE_GRACE_S)
                     raise RuntimeError(
                         f"tensor-parallel rank {rank} died without a result (exit code {processes[rank].exitcode})"
                     ) from None
-                del pending[ready]
+                try:
+                    status, payload = pickle.loads(data)
+                except Exception as exc:  # e.g. a result class the parent cannot import
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank}'s result could not be unpickled: {type(exc).__name__}: {exc}"
+                    ) from exc
                 if status == _ERROR:
                     raise RuntimeError(f"tensor-parallel rank {rank} failed: {payload}")
                 results[rank] = payload
             else:
                 rank = sentinels[ready]
+                if rank in results:
+                    continue  # it already reported; how it exits after that does not matter
                 processes[rank].join(_TERMINATE_GRACE_S)  # the sentinel closes a moment before the exit status
                 code = processes[rank].exitcode
                 if code not in (0, None):
@@ -155,9 +175,10 @@ def _stop_all(processes: list[Any]) -> None:
         process.close()
 
 
-def _rank_main(rank: int, size: int, init_method: str, timeout: float, sender: Connection,
-               fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _rank_main(rank: int, size: int, init_method: str, timeout: float | None, sender: Connection,
+               parent_pid: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     """One rank's process: join the group, run `fn`, send back (status, payload), leave the group."""
+    _die_with_parent(parent_pid)
     # Single-host by construction, so keep gloo on loopback instead of whatever the hostname resolves to.
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -165,8 +186,10 @@ def _rank_main(rank: int, size: int, init_method: str, timeout: float, sender: C
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     try:
         try:
+            # A collective may not outlive the whole run: a rank whose peer died fails instead of hanging.
+            group_timeout = _NO_TIMEOUT if timeout is None else timedelta(seconds=timeout)
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
-                                    timeout=timedelta(seconds=timeout))
+                                    timeout=group_timeout)
             try:
                 message = (_OK, fn(TensorParallel(rank, size), *args))
             finally:
@@ -180,3 +203,20 @@ def _rank_main(rank: int, size: int, init_method: str, timeout: float, sender: C
         sender.send_bytes(data)
     finally:
         sender.close()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGTERM this rank if the parent dies (even by SIGKILL), so no rank is orphaned.
+
+    The parent's `finally` covers exceptions and Ctrl-C, but not a parent that is killed outright; a
+    server launched with `timeout=None` would then run on unowned. Linux only; elsewhere a no-op.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before the request above took effect
+        os.kill(os.getpid(), signal.SIGTERM)

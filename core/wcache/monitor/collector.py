@@ -1,0 +1,248 @@
+"""Collect one snapshot: daemons from the run dir, engines from their /metrics, events from the log's tail.
+
+All network and socket calls of one poll run concurrently on a small persistent pool with short timeouts, so
+a hung daemon or engine costs one timeout, not one per row. Nothing here removes or changes files: `top` is
+read-only (stale descriptors are shown as gone, not cleaned).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from wcache.client import DaemonError, request_once
+from wcache.events import events_path
+from wcache.monitor.prometheus import Samples, label_value, parse_metrics, total
+from wcache.monitor.rates import CounterDeltas, ratio
+from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
+from wcache.rundir import ENGINES_DIR, DaemonDescriptor, read_descriptors
+
+TIMEOUT_S = 1.0
+HISTORY = 60
+MAX_EVENTS = 500
+# Shown in the feed; engine_counters is bookkeeping for rates, not news.
+FEED_KINDS = frozenset({
+    "preload", "ready", "preload_failed", "attach_hit", "attach_miss", "fallback", "release", "stop",
+    "daemon_exited", "daemon_lost",
+})
+
+
+class EventTail:
+    """Reads only what was appended since the last call; starts over if the file is replaced or truncated."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._inode: int | None = None
+        self._partial = b""
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return []
+        if st.st_ino != self._inode or st.st_size < self._offset:
+            self._inode, self._offset, self._partial = st.st_ino, 0, b""
+        if st.st_size == self._offset:
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            data = f.read(st.st_size - self._offset)
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()  # an unfinished last line waits for its newline
+        events = []
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and isinstance(event.get("kind"), str):
+                events.append(event)
+        return events
+
+
+def summarize(event: dict[str, Any]) -> EventRow:
+    """Severity and a one-line summary; misses, fallbacks and losses stand out, with their reason."""
+    kind = event["kind"]
+    detail = {k: v for k, v in event.items() if k not in ("ts", "kind")}
+    severity = "info"
+    if kind == "attach_miss":
+        severity = "warning"
+        summary = f"miss on {event.get('device', '?')}: {event.get('reason', 'no reason recorded')}"
+    elif kind == "fallback":
+        severity = "warning"
+        summary = f"fell back to disk for {event.get('source', '?')}: {event.get('reason', '')}"
+    elif kind == "daemon_lost":
+        severity = "error"
+        summary = f"engine lost daemon {event.get('daemon', '?')}"
+    elif kind == "daemon_exited":
+        severity = "error" if event.get("exit_code") not in (0, None) else "info"
+        summary = f"daemon {event.get('daemon', '?')} exited with code {event.get('exit_code')}"
+    elif kind == "preload_failed":
+        severity = "error"
+        summary = f"preload of {event.get('source', '?')} failed: {event.get('reason', '')}"
+    elif kind == "attach_hit":
+        total_ms = (event.get("timings_ms") or {}).get("total")
+        timing = f", {total_ms:.1f} ms" if isinstance(total_ms, int | float) else ""
+        summary = f"hit {event.get('daemon', '?')} ({event.get('mode', '?')}{timing})"
+    else:
+        subject = event.get("daemon") or event.get("source") or ""
+        summary = f"{kind.replace('_', ' ')} {subject}".strip()
+    return EventRow(ts=float(event.get("ts", 0.0)), kind=kind, severity=severity, summary=summary, detail=detail)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTarget:
+    """An engine to scrape: announced in the run dir, or named with --scrape."""
+
+    id: str
+    url: str
+    metrics_url: str
+    announced: dict[str, Any] | None
+
+
+def metrics_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url if url.endswith("/metrics") else f"{url}/metrics"
+
+
+class Collector:
+    """Polls everything `wcache top` shows; keeps the previous sample of each counter for rates."""
+
+    def __init__(self, run_dir: Path, scrape: list[str] | None = None, interval_s: float = 2.0) -> None:
+        self.run_dir = run_dir
+        self.scrape = list(scrape or [])
+        self.interval_s = interval_s
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="wcache-top")
+        self._tail = EventTail(events_path(run_dir))
+        self._events: deque[EventRow] = deque(maxlen=MAX_EVENTS)
+        self._deltas = CounterDeltas()
+        self._history: dict[str, deque[float]] = {}
+        self._polls = 0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- sources -------------------------------------------------------------------------------------
+
+    def _engine_targets(self) -> list[EngineTarget]:
+        targets = []
+        directory = self.run_dir / ENGINES_DIR
+        for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+            try:
+                announced = json.loads(path.read_text())
+                pid, url = int(announced["pid"]), str(announced["url"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if not psutil.pid_exists(pid):
+                continue  # an engine that died without removing its file
+            targets.append(EngineTarget(f"pid {pid}", url, metrics_url(url), announced))
+        known = {t.metrics_url for t in targets}
+        for url in self.scrape:
+            if metrics_url(url) not in known:
+                targets.append(EngineTarget(url, url, metrics_url(url), None))
+        return targets
+
+    @staticmethod
+    def _fetch(url: str) -> str | None:
+        try:
+            with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+                return response.read().decode("utf-8", errors="replace")
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _health(url: str) -> int | None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=TIMEOUT_S) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _stats(descriptor: DaemonDescriptor) -> dict[str, Any] | None:
+        try:
+            return request_once(descriptor.socket, "stats", timeout=TIMEOUT_S).fields
+        except DaemonError:
+            return None
+
+    # -- one poll ------------------------------------------------------------------------------------
+
+    def poll(self) -> Snapshot:
+        self._polls += 1
+        descriptors = read_descriptors(self.run_dir) if self.run_dir.exists() else []
+        targets = self._engine_targets()
+        stats: dict[str, Future[dict[str, Any] | None]] = {
+            d.name: self._pool.submit(self._stats, d) for d in descriptors
+        }
+        health: dict[str, Future[int | None]] = {
+            url: self._pool.submit(self._health, url) for url in {d.health_url for d in descriptors if d.health_url}
+        }
+        scraped: dict[str, Future[str | None]] = {t.id: self._pool.submit(self._fetch, t.metrics_url) for t in targets}
+        for event in self._tail.read_new():
+            if event["kind"] in FEED_KINDS:
+                self._events.append(summarize(event))
+        daemons = tuple(self._daemon_row(d, stats[d.name].result(), health) for d in descriptors)
+        engines = tuple(self._engine_row(t, scraped[t.id].result()) for t in targets)
+        self._deltas.forget({(t.id, name) for t in targets for name in ("queries", "hits")})
+        return Snapshot(
+            taken_at=time.time(), interval_s=self.interval_s,
+            rates="interval" if self._polls > 1 else "cumulative", run_dir=str(self.run_dir),
+            daemons=daemons, engines=engines, events=tuple(self._events),
+        )
+
+    @staticmethod
+    def _daemon_row(d: DaemonDescriptor, stats: dict[str, Any] | None,
+                    health: dict[str, Future[int | None]]) -> DaemonRow:
+        alive = stats is not None
+        status = health[d.health_url].result() if d.health_url in health else None
+        return DaemonRow(
+            name=d.name, pid=d.pid, device=d.device, tp_rank=d.tp_rank, tp_size=d.tp_size,
+            model=Path(d.source).name, key_id=d.key_id,
+            state=str(stats.get("state")) if stats else "gone",
+            weights_bytes=int(stats.get("weights_bytes", 0)) if stats else 0,
+            leases=int(stats.get("leases", 0)) if stats else 0,
+            uptime_s=float(stats["uptime_s"]) if stats and "uptime_s" in stats else None,
+            health_status=status if alive else None, alive=alive,
+        )
+
+    def _engine_row(self, target: EngineTarget, text: str | None) -> EngineRow:
+        samples: Samples = parse_metrics(text) if text is not None else {}
+        queries = total(samples, "vllm:prefix_cache_queries_total")
+        hits = total(samples, "vllm:prefix_cache_hits_total")
+        d_queries = self._deltas.delta((target.id, "queries"), queries)
+        d_hits = self._deltas.delta((target.id, "hits"), hits)
+        interval_rate = ratio(d_hits, d_queries)
+        history = self._history.setdefault(target.id, deque(maxlen=HISTORY))
+        if interval_rate is not None:
+            history.append(interval_rate)
+        announced = target.announced or {}
+        attach = announced.get("attach") or {}
+        weights = attach.get("outcome") or label_value(samples, "wcache:engine_weights_info", "outcome")
+        is_wcache = target.announced is not None or "wcache:replayed_tokens_total" in samples
+        return EngineRow(
+            id=target.id, url=target.url, kind="wcache" if is_wcache else "vllm",
+            model=str(announced.get("model") or label_value(samples, "vllm:prefix_cache_queries_total", "model_name")
+                      or "?"),
+            up=text is not None, weights=weights, mode=attach.get("mode"), daemon=attach.get("daemon"),
+            attach_ms=(attach.get("timings_ms") or {}).get("total"),
+            prefix_queries_total=queries, prefix_hits_total=hits,
+            hit_rate_interval=interval_rate, hit_rate_overall=ratio(hits, queries),
+            adopted_hits_total=total(samples, "wcache:prefix_cache_adopted_hits_total"),
+            replayed_tokens_total=total(samples, "wcache:replayed_tokens_total"),
+            prefill_saved_total=total(samples, "wcache:prefill_tokens_saved_total"),
+            swa_cached_bytes=total(samples, "wcache:swa_cached_bytes"),
+            hit_rate_history=tuple(history),
+        )

@@ -1,0 +1,92 @@
+"""The snapshot `wcache top` shows: plain values, numbers as numbers, units in field names.
+
+Schema (`Snapshot.to_json()`), version `wcache.top/1`:
+  taken_at (unix s), interval_s, rates ("interval": rates are deltas over the last interval; "cumulative":
+  only one sample yet, so rates are null and totals are since start), run_dir,
+  daemons[]: name, pid, device, tp_rank, tp_size, model, key_id, state, weights_bytes, leases, uptime_s,
+             health_status (HTTP code or null), alive
+  engines[]: id, url, kind ("wcache" | "vllm"), model, up, weights (attach outcome: hit | miss | fallback |
+             disk | null), mode, daemon, attach_ms, prefix_queries_total, prefix_hits_total,
+             hit_rate_interval, hit_rate_overall, adopted_hits_total, replayed_tokens_total,
+             prefill_saved_total, swa_cached_bytes, hit_rate_history[] — any of these is null ("off") when
+             the engine does not export the series
+  events[]: ts, kind, severity (info | warning | error), summary, detail{}
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SCHEMA = "wcache.top/1"
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonRow:
+    name: str
+    pid: int
+    device: str
+    tp_rank: int
+    tp_size: int
+    model: str
+    key_id: str
+    state: str
+    weights_bytes: int
+    leases: int
+    uptime_s: float | None
+    health_status: int | None
+    alive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRow:
+    id: str
+    url: str
+    kind: str
+    model: str
+    up: bool
+    weights: str | None
+    mode: str | None
+    daemon: str | None
+    attach_ms: float | None
+    prefix_queries_total: float | None
+    prefix_hits_total: float | None
+    hit_rate_interval: float | None
+    hit_rate_overall: float | None
+    adopted_hits_total: float | None
+    replayed_tokens_total: float | None
+    prefill_saved_total: float | None
+    swa_cached_bytes: float | None
+    hit_rate_history: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EventRow:
+    ts: float
+    kind: str
+    severity: str
+    summary: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    taken_at: float
+    interval_s: float
+    rates: str
+    run_dir: str
+    daemons: tuple[DaemonRow, ...]
+    engines: tuple[EngineRow, ...]
+    events: tuple[EventRow, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "taken_at": self.taken_at,
+            "interval_s": self.interval_s,
+            "rates": self.rates,
+            "run_dir": self.run_dir,
+            "daemons": [asdict(d) for d in self.daemons],
+            "engines": [{**asdict(e), "hit_rate_history": list(e.hit_rate_history)} for e in self.engines],
+            "events": [asdict(e) for e in self.events],
+        }
