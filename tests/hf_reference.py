@@ -60,8 +60,7 @@ def layer_windows(config: Mapping[str, Any]) -> tuple[int | None, ...]:
     if types is None:
         max_window_layers = config.get("max_window_layers", 28)
         types = [
-            "sliding_attention" if window is not None and i >= max_window_layers else "full_attention"
-            for i in range(n)
+            "sliding_attention" if window is not None and i >= max_window_layers else "full_attention" for i in range(n)
         ]
     return tuple(window if t == "sliding_attention" else None for t in types)
 

@@ -60,7 +60,21 @@ PROMPTS: dict[str, list[int]] = {
     "ramp76": [*range(200, 256), *range(20)],
 }
 LONG_PROMPTS = [name for name, ids in PROMPTS.items() if len(ids) > WINDOW]
-BF16_PROMPTS = ["n40", "n83", "n120"]
+# Every prompt through the default (fused) layout; a few through the identity layout, which only changes how
+# the weights are laid out (unfused q/k/v and gate/up), to keep the module well under 30 s.
+LOGITS_CASES = [("fused", n) for n in LONG_PROMPTS] + [("identity", n) for n in ("n40", "n120")]
+GREEDY_CASES = [("fused", n) for n in PROMPTS] + [("identity", n) for n in ("n30", "n57", "n120")]
+BF16_PROMPTS = ["n40", "n120"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """The matrices are tiny: extra intra-op threads only add synchronisation, and on a busy machine OpenMP's
+    spinning made this module 6x slower (90 s against 14 s at load 8 on 2 cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +115,13 @@ def hf_tokens(hf: Any) -> dict[str, list[int]]:
 COLD = EngineConfig(enable_prefix_caching=False)
 
 
-@pytest.fixture(scope="module", params=["fused", "identity"])
-def engine(request: pytest.FixtureRequest, private_cache: None, tiny: Path) -> Iterator[Engine]:
-    built = Engine.from_disk(tiny, PlanSpec(layout=request.param), COLD)
+@pytest.fixture(scope="module")
+def engines(private_cache: None, tiny: Path) -> Iterator[dict[str, Engine]]:
+    """Cold engines (no prefix cache), one per processing layout."""
+    built = {layout: Engine.from_disk(tiny, PlanSpec(layout=layout), COLD) for layout in ("fused", "identity")}
     yield built
-    built.close()
+    for engine in built.values():
+        engine.close()
 
 
 # --- the harness: HF as transformers 5.x runs it, and an independent oracle ---------------------------------
@@ -136,7 +152,7 @@ def test_tolerance_catches_a_wrong_window(hf: Any, tiny: Path) -> None:
         assert (logits - target).abs().max().item() > 100 * LOGITS_ATOL, f"window {wrong} is indistinguishable"
 
 
-@pytest.mark.parametrize("name", ["n30", "n57", "n83"])
+@pytest.mark.parametrize("name", ["n30", "n57"])
 def test_hf_cached_greedy_matches_reference_recompute(tiny: Path, hf_tokens: dict[str, list[int]], name: str) -> None:
     # HF decodes through its sliding-window cache; the reference recomputes every step from scratch.
     assert hf_tokens[name] == reference_greedy(tiny, PROMPTS[name], NEW_TOKENS, EOS)
@@ -166,19 +182,21 @@ def _margin_note(tiny: Path, prompt: list[int], expected: list[int], got: list[i
     return f"; first divergence at {at}: reference logit gap between HF's and the engine's token {gap:.3g}"
 
 
-@pytest.mark.parametrize("name", LONG_PROMPTS)
-def test_engine_prefill_logits_match_hf(engine: Engine, hf: Any, name: str) -> None:
+@pytest.mark.parametrize(("layout", "name"), LOGITS_CASES)
+def test_engine_prefill_logits_match_hf(engines: dict[str, Engine], hf: Any, layout: str, name: str) -> None:
     ids = PROMPTS[name]
-    got = engine.prefill_logits(ids)
+    got = engines[layout].prefill_logits(ids)
     assert got.shape == (len(ids), 320) and got.dtype == torch.float32
     diff = (got - hf_logits(hf, ids)).abs().max().item()
     assert diff < LOGITS_ATOL, f"{name}: engine vs HF logits differ by {diff:.3g} (max abs)"
 
 
-@pytest.mark.parametrize("name", list(PROMPTS))
-def test_engine_greedy_matches_hf(engine: Engine, tiny: Path, hf_tokens: dict[str, list[int]], name: str) -> None:
+@pytest.mark.parametrize(("layout", "name"), GREEDY_CASES)
+def test_engine_greedy_matches_hf(
+    engines: dict[str, Engine], tiny: Path, hf_tokens: dict[str, list[int]], layout: str, name: str
+) -> None:
     expected = truncate_at_eos(hf_tokens[name], EOS)
-    got = engine.generate(PROMPTS[name], NEW_TOKENS).token_ids
+    got = engines[layout].generate(PROMPTS[name], NEW_TOKENS).token_ids
     assert got == expected, f"{name}: engine {got} vs HF {expected}" + _margin_note(tiny, PROMPTS[name], expected, got)
 
 

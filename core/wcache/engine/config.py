@@ -110,13 +110,17 @@ class ModelConfig:
 
 
 def _rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
-    # transformers 5 moved rope_theta and scaling into `rope_parameters`; older configs keep them top-level.
-    params = config.get("rope_parameters")
-    return dict(params) if isinstance(params, Mapping) else {}
+    # transformers 5 moved rope_theta and scaling into `rope_parameters`; like transformers, a legacy
+    # `rope_scaling` wins when both are present.
+    for key in ("rope_scaling", "rope_parameters"):
+        params = config.get(key)
+        if isinstance(params, Mapping) and params:
+            return dict(params)
+    return {}
 
 
 def _rope_scaling(config: Mapping[str, Any]) -> dict[str, Any]:
-    scaling = _rope_parameters(config) or dict(config.get("rope_scaling") or {})
+    scaling = _rope_parameters(config)
     scaling.pop("rope_theta", None)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in SUPPORTED_ROPE:
@@ -126,19 +130,23 @@ def _rope_scaling(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def _sliding_window(config: Mapping[str, Any]) -> int | None:
     window = config.get("sliding_window")
+    # Qwen2/Qwen3 configs carry a window that only applies when use_sliding_window says so (as in transformers).
+    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+        return None
     return int(window) if window else None
 
 
 def _layer_types(config: Mapping[str, Any], layers: int) -> tuple[str, ...]:
+    window = _sliding_window(config)
+    model_type = config.get("model_type")
+    if model_type == "mistral":
+        # Mistral windows every layer whenever it has a window; transformers ignores layer_types for it.
+        return (SLIDING if window else FULL,) * layers
     explicit = config.get("layer_types")
     if explicit is not None:
         if len(explicit) != layers or any(t not in (FULL, SLIDING) for t in explicit):
             raise UnsupportedModelError(f"layer_types must list {layers} entries of {FULL} or {SLIDING}.")
         return tuple(explicit)
-    window = _sliding_window(config)
-    model_type = config.get("model_type")
-    if model_type == "mistral" and window:
-        return (SLIDING,) * layers
     if model_type in ("qwen2", "qwen3") and window and config.get("use_sliding_window"):
         # The family's older fields: layers from max_window_layers on use the window.
         start = int(config.get("max_window_layers", layers))

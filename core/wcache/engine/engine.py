@@ -193,7 +193,8 @@ class Engine:
             c.replayed_tokens += hit - start
         write_floor = hit if adopted else 0
         try:
-            hidden = self._step(request, start, write_floor, start)
+            # Only a replayed window is clamped; without replay the cached sliding KV is read as stored.
+            hidden = self._step(request, start, write_floor, start if self.replay else 0)
             c.prefill_tokens += len(prompt) - start
             c.prefill_tokens_saved += start
             generated: list[int] = []

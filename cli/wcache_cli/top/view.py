@@ -1,0 +1,372 @@
+"""What `wcache top` shows, as plain data: columns, cells, sorting, filtering and event details.
+
+Both the Textual dashboard and `--once` render from these, so the two never disagree. No Textual imports:
+cells are rich `Text`, which both a `DataTable` and a rich `Table` accept. A value the source did not report
+(`None`) renders as "off", never as 0 and never as an exception.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from rich.text import Text
+from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
+
+from wcache_cli.render import human_bytes
+
+OFF = "off"
+NOT_YET = "–"  # the series exists but this interval has no value (first sample, or nothing was queried)
+SPARK = "▁▂▃▄▅▆▇█"
+SPARK_WIDTH = 24
+SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": ""}
+SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
+WEIGHTS_STYLE = {"hit": "green", "miss": "bold red", "fallback": "bold yellow", "disk": "yellow"}
+FEED_LIMIT = 20  # events that --once prints
+
+R = TypeVar("R")
+
+
+# -- formatting -----------------------------------------------------------------------------------------------
+
+
+def off(style: str = "dim") -> Text:
+    return Text(OFF, style=style)
+
+
+def count(value: float | None) -> Text:
+    """A cumulative counter: an integer with separators, or "off" when the series is absent."""
+    if value is None or not math.isfinite(value):
+        return off()
+    return Text(f"{value:,.0f}")
+
+
+def percent(value: float | None, *, present: bool) -> Text:
+    """A ratio as a percentage; "off" when the series is absent, "–" when it exists but has no value yet."""
+    if not present:
+        return off()
+    if value is None:
+        return Text(NOT_YET, style="dim")
+    return Text(f"{value * 100:.1f} %")
+
+
+def sparkline(history: Sequence[float], *, present: bool, width: int = SPARK_WIDTH) -> Text:
+    """Hit rates on a fixed 0–100 % scale, oldest left, newest right."""
+    if not present:
+        return off()
+    if not history:
+        return Text(NOT_YET, style="dim")
+    cells = [SPARK[min(len(SPARK) - 1, max(0, int(v * len(SPARK))))] for v in history[-width:]]
+    return Text("".join(cells), style="cyan")
+
+
+def duration(seconds: float | None) -> str:
+    """Compact: 42s, 3m07s, 2h05m, 4d03h."""
+    if seconds is None or not math.isfinite(seconds):
+        return OFF
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def age(ts: float, now: float) -> str:
+    return f"{duration(now - ts)} ago"
+
+
+def health(d: DaemonRow) -> Text:
+    if not d.alive:
+        return Text("gone", style="bold red")
+    if d.health_status is None:
+        return off()
+    if d.health_status == 200:
+        return Text("ok", style="green")
+    return Text(str(d.health_status), style="bold red")
+
+
+def state(d: DaemonRow) -> Text:
+    style = {"ready": "green", "gone": "bold red"}.get(d.state, "yellow")
+    return Text(d.state, style=style)
+
+
+def weights(e: EngineRow) -> Text:
+    if e.weights is None:
+        return off()
+    return Text(e.weights, style=WEIGHTS_STYLE.get(e.weights, ""))
+
+
+def attach_ms(e: EngineRow) -> Text:
+    if e.attach_ms is None:
+        return off()
+    return Text(f"{e.attach_ms:,.1f} ms")
+
+
+def plain(value: str | None) -> Text:
+    return off() if value is None else Text(value)
+
+
+# -- columns --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Column(Generic[R]):
+    """One column: its label, how a row renders in it (given the display clock), and its sort key."""
+
+    label: str
+    cell: Callable[[R, float], Text]
+    key: Callable[[R], Any]
+    justify: str = "left"
+
+
+def _has_prefix(e: EngineRow) -> bool:
+    return e.prefix_queries_total is not None
+
+
+DAEMON_COLUMNS: tuple[Column[DaemonRow], ...] = (
+    Column("device", lambda d, _: Text(d.device), lambda d: d.device),
+    Column("rank", lambda d, _: Text(f"{d.tp_rank}/{d.tp_size}"), lambda d: (d.tp_size, d.tp_rank)),
+    Column("model", lambda d, _: Text(d.model), lambda d: d.model),
+    Column("key id", lambda d, _: Text(d.key_id, style="cyan"), lambda d: d.key_id),
+    Column("state", lambda d, _: state(d), lambda d: d.state),
+    Column("memory", lambda d, _: Text(human_bytes(d.weights_bytes)) if d.alive else off(),
+           lambda d: d.weights_bytes if d.alive else None, "right"),
+    Column("leases", lambda d, _: Text(str(d.leases)) if d.alive else off(),
+           lambda d: d.leases if d.alive else None, "right"),
+    Column("uptime", lambda d, _: Text(duration(d.uptime_s), style="" if d.uptime_s is not None else "dim"),
+           lambda d: d.uptime_s, "right"),
+    Column("health", lambda d, _: health(d), lambda d: (d.alive, d.health_status or 0)),
+    Column("pid", lambda d, _: Text(str(d.pid), style="dim"), lambda d: d.pid, "right"),
+)
+
+ENGINE_COLUMNS: tuple[Column[EngineRow], ...] = (
+    Column("engine", lambda e, _: Text(e.id), lambda e: e.id),
+    Column("where", lambda e, _: Text(e.url), lambda e: e.url),
+    Column("model", lambda e, _: Text(e.model), lambda e: e.model),
+    Column("kind", lambda e, _: Text(e.kind), lambda e: e.kind),
+    Column("weights", lambda e, _: weights(e), lambda e: e.weights),
+    Column("mode", lambda e, _: plain(e.mode), lambda e: e.mode),
+    Column("daemon", lambda e, _: plain(e.daemon), lambda e: e.daemon),
+    Column("attach", lambda e, _: attach_ms(e), lambda e: e.attach_ms, "right"),
+    Column("up", lambda e, _: Text("up", style="green") if e.up else Text("down", style="bold red"),
+           lambda e: e.up),
+)
+
+REPLAY_COLUMNS: tuple[Column[EngineRow], ...] = (
+    Column("engine", lambda e, _: Text(e.id), lambda e: e.id),
+    Column("hit rate (interval)", lambda e, _: percent(e.hit_rate_interval, present=_has_prefix(e)),
+           lambda e: e.hit_rate_interval, "right"),
+    Column("hit rate (overall)", lambda e, _: percent(e.hit_rate_overall, present=_has_prefix(e)),
+           lambda e: e.hit_rate_overall, "right"),
+    Column("adopted hits", lambda e, _: count(e.adopted_hits_total), lambda e: e.adopted_hits_total, "right"),
+    Column("replayed tokens", lambda e, _: count(e.replayed_tokens_total), lambda e: e.replayed_tokens_total,
+           "right"),
+    Column("prefill saved", lambda e, _: count(e.prefill_saved_total), lambda e: e.prefill_saved_total, "right"),
+    Column("hit rate history", lambda e, _: sparkline(e.hit_rate_history, present=_has_prefix(e)),
+           lambda e: e.hit_rate_history[-1] if e.hit_rate_history else None),
+)
+
+
+def _severity_text(value: str, e: EventRow) -> Text:
+    return Text(value, style=SEVERITY_STYLE.get(e.severity, ""))
+
+
+EVENT_COLUMNS: tuple[Column[EventRow], ...] = (
+    Column("when", lambda e, now: Text(age(e.ts, now), style="dim"), lambda e: e.ts, "right"),
+    Column("severity", lambda e, _: _severity_text(e.severity, e), lambda e: SEVERITY_RANK.get(e.severity, 0)),
+    Column("kind", lambda e, _: _severity_text(e.kind, e), lambda e: e.kind),
+    Column("summary", lambda e, _: _severity_text(e.summary, e), lambda e: e.summary),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Panel(Generic[R]):
+    """One table of the dashboard: which rows of a snapshot it shows, and how."""
+
+    id: str
+    title: str
+    columns: tuple[Column[R], ...]
+    rows: Callable[[Snapshot], Sequence[R]]
+    row_key: Callable[[R, int], str]
+    extra_text: Callable[[R], str]  # searched by the filter besides the visible cells
+    default_sort: int = 0
+    default_reverse: bool = False
+
+
+PANELS: tuple[Panel[Any], ...] = (
+    Panel("daemons", "Daemons", DAEMON_COLUMNS, lambda s: s.daemons, lambda d, _: d.name,
+          lambda d: f"{d.name} {d.pid}"),
+    Panel("engines", "Engines", ENGINE_COLUMNS, lambda s: s.engines, lambda e, _: e.id,
+          lambda e: e.kind),
+    Panel("replay", "Replay and prefix cache", REPLAY_COLUMNS, lambda s: s.engines, lambda e, _: e.id,
+          lambda e: f"{e.url} {e.model} {e.kind}"),
+    Panel("events", "Events", EVENT_COLUMNS, lambda s: s.events, lambda e, i: f"{e.ts!r}/{e.kind}/{i}",
+          lambda e: str(e.detail.get("reason") or ""), default_sort=0, default_reverse=True),
+)
+PANEL_BY_ID: dict[str, Panel[Any]] = {p.id: p for p in PANELS}
+
+
+# -- sorting and filtering ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Sort:
+    column: int
+    reverse: bool = False
+
+    def next_column(self, num_columns: int) -> Sort:
+        return Sort((self.column + 1) % num_columns, self.reverse)
+
+    def reversed(self) -> Sort:
+        return Sort(self.column, not self.reverse)
+
+    @property
+    def arrow(self) -> str:
+        return "▼" if self.reverse else "▲"
+
+
+def default_sort(panel: Panel[Any]) -> Sort:
+    return Sort(panel.default_sort, panel.default_reverse)
+
+
+class FilterError(ValueError):
+    """The filter text is not a valid regular expression."""
+
+
+@dataclass(frozen=True, slots=True)
+class RowFilter:
+    """A regex searched in each row's text (case-insensitive unless it has a capital letter); `!` inverts."""
+
+    text: str
+    pattern: re.Pattern[str]
+    invert: bool
+
+    @classmethod
+    def parse(cls, text: str) -> RowFilter | None:
+        """None for an empty filter; FilterError (with the regex error) when the pattern does not compile."""
+        invert = text.startswith("!")
+        body = text[1:] if invert else text
+        if not body:
+            return None
+        flags = 0 if any(c.isupper() for c in body) else re.IGNORECASE
+        try:
+            pattern = re.compile(body, flags)
+        except re.error as exc:
+            raise FilterError(f"invalid regex {body!r}: {exc}") from None
+        return cls(text, pattern, invert)
+
+    def matches(self, haystack: str) -> bool:
+        return (self.pattern.search(haystack) is not None) != self.invert
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedRow:
+    key: str
+    cells: tuple[Text, ...]
+    row: Any
+
+
+def render_rows(panel: Panel[R], snapshot: Snapshot, sort: Sort, row_filter: RowFilter | None,
+                now: float) -> list[RenderedRow]:
+    """The panel's rows: filtered on their visible text, then sorted (absent values last either way)."""
+    indexed = list(enumerate(panel.rows(snapshot)))
+    column = panel.columns[sort.column]
+    present = [(i, r) for i, r in indexed if column.key(r) is not None]
+    absent = [(i, r) for i, r in indexed if column.key(r) is None]
+    present.sort(key=lambda pair: column.key(pair[1]), reverse=sort.reverse)
+    rendered = []
+    for i, row in present + absent:
+        cells = tuple(c.cell(row, now) for c in panel.columns)
+        if row_filter is not None:
+            haystack = " ".join([*(c.plain for c in cells), panel.extra_text(row)])
+            if not row_filter.matches(haystack):
+                continue
+        rendered.append(RenderedRow(panel.row_key(row, i), cells, row))
+    return rendered
+
+
+def column_label(panel: Panel[Any], index: int, sort: Sort) -> str:
+    label = panel.columns[index].label
+    return f"{label} {sort.arrow}" if index == sort.column else label
+
+
+# -- event details --------------------------------------------------------------------------------------------
+
+
+def _as_list(value: Any) -> list[str]:
+    if isinstance(value, list | tuple):
+        return [str(v) for v in value]
+    return [] if value in (None, "") else [str(value)]
+
+
+def diff_lines(diff: dict[str, Any]) -> list[str]:
+    """A key diff as `wcache.attach.diff_summary` records it, one fact per line."""
+    lines = []
+    fields = _as_list(diff.get("fields"))
+    if fields:
+        lines.append(f"fields: {', '.join(fields)}")
+    plan = diff.get("plan")
+    if isinstance(plan, dict):
+        for name, pair in plan.items():
+            if isinstance(pair, list | tuple) and len(pair) == 2:
+                lines.append(f"plan {name}: {pair[0]} → {pair[1]}")
+            else:
+                lines.append(f"plan {name}: {pair}")
+    config = _as_list(diff.get("config"))
+    if config:
+        lines.append(f"config: {', '.join(config)}")
+    for what in ("changed", "added", "removed"):
+        names = _as_list(diff.get(what))
+        total = diff.get(f"num_{what}", len(names))
+        if names or total:
+            shown = ", ".join(names[:8]) + (" …" if isinstance(total, int) and total > min(len(names), 8) else "")
+            lines.append(f"{what} ({total}): {shown}")
+    return lines
+
+
+def event_detail(event: EventRow, now: float) -> Text:
+    """The selected event: what, when, why, and for a miss the key diff."""
+    style = SEVERITY_STYLE.get(event.severity, "")
+    text = Text()
+    text.append(f"{event.kind}", style=style or "bold")
+    text.append(f"  {event.severity} · {age(event.ts, now)}\n", style="dim")
+    text.append(f"{event.summary}\n")
+    detail = dict(event.detail)
+    reason = detail.pop("reason", None)
+    diff = detail.pop("diff", None)
+    if reason:
+        text.append("reason: ", style="bold")
+        text.append(f"{reason}\n")
+    if isinstance(diff, dict):
+        text.append("key diff:\n", style="bold")
+        for line in diff_lines(diff):
+            text.append(f"  {line}\n")
+    for name in sorted(detail):
+        value = detail[name]
+        if value is None or value == [] or value == {}:
+            continue
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v}" for k, v in value.items())
+        text.append(f"{name}: ", style="dim")
+        text.append(f"{value}\n")
+    text.rstrip()
+    return text
+
+
+def counts_line(snapshot: Snapshot) -> str:
+    warnings = sum(1 for e in snapshot.events if e.severity == "warning")
+    errors = sum(1 for e in snapshot.events if e.severity == "error")
+    return (f"{len(snapshot.daemons)} daemon(s) · {len(snapshot.engines)} engine(s) · "
+            f"{len(snapshot.events)} event(s), {warnings} warning(s), {errors} error(s)")
+
+
+def rates_line(snapshot: Snapshot) -> str:
+    if snapshot.rates == "interval":
+        return f"hit rates over the last {snapshot.interval_s:g} s; totals since each engine started"
+    return "first sample: interval rates need a second one; totals since each engine started"

@@ -1,0 +1,312 @@
+"""`wcache attach --serve` answers a real OpenAI client end to end; `attach --prompt` generates.
+
+A daemon holds `tiny` in a private run dir (tests/daemon_fixtures.py); `wcache attach tiny --serve --port 0`
+runs as a subprocess in its own session and is killed however a test ends. The `openai` package talks to
+it; /metrics is read with prometheus_client's own parser; token ids are compared with an engine loaded from
+disk in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from daemon_fixtures import DaemonRig, copy_checkpoint, daemon_rig, http_status, survivors, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+from wcache.rundir import DaemonDescriptor
+
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+SERVING = re.compile(rb"SERVING (http://127\.0\.0\.1:\d+)/v1/completions")
+# Two prompts sharing a 96-byte prefix (the byte tokenizer makes that 96 tokens: six blocks of 16, well past
+# tiny's 32-token window, so the hit is adopted even with bounded replay on).
+SHARED = "The weights cache keeps processed tensors in a daemon, so engines restart without loading. " * 2
+PROMPT_A = SHARED[:96] + "First tail: what does the engine do next?"
+PROMPT_B = SHARED[:96] + "Second tail, a different question entirely."
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nothing_survives() -> Iterator[None]:
+    yield
+    left = survivors()
+    assert not left, f"processes outlived the tests: {left}"
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    url: str
+    stderr: Path
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def stop(self) -> int:
+        """SIGTERM, as a service manager would; the exit status."""
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=STOP_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def serving(rig: DaemonRig, model: Path, *options: str) -> Iterator[Server]:
+    """`wcache attach MODEL --serve --port 0` until the block ends; killed (whole session) however it ends."""
+    stderr = rig.base / f"serve-{len(list(rig.base.glob('serve-*.err')))}.err"
+    with open(stderr, "wb") as err:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "wcache_cli.main",
+                "attach",
+                str(model),
+                "--serve",
+                "--port",
+                "0",
+                "--run-dir",
+                str(rig.run_dir),
+                *options,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **rig.env},
+            start_new_session=True,
+        )
+    try:
+        yield Server(process, _read_url(process, stderr), stderr)
+    finally:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=STOP_TIMEOUT_S)
+        assert process.stdout is not None
+        process.stdout.close()
+
+
+def _read_url(process: subprocess.Popen[bytes], stderr: Path) -> str:
+    assert process.stdout is not None
+    fd = process.stdout.fileno()
+    seen = b""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while (match := SERVING.search(seen)) is None:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([fd], [], [], max(0.0, left))
+        chunk = os.read(fd, 4096) if ready else b""
+        if not chunk:
+            why = "exited" if process.poll() is not None else f"printed no SERVING line in {START_TIMEOUT_S} s"
+            raise AssertionError(f"the server {why}; stdout {seen!r}; stderr {stderr.read_text()!r}")
+        seen += chunk
+    return match.group(1).decode()
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample of /metrics, summed over labels, read with prometheus_client's text parser."""
+    code, text = http_status(f"{url}/metrics")
+    assert code == 200 and isinstance(text, str)
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def post(url: str, body: bytes) -> tuple[int, Any]:
+    request = urllib.request.Request(
+        f"{url}/v1/completions", data=body, method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def engine_events(rig: DaemonRig, pid: int) -> list[dict[str, Any]]:
+    return [e for e in rig.events("engine_counters") if e.get("engine_pid") == pid]
+
+
+@pytest.fixture(scope="module")
+def preloaded(tiny_template: Path) -> Iterator[tuple[DaemonRig, Path, DaemonDescriptor]]:
+    with daemon_rig() as rig:
+        model = copy_checkpoint(tiny_template, rig.base / "tiny")
+        (daemon,) = rig.preload(model)
+        yield rig, model, daemon
+
+
+@pytest.fixture(scope="module")
+def server(preloaded: tuple[DaemonRig, Path, DaemonDescriptor]) -> Iterator[Server]:
+    rig, model, _ = preloaded
+    with serving(rig, model) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def disk_engine(preloaded: tuple[DaemonRig, Path, DaemonDescriptor]) -> Any:
+    """`tiny` loaded from disk in this process: the reference every served answer must equal."""
+    from wcache.engine import Engine
+
+    rig, model, _ = preloaded
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WCACHE_CACHE_DIR", str(rig.cache_dir))
+        return Engine.from_disk(model)
+
+
+def cold_tokens(engine: Any, prompt: str, max_new_tokens: int) -> list[int]:
+    return engine.generate(engine.tokenizer.encode(prompt), max_new_tokens).token_ids
+
+
+# -- the OpenAI client --------------------------------------------------------------------------------------
+
+
+def test_openai_client_gets_the_disk_engines_tokens(server: Server, disk_engine: Any) -> None:
+    prompt = "An engine attached through wcache must say what an engine loaded from disk says."
+    client = server.client()
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    assert first.object == "text_completion" and first.model == "tiny"
+    (choice,) = first.choices
+    token_ids = choice.model_extra["token_ids"]
+    assert token_ids == cold_tokens(disk_engine, prompt, 8)
+    assert choice.text == disk_engine.tokenizer.decode(token_ids)
+    assert choice.finish_reason in ("stop", "length")
+    assert choice.finish_reason == "length" or token_ids[-1] in disk_engine.model_config.eos_token_ids
+    assert first.usage is not None
+    prompt_tokens = len(disk_engine.tokenizer.encode(prompt))
+    assert (first.usage.prompt_tokens, first.usage.completion_tokens) == (prompt_tokens, len(token_ids))
+    assert first.usage.total_tokens == prompt_tokens + len(token_ids)
+
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    assert again.choices[0].model_extra["token_ids"] == token_ids and again.choices[0].text == choice.text
+    assert again.id != first.id
+
+
+def test_shared_prefix_is_a_prefix_cache_hit_in_metrics(server: Server) -> None:
+    before = metrics(server.url)
+    client = server.client()
+    a = client.completions.create(model="tiny", prompt=PROMPT_A, max_tokens=4, temperature=0)
+    b = client.completions.create(model="tiny", prompt=PROMPT_B, max_tokens=4, temperature=0)
+    assert a.model_extra["wcache"]["hit_tokens"] == 0, "PROMPT_A is new to this server"
+    extension = b.model_extra["wcache"]
+    assert extension["adopted"] is True and extension["hit_tokens"] >= 64, extension
+    after = metrics(server.url)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("vllm:prefix_cache_queries_total") == len(PROMPT_A.encode()) + len(PROMPT_B.encode())
+    assert grew("vllm:prefix_cache_hits_total") == extension["hit_tokens"] > 0
+    assert grew("wcache:replayed_tokens_total") == extension["replayed_tokens"] > 0
+    assert grew("wcache:prefix_cache_adopted_hits_total") == 1
+    assert grew("vllm:request_success_total") == 2
+    assert after["wcache:swa_cached_bytes"] == 0, "with bounded replay no sliding-window KV is cached"
+    assert after["wcache:daemon_lost"] == 0
+
+
+def test_health_models_and_bad_requests(server: Server) -> None:
+    code, health = http_status(f"{server.url}/health")
+    assert code == 200 and isinstance(health, dict) and health["status"] == "ok"
+    code, models = http_status(f"{server.url}/v1/models")
+    assert code == 200 and isinstance(models, dict)
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert [m.id for m in server.client().models.list()] == ["tiny"]
+
+    with pytest.raises(openai.BadRequestError) as error:
+        server.client().completions.create(model="tiny", prompt="warm", max_tokens=4, temperature=0.7)
+    assert error.value.status_code == 400
+    assert "temperature" in str(error.value.body)
+
+    code, body = post(server.url, b'{"prompt": "unterminated')
+    assert code == 400 and body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"]
+    code, body = post(server.url, b'["a", "list"]')
+    assert code == 400 and "object" in body["error"]["message"]
+    code, body = post(server.url, json.dumps({"prompt": "x", "max_tokens": 0}).encode())
+    assert code == 400 and "max_tokens" in body["error"]["message"]
+    code, _ = http_status(f"{server.url}/no/such/route")
+    assert code == 404
+    # Still serving after the bad requests.
+    assert http_status(f"{server.url}/health")[0] == 200
+
+
+# -- attach --prompt and serving without bounded replay ---------------------------------------------------
+
+
+def test_attach_prompt_json_prints_text_and_tokens(
+    preloaded: tuple[DaemonRig, Path, DaemonDescriptor], disk_engine: Any
+) -> None:
+    rig, model, daemon = preloaded
+    prompt = "Attach, then generate eight tokens."
+    result = rig.cli(
+        "attach",
+        str(model),
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "8",
+        "--json",
+        "--run-dir",
+        str(rig.run_dir),
+        as_json=True,
+    )
+    assert result["attach"]["outcome"] == "hit" and result["attach"]["daemon"] == daemon.name
+    assert result["token_ids"] == cold_tokens(disk_engine, prompt, 8)
+    assert result["text"] == disk_engine.tokenizer.decode(result["token_ids"])
+    assert result["prompt_tokens"] == len(disk_engine.tokenizer.encode(prompt))
+
+
+def test_no_swa_bounded_replay_caches_sliding_window_kv(
+    preloaded: tuple[DaemonRig, Path, DaemonDescriptor], disk_engine: Any
+) -> None:
+    rig, model, _ = preloaded
+    with serving(rig, model, "--no-swa-bounded-replay") as server:
+        client = server.client()
+        for prompt in (PROMPT_A, PROMPT_B):
+            completion = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+            # Replay off: a hit reuses stored KV exactly, so the answer equals a cold run's.
+            assert completion.choices[0].model_extra["token_ids"] == cold_tokens(disk_engine, prompt, 4)
+        assert completion.model_extra["wcache"]["adopted"] is True
+        assert completion.model_extra["wcache"]["replayed_tokens"] == 0
+        values = metrics(server.url)
+        assert values["wcache:swa_cached_bytes"] > 0
+        assert values["vllm:prefix_cache_hits_total"] > 0 and values["wcache:replayed_tokens_total"] == 0
+        assert server.stop() == 0
+
+
+# -- shutdown (last: it stops the module's server) ----------------------------------------------------------
+
+
+def test_sigterm_writes_counters_and_removes_descriptor(
+    preloaded: tuple[DaemonRig, Path, DaemonDescriptor], server: Server
+) -> None:
+    rig, model, _ = preloaded
+    pid = server.process.pid
+    descriptor_path = rig.run_dir / "engines" / f"{pid}.json"
+    assert descriptor_path.exists(), "a serving engine announces itself in <run dir>/engines/"
+    descriptor = json.loads(descriptor_path.read_text())
+    assert descriptor["pid"] == pid and descriptor["url"] == server.url and descriptor["model"] == "tiny"
+    assert descriptor["attach"]["outcome"] == "hit"
+    server.client().completions.create(model="tiny", prompt="one more request", max_tokens=2, temperature=0)
+    requests = metrics(server.url)["vllm:request_success_total"]
+    before = len(engine_events(rig, pid))
+
+    assert server.stop() == 0, server.stderr.read_text()
+    assert not descriptor_path.exists(), "the engine descriptor outlived the server"
+    events = wait_for(lambda: engine_events(rig, pid)[before:], timeout=5, what="an engine_counters event")
+    final = events[-1]
+    assert final["url"] == server.url and final["model"] == "tiny" and final["outcome"] == "hit"
+    assert final["requests"] == requests >= 1
+    assert final["prefix_queries"] > 0 and final["generation_tokens"] > 0
