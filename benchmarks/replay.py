@@ -59,8 +59,10 @@ MODES = {OFF: False, ON: True}
 def checkpoint_config(layers: int, window: int, max_positions: int) -> dict[str, Any]:
     """The tiny preset's config with ``layers`` alternating sliding/full layers and a ``window`` window.
 
-    One attention head and one KV head keep a 6,400-token CPU prefill to seconds; attention over the
-    prompt, not the hidden size, dominates here.
+    One attention head and one KV head keep a 6,400-token CPU prefill to seconds (attention over the prompt,
+    not the hidden size, dominates here). No EOS token, so every request decodes exactly ``--new-tokens``.
+    Layer 0 is sliding: a replayed token's truncated window changes what later layers see, so with at least
+    three layers replay can change the tail's sliding-window keys (with two, [sliding, full], it cannot).
     """
     config = dict(PRESETS["tiny"].config)
     config.update(
@@ -71,16 +73,18 @@ def checkpoint_config(layers: int, window: int, max_positions: int) -> dict[str,
         max_window_layers=layers,
         max_position_embeddings=max(8192, max_positions),
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        eos_token_id=None,
     )
     return config
 
 
 @dataclass(slots=True)
 class Run:
-    """One request: its greedy tokens, what the cache did, and its prefill forward time."""
+    """One request: its greedy tokens, what the cache did, its prefill forward time, its first token's logits."""
 
     generation: Generation
     prefill_s: float
+    first_logits: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -103,26 +107,35 @@ class Samples:
 
 
 class TimedEngine:
-    """An engine whose model times the first forward pass of each request: the prefill step."""
+    """An engine whose model reports each request's first forward pass (the prefill step): its time and logits."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._forward = engine.model.forward
-        self._first: float | None = None
+        self._logits = engine.model.logits
+        self._first_s: float | None = None
+        self._first_logits: torch.Tensor | None = None
         engine.model.forward = self._timed_forward  # type: ignore[method-assign]
+        engine.model.logits = self._kept_logits  # type: ignore[method-assign]
 
     def _timed_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         began = time.perf_counter()
         hidden = self._forward(*args, **kwargs)
-        if self._first is None:
-            self._first = time.perf_counter() - began
+        if self._first_s is None:
+            self._first_s = time.perf_counter() - began
         return hidden
 
+    def _kept_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._logits(hidden)
+        if self._first_logits is None:
+            self._first_logits = logits[-1].clone()
+        return logits
+
     def run(self, token_ids: list[int], max_new_tokens: int) -> Run:
-        self._first = None
+        self._first_s, self._first_logits = None, None
         generation = self.engine.generate(token_ids, max_new_tokens)
-        assert self._first is not None, "generate ran no forward pass"
-        return Run(generation, self._first)
+        assert self._first_s is not None and self._first_logits is not None, "generate ran no forward pass"
+        return Run(generation, self._first_s, self._first_logits)
 
 
 @dataclass(slots=True)
@@ -325,9 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         mem,
         (
             ("mode", "left"),
-            (f"for the {prefix_blocks * BLOCK_SIZE:,}-token prefix", "right"),
-            ("swa_cached_bytes after 1st / 2nd request", "right"),
-            ("prefix vs one window", "right"),
+            (f"held for the {prefix_blocks * BLOCK_SIZE:,}-token prefix", "right"),
+            ("swa_cached_bytes, after request 1 / 2", "right"),
+            ("vs one window", "right"),
         ),
     )
     for mode, m in memory.items():
@@ -335,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         mem.add_row(
             mode,
             fmt_bytes(held),
-            f"{fmt_bytes(m.after_cold)} / {fmt_bytes(m.after_hit)} ({m.cached_blocks} blocks in the prefix cache)",
+            f"{fmt_bytes(m.after_cold)} / {fmt_bytes(m.after_hit)} ({m.cached_blocks} blocks cached)",
             f"{held / window_bytes:,.1f}×",
         )
     mem.add_row(
@@ -367,27 +380,28 @@ def main(argv: list[str] | None = None) -> int:
         div,
         (
             ("tail", "right"),
-            ("replay off: differing", "right"),
-            ("first divergent", "right"),
-            ("replay on: differing", "right"),
-            ("first divergent", "right"),
+            (f"{OFF}:\ntokens differing", "right"),
+            (f"{OFF}:\nfirst differing", "right"),
+            (f"{OFF}:\nmax |Δ logit|", "right"),
+            (f"{ON}:\ntokens differing", "right"),
+            (f"{ON}:\nfirst differing", "right"),
+            (f"{ON}:\nmax |Δ logit|", "right"),
         ),
     )
     identical_off = True
-    cold_by_tail = {m: {r: cold[m].runs[r].generation.token_ids for r in range(args.repeat)} for m in MODES}
     for tail_index in range(args.repeat):
-        i = (tail_index - 1) % args.repeat  # repeat i's hit ran the tail that repeat i + 1 ran cold
         cells = []
         for mode in MODES:
-            got = hit[mode].runs[i].generation.token_ids
-            n, first = divergence(cold_by_tail[mode][tail_index], got)
-            cells += [f"{n} / {len(got)}", "-" if first is None else str(first)]
-            if mode == OFF and n:
-                identical_off = False
+            reference = cold[mode].runs[tail_index]  # repeat r ran tail r cold ...
+            got = hit[mode].runs[(tail_index - 1) % args.repeat]  # ... and repeat r - 1 ran it as a hit
+            n, first = divergence(reference.generation.token_ids, got.generation.token_ids)
+            delta = float((reference.first_logits - got.first_logits).abs().max())
+            cells += [f"{n} / {len(got.generation.token_ids)}", "-" if first is None else str(first), f"{delta:.2g}"]
+            identical_off &= mode != OFF or n == 0
         div.add_row(str(tail_index + 1), *cells)
     div.caption = (
-        "replay on: divergence is expected by design (replayed tokens' window attention sees nothing before "
-        "H − W); replay off must match"
+        "max |Δ logit|: the first generated token's logits, hit vs cold. Replay on: differences are expected by "
+        "design\n(replayed tokens' window attention sees nothing before H − W). Replay off must match."
     )
     console.print(div)
     checks["replay off: greedy tokens after a hit identical to cold"] = identical_off

@@ -13,6 +13,7 @@ from wcache_cli.commands.diff import diff
 from wcache_cli.commands.key import key
 from wcache_cli.commands.preload import preload
 from wcache_cli.commands.status import status, stop
+from wcache_cli.commands.top import top
 from wcache_cli.commands.verify import verify
 from wcache_cli.state import state
 
@@ -54,4 +55,5 @@ app.command()(attach)
 app.command()(key)
 app.command()(diff)
 app.command()(verify)
+app.command()(top)
 app.command()(demo)

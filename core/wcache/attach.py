@@ -144,11 +144,11 @@ class AttachedWeights:
 def _watch_lease(
     sock: socket.socket, closing: threading.Event, lost: threading.Event, report: AttachReport, run_dir: Path
 ) -> None:
-    sock.settimeout(None)
     try:
+        sock.settimeout(None)
         data = sock.recv(1)
     except OSError:
-        data = b""
+        data = b""  # closed under us, by close() or by the daemon going away
     if closing.is_set():
         return
     # The daemon never speaks unprompted: any wake-up here means the connection is gone.

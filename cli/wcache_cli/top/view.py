@@ -21,11 +21,12 @@ from wcache_cli.render import human_bytes
 OFF = "off"
 NOT_YET = "–"  # the series exists but this interval has no value (first sample, or nothing was queried)
 SPARK = "▁▂▃▄▅▆▇█"
-SPARK_WIDTH = 24
+SPARK_WIDTH = 20
 SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": ""}
 SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
 WEIGHTS_STYLE = {"hit": "green", "miss": "bold red", "fallback": "bold yellow", "disk": "yellow"}
 FEED_LIMIT = 20  # events that --once prints
+DIFF_NAMES = 8  # tensor names listed per kind of change
 
 R = TypeVar("R")
 
@@ -145,11 +146,24 @@ DAEMON_COLUMNS: tuple[Column[DaemonRow], ...] = (
     Column("pid", lambda d, _: Text(str(d.pid), style="dim"), lambda d: d.pid, "right"),
 )
 
+def address(e: EngineRow) -> str:
+    """Where the engine listens, without the scheme: the engine's name in every table."""
+    url = e.url.split("://", 1)[-1].rstrip("/")
+    return url.removesuffix("/metrics")
+
+
+def engine_pid(e: EngineRow) -> int | None:
+    """Engines announced in the run dir are named "pid N"; scraped ones have no pid we know."""
+    head, _, tail = e.id.partition(" ")
+    return int(tail) if head == "pid" and tail.isdigit() else None
+
+
 ENGINE_COLUMNS: tuple[Column[EngineRow], ...] = (
-    Column("engine", lambda e, _: Text(e.id), lambda e: e.id),
-    Column("where", lambda e, _: Text(e.url), lambda e: e.url),
-    Column("model", lambda e, _: Text(e.model), lambda e: e.model),
+    Column("where", lambda e, _: Text(address(e)), address),
+    Column("pid", lambda e, _: Text(str(engine_pid(e)), style="dim") if engine_pid(e) else Text("scraped", style="dim"),
+           lambda e: engine_pid(e), "right"),
     Column("kind", lambda e, _: Text(e.kind), lambda e: e.kind),
+    Column("model", lambda e, _: Text(e.model), lambda e: e.model),
     Column("weights", lambda e, _: weights(e), lambda e: e.weights),
     Column("mode", lambda e, _: plain(e.mode), lambda e: e.mode),
     Column("daemon", lambda e, _: plain(e.daemon), lambda e: e.daemon),
@@ -159,16 +173,16 @@ ENGINE_COLUMNS: tuple[Column[EngineRow], ...] = (
 )
 
 REPLAY_COLUMNS: tuple[Column[EngineRow], ...] = (
-    Column("engine", lambda e, _: Text(e.id), lambda e: e.id),
-    Column("hit rate (interval)", lambda e, _: percent(e.hit_rate_interval, present=_has_prefix(e)),
+    Column("engine", lambda e, _: Text(address(e)), address),
+    Column("hit % (interval)", lambda e, _: percent(e.hit_rate_interval, present=_has_prefix(e)),
            lambda e: e.hit_rate_interval, "right"),
-    Column("hit rate (overall)", lambda e, _: percent(e.hit_rate_overall, present=_has_prefix(e)),
+    Column("hit % (overall)", lambda e, _: percent(e.hit_rate_overall, present=_has_prefix(e)),
            lambda e: e.hit_rate_overall, "right"),
-    Column("adopted hits", lambda e, _: count(e.adopted_hits_total), lambda e: e.adopted_hits_total, "right"),
-    Column("replayed tokens", lambda e, _: count(e.replayed_tokens_total), lambda e: e.replayed_tokens_total,
+    Column("adopted", lambda e, _: count(e.adopted_hits_total), lambda e: e.adopted_hits_total, "right"),
+    Column("replayed tok", lambda e, _: count(e.replayed_tokens_total), lambda e: e.replayed_tokens_total,
            "right"),
     Column("prefill saved", lambda e, _: count(e.prefill_saved_total), lambda e: e.prefill_saved_total, "right"),
-    Column("hit rate history", lambda e, _: sparkline(e.hit_rate_history, present=_has_prefix(e)),
+    Column("history", lambda e, _: sparkline(e.hit_rate_history, present=_has_prefix(e)),
            lambda e: e.hit_rate_history[-1] if e.hit_rate_history else None),
 )
 
@@ -203,9 +217,9 @@ PANELS: tuple[Panel[Any], ...] = (
     Panel("daemons", "Daemons", DAEMON_COLUMNS, lambda s: s.daemons, lambda d, _: d.name,
           lambda d: f"{d.name} {d.pid}"),
     Panel("engines", "Engines", ENGINE_COLUMNS, lambda s: s.engines, lambda e, _: e.id,
-          lambda e: e.kind),
-    Panel("replay", "Replay and prefix cache", REPLAY_COLUMNS, lambda s: s.engines, lambda e, _: e.id,
-          lambda e: f"{e.url} {e.model} {e.kind}"),
+          lambda e: f"{e.id} {e.url}"),
+    Panel("replay", "Replay and prefix cache (hit % = hit tokens / queried tokens)", REPLAY_COLUMNS,
+          lambda s: s.engines, lambda e, _: e.id, lambda e: f"{e.id} {e.url} {e.model} {e.kind}"),
     Panel("events", "Events", EVENT_COLUMNS, lambda s: s.events, lambda e, i: f"{e.ts!r}/{e.kind}/{i}",
           lambda e: str(e.detail.get("reason") or ""), default_sort=0, default_reverse=True),
 )
@@ -325,8 +339,10 @@ def diff_lines(diff: dict[str, Any]) -> list[str]:
         names = _as_list(diff.get(what))
         total = diff.get(f"num_{what}", len(names))
         if names or total:
-            shown = ", ".join(names[:8]) + (" …" if isinstance(total, int) and total > min(len(names), 8) else "")
-            lines.append(f"{what} ({total}): {shown}")
+            lines.append(f"tensors {what} ({total}):")
+            lines.extend(f"  {name}" for name in names[:DIFF_NAMES])
+            if isinstance(total, int) and total > min(len(names), DIFF_NAMES):
+                lines.append(f"  … and {total - min(len(names), DIFF_NAMES)} more")
     return lines
 
 
@@ -336,10 +352,11 @@ def event_detail(event: EventRow, now: float) -> Text:
     text = Text()
     text.append(f"{event.kind}", style=style or "bold")
     text.append(f"  {event.severity} · {age(event.ts, now)}\n", style="dim")
-    text.append(f"{event.summary}\n")
     detail = dict(event.detail)
     reason = detail.pop("reason", None)
     diff = detail.pop("diff", None)
+    if not (reason and str(reason) in event.summary):  # a miss's summary is mostly its reason: say it once
+        text.append(f"{event.summary}\n")
     if reason:
         text.append("reason: ", style="bold")
         text.append(f"{reason}\n")
@@ -353,6 +370,8 @@ def event_detail(event: EventRow, now: float) -> Text:
             continue
         if isinstance(value, dict):
             value = ", ".join(f"{k} {v}" for k, v in value.items())
+        elif isinstance(value, list | tuple):
+            value = ", ".join(str(v) for v in value)
         text.append(f"{name}: ", style="dim")
         text.append(f"{value}\n")
     text.rstrip()
