@@ -318,10 +318,15 @@ def main(argv: list[str] | None = None) -> int:
         for kind, samples in (("cold", cold[mode]), (f"hit, {mode}", hit[mode])):
             tokens = sorted(samples.prefill_tokens)
             hits = sorted({r.generation.hit_tokens for r in samples.runs})
+            rejected = (
+                " (not adopted)"
+                if any(r.generation.hit_tokens and not r.generation.adopted for r in samples.runs)
+                else ""
+            )
             table.add_row(
                 f"{mode}" if kind == "cold" else "",
                 kind,
-                "/".join(f"{h:,}" for h in hits),
+                "/".join(f"{h:,}" for h in hits) + rejected,
                 "/".join(f"{t:,}" for t in tokens),
                 f"{tokens[0] / cold_tokens:.0%}",
                 fmt_seconds(samples.median),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,15 @@ from wcache.plan import PlanSpec
 WINDOW = 32
 NEW_TOKENS = 24
 LOGITS_ATOL = 1e-4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """The TP=1 baseline runs here: tiny matrices are faster on one thread (the ranks split the cores likewise)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _prompt(seed: int, length: int) -> list[int]:

@@ -52,7 +52,6 @@ def headers(app: TopApp, table_id: str) -> list[str]:
 
 def column(app: TopApp, table_id: str, label: str) -> list[str]:
     t = table(app, table_id)
-    index = [h.split(" ")[0] if h.endswith(("▲", "▼")) else h for h in headers(app, table_id)]
     index = [h.rsplit(" ", 1)[0] if h.endswith(("▲", "▼")) else h for h in headers(app, table_id)]
     i = index.index(label)
     return [t.get_row(row.key)[i].plain for row in t.ordered_rows]
@@ -136,7 +135,7 @@ async def test_p_pauses_display_while_collection_continues() -> None:
         assert app.shown is frozen, "the display must not move while paused"
         assert column(app, "daemons", "leases") == frozen_leases
         assert app.latest is not None and app.latest != frozen, "collection continues while paused"
-        assert "newer sample" in static_text(app, "#banner")
+        assert "newer)" in static_text(app, "#banner")
         await pilot.press("p")
         assert not app.paused and not banner.display
         assert app.shown is not frozen
@@ -162,8 +161,6 @@ async def test_slash_filters_rows_and_events_with_regex_and_inverse() -> None:
         assert table(app, "daemons").border_title == "Daemons (2 of 4)"
         assert "cuda:[01]" in static_text(app, "#status")
         # Events are filtered by the same regex (their visible text and reason).
-        assert all(re.search("cuda:[01]", " ".join(c for c in row)) for row in
-                   zip(*(column(app, "events", h) for h in ("kind", "summary")), strict=True)) or True
         kinds = column(app, "events", "kind")
         assert "preload" not in kinds and "attach_miss" in kinds
 
@@ -177,9 +174,13 @@ async def test_slash_filters_rows_and_events_with_regex_and_inverse() -> None:
         assert sorted(column(app, "events", "kind")) == ["attach_miss", "fallback"]
         assert column(app, "engines", "weights") == ["fallback"]
 
-        # An invalid regex is reported and changes nothing; the prompt stays open to fix it.
-        await pilot.press("/", "ctrl+a", "ctrl+k", *"(unclosed", "enter")
-        assert app.row_filter is not None and app.row_filter.text == "miss|fallback"
+        # An invalid regex is reported, and the last valid filter stays; the prompt stays open to fix it.
+        await pilot.press("/", *"|(")
+        assert "invalid regex" in static_text(app, "#status")
+        assert app.row_filter is not None and app.row_filter.text == "miss|fallback|"
+        await pilot.press("backspace", "backspace", *"|fell(", "enter")
+        assert app.row_filter is not None and app.row_filter.text == "miss|fallback|fell"
+        assert sorted(column(app, "events", "kind")) == ["attach_miss", "fallback"]
         assert prompt.display
         messages = [n.message for n in app._notifications]
         assert any("invalid regex" in m for m in messages), messages
@@ -213,11 +214,10 @@ async def test_s_cycles_sort_column_and_S_reverses() -> None:
         table(app, "events").focus()
         await pilot.pause()
         assert headers(app, "events")[0] == "when ▼"
-        whens = [e.ts for e in sorted(sample_snapshot().events, key=lambda e: e.ts)]
+        assert column(app, "events", "kind")[0] == "release"  # the newest
         await pilot.press("S")
         assert headers(app, "events")[0] == "when ▲"
-        assert column(app, "events", "when")[0] == f"{FROZEN_NOW - whens[0]:.0f}" or \
-            column(app, "events", "kind")[0] == "preload"
+        assert column(app, "events", "kind")[0] == "preload"  # the oldest
         await pilot.press("s")
         assert headers(app, "events")[1] == "severity ▲"
         assert column(app, "events", "severity")[-1] == "error"

@@ -1,7 +1,7 @@
 """`wcache verify --greedy` and `--content` end to end on CPU, through real daemons and the real CLI.
 
-Each case runs against its own private run dir (tests/daemon_fixtures.py), which is stopped, swept and
-removed however the test ends:
+The daemons live in private run dirs (tests/daemon_fixtures.py) that are stopped, swept and removed however
+the tests end:
 
 - a correct hit passes both checks (TP=1 and TP=2);
 - a daemon holding a copy of the checkpoint with `model.embed_tokens.weight` zeroed past its first KiB,
@@ -155,7 +155,42 @@ def test_untrusted_verify_finds_no_daemon_for_the_original(
     assert "VERIFIED" not in result.stdout and "MISMATCH" not in result.stdout
 
 
-# -- 3. a daemon whose arena was modified after loading fails, naming the tensor ------------------------
+# -- 3. bad input ----------------------------------------------------------------------------------------
+
+
+def test_empty_prompts_file_and_no_check_are_bad_input(tiny_template: Path) -> None:
+    with daemon_rig() as rig:
+        empty = rig.base / "prompts.txt"
+        empty.write_text("\n  \n")
+        result = verify(rig, tiny_template, "--greedy", "--prompts", str(empty))
+        assert result.returncode == EXIT_BAD_INPUT, result.stdout + result.stderr
+        assert "no prompts" in one_sentence(result.stderr)
+        assert result.stdout == ""
+
+        result = verify(rig, tiny_template)
+        assert result.returncode == EXIT_BAD_INPUT, result.stdout + result.stderr
+        sentence = one_sentence(result.stderr)
+        assert "--greedy" in sentence and "--content" in sentence
+        assert result.stdout == ""
+
+
+# -- 4. TP=2 -----------------------------------------------------------------------------------------------
+
+
+def test_tp2_verify_greedy_passes(hit: tuple[DaemonRig, Path, DaemonDescriptor]) -> None:
+    rig, model, _ = hit
+    daemons = rig.preload(model, "--tp", "2")
+    assert [d.tp_rank for d in daemons] == [0, 1]
+    document = verify_json(rig, model, "--greedy", "--tp", "2", *SHORT, expect=EXIT_OK)
+    greedy = document["greedy"]
+    assert document["ok"] is True and greedy["all_match"] is True
+    assert (greedy["attach"]["outcome"], greedy["attach"]["daemon"]) == ("hit", daemons[0].name)
+    (prompt,) = greedy["prompts"]
+    assert prompt["cached_tokens"] == prompt["disk_tokens"] and len(prompt["cached_tokens"]) > 0
+
+
+# -- 5. a daemon whose arena was modified after loading fails, naming the tensor ------------------------
+# (Last in the module: it spoils the shared daemon of `hit` for good.)
 
 
 def arena_entries(daemon: DaemonDescriptor) -> dict[str, tuple[int, int]]:
@@ -187,61 +222,25 @@ def overwrite_arena(daemon: DaemonDescriptor, offset: int, data: bytes) -> None:
         os.close(fd)
 
 
-def test_arena_modified_after_loading_fails_both_checks(tiny_template: Path) -> None:
-    with daemon_rig() as rig:
-        model = copy_checkpoint(tiny_template, rig.base / "tiny")
-        (daemon,) = rig.preload(model)
-        offset, nbytes = arena_entries(daemon)[NORM]
-        # The final norm zeroed: every logit becomes 0, so greedy decoding must leave the disk engine's path.
-        overwrite_arena(daemon, offset, bytes(nbytes))
+def test_arena_modified_after_loading_fails_both_checks(hit: tuple[DaemonRig, Path, DaemonDescriptor]) -> None:
+    rig, model, daemon = hit
+    offset, nbytes = arena_entries(daemon)[NORM]
+    # The final norm zeroed: every logit becomes 0, so greedy decoding must leave the disk engine's path.
+    overwrite_arena(daemon, offset, bytes(nbytes))
 
-        content = verify_json(rig, model, "--content", expect=EXIT_DIFFERENCE)
-        assert content["ok"] is False
-        report = content["content"]
-        assert report["daemon"] == daemon.name
-        assert report["source"] == {"changed": [], "added": [], "removed": []}, "the checkpoint is untouched"
-        assert report["arena"]["changed"] == [NORM]
-        human_content = verify(rig, model, "--content")
-        assert human_content.returncode == EXIT_DIFFERENCE, human_content.stderr
-        assert "ARENA MODIFIED" in human_content.stdout and NORM in human_content.stdout
-        assert "SOURCE OK" in human_content.stdout
+    content = verify_json(rig, model, "--content", expect=EXIT_DIFFERENCE)
+    assert content["ok"] is False
+    report = content["content"]
+    assert report["daemon"] == daemon.name
+    assert report["source"] == {"changed": [], "added": [], "removed": []}, "the checkpoint is untouched"
+    assert report["arena"]["changed"] == [NORM]
+    human_content = verify(rig, model, "--content")
+    assert human_content.returncode == EXIT_DIFFERENCE, human_content.stderr
+    assert "ARENA MODIFIED" in human_content.stdout and NORM in human_content.stdout
+    assert "SOURCE OK" in human_content.stdout
 
-        greedy = verify(rig, model, "--greedy", *SHORT)
-        assert greedy.returncode == EXIT_DIFFERENCE, greedy.stdout + greedy.stderr
-        assert f"hit from {daemon.name}" in greedy.stdout, "the key still matches: only the tokens can tell"
-        assert "MISMATCH" in greedy.stdout and "diverges at token" in greedy.stdout
-        assert "VERIFIED" not in greedy.stdout
-
-
-# -- 4. bad input ----------------------------------------------------------------------------------------
-
-
-def test_empty_prompts_file_and_no_check_are_bad_input(tiny_template: Path) -> None:
-    with daemon_rig() as rig:
-        empty = rig.base / "prompts.txt"
-        empty.write_text("\n  \n")
-        result = verify(rig, tiny_template, "--greedy", "--prompts", str(empty))
-        assert result.returncode == EXIT_BAD_INPUT, result.stdout + result.stderr
-        assert "no prompts" in one_sentence(result.stderr)
-        assert result.stdout == ""
-
-        result = verify(rig, tiny_template)
-        assert result.returncode == EXIT_BAD_INPUT, result.stdout + result.stderr
-        sentence = one_sentence(result.stderr)
-        assert "--greedy" in sentence and "--content" in sentence
-        assert result.stdout == ""
-
-
-# -- 5. TP=2 -----------------------------------------------------------------------------------------------
-
-
-def test_tp2_verify_greedy_passes(hit: tuple[DaemonRig, Path, DaemonDescriptor]) -> None:
-    rig, model, _ = hit
-    daemons = rig.preload(model, "--tp", "2")
-    assert [d.tp_rank for d in daemons] == [0, 1]
-    document = verify_json(rig, model, "--greedy", "--tp", "2", *SHORT, expect=EXIT_OK)
-    greedy = document["greedy"]
-    assert document["ok"] is True and greedy["all_match"] is True
-    assert (greedy["attach"]["outcome"], greedy["attach"]["daemon"]) == ("hit", daemons[0].name)
-    (prompt,) = greedy["prompts"]
-    assert prompt["cached_tokens"] == prompt["disk_tokens"] and len(prompt["cached_tokens"]) > 0
+    greedy = verify(rig, model, "--greedy", *SHORT)
+    assert greedy.returncode == EXIT_DIFFERENCE, greedy.stdout + greedy.stderr
+    assert f"hit from {daemon.name}" in greedy.stdout, "the key still matches: only the tokens can tell"
+    assert "MISMATCH" in greedy.stdout and "diverges at token" in greedy.stdout
+    assert "VERIFIED" not in greedy.stdout

@@ -22,6 +22,7 @@ from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, VerticalScroll
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Input, Static
 from wcache.monitor.snapshot import EventRow, Snapshot
@@ -110,7 +111,7 @@ class TopApp(App[None]):
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("p", "toggle_pause", "Pause"),
         Binding("slash", "filter", "Filter", key_display="/"),
-        Binding("escape", "clear_filter", "Clear filter", key_display="Esc"),
+        Binding("escape", "clear_filter", "Clear filter", key_display="Esc", show=False),
         Binding("s", "cycle_sort", "Sort"),
         Binding("S", "reverse_sort", "Reverse", key_display="S"),
         Binding("r", "refresh", "Refresh"),
@@ -136,6 +137,7 @@ class TopApp(App[None]):
         self.poll_error: str | None = None
         self.sorts: dict[str, Sort] = {p.id: default_sort(p) for p in PANELS}
         self.row_filter: RowFilter | None = None
+        self.filter_error: str | None = None
         self.sort_target = "daemons"
         self._polling = False
         self._poll_again = False
@@ -153,8 +155,8 @@ class TopApp(App[None]):
             yield DataTable(id="events", cursor_type="row")
             with VerticalScroll(id="detail-pane"):
                 yield Static(Text(NO_EVENT, style="dim"), id="detail")
-        yield Input(id="filter", placeholder="regex over rows and events; a leading ! inverts; Enter applies, "
-                                             "Esc clears")
+        yield Input(id="filter", select_on_focus=False,
+                    placeholder="regex over rows and events; a leading ! inverts; Enter applies, Esc clears")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -233,16 +235,18 @@ class TopApp(App[None]):
         if self.row_filter is not None:
             line.append("  filter: ", style="dim")
             line.append(self.row_filter.text, style="bold magenta")
+        if self.filter_error and self.query_one("#filter", Input).display:
+            line.append(f"  {self.filter_error}", style="bold red")
         if self.poll_error:
             line.append(f"  last poll failed: {self.poll_error}", style="bold red")
         self.query_one("#status", Static).update(line)
         banner = self.query_one("#banner", Static)
         banner.display = self.paused
         if self.paused:
-            taken = f" taken {now - shown.taken_at:.0f} s ago" if shown is not None else ""
+            taken = f" from {now - shown.taken_at:.0f} s ago" if shown is not None else ""
             banner.update(Text(
-                f"PAUSED · display frozen on the sample{taken} · collection continues "
-                f"({self.newer_while_paused} newer sample(s)) · p resumes",
+                f"PAUSED · showing the sample{taken} · collection continues "
+                f"({self.newer_while_paused} newer) · p resumes",
             ))
 
     def render_panel(self, panel: Panel[Any]) -> None:
@@ -296,7 +300,9 @@ class TopApp(App[None]):
     @on(DataTable.RowHighlighted, "#events")
     @on(DataTable.RowSelected, "#events")
     def _event_selected(self) -> None:
-        if not self._rendering:
+        if self._rendering:
+            return
+        with contextlib.suppress(NoMatches):  # a highlight that arrives while the app is closing
             self.render_detail()
 
     def on_descendant_focus(self, event: Any) -> None:
@@ -321,6 +327,7 @@ class TopApp(App[None]):
     def action_filter(self) -> None:
         prompt = self.query_one("#filter", Input)
         prompt.value = self.row_filter.text if self.row_filter else ""
+        prompt.cursor_position = len(prompt.value)  # edit the current filter in place
         prompt.display = True
         prompt.focus()
 
@@ -328,8 +335,12 @@ class TopApp(App[None]):
     def _filter_changed(self, event: Input.Changed) -> None:
         try:
             self.row_filter = RowFilter.parse(event.value)
-        except FilterError:
-            return  # keep the last valid filter while the user is still typing; Enter reports the error
+        except FilterError as exc:
+            # Keep the last valid filter while the user is still typing; the status line says why.
+            self.filter_error = str(exc)
+            self.render_status()
+            return
+        self.filter_error = None
         self.render_all()
 
     @on(Input.Submitted, "#filter")
@@ -337,8 +348,10 @@ class TopApp(App[None]):
         try:
             self.row_filter = RowFilter.parse(event.value)
         except FilterError as exc:
-            self.notify(str(exc), title="Filter not applied", severity="error", timeout=6)
+            self.notify(f"{exc}; still showing the last valid filter.", title="Filter not applied",
+                        severity="error", timeout=6)
             return
+        self.filter_error = None
         self._close_filter_prompt()
         self.render_all()
 
@@ -350,6 +363,7 @@ class TopApp(App[None]):
 
     def action_clear_filter(self) -> None:
         self._close_filter_prompt()
+        self.filter_error = None
         if self.row_filter is not None:
             self.row_filter = None
             self.render_all()

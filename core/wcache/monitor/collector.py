@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
+from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,9 @@ from wcache.rundir import ENGINES_DIR, DaemonDescriptor, read_descriptors
 
 TIMEOUT_S = 1.0
 HISTORY = 60
+# vLLM's prefix-cache counters (tokens), newest name first: 0.9 renamed gpu_prefix_cache_* to prefix_cache_*.
+PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 MAX_EVENTS = 500
 # Shown in the feed; engine_counters is bookkeeping for rates, not news.
 FEED_KINDS = frozenset({
@@ -127,6 +131,7 @@ class Collector:
         self._tail = EventTail(events_path(run_dir))
         self._events: deque[EventRow] = deque(maxlen=MAX_EVENTS)
         self._deltas = CounterDeltas()
+        self._delta_keys: set[Hashable] = set()  # the counter series seen in the current poll
         self._history: dict[str, deque[float]] = {}
         self._polls = 0
 
@@ -195,8 +200,9 @@ class Collector:
             if event["kind"] in FEED_KINDS:
                 self._events.append(summarize(event))
         daemons = tuple(self._daemon_row(d, stats[d.name].result(), health) for d in descriptors)
+        self._delta_keys = set()
         engines = tuple(self._engine_row(t, scraped[t.id].result()) for t in targets)
-        self._deltas.forget({(t.id, name) for t in targets for name in ("queries", "hits")})
+        self._deltas.forget(self._delta_keys)  # engines and series that went away start over if they return
         return Snapshot(
             taken_at=time.time(), interval_s=self.interval_s,
             rates="interval" if self._polls > 1 else "cumulative", run_dir=str(self.run_dir),
@@ -218,12 +224,35 @@ class Collector:
             health_status=status if alive else None, alive=alive,
         )
 
+    def _delta(self, target: EngineTarget, samples: Samples, names: tuple[str, ...]) -> float | None:
+        """Increase of a counter since the last poll, summed over its label sets (one per DP engine).
+
+        Each label set is differenced on its own, so one engine restarting (its counter going back to zero)
+        does not hide or inflate the others' increase. None on the first sample or when the series is absent.
+        """
+        name = next((n for n in names if n in samples), None)
+        if name is None:
+            return None
+        increases = []
+        for labels, value in samples[name].items():
+            key = (target.id, name, labels)
+            self._delta_keys.add(key)
+            increase = self._deltas.delta(key, value)
+            if increase is not None:
+                increases.append(increase)
+        return sum(increases) if increases else None
+
     def _engine_row(self, target: EngineTarget, text: str | None) -> EngineRow:
-        samples: Samples = parse_metrics(text) if text is not None else {}
-        queries = total(samples, "vllm:prefix_cache_queries_total")
-        hits = total(samples, "vllm:prefix_cache_hits_total")
-        d_queries = self._deltas.delta((target.id, "queries"), queries)
-        d_hits = self._deltas.delta((target.id, "hits"), hits)
+        samples: Samples = {}
+        if text is not None:
+            try:
+                samples = parse_metrics(text)
+            except ValueError:
+                pass  # not Prometheus text (a proxy's error page, say): every series shows as "off"
+        queries = next((v for n in PREFIX_QUERIES if (v := total(samples, n)) is not None), None)
+        hits = next((v for n in PREFIX_HITS if (v := total(samples, n)) is not None), None)
+        d_queries = self._delta(target, samples, PREFIX_QUERIES)
+        d_hits = self._delta(target, samples, PREFIX_HITS)
         interval_rate = ratio(d_hits, d_queries)
         history = self._history.setdefault(target.id, deque(maxlen=HISTORY))
         if interval_rate is not None:
@@ -234,7 +263,8 @@ class Collector:
         is_wcache = target.announced is not None or "wcache:replayed_tokens_total" in samples
         return EngineRow(
             id=target.id, url=target.url, kind="wcache" if is_wcache else "vllm",
-            model=str(announced.get("model") or label_value(samples, "vllm:prefix_cache_queries_total", "model_name")
+            model=str(announced.get("model")
+                      or next((m for n in PREFIX_QUERIES if (m := label_value(samples, n, "model_name"))), None)
                       or "?"),
             up=text is not None, weights=weights, mode=attach.get("mode"), daemon=attach.get("daemon"),
             attach_ms=(attach.get("timings_ms") or {}).get("total"),

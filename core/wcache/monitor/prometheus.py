@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -11,12 +12,13 @@ Samples = dict[str, dict[Labels, float]]
 
 
 def parse_metrics(text: str) -> Samples:
-    """Sample name (with `_total` for counters) → label set → value; `_created` timestamps are dropped."""
+    """Sample name (with `_total` for counters) → label set → value; `_created` timestamps and non-finite
+    values are dropped."""
     samples: defaultdict[str, dict[Labels, float]] = defaultdict(dict)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.endswith("_created"):
-                continue
+            if sample.name.endswith("_created") or not math.isfinite(sample.value):
+                continue  # a NaN or infinite sample says nothing, and JSON cannot carry it
             samples[sample.name][tuple(sorted(sample.labels.items()))] = float(sample.value)
     return dict(samples)
 
