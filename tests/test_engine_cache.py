@@ -44,7 +44,7 @@ def _prompt(seed: int, length: int) -> list[int]:
 @pytest.fixture(autouse=True, scope="module")
 def one_thread() -> Iterator[None]:
     """These matrices are tiny: with several threads, synchronisation costs more than the arithmetic (10x on a
-    busy 2-core machine). Restored for the rest of the session."""
+    busy 2-core machine). The setting is restored after this module."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -92,7 +92,9 @@ def receive(sock: socket.socket) -> Frame:
             raise ProtocolError(f"frame is not msgpack ({exc})") from None
         if not isinstance(message, dict):
             raise ProtocolError("frame is not a map")
-        if message.get("v") != PROTOCOL_VERSION:
+        version = message.get("v")
+        # type() and not ==: True and 1.0 equal 1 in Python but are not this protocol's version field.
+        if type(version) is not int or version != PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {message.get('v')!r}, expected {PROTOCOL_VERSION}")
         message_type = message.pop("type", None)
         message.pop("v")

@@ -51,9 +51,13 @@ def top(
         raise BadInputError("--count goes with --json and without --once (it counts the lines streamed).")
     if not (once or json) and not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise BadInputError("wcache top needs a terminal; use --once or --json to script it.")
+    from wcache.rundir import check_run_dir
+
     from wcache_cli.top.source import open_source
 
     where = run_dir_or_default(run_dir)
+    if where.exists():
+        check_run_dir(where)  # a run dir open to others is refused up front, not on every poll
     source = open_source(where, list(scrape or []), interval)
     try:
         if once:

@@ -85,10 +85,14 @@ class DaemonServer:
                 conn, _ = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:
                 if self.shared.stop.is_set():
                     break
-                raise
+                # Out of descriptors or memory for a moment: keep serving the clients we have, retry soon.
+                self._count("accept_errors")
+                log.warning("accept() failed (%s); retrying.", exc)
+                self.shared.stop.wait(0.1)
+                continue
             self._next_ident += 1
             threading.Thread(target=self._serve_client, args=(conn, self._next_ident), daemon=True).start()
         self._shutdown()

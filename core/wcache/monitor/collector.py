@@ -7,6 +7,7 @@ read-only (stale descriptors are shown as gone, not cleaned).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.error
@@ -244,11 +245,9 @@ class Collector:
 
     def _engine_row(self, target: EngineTarget, text: str | None) -> EngineRow:
         samples: Samples = {}
-        if text is not None:
-            try:
-                samples = parse_metrics(text)
-            except ValueError:
-                pass  # not Prometheus text (a proxy's error page, say): every series shows as "off"
+        # Text that is not Prometheus (a proxy's error page, say) leaves every series "off".
+        with contextlib.suppress(ValueError):
+            samples = parse_metrics(text) if text is not None else {}
         queries = next((v for n in PREFIX_QUERIES if (v := total(samples, n)) is not None), None)
         hits = next((v for n in PREFIX_HITS if (v := total(samples, n)) is not None), None)
         d_queries = self._delta(target, samples, PREFIX_QUERIES)
