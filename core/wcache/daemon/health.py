@@ -3,17 +3,17 @@
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from wcache.client import DaemonError, request_once
+from wcache.http_base import QuietHandler, make_http_server
 
 STATS_TIMEOUT_S = 2.0
 
@@ -97,32 +97,20 @@ def serve_health(table: RankTable, host: str, port: int) -> ThreadingHTTPServer:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StatsCollector(table))
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/health":
                 ranks = table.snapshot()
                 ok = healthy(ranks)
-                self._reply(200 if ok else 503, "application/json",
-                            json.dumps({"status": "ok" if ok else "unavailable", "ranks": ranks}).encode())
+                self.send_json(200 if ok else 503, {"status": "ok" if ok else "unavailable", "ranks": ranks})
             elif path == "/metrics":
-                self._reply(200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(registry))
+                self.send_metrics(registry)
             elif path == "/stats":
-                self._reply(200, "application/json", json.dumps({"ranks": table.snapshot()}).encode())
+                self.send_json(200, {"ranks": table.snapshot()})
             else:
-                self._reply(404, "text/plain", b"not found\n")
+                self.send_json(404, {"error": f"no route {path}"})
 
-        def _reply(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # probes every few seconds would drown the daemon log
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+    server = make_http_server(host, port, Handler)
     threading.Thread(target=server.serve_forever, name="wcache-health", daemon=True).start()
     return server

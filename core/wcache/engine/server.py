@@ -13,16 +13,17 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from wcache.engine.engine import Engine, Generation
 from wcache.events import append_event
+from wcache.http_base import QuietHandler, make_http_server
 from wcache.rundir import ENGINES_DIR
 
 MAX_BODY_BYTES = 1 << 20
@@ -131,9 +132,7 @@ def make_server(served: ServedEngine, host: str, port: int) -> ThreadingHTTPServ
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_EngineCollector(served))
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/health":
@@ -141,19 +140,19 @@ def make_server(served: ServedEngine, host: str, port: int) -> ThreadingHTTPServ
                 lost = report is not None and report.daemon_lost
                 # CPU weights outlive their daemon (memfd); CUDA weights die with it.
                 ok = not (lost and report.device != "cpu")
-                self._json(200 if ok else 503, {"status": "ok" if ok else "weights lost", "daemon_lost": lost})
+                self.send_json(200 if ok else 503, {"status": "ok" if ok else "weights lost", "daemon_lost": lost})
             elif path == "/metrics":
-                self._send(200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(registry))
+                self.send_metrics(registry)
             elif path == "/v1/models":
-                self._json(200, {"object": "list", "data": [{"id": served.model_name, "object": "model",
-                                                             "owned_by": "wcache"}]})
+                self.send_json(200, {"object": "list", "data": [{"id": served.model_name, "object": "model",
+                                                                 "owned_by": "wcache"}]})
             else:
-                self._json(404, {"error": {"message": f"no route {path}", "type": "not_found"}})
+                self.send_json(404, {"error": {"message": f"no route {path}", "type": "not_found"}})
 
         def do_POST(self) -> None:
             path = self.path.split("?", 1)[0]
             if path != "/v1/completions":
-                self._json(404, {"error": {"message": f"no route {path}", "type": "not_found"}})
+                self.send_json(404, {"error": {"message": f"no route {path}", "type": "not_found"}})
                 return
             try:
                 length = int(self.headers.get("Content-Length") or 0)
@@ -162,26 +161,11 @@ def make_server(served: ServedEngine, host: str, port: int) -> ThreadingHTTPServ
                 body = json.loads(self.rfile.read(length))
                 if not isinstance(body, dict):
                     raise RequestError("the body must be a JSON object")
-                self._json(200, _completion(served, body))
+                self.send_json(200, _completion(served, body))
             except (RequestError, ValueError) as exc:
-                self._json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+                self.send_json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
 
-        def _json(self, code: int, value: Any) -> None:
-            self._send(code, "application/json", json.dumps(value).encode())
-
-        def _send(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    return make_http_server(host, port, Handler)
 
 
 class CounterEvents:

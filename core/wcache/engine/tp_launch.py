@@ -19,13 +19,16 @@ Design choices, and why:
   reporting (segfault, OOM kill, `os._exit`) is noticed at once, not at the timeout.
 - **Any failure stops every rank.** When one rank raises, the others are usually blocked in a collective
   that will never complete; they are terminated, then killed if they ignore SIGTERM, and always reaped,
-  so no process is left behind. The first failure is the one reported: later ones are mostly the other
-  ranks noticing their peer is gone. If the parent itself is killed, the kernel SIGTERMs the ranks
+  so no process is left behind. The failure that came first is the one reported (a rank that died
+  silently, else the earliest error, by the ranks' own clocks): later ones are mostly the other ranks
+  noticing their peer is gone. A rank reports before it leaves the group, so its report is not beaten
+  by the errors its leaving causes. If the parent itself is killed, the kernel SIGTERMs the ranks
   (Linux PR_SET_PDEATHSIG), which matters for servers started with `timeout=None`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import pickle
@@ -35,6 +38,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -53,6 +57,8 @@ Ts = TypeVarTuple("Ts")
 _TERMINATE_GRACE_S = 5.0
 # After a rank exits cleanly, how long its last message may still be in flight through the pipe.
 _DRAIN_GRACE_S = 5.0
+# After the first failure, how long the other ranks get to report theirs, so the earliest can be named.
+_SETTLE_S = 1.0
 
 # "No timeout" for gloo: a finite span, since gloo adds it to the clock in int64 nanoseconds.
 _NO_TIMEOUT = timedelta(days=3650)
@@ -104,28 +110,49 @@ def run_tensor_parallel(
                 receiver.close()
 
 
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    rank: int
+    at: float  # time.time() when it failed (the rank's own clock reading, or when the parent noticed)
+    silent: bool  # died without sending anything: a crash, a kill, os._exit
+    text: str
+
+    def order(self) -> tuple[bool, float]:
+        # A silent death is almost always a cause (a rank whose peer vanished raises, it does not vanish);
+        # among raised errors the earliest is the cause, the later ones its echo in the other ranks.
+        return (not self.silent, self.at)
+
+
 def _collect(processes: list[Any], receivers: list[Connection], deadline: float | None,
              timeout: float | None) -> list[Any]:
-    """Read one message per rank; raise on the first error, unexplained exit, or the deadline."""
+    """Read one message per rank; raise for the failure that came first, an unexplained exit, or the deadline."""
     results: dict[int, Any] = {}
+    failures: list[_Failure] = []
     pending = {receiver: rank for rank, receiver in enumerate(receivers)}
     sentinels = {process.sentinel: rank for rank, process in enumerate(processes)}
     exited_at: dict[int, float] = {}
+    settle_until: float | None = None  # after a first failure, how long the others get to report theirs
     while pending:
         now = time.monotonic()
+        if settle_until is not None and now >= settle_until:
+            break
         if deadline is not None and now >= deadline:
+            if failures:
+                break
             missing = sorted(pending.values())
             names = f"rank {missing[0]}" if len(missing) == 1 else "ranks " + ", ".join(map(str, missing))
             raise RuntimeError(f"tensor-parallel {names} did not finish within {timeout:g} s")
         # A rank that exited with status 0 may still have its result in the pipe: read it first, and only
         # call the rank lost when the pipe stays silent for a grace period.
-        for rank, when in exited_at.items():
+        for rank, when in list(exited_at.items()):
             if rank in pending.values() and now - when > _DRAIN_GRACE_S:
-                raise RuntimeError(f"tensor-parallel rank {rank} exited without returning a result")
+                failures.append(_Failure(rank, time.time(), True, "exited without returning a result"))
+                del pending[receivers[rank]]
         watched: list[Any] = list(pending)
         watched += [s for s, rank in sentinels.items() if rank in pending.values() and rank not in exited_at]
-        # Wake at least twice a second to re-check the deadline and the drain grace period.
-        for ready in wait(watched, timeout=0.5 if deadline is None else min(deadline - now, 0.5)):
+        # Wake at least twice a second to re-check the deadline, the grace periods and the settle window.
+        limits = [0.5] + [t - now for t in (deadline, settle_until) if t is not None]
+        for ready in wait(watched, timeout=max(0.0, min(limits))):
             if ready in pending:
                 rank = pending.pop(ready)
                 try:
@@ -133,31 +160,40 @@ def _collect(processes: list[Any], receivers: list[Connection], deadline: float 
                 except (EOFError, OSError):
                     # Closed without a message: the process died; its exit status tells how.
                     processes[rank].join(_TERMINATE_GRACE_S)
-                    raise RuntimeError(
-                        f"tensor-parallel rank {rank} died without a result (exit code {processes[rank].exitcode})"
-                    ) from None
+                    code = processes[rank].exitcode
+                    failures.append(_Failure(rank, time.time(), True, f"died without a result (exit code {code})"))
+                    continue
                 try:
-                    status, payload = pickle.loads(data)
+                    status, payload, failed_at = pickle.loads(data)
                 except Exception as exc:  # e.g. a result class the parent cannot import
-                    raise RuntimeError(
-                        f"tensor-parallel rank {rank}'s result could not be unpickled: {type(exc).__name__}: {exc}"
-                    ) from exc
+                    text = f"sent a result that could not be unpickled: {type(exc).__name__}: {exc}"
+                    failures.append(_Failure(rank, time.time(), False, text))
+                    continue
                 if status == _ERROR:
-                    raise RuntimeError(f"tensor-parallel rank {rank} failed: {payload}")
-                results[rank] = payload
+                    failures.append(_Failure(rank, failed_at, False, f"failed: {payload}"))
+                else:
+                    results[rank] = payload
             else:
                 rank = sentinels[ready]
-                if rank in results:
+                if rank in results or receivers[rank] not in pending:
                     continue  # it already reported; how it exits after that does not matter
                 processes[rank].join(_TERMINATE_GRACE_S)  # the sentinel closes a moment before the exit status
                 code = processes[rank].exitcode
                 if code not in (0, None):
                     # Prefer the rank's own error report if it managed to send one before dying.
-                    receiver = receivers[rank]
-                    if receiver in pending and receiver.poll(0):
+                    if receivers[rank].poll(0):
                         continue
-                    raise RuntimeError(f"tensor-parallel rank {rank} died without a result (exit code {code})")
-                exited_at[rank] = time.monotonic()
+                    del pending[receivers[rank]]
+                    failures.append(_Failure(rank, time.time(), True, f"died without a result (exit code {code})"))
+                else:
+                    exited_at[rank] = time.monotonic()
+        if failures and settle_until is None:
+            settle_until = time.monotonic() + _SETTLE_S
+    if failures:
+        first = min(failures, key=_Failure.order)
+        others = sorted(f.rank for f in failures if f is not first)
+        also = f" (rank {', '.join(map(str, others))} failed too, most likely as a consequence)" if others else ""
+        raise RuntimeError(f"tensor-parallel rank {first.rank} {first.text}{also}")
     return [results[rank] for rank in range(len(processes))]
 
 
@@ -185,24 +221,39 @@ def _rank_main(rank: int, size: int, init_method: str, timeout: float | None, se
     # N ranks each using every core would oversubscribe the CPU; split the cores between them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     try:
+        message: tuple[str, Any, float | None]
         try:
             # A collective may not outlive the whole run: a rank whose peer died fails instead of hanging.
             group_timeout = _NO_TIMEOUT if timeout is None else timedelta(seconds=timeout)
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
                                     timeout=group_timeout)
-            try:
-                message = (_OK, fn(TensorParallel(rank, size), *args))
-            finally:
-                dist.destroy_process_group()
         except BaseException as exc:
-            message = (_ERROR, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            _send(sender, (_ERROR, _describe(exc), time.time()))
+            return
         try:
-            data = pickle.dumps(message)
-        except Exception as exc:
-            data = pickle.dumps((_ERROR, f"its result could not be pickled ({type(exc).__name__}: {exc})"))
-        sender.send_bytes(data)
+            message = (_OK, fn(TensorParallel(rank, size), *args), None)
+        except BaseException as exc:
+            message = (_ERROR, _describe(exc), time.time())
+        # Report before leaving the group: leaving closes this rank's connections, which makes the other
+        # ranks fail too, and their errors should not overtake the one that explains them.
+        _send(sender, message)
+        with contextlib.suppress(Exception):  # the report is out; a teardown hiccup changes nothing now
+            dist.destroy_process_group()
     finally:
         sender.close()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+
+
+def _send(sender: Connection, message: tuple[str, Any, float | None]) -> None:
+    try:
+        data = pickle.dumps(message)
+    except Exception as exc:
+        text = f"its result could not be pickled ({type(exc).__name__}: {exc})"
+        data = pickle.dumps((_ERROR, text, time.time()))
+    sender.send_bytes(data)
 
 
 def _die_with_parent(parent_pid: int) -> None:

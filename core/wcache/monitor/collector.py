@@ -33,6 +33,8 @@ HISTORY = 60
 # vLLM's prefix-cache counters (tokens), newest name first: 0.9 renamed gpu_prefix_cache_* to prefix_cache_*.
 PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+# The metric families a poll reads; the rest of a /metrics page is skipped before parsing.
+FAMILIES = ("vllm:prefix_cache_", "vllm:gpu_prefix_cache_", "wcache:")
 MAX_EVENTS = 500
 # Shown in the feed; engine_counters is bookkeeping for rates, not news.
 FEED_KINDS = frozenset({
@@ -247,7 +249,7 @@ class Collector:
         samples: Samples = {}
         # Text that is not Prometheus (a proxy's error page, say) leaves every series "off".
         with contextlib.suppress(ValueError):
-            samples = parse_metrics(text) if text is not None else {}
+            samples = parse_metrics(text, FAMILIES) if text is not None else {}
         queries = next((v for n in PREFIX_QUERIES if (v := total(samples, n)) is not None), None)
         hits = next((v for n in PREFIX_HITS if (v := total(samples, n)) is not None), None)
         d_queries = self._delta(target, samples, PREFIX_QUERIES)

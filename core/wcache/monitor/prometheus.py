@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -11,9 +12,25 @@ Labels = tuple[tuple[str, str], ...]
 Samples = dict[str, dict[Labels, float]]
 
 
-def parse_metrics(text: str) -> Samples:
+def select_families(text: str, prefixes: Iterable[str]) -> str:
+    """Only the sample, HELP and TYPE lines of metrics whose names start with one of `prefixes`.
+
+    A vLLM /metrics page is tens of KiB, mostly histogram buckets `top` never shows, and prometheus-client's
+    parser is pure Python: parsing only the wanted families is what keeps polling many engines cheap.
+    """
+    starts = tuple(p for prefix in prefixes for p in (prefix, f"# HELP {prefix}", f"# TYPE {prefix}"))
+    return "\n".join(
+        line for line in text.splitlines()
+        # `_created` samples (and their HELP/TYPE) are start timestamps, dropped after parsing anyway.
+        if line.startswith(starts) and "_created{" not in line and "_created " not in line
+    )
+
+
+def parse_metrics(text: str, prefixes: Iterable[str] | None = None) -> Samples:
     """Sample name (with `_total` for counters) → label set → value; `_created` timestamps and non-finite
-    values are dropped."""
+    values are dropped. With `prefixes`, only metrics whose names start with one of them are parsed."""
+    if prefixes is not None:
+        text = select_families(text, prefixes)
     samples: defaultdict[str, dict[Labels, float]] = defaultdict(dict)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
