@@ -105,8 +105,9 @@ def verify_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_token
     from wcache.engine.tp_launch import run_tensor_parallel
 
     # Every rank must attach its own shard; each runs the same prompts and rank 0's answer is the report.
+    # No timeout: loading a large model on every rank may take long; Ctrl-C stops every rank.
     reports = run_tensor_parallel(_run_prompts_rank, plan.tp_size, model, plan.to_json(), prompts,
-                                  max_new_tokens, attach_options)
+                                  max_new_tokens, attach_options, timeout=None)
     return reports[0]
 
 

@@ -211,7 +211,8 @@ class Engine:
             c.generation_tokens += len(generated)
             self._register(request)
         finally:
-            self.blocks.release(request.kv.block_table)
+            # Tail first: LRU then evicts a prefix from its end, and what stays cached is still a matchable prefix.
+            self.blocks.release(request.kv.block_table[::-1])
         c.swa_cached_bytes = self._swa_bytes_per_block * self.blocks.num_cached
         return Generation(generated, len(prompt), hit, adopted, (hit - start) if adopted else 0, len(prompt) - start)
 

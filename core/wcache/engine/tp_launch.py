@@ -192,7 +192,7 @@ def _collect(processes: list[Any], receivers: list[Connection], deadline: float 
     if failures:
         first = min(failures, key=_Failure.order)
         others = sorted(f.rank for f in failures if f is not first)
-        also = f" (rank {', '.join(map(str, others))} failed too, most likely as a consequence)" if others else ""
+        also = f" (rank {', '.join(map(str, others))} failed too)" if others else ""
         raise RuntimeError(f"tensor-parallel rank {first.rank} {first.text}{also}")
     return [results[rank] for rank in range(len(processes))]
 
