@@ -19,17 +19,16 @@ Run::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench_common import READ_CHUNK_BYTES, fmt_rate, fmt_seconds, read_all, speed_ratio, workspace
 from rich.console import Console, JustifyMethod
 from rich.table import Table
 from wcache.digest_store import DigestStore
@@ -40,7 +39,6 @@ from wcache.vllm_compat import header_fingerprint
 # The store ignores receipts for files changed within 2 s of being hashed (racy-git rule).
 RACY_WINDOW_S = 2.0
 TARGET_WARM_SPEEDUP = 20.0
-READ_CHUNK_BYTES = 16 * 1024 * 1024
 
 HEADER = "header-only (vLLM 0.31)"
 WARM = "wcache warm key"
@@ -101,16 +99,6 @@ def shard_files(model_dir: Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def read_all(paths: list[Path]) -> int:
-    """Read every file start to end with large reads into one reused buffer; the bytes read."""
-    buffer = bytearray(READ_CHUNK_BYTES)
-    view = memoryview(buffer)
-    total = 0
-    for path in paths:
-        with path.open("rb", buffering=0) as f:
-            while n := f.readinto(view):
-                total += n
-    return total
 
 
 def measure_throughput(model_dir: Path, store: DigestStore, repeat: int) -> tuple[float, float, int]:
@@ -139,36 +127,12 @@ def stat_latency(model_dir: Path, count: int = 10) -> float:
     return (time.perf_counter() - began) / count
 
 
-def fmt_seconds(seconds: float) -> str:
-    """A duration in µs, ms or s, whichever reads best."""
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:,.0f} µs"
-    return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.2f} s"
 
 
-def fmt_rate(rate: float) -> str:
-    """Bytes per second as GB/s (10^9)."""
-    return f"{rate / 1e9:,.2f} GB/s"
 
 
-@contextlib.contextmanager
-def workspace(workdir: Path | None) -> Iterator[Path]:
-    """The given directory (kept), or a temporary one removed afterwards."""
-    if workdir is not None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        yield workdir
-        return
-    tmp = Path(tempfile.mkdtemp(prefix="wcache-bench-"))
-    try:
-        yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _ratio(base: float, seconds: float) -> str:
-    """How much faster (or slower) ``seconds`` is than ``base``."""
-    speed = base / seconds
-    return f"{speed:,.1f}× faster" if speed >= 1 else f"{1 / speed:,.1f}× slower"
 
 
 def results_table(title: str, storages: dict[str, dict[str, Samples]], stat_s: dict[str, float]) -> Table:
@@ -197,7 +161,7 @@ def results_table(title: str, storages: dict[str, dict[str, Samples]], stat_s: d
                 method,
                 fmt_seconds(s.median),
                 f"{fmt_seconds(min(s.seconds))}–{fmt_seconds(max(s.seconds))}",
-                "1.0×" if method == HEADER else _ratio(base, s.median),
+                "1.0×" if method == HEADER else speed_ratio(base, s.median),
                 notes,
                 end_section=i == len(METHODS) - 1,
             )

@@ -29,20 +29,18 @@ Run::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import shutil
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from bench_common import fmt_seconds, speed_ratio, workspace
 from rich.console import Console, JustifyMethod
 from rich.table import Table
 from wcache.engine.config import EngineConfig
@@ -174,22 +172,8 @@ def divergence(cold: list[int], hit: list[int]) -> tuple[int, int | None]:
     return len(differing), (differing[0] if differing else None)
 
 
-@contextlib.contextmanager
-def workspace(workdir: Path | None) -> Iterator[Path]:
-    """The given directory (kept), or a temporary one removed afterwards."""
-    if workdir is not None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        yield workdir
-        return
-    tmp = Path(tempfile.mkdtemp(prefix="wcache-bench-"))
-    try:
-        yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def fmt_seconds(seconds: float) -> str:
-    return f"{seconds * 1e3:,.0f} ms" if seconds < 10 else f"{seconds:,.2f} s"
 
 
 def fmt_bytes(nbytes: float) -> str:
@@ -200,9 +184,6 @@ def fmt_bytes(nbytes: float) -> str:
     return f"{nbytes / 1024**2:,.2f} MiB"
 
 
-def _ratio(base: float, seconds: float) -> str:
-    speed = base / seconds
-    return f"{speed:,.1f}× faster" if speed >= 1 else f"{1 / speed:,.1f}× slower"
 
 
 def _columns(table: Table, columns: tuple[tuple[str, JustifyMethod], ...]) -> None:
@@ -331,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{tokens[0] / cold_tokens:.0%}",
                 fmt_seconds(samples.median),
                 f"{fmt_seconds(min(samples.seconds))}–{fmt_seconds(max(samples.seconds))}",
-                "1.0×" if kind == "cold" else _ratio(base, samples.median),
+                "1.0×" if kind == "cold" else speed_ratio(base, samples.median),
                 end_section=kind != "cold",
             )
     console.print(table)

@@ -37,15 +37,15 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
+from bench_common import READ_CHUNK_BYTES, fmt_rate, fmt_seconds, read_all, workspace
 from rich.console import Console, JustifyMethod
 from rich.table import Table
 from safetensors.torch import load_file
@@ -62,7 +62,6 @@ from wcache.synth import write_checkpoint
 # The store ignores receipts for files changed within 2 s of being hashed (racy-git rule).
 RACY_WINDOW_S = 2.0
 TARGET_ZERO_COPY_SPEEDUP = 50.0
-READ_CHUNK_BYTES = 16 * 1024 * 1024
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 STOP_GRACE_S = 10.0
@@ -169,16 +168,6 @@ def resident_fraction(paths: list[Path]) -> float:
     return resident / pages if pages else 0.0
 
 
-def read_all(paths: list[Path]) -> int:
-    """Read every file start to end with large reads into one reused buffer; the bytes read."""
-    buffer = bytearray(READ_CHUNK_BYTES)
-    view = memoryview(buffer)
-    total = 0
-    for path in paths:
-        with path.open("rb", buffering=0) as f:
-            while n := f.readinto(view):
-                total += n
-    return total
 
 
 def set_cache(bench: Bench, cache: str) -> None:
@@ -402,15 +391,8 @@ def measure_restart(bench: Bench, store_dir: Path, check: bool) -> bool:
 # -- output ------------------------------------------------------------------------------------------------
 
 
-def fmt_seconds(seconds: float) -> str:
-    """A duration in µs, ms or s, whichever reads best."""
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:,.0f} µs"
-    return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.2f} s"
 
 
-def fmt_rate(rate: float) -> str:
-    return f"{rate / 1e9:,.2f} GB/s"
 
 
 def _faster(base: float, seconds: float) -> str:
@@ -489,18 +471,6 @@ def results_table(bench: Bench, title: str, baseline: tuple[str, str], caption: 
 # -- main --------------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def workspace(workdir: Path | None) -> Iterator[Path]:
-    """The given directory (kept), or a temporary one removed afterwards."""
-    if workdir is not None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        yield workdir.absolute()
-        return
-    tmp = Path(tempfile.mkdtemp(prefix="wcache-bench-"))
-    try:
-        yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def wcache_command() -> list[str]:
