@@ -126,7 +126,16 @@ class DigestStore:
         try:
             self._conn = self._open_checked()
         except sqlite3.DatabaseError as exc:
+            if not self._accessible():
+                # A store we may not read or write is someone else's, not a corrupt one: leave it alone.
+                self._disable(f"you lack permission to use it ({exc})")
+                return
             self._rebuild(str(exc))
+
+    def _accessible(self) -> bool:
+        directory_ok = os.access(self.directory, os.R_OK | os.W_OK | os.X_OK)
+        file_ok = not self.path.exists() or os.access(self.path, os.R_OK | os.W_OK)
+        return directory_ok and file_ok
 
     def _open_checked(self) -> sqlite3.Connection:
         # One store may be used from a worker thread (an engine computes its key while it connects); the

@@ -15,7 +15,7 @@ Schema (`Snapshot.to_json()`), version `wcache.top/1`:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 SCHEMA = "wcache.top/1"
@@ -80,13 +80,19 @@ class Snapshot:
     events: tuple[EventRow, ...]
 
     def to_json(self) -> dict[str, Any]:
+        # Field by field rather than dataclasses.asdict, which deep-copies every event's detail: with a full
+        # feed that was most of a `--json` poll's CPU.
         return {
             "schema": SCHEMA,
             "taken_at": self.taken_at,
             "interval_s": self.interval_s,
             "rates": self.rates,
             "run_dir": self.run_dir,
-            "daemons": [asdict(d) for d in self.daemons],
-            "engines": [{**asdict(e), "hit_rate_history": list(e.hit_rate_history)} for e in self.engines],
-            "events": [asdict(e) for e in self.events],
+            "daemons": [_plain(d) for d in self.daemons],
+            "engines": [{**_plain(e), "hit_rate_history": list(e.hit_rate_history)} for e in self.engines],
+            "events": [{**_plain(e), "detail": dict(e.detail)} for e in self.events],
         }
+
+
+def _plain(row: Any) -> dict[str, Any]:
+    return {f.name: getattr(row, f.name) for f in fields(row)}
