@@ -6,7 +6,7 @@
 # Succeeds when $2 names a subcommand of the command path $1.
 _wcache_is_subcommand() {
     case "${1:+$1 }$2" in
-        attach|demo|diff|key|preload|status|stop|verify) return 0 ;;
+        attach|demo|diff|key|preload|status|stop|top|verify) return 0 ;;
     esac
     return 1
 }
@@ -14,7 +14,7 @@ _wcache_is_subcommand() {
 # Prints the subcommands of the command path $1.
 _wcache_subcommands() {
     case "$1" in
-        '') echo 'attach demo diff key preload status stop verify' ;;
+        '') echo 'attach demo diff key preload status stop top verify' ;;
     esac
     :
 }
@@ -24,12 +24,13 @@ _wcache_options() {
     case "$1" in
         '') echo '--verbose -v --version -h --help' ;;
         attach) echo '--tp --rank --dtype --quantization --plan --device --mode --no-fallback --trust-daemon --daemon --prompt --max-new-tokens --serve --port --host --no-swa-bounded-replay --run-dir --json -h --help' ;;
-        demo) echo '--dir -h --help' ;;
+        demo) echo '--dir --serve --no-serve --stop --run-dir -h --help' ;;
         diff) echo '--tp --rank --dtype --quantization --plan --run-dir --json -h --help' ;;
         key) echo '--tp --rank --dtype --quantization --plan --tensors --rehash --run-dir --json -h --help' ;;
         preload) echo '--device --tp --dtype --quantization --plan --run-dir --health-port --health-host --detach --json -h --help' ;;
         status) echo '--run-dir --json -h --help' ;;
         stop) echo '--all --force --run-dir -h --help' ;;
+        top) echo '--interval --scrape --once --count --run-dir --json -h --help' ;;
         verify) echo '--greedy --content --prompts --num-prompts --max-new-tokens --tp --rank --dtype --quantization --plan --device --mode --trust-daemon --daemon --run-dir --json -h --help' ;;
     esac
     :
@@ -39,12 +40,13 @@ _wcache_options() {
 _wcache_arity() {
     case "${1:+$1 }$2" in
         'attach --tp'|'attach --rank'|'attach --dtype'|'attach --quantization'|'attach --plan'|'attach --device'|'attach --mode'|'attach --daemon'|'attach --prompt'|'attach --max-new-tokens'|'attach --port'|'attach --host'|'attach --run-dir') _wcache_n=1; return ;;
-        'demo --dir') _wcache_n=1; return ;;
+        'demo --dir'|'demo --run-dir') _wcache_n=1; return ;;
         'diff --tp'|'diff --rank'|'diff --dtype'|'diff --quantization'|'diff --plan'|'diff --run-dir') _wcache_n=1; return ;;
         'key --tp'|'key --rank'|'key --dtype'|'key --quantization'|'key --plan'|'key --run-dir') _wcache_n=1; return ;;
         'preload --device'|'preload --tp'|'preload --dtype'|'preload --quantization'|'preload --plan'|'preload --run-dir'|'preload --health-port'|'preload --health-host') _wcache_n=1; return ;;
         'status --run-dir') _wcache_n=1; return ;;
         'stop --run-dir') _wcache_n=1; return ;;
+        'top --interval'|'top --scrape'|'top --count'|'top --run-dir') _wcache_n=1; return ;;
         'verify --prompts'|'verify --num-prompts'|'verify --max-new-tokens'|'verify --tp'|'verify --rank'|'verify --dtype'|'verify --quantization'|'verify --plan'|'verify --device'|'verify --mode'|'verify --daemon'|'verify --run-dir') _wcache_n=1; return ;;
     esac
     _wcache_n=0
@@ -59,6 +61,7 @@ _wcache_option_value() {
         'attach --mode') _wcache_words 'zero_copy copy' "$3" ;;
         'attach --run-dir') _wcache_paths path "$3" ;;
         'demo --dir') _wcache_paths path "$3" ;;
+        'demo --run-dir') _wcache_paths path "$3" ;;
         'diff --dtype') _wcache_words 'auto float32 float16 bfloat16' "$3" ;;
         'diff --quantization') _wcache_words 'none int8 fp8' "$3" ;;
         'diff --plan') _wcache_words 'fused identity' "$3" ;;
@@ -73,6 +76,7 @@ _wcache_option_value() {
         'preload --run-dir') _wcache_paths path "$3" ;;
         'status --run-dir') _wcache_paths path "$3" ;;
         'stop --run-dir') _wcache_paths path "$3" ;;
+        'top --run-dir') _wcache_paths path "$3" ;;
         'verify --prompts') _wcache_paths path "$3" ;;
         'verify --dtype') _wcache_words 'auto float32 float16 bfloat16' "$3" ;;
         'verify --quantization') _wcache_words 'none int8 fp8' "$3" ;;

@@ -4,7 +4,7 @@
 # Succeeds when $argv[2] names a subcommand of the command path $argv[1].
 function __wcache_is_subcommand
     switch (string trim -- "$argv[1] $argv[2]")
-        case 'attach' 'demo' 'diff' 'key' 'preload' 'status' 'stop' 'verify'
+        case 'attach' 'demo' 'diff' 'key' 'preload' 'status' 'stop' 'top' 'verify'
             return 0
     end
     return 1
@@ -15,7 +15,7 @@ function __wcache_arity
     switch (string trim -- "$argv[1] $argv[2]")
         case 'attach --tp' 'attach --rank' 'attach --dtype' 'attach --quantization' 'attach --plan' 'attach --device' 'attach --mode' 'attach --daemon' 'attach --prompt' 'attach --max-new-tokens' 'attach --port' 'attach --host' 'attach --run-dir'
             echo 1; return
-        case 'demo --dir'
+        case 'demo --dir' 'demo --run-dir'
             echo 1; return
         case 'diff --tp' 'diff --rank' 'diff --dtype' 'diff --quantization' 'diff --plan' 'diff --run-dir'
             echo 1; return
@@ -26,6 +26,8 @@ function __wcache_arity
         case 'status --run-dir'
             echo 1; return
         case 'stop --run-dir'
+            echo 1; return
+        case 'top --interval' 'top --scrape' 'top --count' 'top --run-dir'
             echo 1; return
         case 'verify --prompts' 'verify --num-prompts' 'verify --max-new-tokens' 'verify --tp' 'verify --rank' 'verify --dtype' 'verify --quantization' 'verify --plan' 'verify --device' 'verify --mode' 'verify --daemon' 'verify --run-dir'
             echo 1; return
@@ -78,6 +80,7 @@ complete -c wcache -n '__wcache_at ""' -a 'key' -d 'Show the content fingerprint
 complete -c wcache -n '__wcache_at ""' -a 'preload' -d 'Start one daemon per TP rank holding the checkpoint\'s processed weights.'
 complete -c wcache -n '__wcache_at ""' -a 'status' -d 'List the daemons in the run dir: device, model, key, state, memory, leases, uptime and health.'
 complete -c wcache -n '__wcache_at ""' -a 'stop' -d 'Stop daemons; refuses while zero-copy engines hold leases unless --force.'
+complete -c wcache -n '__wcache_at ""' -a 'top' -d 'Watch daemons, engines, attach misses and fallbacks, and prefix-cache and replay hit rates live.'
 complete -c wcache -n '__wcache_at ""' -a 'verify' -d 'Check that a daemon serves this checkpoint\'s weights; exit 1 on any difference.'
 complete -c wcache -n '__wcache_at ""' -l 'verbose' -s 'v' -d 'Show tracebacks for errors (also WCACHE_DEBUG=1).'
 complete -c wcache -n '__wcache_at ""' -l 'version' -d 'Print the version and exit.'
@@ -107,6 +110,9 @@ complete -c wcache -n '__wcache_at attach' -F
 
 # wcache demo
 complete -c wcache -n '__wcache_at demo' -l 'dir' -r -F -d 'Where to write the demo checkpoints [default: <cache dir>/demo].'
+complete -c wcache -n '__wcache_at demo' -l 'serve' -l 'no-serve' -d 'Leave a daemon and a served engine running for wcache top.'
+complete -c wcache -n '__wcache_at demo' -l 'stop' -d 'Stop what an earlier demo left running, then exit.'
+complete -c wcache -n '__wcache_at demo' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
 complete -c wcache -n '__wcache_at demo' -s 'h' -l 'help' -d 'Show this message and exit.'
 
 # wcache diff
@@ -157,6 +163,15 @@ complete -c wcache -n '__wcache_at stop' -l 'all' -d 'Stop every daemon in the r
 complete -c wcache -n '__wcache_at stop' -l 'force' -d 'Stop even while engines hold zero-copy leases.'
 complete -c wcache -n '__wcache_at stop' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
 complete -c wcache -n '__wcache_at stop' -s 'h' -l 'help' -d 'Show this message and exit.'
+
+# wcache top
+complete -c wcache -n '__wcache_at top' -l 'interval' -x -d 'Seconds between samples; rates are deltas over one interval.'
+complete -c wcache -n '__wcache_at top' -l 'scrape' -x -d 'Also scrape this engine\'s Prometheus /metrics (a vLLM server, say); repeatable.'
+complete -c wcache -n '__wcache_at top' -l 'once' -d 'Sample twice, one interval apart, print tables (or --json) and exit.'
+complete -c wcache -n '__wcache_at top' -l 'count' -x -d 'With --json (without --once): print N lines, one per interval, then exit.'
+complete -c wcache -n '__wcache_at top' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
+complete -c wcache -n '__wcache_at top' -l 'json' -d 'JSON (schema wcache.top/1): one object with --once, else one line per interval, flushed.'
+complete -c wcache -n '__wcache_at top' -s 'h' -l 'help' -d 'Show this message and exit.'
 
 # wcache verify
 complete -c wcache -n '__wcache_at verify' -l 'greedy' -d 'Compare greedy tokens of a cached engine and a disk engine.'

@@ -1,7 +1,10 @@
-"""`wcache demo`, the README's first command, runs end to end and leaves no daemon behind."""
+"""`wcache demo`, the README's first command, runs end to end; what it leaves running stops cleanly."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -9,19 +12,21 @@ from conftest import run_cli
 from wcache_cli.commands.demo import MARKER, _fresh_dir
 
 
-def _demo_processes() -> list[psutil.Process]:
+def _processes_mentioning(*needles: str) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(process.info["cmdline"] or [])
-        if "wcache.daemon" in cmdline and "wcache-demo-" in cmdline:
+        if "wcache" in cmdline and any(needle in cmdline for needle in needles):
             found.append(process)
     return found
 
 
-def test_demo_walks_the_whole_flow(tmp_path: Path) -> None:
-    before = {p.pid for p in _demo_processes()}
-    result = run_cli("demo", "--dir", str(tmp_path / "demo"))
+def test_demo_walks_the_whole_flow_and_leaves_something_for_top(tmp_path: Path) -> None:
+    run_dir = Path(tempfile.mkdtemp(prefix="wc-demo-", dir="/tmp"))  # short: AF_UNIX paths are limited
+    demo_dir = tmp_path / "demo"
+    before = {p.pid for p in _processes_mentioning("wcache-demo-", str(run_dir))}
     try:
+        result = run_cli("demo", "--dir", str(demo_dir), "--run-dir", str(run_dir))
         assert result.returncode == 0, result.stderr
         out = result.stdout
         assert "vLLM 0.31 header-only fingerprint" in out
@@ -30,14 +35,29 @@ def test_demo_walks_the_whole_flow(tmp_path: Path) -> None:
         assert "READY" in out and "HIT" in out and "MISS" in out and "FALLBACK" in out
         assert "attach_hit" in out and "attach_miss" in out and "fallback" in out
         assert "VERIFIED" in out and "MISMATCH" in out and "SOURCE DIFFERS" in out
+        assert f"wcache top --run-dir {run_dir}" in out and "wcache demo --stop" in out
+
+        top = run_cli("top", "--once", "--json", "--interval", "0.5", "--run-dir", str(run_dir))
+        assert top.returncode == 0, top.stderr
+        snapshot = json.loads(top.stdout)
+        assert [d["state"] for d in snapshot["daemons"]] == ["ready"]
+        [engine] = snapshot["engines"]
+        assert engine["weights"] == "hit" and engine["hit_rate_overall"] > 0 and engine["replayed_tokens_total"] > 0
+        assert any(e["kind"] == "fallback" and "model.embed_tokens.weight" in e["summary"]
+                   for e in snapshot["events"])
+
+        stopped = run_cli("demo", "--stop", "--dir", str(demo_dir))
+        assert stopped.returncode == 0, stopped.stderr
+        assert "stopped" in stopped.stdout
     finally:
-        leftovers = [p for p in _demo_processes() if p.pid not in before]
+        leftovers = [p for p in _processes_mentioning("wcache-demo-", str(run_dir)) if p.pid not in before]
         for process in leftovers:
             process.kill()
-    assert not leftovers, "the demo left daemons running"
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assert not leftovers, "the demo (or its --stop) left processes running"
     # A second run may reuse the directory: it carries the demo's marker, so it is emptied, not refused.
-    _fresh_dir(tmp_path / "demo")
-    assert [p.name for p in (tmp_path / "demo").iterdir()] == [MARKER]
+    _fresh_dir(demo_dir)
+    assert [p.name for p in demo_dir.iterdir()] == [MARKER]
 
 
 def test_demo_refuses_a_directory_it_did_not_make(tmp_path: Path) -> None:

@@ -8,12 +8,19 @@ its command line, so the rig's sweep kills it even if this test's own cleanup is
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import pty
 import queue
+import select
+import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,6 +84,42 @@ def served_engine(rig: DaemonRig, model: Path) -> Iterator[str]:
             process.wait(15)
 
 
+def tui_in_a_terminal(rig: DaemonRig, expect: list[bytes], timeout: float = 60.0) -> tuple[bytes, int]:
+    """Run the real `wcache top` in a 120x40 pseudo-terminal until the screen shows every `expect`, press q;
+    returns what it drew and its exit status."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: become `wcache top` on the terminal, and never return into pytest
+        try:
+            os.environ.update({**rig.env, "TERM": "xterm-256color"})
+            os.execv(sys.executable, [sys.executable, "-m", "wcache_cli.main", "top", "--run-dir",
+                                      str(rig.run_dir), "--interval", "0.5"])
+        finally:
+            os._exit(127)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    screen = b""
+    try:
+        deadline = time.monotonic() + timeout
+        while not all(e in screen for e in expect) and time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.2)[0]:
+                with contextlib.suppress(OSError):
+                    screen += os.read(fd, 1 << 16)
+        os.write(fd, b"q")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.1)[0]:
+                with contextlib.suppress(OSError):
+                    os.read(fd, 1 << 16)
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return screen, os.waitstatus_to_exitcode(status)
+        raise AssertionError("wcache top did not exit on q")
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+
+
 def complete(url: str, prompt: str) -> dict:
     body = json.dumps({"prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
     request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
@@ -102,6 +145,10 @@ def test_top_reports_daemon_engine_replay_hits_and_the_fallback(tiny_template: P
             document = rig.cli("top", "--json", "--once", "--run-dir", str(rig.run_dir), "--interval", "0.3",
                                as_json=True)
             human = rig.cli("top", "--once", "--run-dir", str(rig.run_dir), "--interval", "0.1")
+            expect = [daemon.key_id.encode(), b"fallback", b"Replay and prefix cache"]
+            screen, code = tui_in_a_terminal(rig, expect)
+            assert code == 0
+            assert all(e in screen for e in expect), screen[-2000:]
 
         [d] = [d for d in document["daemons"] if d["name"] == daemon.name]
         assert d["alive"] and d["state"] == "ready" and d["key_id"] == daemon.key_id

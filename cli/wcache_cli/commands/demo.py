@@ -17,11 +17,12 @@ from wcache.key_diff import diff_keys
 from wcache.plan import PlanSpec
 from wcache.rundir import census
 
+from wcache_cli.commands.demo_serving import leave_serving, stop_serving
 from wcache_cli.commands.preload import launch
 from wcache_cli.commands.status import shutdown_daemon
 from wcache_cli.operands import key_of_checkpoint
 from wcache_cli.output import out
-from wcache_cli.params import Dtype, Layout, Quantization
+from wcache_cli.params import Dtype, Layout, Quantization, RunDirOpt, run_dir_or_default
 from wcache_cli.render import diff_renderable, key_table
 
 # A demo directory holds this marker, so a rerun only ever deletes what an earlier demo wrote.
@@ -33,6 +34,7 @@ def _fresh_dir(directory: Path) -> None:
     if directory.exists():
         if not (directory / MARKER).exists():
             raise BadInputError(f"{directory} exists and was not made by wcache demo; pass another --dir.")
+        stop_serving(directory)  # a previous run's daemon and engine must not outlive their files
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
     (directory / MARKER).write_text("made by wcache demo; safe to delete\n")
@@ -44,11 +46,23 @@ def demo(
         typer.Option("--dir", help="Where to write the demo checkpoints [default: <cache dir>/demo].",
                      show_default=False),
     ] = None,
+    serve: Annotated[
+        bool, typer.Option("--serve/--no-serve", help="Leave a daemon and a served engine running for wcache top.")
+    ] = True,
+    stop: Annotated[bool, typer.Option("--stop", help="Stop what an earlier demo left running, then exit.")] = False,
+    run_dir: RunDirOpt = None,
 ) -> None:
-    """Build a tiny checkpoint, show that wcache catches a change header-only keys miss, then serve and attach it."""
+    """Build a tiny checkpoint, show that wcache catches a change header-only keys miss, then serve and attach it.
+
+    At the end a daemon and a served engine keep running (unless --no-serve) so `wcache top` has something to
+    show; `wcache demo --stop` stops them.
+    """
     from wcache import synth, vllm_compat
 
     workdir = directory or default_store_dir() / "demo"
+    if stop:
+        out.print("stopped the demo's daemon and engine" if stop_serving(workdir) else "nothing was left running")
+        return
     _fresh_dir(workdir)
     original, modified = workdir / "tiny", workdir / "tiny-zeroed"
 
@@ -90,18 +104,26 @@ def demo(
         out.error("the demo expected wcache to name exactly the zeroed tensor, and it did not.")
         raise typer.Exit(EXIT_DIFFERENCE)
 
-    run_dir = Path(tempfile.mkdtemp(prefix="wcache-demo-", dir="/tmp"))
+    # Steps 4–8 use a scratch run dir of their own, so nothing they start can meet the user's daemons.
+    scratch = Path(tempfile.mkdtemp(prefix="wcache-demo-", dir="/tmp"))
     supervisors: list[subprocess.Popen[str]] = []
     try:
-        served_ok = _serve_attach_verify(original, modified, victim.name, run_dir, supervisors)
+        served_ok = _serve_attach_verify(original, modified, victim.name, scratch, supervisors)
     finally:
-        for descriptor in census(run_dir).live:
+        for descriptor in census(scratch).live:
             shutdown_daemon(descriptor, force=True)
         for supervisor in supervisors:
             supervisor.wait(timeout=30)  # each exits once its ranks have
-        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     if not served_ok:
         raise typer.Exit(EXIT_DIFFERENCE)
+    if serve:
+        where = run_dir_or_default(run_dir)
+        out.print(f"\n[bold]9.[/] Leaving a daemon and a served engine running (run dir {where})")
+        leave_serving(original, modified, workdir, where)
+        top = "wcache top" if run_dir is None else f"wcache top --run-dir {where}"
+        stop_command = "wcache demo --stop" + ("" if directory is None else f" --dir {workdir}")
+        out.print(f"Watch them with [bold]{top}[/]; stop everything with [bold]{stop_command}[/].")
     out.print(f"\nDone. Try: [bold]wcache key {original} --tensors[/], "
               f"[bold]wcache diff {original} {modified} --json[/], and "
               f"[bold]wcache preload {original} --tp 2[/] in one terminal with "

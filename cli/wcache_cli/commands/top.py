@@ -9,13 +9,16 @@ from __future__ import annotations
 import json as jsonlib
 import os
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from wcache.errors import BadInputError
 
 from wcache_cli.output import out
-from wcache_cli.params import JsonOpt, RunDirOpt, run_dir_or_default
+from wcache_cli.params import RunDirOpt, run_dir_or_default
+
+if TYPE_CHECKING:
+    from wcache_cli.top.source import Source
 
 MIN_INTERVAL_S = 0.1
 
@@ -39,7 +42,10 @@ def top(
                      help="With --json (without --once): print N lines, one per interval, then exit."),
     ] = None,
     run_dir: RunDirOpt = None,
-    json: JsonOpt = False,
+    json: Annotated[
+        bool, typer.Option("--json", help="JSON (schema wcache.top/1): one object with --once, else one line per "
+                                          "interval, flushed.")
+    ] = False,
 ) -> None:
     """Watch daemons, engines, attach misses and fallbacks, and prefix-cache and replay hit rates live.
 
@@ -72,14 +78,14 @@ def top(
         source.close()
 
 
-def _once(source: object, interval: float, json: bool) -> None:
+def _once(source: Source, interval: float, json: bool) -> None:
     import time
 
     from wcache_cli.top.source import two_samples
 
     if not json and out.stderr.is_terminal:
         out.hint(f"sampling twice, {interval:g} s apart, so rates are over a real interval…")
-    snapshot = two_samples(source, interval)  # type: ignore[arg-type]
+    snapshot = two_samples(source, interval)
     if json:
         out.json(snapshot.to_json())
         return
@@ -88,11 +94,11 @@ def _once(source: object, interval: float, json: bool) -> None:
     out.print(once_renderable(snapshot, time.time(), interval))
 
 
-def _stream(source: object, interval: float, count: int | None) -> None:
+def _stream(source: Source, interval: float, count: int | None) -> None:
     from wcache_cli.top.source import every_interval
 
     try:
-        for snapshot in every_interval(source, interval, count):  # type: ignore[arg-type]
+        for snapshot in every_interval(source, interval, count):
             sys.stdout.write(jsonlib.dumps(snapshot.to_json(), ensure_ascii=False) + "\n")
             sys.stdout.flush()  # a pipe must see each sample as it is taken
     except BrokenPipeError:

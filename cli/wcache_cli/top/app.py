@@ -96,9 +96,6 @@ class HelpScreen(ModalScreen[None]):
                 id="help-notes",
             )
 
-    async def action_dismiss(self, result: None = None) -> None:
-        self.dismiss(result)
-
 
 class TopApp(App[None]):
     """Live view of one run dir's daemons and engines, fed by a polling `Source`."""
@@ -143,6 +140,8 @@ class TopApp(App[None]):
         self._poll_again = False
         self._events: dict[str, EventRow] = {}
         self._rendering = False
+        self._signatures: dict[str, Any] = {}  # what each table last showed
+        self._texts: dict[str, tuple[Any, ...]] = {}  # what each Static last showed
 
     # -- layout ----------------------------------------------------------------------------------------------
 
@@ -239,27 +238,43 @@ class TopApp(App[None]):
             line.append(f"  {self.filter_error}", style="bold red")
         if self.poll_error:
             line.append(f"  last poll failed: {self.poll_error}", style="bold red")
-        self.query_one("#status", Static).update(line)
-        banner = self.query_one("#banner", Static)
-        banner.display = self.paused
+        self._update("#status", line)
+        self.query_one("#banner", Static).display = self.paused
         if self.paused:
             taken = f" from {now - shown.taken_at:.0f} s ago" if shown is not None else ""
-            banner.update(Text(
+            self._update("#banner", Text(
                 f"PAUSED · showing the sample{taken} · collection continues "
                 f"({self.newer_while_paused} newer) · p resumes",
             ))
 
+    def _update(self, selector: str, text: Text) -> None:
+        """Static.update repaints even with the same text; skip it when nothing changed."""
+        signature = (text.plain, tuple(text.spans), str(text.style))
+        if self._texts.get(selector) != signature:
+            self._texts[selector] = signature
+            self.query_one(selector, Static).update(text)
+
     def render_panel(self, panel: Panel[Any]) -> None:
         table = self.query_one(f"#{panel.id}", DataTable)
         sort = self.sorts[panel.id]
+        rows = render_rows(panel, self.shown, sort, self.row_filter, self.clock()) if self.shown else []
+        if panel.id == "events":
+            self._events = {row.key: row.row for row in rows}
+        total = len(panel.rows(self.shown)) if self.shown else 0
+        shown = f"{len(rows)} of {total}" if self.row_filter is not None else str(total)
+        table.border_title = f"{panel.title} ({shown})"
+        table.border_subtitle = f"sorted by {panel.columns[sort.column].label} {sort.arrow}"
+        labels = tuple(column_label(panel, i, sort) for i in range(len(panel.columns)))
+        signature = (labels, tuple((r.key, tuple((c.plain, str(c.style)) for c in r.cells)) for r in rows))
+        if self._signatures.get(panel.id) == signature:
+            return  # nothing visible changed: repainting a table is most of the dashboard's CPU
+        self._signatures[panel.id] = signature
         selected = self._cursor_key(table)
         self._rendering = True
         try:
             table.clear(columns=True)
             for i, column in enumerate(panel.columns):
-                table.add_column(Text(column_label(panel, i, sort), justify=column.justify),  # type: ignore[arg-type]
-                                 key=str(i))
-            rows = render_rows(panel, self.shown, sort, self.row_filter, self.clock()) if self.shown else []
+                table.add_column(Text(labels[i], justify=column.justify), key=str(i))  # type: ignore[arg-type]
             keys = []
             for row in rows:
                 cells = []
@@ -268,16 +283,10 @@ class TopApp(App[None]):
                     cells.append(cell)
                 table.add_row(*cells, key=row.key)
                 keys.append(row.key)
-                if panel.id == "events":
-                    self._events[row.key] = row.row
             if selected in keys:
                 table.move_cursor(row=keys.index(selected), animate=False)
         finally:
             self._rendering = False
-        total = len(panel.rows(self.shown)) if self.shown else 0
-        shown = f"{len(rows)} of {total}" if self.row_filter is not None else str(total)
-        table.border_title = f"{panel.title} ({shown})"
-        table.border_subtitle = f"sorted by {panel.columns[sort.column].label} {sort.arrow}"
 
     @staticmethod
     def _cursor_key(table: DataTable[Any]) -> str | None:
@@ -294,8 +303,7 @@ class TopApp(App[None]):
 
     def render_detail(self) -> None:
         event = self.selected_event()
-        detail = self.query_one("#detail", Static)
-        detail.update(event_detail(event, self.clock()) if event else Text(NO_EVENT, style="dim"))
+        self._update("#detail", event_detail(event, self.clock()) if event else Text(NO_EVENT, style="dim"))
 
     @on(DataTable.RowHighlighted, "#events")
     @on(DataTable.RowSelected, "#events")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -78,8 +79,10 @@ def duration(seconds: float | None) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
-def age(ts: float, now: float) -> str:
-    return f"{duration(now - ts)} ago"
+def clock_time(ts: float, now: float) -> str:
+    """Local time of day, with the date once it is a day old: a row that does not change every second."""
+    fmt = "%H:%M:%S" if now - ts < 86400 else "%m-%d %H:%M"
+    return time.strftime(fmt, time.localtime(ts))
 
 
 def health(d: DaemonRow) -> Text:
@@ -192,7 +195,7 @@ def _severity_text(value: str, e: EventRow) -> Text:
 
 
 EVENT_COLUMNS: tuple[Column[EventRow], ...] = (
-    Column("when", lambda e, now: Text(age(e.ts, now), style="dim"), lambda e: e.ts, "right"),
+    Column("when", lambda e, now: Text(clock_time(e.ts, now), style="dim"), lambda e: e.ts, "right"),
     Column("severity", lambda e, _: _severity_text(e.severity, e), lambda e: SEVERITY_RANK.get(e.severity, 0)),
     Column("kind", lambda e, _: _severity_text(e.kind, e), lambda e: e.kind),
     Column("summary", lambda e, _: _severity_text(e.summary, e), lambda e: e.summary),
@@ -207,20 +210,20 @@ class Panel(Generic[R]):
     title: str
     columns: tuple[Column[R], ...]
     rows: Callable[[Snapshot], Sequence[R]]
-    row_key: Callable[[R, int], str]
+    row_key: Callable[[R], str]  # stable across polls, so the cursor stays on its row
     extra_text: Callable[[R], str]  # searched by the filter besides the visible cells
     default_sort: int = 0
     default_reverse: bool = False
 
 
 PANELS: tuple[Panel[Any], ...] = (
-    Panel("daemons", "Daemons", DAEMON_COLUMNS, lambda s: s.daemons, lambda d, _: d.name,
+    Panel("daemons", "Daemons", DAEMON_COLUMNS, lambda s: s.daemons, lambda d: d.name,
           lambda d: f"{d.name} {d.pid}"),
-    Panel("engines", "Engines", ENGINE_COLUMNS, lambda s: s.engines, lambda e, _: e.id,
+    Panel("engines", "Engines", ENGINE_COLUMNS, lambda s: s.engines, lambda e: e.id,
           lambda e: f"{e.id} {e.url}"),
     Panel("replay", "Replay and prefix cache (hit % = hit tokens / queried tokens)", REPLAY_COLUMNS,
-          lambda s: s.engines, lambda e, _: e.id, lambda e: f"{e.id} {e.url} {e.model} {e.kind}"),
-    Panel("events", "Events", EVENT_COLUMNS, lambda s: s.events, lambda e, i: f"{e.ts!r}/{e.kind}/{i}",
+          lambda s: s.engines, lambda e: e.id, lambda e: f"{e.id} {e.url} {e.model} {e.kind}"),
+    Panel("events", "Events", EVENT_COLUMNS, lambda s: s.events, lambda e: f"{e.ts!r}/{e.kind}/{e.summary}",
           lambda e: str(e.detail.get("reason") or ""), default_sort=0, default_reverse=True),
 )
 PANEL_BY_ID: dict[str, Panel[Any]] = {p.id: p for p in PANELS}
@@ -289,19 +292,21 @@ class RenderedRow:
 def render_rows(panel: Panel[R], snapshot: Snapshot, sort: Sort, row_filter: RowFilter | None,
                 now: float) -> list[RenderedRow]:
     """The panel's rows: filtered on their visible text, then sorted (absent values last either way)."""
-    indexed = list(enumerate(panel.rows(snapshot)))
+    rows = panel.rows(snapshot)
     column = panel.columns[sort.column]
-    present = [(i, r) for i, r in indexed if column.key(r) is not None]
-    absent = [(i, r) for i, r in indexed if column.key(r) is None]
-    present.sort(key=lambda pair: column.key(pair[1]), reverse=sort.reverse)
+    present = sorted((r for r in rows if column.key(r) is not None), key=column.key, reverse=sort.reverse)
+    absent = [r for r in rows if column.key(r) is None]
     rendered = []
-    for i, row in present + absent:
+    seen: dict[str, int] = {}
+    for row in present + absent:
         cells = tuple(c.cell(row, now) for c in panel.columns)
         if row_filter is not None:
             haystack = " ".join([*(c.plain for c in cells), panel.extra_text(row)])
             if not row_filter.matches(haystack):
                 continue
-        rendered.append(RenderedRow(panel.row_key(row, i), cells, row))
+        key = panel.row_key(row)
+        seen[key] = seen.get(key, 0) + 1
+        rendered.append(RenderedRow(key if seen[key] == 1 else f"{key}#{seen[key]}", cells, row))
     return rendered
 
 
@@ -351,7 +356,7 @@ def event_detail(event: EventRow, now: float) -> Text:
     style = SEVERITY_STYLE.get(event.severity, "")
     text = Text()
     text.append(f"{event.kind}", style=style or "bold")
-    text.append(f"  {event.severity} · {age(event.ts, now)}\n", style="dim")
+    text.append(f"  {event.severity} · {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(event.ts))}\n", style="dim")
     detail = dict(event.detail)
     reason = detail.pop("reason", None)
     diff = detail.pop("diff", None)

@@ -125,6 +125,8 @@ class DaemonServer:
                     log.warning("Refused a connection from uid %d.", uid)
                     return
                 while not self.shared.stop.is_set():
+                    # A lease holder may stay silent for as long as it serves; only other clients time out.
+                    conn.settimeout(None if client.mode == "zero_copy" else CLIENT_TIMEOUT_S)
                     try:
                         frame = receive(conn)
                     except PeerClosedError:

@@ -1,0 +1,119 @@
+"""The end of `wcache demo`: leave a daemon and a served engine running for `wcache top`, and stop them later."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+from wcache.rundir import ENGINES_DIR, census, ensure_run_dir
+
+from wcache_cli.commands.preload import launch
+from wcache_cli.commands.status import shutdown_daemon
+from wcache_cli.output import out
+from wcache_cli.params import Dtype, Layout, Quantization
+
+STATE_NAME = "serving.json"
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+SHARED_PREFIX = (
+    "wcache demo: every request in this workload starts with the same long system prompt, so the engine's "
+    "prefix cache hits and SWA bounded replay rebuilds the sliding windows. "
+)
+TAILS = ("What is a weight cache?", "Why hash every byte?", "How does replay work?", "Who holds the lease?",
+         "When does a miss happen?", "Where do events go?")
+
+
+def _wait_for_engine(run_dir: Path, process: subprocess.Popen[bytes]) -> str:
+    descriptor = run_dir / ENGINES_DIR / f"{process.pid}.json"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the served engine exited with code {process.returncode}")
+        if descriptor.exists():
+            return str(json.loads(descriptor.read_text())["url"])
+        time.sleep(0.2)
+    raise RuntimeError("the served engine did not come up in time")
+
+
+def _complete(url: str, prompt: str) -> dict[str, Any]:
+    body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return dict(json.loads(response.read()))
+
+
+def leave_serving(original: Path, modified: Path, workdir: Path, run_dir: Path) -> None:
+    """Preload `original`, serve it, run a shared-prefix workload and one forced fallback; record the pids."""
+    from wcache.attach import attach
+    from wcache.plan import PlanSpec
+
+    ensure_run_dir(run_dir)
+    supervisor, ready = launch(original, "cpu", 1, Dtype.auto, Quantization.none, Layout.fused, run_dir)
+    assert supervisor.stdout is not None
+    supervisor.stdout.close()  # detached: the daemon outlives this command
+    state: dict[str, Any] = {"run_dir": str(run_dir), "daemons": [r["name"] for r in ready["ranks"]],
+                             "supervisor_pid": supervisor.pid}
+    (workdir / STATE_NAME).write_text(json.dumps(state))
+    with (workdir / "engine.log").open("ab") as log:
+        engine = subprocess.Popen(
+            [sys.executable, "-m", "wcache_cli.main", "attach", str(original), "--serve", "--port", "0",
+             "--run-dir", str(run_dir)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    state["engine_pid"] = engine.pid
+    (workdir / STATE_NAME).write_text(json.dumps(state))
+    url = _wait_for_engine(run_dir, engine)
+    state["engine_url"] = url
+    (workdir / STATE_NAME).write_text(json.dumps(state))
+
+    hits = 0
+    for tail in TAILS:
+        hits += int(_complete(url, SHARED_PREFIX + tail)["wcache"]["adopted"])
+    out.print(f"served {len(TAILS)} requests sharing a {len(SHARED_PREFIX)}-token prefix at {url}: "
+              f"{hits} reused the cached prefix (with bounded replay)")
+    # One engine that misses, so the dashboard's event feed has a fallback with its reason and diff.
+    with attach(modified, PlanSpec(), run_dir=run_dir) as missed:
+        out.print(f"and one engine for the zeroed copy fell back to disk: {missed.report.reason}")
+
+
+def stop_serving(workdir: Path) -> bool:
+    """Stop what an earlier demo left running from `workdir`; False when there was nothing recorded."""
+    path = workdir / STATE_NAME
+    if not path.exists():
+        return False
+    state = json.loads(path.read_text())
+    engine_pid = state.get("engine_pid")
+    if isinstance(engine_pid, int):
+        _terminate(engine_pid, marker="--serve")
+    run_dir = Path(state["run_dir"])
+    if run_dir.exists():
+        for descriptor in census(run_dir).live:
+            if descriptor.name in state.get("daemons", []):
+                shutdown_daemon(descriptor, force=True)
+    supervisor_pid = state.get("supervisor_pid")
+    if isinstance(supervisor_pid, int):
+        _terminate(supervisor_pid, marker="wcache.daemon.supervisor")
+    path.unlink()
+    return True
+
+
+def _terminate(pid: int, marker: str) -> None:
+    """SIGTERM a process we started (checked by its command line, so a reused pid is left alone)."""
+    try:
+        process = psutil.Process(pid)
+        if marker not in " ".join(process.cmdline()):
+            return
+        process.send_signal(signal.SIGTERM)
+        process.wait(STOP_TIMEOUT_S)
+    except psutil.TimeoutExpired:
+        process.kill()
+    except psutil.Error:
+        pass
