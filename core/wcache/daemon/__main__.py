@@ -72,14 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         server.bind()
         write_descriptor(run_dir, descriptor)
     except KeyboardInterrupt:
-        status.emit("failed", rank=args.rank, reason="stopped before it was ready.")
+        status.emit("failed", rank=args.rank, reason="stopped before it was ready.", exit_code=1)
         return 1
     except WcacheError as exc:
-        status.emit("failed", rank=args.rank, reason=str(exc))
+        status.emit("failed", rank=args.rank, reason=str(exc), exit_code=exc.exit_code)
         return exc.exit_code
     except Exception as exc:  # the supervisor must hear why, whatever it was
         logging.exception("rank %d failed while loading", args.rank)
-        status.emit("failed", rank=args.rank, reason=f"{type(exc).__name__}: {exc}")
+        status.emit("failed", rank=args.rank, reason=f"{type(exc).__name__}: {exc}", exit_code=1)
         return 1
     append_event(run_dir, "ready", daemon=descriptor.name, key_id=descriptor.key_id, rank=args.rank,
                  device=args.device, source=descriptor.source, weights_bytes=descriptor.weights_bytes,

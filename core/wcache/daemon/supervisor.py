@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from wcache.daemon.health import RankTable, serve_health
 from wcache.daemon.status_pipe import StatusWriter, parse_line
-from wcache.errors import EXIT_BAD_INPUT, WcacheError
+from wcache.errors import WcacheError
 from wcache.events import append_event
 from wcache.rundir import census, ensure_run_dir
 
@@ -49,6 +49,7 @@ class _Rank:
     total: int = 0
     ready: dict[str, Any] | None = None
     failure: str | None = None
+    failure_code: int = 1
     exit_code: int | None = None
     finished: threading.Event = field(default_factory=threading.Event)
 
@@ -128,6 +129,8 @@ class Supervisor:
                     self.table.ready(state.rank, message["socket"])
                 elif message["event"] == "failed":
                     state.failure = str(message.get("reason", "unknown reason"))
+                    code = message.get("exit_code")
+                    state.failure_code = code if isinstance(code, int) and code > 0 else 1
                 self.changed.notify_all()
         code = state.process.wait()
         with self.changed:
@@ -146,9 +149,8 @@ class Supervisor:
                 for r in self.ranks:
                     if r.failure is not None or (r.exit_code is not None and r.ready is None):
                         reason = r.failure or f"rank {r.rank} exited with code {r.exit_code} while loading."
-                        code = r.exit_code if r.exit_code not in (None, 0) else 1
-                        if r.exit_code is None:
-                            code = EXIT_BAD_INPUT if r.failure else 1
+                        # The rank's own verdict (bad input 2, unavailable 3) when it gave one.
+                        code = r.failure_code if r.failure else (r.exit_code or 1)
                         return f"rank {r.rank}: {reason}", code
                 if self.stopping:
                     return "preload was stopped before every rank was ready.", 1

@@ -1,0 +1,59 @@
+"""`wcache preload` failures: one sentence, the right exit code, and no rank left behind."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import run_cli
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="wc-pf-", dir="/tmp"))
+    yield path
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(path) in " ".join(p.info["cmdline"] or [])]
+    for process in leftovers:
+        process.kill()
+    shutil.rmtree(path, ignore_errors=True)
+    assert not leftovers, "a failed preload left processes running"
+
+
+def _preload(model: Path, run_dir: Path, *extra: str) -> tuple[int, str]:
+    result = run_cli("preload", str(model), "--detach", "--run-dir", str(run_dir), *extra)
+    assert "Traceback" not in result.stderr
+    return result.returncode, result.stderr.strip()
+
+
+def test_missing_checkpoint_is_bad_input(run_dir: Path, tmp_path: Path) -> None:
+    code, stderr = _preload(tmp_path / "nowhere", run_dir)
+    assert code == 2
+    assert stderr.startswith("error: rank 0:") and "nowhere" in stderr and stderr.count("\n") == 0
+
+
+def test_lying_header_names_the_shard(run_dir: Path, tiny_template: Path, tmp_path: Path) -> None:
+    broken = Path(shutil.copytree(tiny_template, tmp_path / "broken"))
+    shard = sorted(broken.glob("*.safetensors"))[0]
+    with shard.open("r+b") as f:
+        f.write((10**6).to_bytes(8, "little"))  # a header longer than the file, under the size cap
+    code, stderr = _preload(broken, run_dir)
+    assert code == 2 and shard.name in stderr and "truncated" in stderr
+
+
+def test_indivisible_tensor_parallel_stops_every_rank(run_dir: Path, tiny_template: Path) -> None:
+    code, stderr = _preload(tiny_template, run_dir, "--tp", "3")
+    assert code == 2 and "--tp 3" in stderr
+    assert not list(run_dir.glob("*.sock")) and not list(run_dir.glob("cpu-*.json"))
+
+
+def test_cuda_without_a_gpu_is_unavailable(run_dir: Path, tiny_template: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the CPU-only refusal cannot be observed here")
+    code, stderr = _preload(tiny_template, run_dir, "--device", "cuda")
+    assert code == 3 and "no CUDA device" in stderr
