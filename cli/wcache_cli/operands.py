@@ -10,7 +10,7 @@ from wcache.errors import BadInputError
 from wcache.key import KeyFile, compute_key, is_key_file, load_key_file
 from wcache.plan import PlanSpec
 from wcache.remote_key import daemon_key_file
-from wcache.rundir import DaemonDescriptor, census
+from wcache.rundir import DaemonDescriptor, census, matches
 
 from wcache_cli.progress import hash_bar
 
@@ -24,7 +24,7 @@ def key_of_checkpoint(path: Path, plan: PlanSpec, *, rehash: bool = False) -> Ke
 def find_daemons(run_dir: Path, ident: str) -> list[DaemonDescriptor]:
     """Live daemons whose name or key id starts with `ident`."""
     live = census(run_dir).live if run_dir.exists() else ()
-    return [d for d in live if d.name.startswith(ident) or d.key_id.startswith(ident)]
+    return [d for d in live if matches(d, ident)]
 
 
 def key_of_daemon(descriptor: DaemonDescriptor) -> KeyFile:

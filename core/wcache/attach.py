@@ -31,7 +31,7 @@ from wcache.loader import load_from_disk
 from wcache.model_config import config_digest, config_dtype
 from wcache.plan import PlanSpec
 from wcache.remote_key import daemon_key_file
-from wcache.rundir import DaemonDescriptor, census, default_run_dir, ensure_run_dir
+from wcache.rundir import DaemonDescriptor, census, default_run_dir, ensure_run_dir, matches
 
 MODES = ("zero_copy", "copy")
 KEY_FIELDS = ("checkpoint", "config", "plan", "format")
@@ -271,7 +271,7 @@ def attach(
 
 
 def _named(descriptor: DaemonDescriptor, daemon: str | None) -> bool:
-    return daemon is None or descriptor.name == daemon or descriptor.key_id.startswith(daemon)
+    return daemon is None or matches(descriptor, daemon)
 
 
 def _try_map(

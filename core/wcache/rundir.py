@@ -102,6 +102,11 @@ class DaemonDescriptor:
         return cls(**data)
 
 
+def matches(descriptor: DaemonDescriptor, ident: str) -> bool:
+    """Whether a user-given id names this daemon: a prefix of its name or of its key id."""
+    return bool(ident) and (descriptor.name.startswith(ident) or descriptor.key_id.startswith(ident))
+
+
 def daemon_name(device: str, key_id: str) -> str:
     """File stem for a daemon: device and key, so two models on one device never collide."""
     return f"{device.replace(':', '')}-{key_id}"

@@ -20,7 +20,7 @@ from wcache.key_diff import KeyDiff, diff_keys
 from wcache.model_config import config_digest
 from wcache.plan import PlanSpec
 from wcache.remote_key import daemon_key_file
-from wcache.rundir import DaemonDescriptor, census
+from wcache.rundir import DaemonDescriptor, census, matches
 
 _WORDS = (
     "weights", "cache", "daemon", "engine", "restart", "shard", "tensor", "prefix", "window", "replay", "token",
@@ -156,7 +156,7 @@ def pick_daemon(model: Path, plan: PlanSpec, run_dir: Path, device: str, daemon:
     resolved = plan.resolve(config_dtype(layout.config) or (plan.dtype if plan.dtype != "auto" else "float32"))
     live = census(run_dir).live if run_dir.exists() else ()
     if daemon is not None:
-        named = [d for d in live if d.name.startswith(daemon) or d.key_id.startswith(daemon)]
+        named = [d for d in live if matches(d, daemon)]
         if len(named) != 1:
             raise UnavailableError(f"{len(named)} running daemons match {daemon!r} in {run_dir}; name exactly one.")
         return named[0]

@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 from wcache.client import DaemonError, request_once
 from wcache.errors import BadInputError, UnavailableError
-from wcache.rundir import DaemonDescriptor, census
+from wcache.rundir import DaemonDescriptor, census, matches
 
 from wcache_cli.output import out
 from wcache_cli.params import JsonOpt, RunDirOpt, run_dir_or_default
@@ -90,7 +90,7 @@ def stop(
         raise BadInputError("name one daemon to stop, or pass --all (not both).")
     where = run_dir_or_default(run_dir)
     live = census(where).live if where.exists() else ()
-    targets = list(live) if all_daemons else [d for d in live if d.name == ident or d.key_id.startswith(ident or "")]
+    targets = list(live) if all_daemons else [d for d in live if matches(d, ident or "")]
     if not targets:
         if all_daemons:
             out.print(f"No daemons in {where}.")
