@@ -224,7 +224,6 @@ def main(argv: list[str] | None = None) -> int:
             block_size=BLOCK_SIZE,
             num_blocks=2 * blocks_per_request + 8,
             swa_bounded_replay=replay,
-            max_model_len=max(8192, total),
         )
         for mode, replay in MODES.items()
     }

@@ -117,7 +117,7 @@ class AttachedWeights:
 
     def _hold_lease(self, connection: DaemonConnection, mapping: MappedArena | None) -> None:
         self._connection = connection
-        self._mapping = mapping
+        self._mapping = mapping  # keeps the map (and so every tensor viewing it) alive as long as we are
         # The watcher gets only what it needs: a thread that held the tensors could end up freeing them
         # during interpreter shutdown, which torch does not survive.
         threading.Thread(

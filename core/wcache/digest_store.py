@@ -222,10 +222,6 @@ class DigestStore:
             return None
         return decode_record(blob, path, identity, hashed_at_ns)
 
-    def put(self, record: ShardRecord) -> None:
-        """Store one receipt (see put_many)."""
-        self.put_many([record])
-
     def put_many(self, records: list[ShardRecord]) -> None:
         """Store receipts in one transaction; failures (full disk, read-only store) are warnings, never errors."""
         with self._lock:

@@ -47,7 +47,7 @@ class RankTable:
                 ranks.append({"tp_rank": rank, "state": "loading", "holds_weights": False})
             else:
                 try:
-                    ranks.append(request_once(sockets[rank], "stats").fields)
+                    ranks.append(request_once(sockets[rank], "stats", timeout=STATS_TIMEOUT_S).fields)
                 except DaemonError as exc:
                     ranks.append({"tp_rank": rank, "state": "unreachable", "holds_weights": False,
                                   "error": str(exc)})

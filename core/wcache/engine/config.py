@@ -168,4 +168,3 @@ class EngineConfig:
     num_blocks: int = 2048
     swa_bounded_replay: bool = True
     enable_prefix_caching: bool = True
-    max_model_len: int = 8192
