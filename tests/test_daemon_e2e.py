@@ -28,6 +28,7 @@ from daemon_fixtures import (
     wait_for,
 )
 from wcache.attach import AttachedWeights, attach
+from wcache.client import request_once
 from wcache.key import compute_key
 from wcache.loader import load_from_disk, processed_digest
 from wcache.plan import PlanSpec
@@ -214,7 +215,8 @@ print(json.dumps(result))
         )
         # The control: copy mode really does take a private copy of (about) every byte.
         assert copy["uss_increase"] > 0.90 * weights_bytes, copy
-        # Our own mapping still reads the same bytes, even though the copy engine made the daemon release.
+        # Our lease kept the daemon's weights: the copy engine's release did not pull them from under us.
+        assert request_once(daemon.socket, "stats").fields["state"] == "ready"
         assert digests(first.tensors) == expected
 
 

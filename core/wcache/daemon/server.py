@@ -236,13 +236,15 @@ class DaemonServer:
 
     def _handle_release(self, client: _Client, fields: dict[str, Any]) -> Reply:
         if client.mode == "copy":
-            # Copy mode hands ownership to the engine: the daemon lets go of its weights.
+            # Copy mode hands ownership to the engine and the daemon lets go of its weights, unless zero-copy
+            # engines still map them: their memory stays in use anyway, and new engines can still attach.
             with self.shared.lock:
-                if self.shared.state == "ready":
+                others = len(self.shared.leases - {client.ident})
+                if self.shared.state == "ready" and not others:
                     self.shared.state = "released"
                     self.loaded.arena.close()
             append_event(self.run_dir, "release", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
-                         mode="copy", client_pid=client.pid)
+                         mode="copy", client_pid=client.pid, kept_for_leases=others)
         else:
             self._end_lease(client)
         client.mode = None
