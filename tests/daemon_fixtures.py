@@ -29,6 +29,7 @@ from typing import Any
 
 import msgpack
 import psutil
+import pytest
 from wcache.client import request_once
 from wcache.events import read_events
 from wcache.rundir import DESCRIPTOR_SUFFIX, DaemonDescriptor, read_descriptors
@@ -94,6 +95,19 @@ def survivors() -> list[str]:
         for process in processes_mentioning(str(base)):
             found.append(f"{process.pid} {_cmdline(process)}")
     return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_survives() -> Iterator[None]:
+    """After the last test of a module: no process mentioning a rig directory is still alive.
+
+    Autouse, but a fixture in a helper module is only seen where it is imported by name, so each daemon test
+    module imports it (`from daemon_fixtures import nothing_survives  # noqa: F401`); module scope there
+    means one check per module, after every rig of that module has been torn down.
+    """
+    yield
+    left = survivors()
+    assert not left, f"processes outlived the tests: {left}"
 
 
 def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.05, what: str = "condition") -> Any:

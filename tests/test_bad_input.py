@@ -7,20 +7,18 @@ and the real `wcache` process exits 2 with exactly one "error:" sentence on stde
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import os
 import shutil
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from as_nobody import nobody_tree, open_to_all, run_as_nobody
 from wcache.errors import BadInputError, CheckpointError, KeyFileError
 from wcache.key import compute_key, load_key_file
 from wcache.plan import PlanSpec
@@ -337,9 +335,8 @@ def test_the_good_header_the_cases_start_from_is_accepted(tmp_path: Path) -> Non
 
 # -- running as uid 65534 when the tests run as root -----------------------------------------------------
 
-# Root reads a file whatever its mode, so as root the unreadable-file case runs its processes as "nobody".
-NOBODY = 65534
-NOT_RUNNABLE = "the interpreter itself is not runnable by uid 65534"
+# Root reads a file whatever its mode, so as root the unreadable-file case runs its processes as "nobody"
+# (tests/as_nobody.py).
 # The library side, run as nobody: which error compute_key raised, and its message.
 LIBRARY_AS_NOBODY = """
 import json, sys
@@ -353,60 +350,6 @@ except CheckpointError as exc:
 else:
     print(json.dumps({"raised": None}))
 """
-
-
-def run_as_nobody(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run `command` after setgroups([]), setgid(65534), setuid(65534) in the child, before exec."""
-    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=120,
-                          stdin=subprocess.DEVNULL, user=NOBODY, group=NOBODY, extra_groups=[])
-
-
-@functools.cache
-def why_nobody_cannot_run_python() -> str | None:
-    """None if uid 65534 can start this interpreter; otherwise what stopped it."""
-    try:
-        probe = run_as_nobody([sys.executable, "-c", "pass"], env=dict(os.environ), cwd=Path("/"))
-    except OSError as exc:  # exec refused, e.g. a directory on the way to the interpreter is closed to others
-        return f"{sys.executable}: {exc.strerror}"
-    if probe.returncode != 0:
-        return f"{sys.executable} exited {probe.returncode}: {probe.stderr.strip()[-300:]}"
-    return None
-
-
-@contextlib.contextmanager
-def nobody_tree() -> Iterator[tuple[Path, dict[str, str]]]:
-    """A fresh /tmp directory (0755) uid 65534 can reach, and an environment for that uid whose HOME, store
-    and run dir are its own; afterwards everything in it is handed back to root, opened up and removed."""
-    problem = why_nobody_cannot_run_python()
-    if problem is not None:
-        pytest.skip(f"{NOT_RUNNABLE} ({problem})")
-    base = Path(tempfile.mkdtemp(prefix="wcache-nobody-", dir="/tmp"))
-    try:
-        base.chmod(0o755)
-        home = base / "home"
-        for directory in (home, home / "run"):
-            directory.mkdir(mode=0o700)
-            os.chown(directory, NOBODY, NOBODY)
-        env = {k: v for k, v in os.environ.items() if k != "WCACHE_DEBUG" and not k.startswith("XDG_")}
-        env.update(HOME=str(home), WCACHE_CACHE_DIR=str(home / "cache"), WCACHE_RUN_DIR=str(home / "run"),
-                   NO_COLOR="1", COLUMNS="200", PYTHONDONTWRITEBYTECODE="1")
-        yield base, env
-    finally:
-        for root, dirs, files in os.walk(base):
-            for name in dirs + files:
-                path = os.path.join(root, name)
-                os.lchown(path, 0, 0)
-                if not os.path.islink(path):
-                    os.chmod(path, 0o700 if name in dirs else 0o600)
-        shutil.rmtree(base)
-    assert not base.exists(), base
-
-
-def open_to_all(tree: Path) -> None:
-    """Directories 0755 and files 0644, so another uid can read the whole tree."""
-    tree.chmod(0o755)
-    for path in tree.rglob("*"):
-        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def _unreadable_shard_as_nobody(template: Path) -> None:

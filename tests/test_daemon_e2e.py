@@ -17,14 +17,15 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from as_nobody import NOBODY
 from daemon_fixtures import (
     DaemonRig,
     copy_checkpoint,
     daemon_rig,
     http_status,
     mode_of,
+    nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
     request_frame,
-    survivors,
     wait_for,
 )
 from wcache.attach import AttachedWeights, attach
@@ -35,20 +36,12 @@ from wcache.plan import PlanSpec
 from wcache.rundir import DaemonDescriptor
 from wcache.synth import overwrite_tensor_bytes, write_checkpoint, write_tensors
 
-NOBODY = 65534
 # Which checkpoint bytes each zeroed copy overwrites, and the processed tensor that must differ on rank 0.
 ZEROED = {
     "norm": ("model.norm.weight", 0, 256),
     # Rows 4..7 of the vocab-parallel embedding: past the first KiB, inside rank 0's half of the vocab.
     "embed": ("model.embed_tokens.weight", 1024, 1024),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _nothing_survives() -> Iterator[None]:
-    yield
-    left = survivors()
-    assert not left, f"processes outlived the tests: {left}"
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +296,8 @@ def test_run_dir_is_0700_and_files_0600(shared: tuple[DaemonRig, Path, list[Daem
     assert mode_of(rig.run_dir / "events.jsonl") == 0o600
 
 
+# The peer starts as root (this interpreter may not be runnable by another uid, see tests/as_nobody.py) and
+# drops to NOBODY itself before it touches the socket; 65534 below is as_nobody.NOBODY.
 PEER = r"""
 import json, os, socket, sys
 path = sys.argv[2]

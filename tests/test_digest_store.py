@@ -6,8 +6,6 @@ Real SQLite files, real checkpoints, real `wcache` processes; every test has its
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import logging
 import os
@@ -16,13 +14,12 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
 import pytest
+from as_nobody import NOBODY, nobody_tree, open_to_all, run_as_nobody
 from wcache.digest_store import DB_NAME, RACY_WINDOW_NS, SCHEMA_VERSION, DigestStore, is_trusted
 from wcache.key import KeyFile, compute_key
 from wcache.shard_hash import FileIdentity
@@ -291,66 +288,7 @@ def test_store_file_that_is_a_directory_is_one_warning(tmp_path: Path, aged: dic
 
 
 # Root writes into any directory whatever its mode, so as root the unwritable-store case runs `wcache` as
-# "nobody", in a store directory that uid owns and cannot write.
-NOBODY = 65534
-NOT_RUNNABLE = "the interpreter itself is not runnable by uid 65534"
-
-
-def run_as_nobody(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run `command` after setgroups([]), setgid(65534), setuid(65534) in the child, before exec."""
-    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=120,
-                          stdin=subprocess.DEVNULL, user=NOBODY, group=NOBODY, extra_groups=[])
-
-
-@functools.cache
-def why_nobody_cannot_run_python() -> str | None:
-    """None if uid 65534 can start this interpreter; otherwise what stopped it."""
-    try:
-        probe = run_as_nobody([sys.executable, "-c", "pass"], env=dict(os.environ), cwd=Path("/"))
-    except OSError as exc:  # exec refused, e.g. a directory on the way to the interpreter is closed to others
-        return f"{sys.executable}: {exc.strerror}"
-    if probe.returncode != 0:
-        return f"{sys.executable} exited {probe.returncode}: {probe.stderr.strip()[-300:]}"
-    return None
-
-
-@contextlib.contextmanager
-def nobody_tree() -> Iterator[tuple[Path, dict[str, str]]]:
-    """A fresh /tmp directory (0755) uid 65534 can reach, and an environment for that uid whose HOME and run
-    dir are its own (the caller sets WCACHE_CACHE_DIR); afterwards everything in it is handed back to root,
-    opened up and removed."""
-    problem = why_nobody_cannot_run_python()
-    if problem is not None:
-        pytest.skip(f"{NOT_RUNNABLE} ({problem})")
-    base = Path(tempfile.mkdtemp(prefix="wcache-nobody-", dir="/tmp"))
-    try:
-        base.chmod(0o755)
-        home = base / "home"
-        for directory in (home, home / "run"):
-            directory.mkdir(mode=0o700)
-            os.chown(directory, NOBODY, NOBODY)
-        env = {k: v for k, v in os.environ.items() if k != "WCACHE_DEBUG" and not k.startswith("XDG_")}
-        env.update(HOME=str(home), WCACHE_RUN_DIR=str(home / "run"), NO_COLOR="1", COLUMNS="200",
-                   PYTHONDONTWRITEBYTECODE="1")
-        yield base, env
-    finally:
-        for root, dirs, files in os.walk(base):
-            for name in dirs + files:
-                path = os.path.join(root, name)
-                os.lchown(path, 0, 0)
-                if not os.path.islink(path):
-                    os.chmod(path, 0o700 if name in dirs else 0o600)
-        shutil.rmtree(base)
-    assert not base.exists(), base
-
-
-def open_to_all(tree: Path) -> None:
-    """Directories 0755 and files 0644, so another uid can read the whole tree."""
-    tree.chmod(0o755)
-    for path in tree.rglob("*"):
-        path.chmod(0o755 if path.is_dir() else 0o644)
-
-
+# "nobody" (tests/as_nobody.py), in a store directory that uid owns and cannot write.
 def _unwritable_store_as_nobody(existing_store: bool, aged: dict[str, Path]) -> None:
     with nobody_tree() as (base, env):
         # The aged checkpoints sit under root's private pytest directory; nobody reads a copy. Receipts are
@@ -365,7 +303,7 @@ def _unwritable_store_as_nobody(existing_store: bool, aged: dict[str, Path]) -> 
         for path in [cache, *cache.rglob("*")]:
             os.lchown(path, NOBODY, NOBODY)
         cache.chmod(0o500)
-        env["WCACHE_CACHE_DIR"] = str(cache)
+        env["WCACHE_CACHE_DIR"] = str(cache)  # this store, not the one nobody_tree() put under HOME
         result = run_as_nobody([sys.executable, "-m", "wcache_cli.main", "key", str(checkpoint), "--json"],
                                env, cwd=base)
         assert cli_key_id(result) == reference_key(checkpoint).key.short_id

@@ -20,25 +20,18 @@ from daemon_fixtures import (
     copy_checkpoint,
     daemon_rig,
     msg,
+    nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
     open_fds,
     raw_connect,
     raw_frame,
     read_reply,
     read_until_closed,
     request_frame,
-    survivors,
     wait_for,
 )
 from wcache.client import request_once
 from wcache.protocol import MAX_FDS, MAX_FRAME_BYTES
 from wcache.rundir import DaemonDescriptor
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _nothing_survives() -> Iterator[None]:
-    yield
-    left = survivors()
-    assert not left, f"processes outlived the tests: {left}"
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,14 @@ from typing import Any
 
 import openai
 import pytest
-from daemon_fixtures import DaemonRig, copy_checkpoint, daemon_rig, http_status, survivors, wait_for
+from daemon_fixtures import (
+    DaemonRig,
+    copy_checkpoint,
+    daemon_rig,
+    http_status,
+    nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
+    wait_for,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from wcache.rundir import DaemonDescriptor
 
@@ -38,13 +45,6 @@ SERVING = re.compile(rb"SERVING (http://127\.0\.0\.1:\d+)/v1/completions")
 SHARED = "The weights cache keeps processed tensors in a daemon, so engines restart without loading. " * 2
 PROMPT_A = SHARED[:96] + "First tail: what does the engine do next?"
 PROMPT_B = SHARED[:96] + "Second tail, a different question entirely."
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _nothing_survives() -> Iterator[None]:
-    yield
-    left = survivors()
-    assert not left, f"processes outlived the tests: {left}"
 
 
 @dataclass

@@ -25,8 +25,12 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from daemon_fixtures import DaemonRig, copy_checkpoint, daemon_rig, survivors
+from daemon_fixtures import (
+    DaemonRig,
+    copy_checkpoint,
+    daemon_rig,
+    nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
+)
 from wcache.synth import overwrite_tensor_bytes
 
 SERVE_TIMEOUT_S = 120.0
@@ -34,13 +38,6 @@ SERVE_TIMEOUT_S = 120.0
 # 32-token sliding window, so later requests hit the prefix cache and replay the window.
 PREFIX = ("wcache keeps processed weights alive across engine restarts; the prefix below is shared by every "
           "request so that the engine's prefix cache hits and sliding-window layers replay their window. ") * 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _nothing_survives() -> Iterator[None]:
-    yield
-    left = survivors()
-    assert not left, f"processes outlived the tests: {left}"
 
 
 @contextlib.contextmanager

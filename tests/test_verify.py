@@ -20,7 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_fixtures import DaemonRig, copy_checkpoint, daemon_rig, survivors
+from daemon_fixtures import (
+    DaemonRig,
+    copy_checkpoint,
+    daemon_rig,
+    nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
+)
 from wcache.client import DaemonConnection
 from wcache.errors import EXIT_BAD_INPUT, EXIT_DIFFERENCE, EXIT_OK, EXIT_UNAVAILABLE
 from wcache.rundir import DaemonDescriptor
@@ -31,13 +36,6 @@ NORM = "model.norm.weight"
 KEEP_BYTES = 1024  # the zeroed copy keeps the first KiB of the embedding
 # Few prompts and tokens: the tiny model diverges at once when its weights are wrong, and time is short.
 SHORT = ("--num-prompts", "1", "--max-new-tokens", "4")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _nothing_survives() -> Iterator[None]:
-    yield
-    left = survivors()
-    assert not left, f"processes outlived the tests: {left}"
 
 
 @pytest.fixture(scope="module")
