@@ -41,13 +41,14 @@ import termios
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import psutil
 from rich.console import Console
 from rich.table import Table
+from wcache.http_base import PROMETHEUS_TEXT, QuietHandler, make_http_server
 from wcache.synth import write_checkpoint
 
 TARGET_PERCENT = 5.0
@@ -106,23 +107,14 @@ class FakeEngines:
     def _server(self, index: int) -> ThreadingHTTPServer:
         owner = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 owner.scrapes[index] += 1
                 body = vllm_metrics(owner.scrapes[index], f"model-{index}").encode()
                 owner.sizes.append(len(body))
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.send_body(200, PROMETHEUS_TEXT, body)
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        server.daemon_threads = True
-        return server
+        return make_http_server("127.0.0.1", 0, Handler)
 
     def __enter__(self) -> FakeEngines:
         for thread in self.threads:

@@ -12,12 +12,12 @@ import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import run_cli, run_python
+from wcache.http_base import PROMETHEUS_TEXT, QuietHandler, make_http_server
 from wcache.monitor.collector import Collector
 from wcache.monitor.snapshot import SCHEMA
 
@@ -102,24 +102,16 @@ class MetricsServer:
         self.next_text: Any = None
         owner = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 if self.path != "/metrics":
                     self.send_error(404)
                     return
                 owner.scrapes += 1
                 text = owner.next_text() if owner.next_text is not None else owner.text
-                body = text.encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.send_body(200, PROMETHEUS_TEXT, text.encode())
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = make_http_server("127.0.0.1", 0, Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 

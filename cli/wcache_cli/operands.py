@@ -32,15 +32,20 @@ def key_of_daemon(descriptor: DaemonDescriptor) -> KeyFile:
     return daemon_key_file(descriptor, reply.fields["tensors"])
 
 
-def key_of_operand(operand: Path, plan: PlanSpec, run_dir: Path) -> KeyFile:
+def daemon_named(operand: Path, run_dir: Path) -> DaemonDescriptor | None:
+    """The running daemon a bare operand names (a name or key id prefix that is not a path), if any."""
+    if operand.exists() or len(operand.parts) != 1:
+        return None
+    daemons = find_daemons(run_dir, str(operand))
+    if len(daemons) > 1:
+        names = ", ".join(d.name for d in daemons)
+        raise BadInputError(f"{operand} matches {len(daemons)} daemons ({names}); give more of the id.")
+    return daemons[0] if daemons else None
+
+
+def key_of_operand(operand: Path, plan: PlanSpec, run_dir: Path, *, rehash: bool = False) -> KeyFile:
     """A saved key file is read as is, a daemon id asks that daemon, anything else is a checkpoint."""
     if is_key_file(operand):
         return load_key_file(operand)
-    if not operand.exists() and len(operand.parts) == 1:
-        daemons = find_daemons(run_dir, str(operand))
-        if len(daemons) > 1:
-            names = ", ".join(d.name for d in daemons)
-            raise BadInputError(f"{operand} matches {len(daemons)} daemons ({names}); give more of the id.")
-        if daemons:
-            return key_of_daemon(daemons[0])
-    return key_of_checkpoint(operand, plan)
+    daemon = daemon_named(operand, run_dir)
+    return key_of_daemon(daemon) if daemon is not None else key_of_checkpoint(operand, plan, rehash=rehash)

@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from wcache.errors import BadInputError
 
-from wcache_cli.operands import find_daemons, key_of_checkpoint, key_of_daemon
+from wcache_cli.operands import daemon_named, key_of_checkpoint, key_of_daemon
 from wcache_cli.output import out
 from wcache_cli.params import (
     Dtype,
@@ -49,10 +48,8 @@ def key(
     compare against the checkpoint.
     """
     spec = plan_from_options(tp, rank, dtype, quantization, plan)
-    daemons = [] if path.exists() or len(path.parts) != 1 else find_daemons(run_dir_or_default(run_dir), str(path))
-    if len(daemons) > 1:
-        raise BadInputError(f"{path} matches {len(daemons)} daemons; give more of the id.")
-    key_file = key_of_daemon(daemons[0]) if daemons else key_of_checkpoint(path, spec, rehash=rehash)
+    daemon = daemon_named(path, run_dir_or_default(run_dir))
+    key_file = key_of_daemon(daemon) if daemon is not None else key_of_checkpoint(path, spec, rehash=rehash)
     if json:
         out.json(key_file.to_json())
         return
