@@ -23,7 +23,7 @@ _wcache_subcommands() {
 _wcache_options() {
     case "$1" in
         '') echo '--verbose -v --version -h --help' ;;
-        attach) echo '--tp --rank --dtype --quantization --plan --device --mode --no-fallback --trust-daemon --daemon --prompt --max-new-tokens --serve --port --host --no-swa-bounded-replay --run-dir --json -h --help' ;;
+        attach) echo '--tp --rank --dtype --quantization --plan --device --mode --no-fallback --trust-daemon --daemon --wait --prompt --max-new-tokens --serve --port --host --no-swa-bounded-replay --run-dir --json -h --help' ;;
         demo) echo '--dir --serve --no-serve --stop --run-dir -h --help' ;;
         diff) echo '--tp --rank --dtype --quantization --plan --run-dir --json -h --help' ;;
         key) echo '--tp --rank --dtype --quantization --plan --tensors --rehash --run-dir --json -h --help' ;;
@@ -31,7 +31,7 @@ _wcache_options() {
         status) echo '--run-dir --json -h --help' ;;
         stop) echo '--all --force --run-dir -h --help' ;;
         top) echo '--interval --scrape --once --count --run-dir --json -h --help' ;;
-        verify) echo '--greedy --content --prompts --num-prompts --max-new-tokens --tp --rank --dtype --quantization --plan --device --mode --trust-daemon --daemon --run-dir --json -h --help' ;;
+        verify) echo '--greedy --content --prompts --num-prompts --max-new-tokens --tp --rank --dtype --quantization --plan --device --mode --trust-daemon --daemon --run-dir --engine --json -h --help' ;;
     esac
     :
 }
@@ -39,7 +39,7 @@ _wcache_options() {
 # Sets _wcache_n to how many words option $2 of the command path $1 consumes.
 _wcache_arity() {
     case "${1:+$1 }$2" in
-        'attach --tp'|'attach --rank'|'attach --dtype'|'attach --quantization'|'attach --plan'|'attach --device'|'attach --mode'|'attach --daemon'|'attach --prompt'|'attach --max-new-tokens'|'attach --port'|'attach --host'|'attach --run-dir') _wcache_n=1; return ;;
+        'attach --tp'|'attach --rank'|'attach --dtype'|'attach --quantization'|'attach --plan'|'attach --device'|'attach --mode'|'attach --daemon'|'attach --wait'|'attach --prompt'|'attach --max-new-tokens'|'attach --port'|'attach --host'|'attach --run-dir') _wcache_n=1; return ;;
         'demo --dir'|'demo --run-dir') _wcache_n=1; return ;;
         'diff --tp'|'diff --rank'|'diff --dtype'|'diff --quantization'|'diff --plan'|'diff --run-dir') _wcache_n=1; return ;;
         'key --tp'|'key --rank'|'key --dtype'|'key --quantization'|'key --plan'|'key --run-dir') _wcache_n=1; return ;;
@@ -47,7 +47,7 @@ _wcache_arity() {
         'status --run-dir') _wcache_n=1; return ;;
         'stop --run-dir') _wcache_n=1; return ;;
         'top --interval'|'top --scrape'|'top --count'|'top --run-dir') _wcache_n=1; return ;;
-        'verify --prompts'|'verify --num-prompts'|'verify --max-new-tokens'|'verify --tp'|'verify --rank'|'verify --dtype'|'verify --quantization'|'verify --plan'|'verify --device'|'verify --mode'|'verify --daemon'|'verify --run-dir') _wcache_n=1; return ;;
+        'verify --prompts'|'verify --num-prompts'|'verify --max-new-tokens'|'verify --tp'|'verify --rank'|'verify --dtype'|'verify --quantization'|'verify --plan'|'verify --device'|'verify --mode'|'verify --daemon'|'verify --run-dir'|'verify --engine') _wcache_n=1; return ;;
     esac
     _wcache_n=0
 }
@@ -83,6 +83,7 @@ _wcache_option_value() {
         'verify --plan') _wcache_words 'fused identity' "$3" ;;
         'verify --mode') _wcache_words 'zero_copy copy' "$3" ;;
         'verify --run-dir') _wcache_paths path "$3" ;;
+        'verify --engine') _wcache_words 'reference vllm transformers' "$3" ;;
     esac
     :
 }

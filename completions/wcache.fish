@@ -13,7 +13,7 @@ end
 # Prints how many words option $argv[2] of the command path $argv[1] consumes.
 function __wcache_arity
     switch (string trim -- "$argv[1] $argv[2]")
-        case 'attach --tp' 'attach --rank' 'attach --dtype' 'attach --quantization' 'attach --plan' 'attach --device' 'attach --mode' 'attach --daemon' 'attach --prompt' 'attach --max-new-tokens' 'attach --port' 'attach --host' 'attach --run-dir'
+        case 'attach --tp' 'attach --rank' 'attach --dtype' 'attach --quantization' 'attach --plan' 'attach --device' 'attach --mode' 'attach --daemon' 'attach --wait' 'attach --prompt' 'attach --max-new-tokens' 'attach --port' 'attach --host' 'attach --run-dir'
             echo 1; return
         case 'demo --dir' 'demo --run-dir'
             echo 1; return
@@ -29,7 +29,7 @@ function __wcache_arity
             echo 1; return
         case 'top --interval' 'top --scrape' 'top --count' 'top --run-dir'
             echo 1; return
-        case 'verify --prompts' 'verify --num-prompts' 'verify --max-new-tokens' 'verify --tp' 'verify --rank' 'verify --dtype' 'verify --quantization' 'verify --plan' 'verify --device' 'verify --mode' 'verify --daemon' 'verify --run-dir'
+        case 'verify --prompts' 'verify --num-prompts' 'verify --max-new-tokens' 'verify --tp' 'verify --rank' 'verify --dtype' 'verify --quantization' 'verify --plan' 'verify --device' 'verify --mode' 'verify --daemon' 'verify --run-dir' 'verify --engine'
             echo 1; return
     end
     echo 0
@@ -97,6 +97,7 @@ complete -c wcache -n '__wcache_at attach' -l 'mode' -x -a 'zero_copy copy' -d '
 complete -c wcache -n '__wcache_at attach' -l 'no-fallback' -d 'Fail (exit 3) on a miss instead of loading from disk.'
 complete -c wcache -n '__wcache_at attach' -l 'trust-daemon' -d 'Skip the checkpoint stat pass; still compare config and plan.'
 complete -c wcache -n '__wcache_at attach' -l 'daemon' -x -d 'Use this daemon (name or key id prefix).'
+complete -c wcache -n '__wcache_at attach' -l 'wait' -x -d 'Seconds to keep looking for a daemon with this key (one still loading) before missing.'
 complete -c wcache -n '__wcache_at attach' -l 'prompt' -x -d 'Generate from this prompt (greedy) and print the text.'
 complete -c wcache -n '__wcache_at attach' -l 'max-new-tokens' -x -d 'Tokens to generate per prompt.'
 complete -c wcache -n '__wcache_at attach' -l 'serve' -d 'Serve POST /v1/completions, /health and /metrics.'
@@ -189,6 +190,7 @@ complete -c wcache -n '__wcache_at verify' -l 'mode' -x -a 'zero_copy copy' -d '
 complete -c wcache -n '__wcache_at verify' -l 'trust-daemon' -d 'Skip the checkpoint stat pass; still compare config and plan.'
 complete -c wcache -n '__wcache_at verify' -l 'daemon' -x -d 'Use this daemon (name or key id prefix).'
 complete -c wcache -n '__wcache_at verify' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
+complete -c wcache -n '__wcache_at verify' -l 'engine' -x -a 'reference vllm transformers' -d 'Whose engine runs both sides of --greedy: wcache\'s reference engine, vLLM (load format wcache vs its default loader) or transformers (through wcache vs its own from_pretrained). Engines are compared only with themselves: vLLM CPU 0.32 ignores Qwen3 sliding windows, so its tokens may differ from the others\' without any cache miss.'
 complete -c wcache -n '__wcache_at verify' -l 'json' -d 'Print one JSON document instead of tables.'
 complete -c wcache -n '__wcache_at verify' -s 'h' -l 'help' -d 'Show this message and exit.'
 complete -c wcache -n '__wcache_at verify' -F

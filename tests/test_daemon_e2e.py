@@ -127,10 +127,16 @@ def test_tp2_zero_copy_attach_is_byte_equal_to_disk(shared: tuple[DaemonRig, Pat
             assert (report.outcome, report.mode, report.daemon) == ("hit", "zero_copy", descriptor.name)
             assert report.bytes_mapped == descriptor.weights_bytes
             assert_byte_equal(weights.tensors, disk_tensors(model, spec))
-            # The engine's map of the arena is read-only and shared.
+            # The engine's map of the arena is private (copy-on-write), never a shared writable one.
             new_maps = [m for m in memfd_maps() if m not in maps_before]
-            assert new_maps and all(m.split()[1] == "r--s" for m in new_maps), new_maps
+            assert new_maps and all(m.split()[1] == "rw-p" for m in new_maps), new_maps
             assert rig.stats(descriptor)["leases"] == 1
+            # An engine that post-processes a weight in place gets its own page; nobody else sees the write.
+            name, victim = next((n, t) for n, t in weights.tensors.items() if t.numel() > 0)
+            victim.add_(1)
+            with attach(model, spec, run_dir=rig.run_dir) as other:
+                assert torch.equal(other.tensors[name], disk_tensors(model, spec)[name])
+                assert not torch.equal(other.tensors[name], victim)
         wait_for(lambda d=descriptor: rig.stats(d)["leases"] == 0, what="the lease to end after close()")
     hits = [e for e in rig.events("attach_hit") if e["source"] == str(model)]
     assert {e["daemon"] for e in hits} >= {d.name for d in daemons}

@@ -8,6 +8,7 @@ from wcache.client import request_once
 from wcache.digest_store import DigestStore
 from wcache.errors import BadInputError
 from wcache.key import KeyFile, compute_key, is_key_file, load_key_file
+from wcache.model_path import resolve_model_path
 from wcache.plan import PlanSpec
 from wcache.remote_key import daemon_key_file
 from wcache.rundir import DaemonDescriptor, census, matches
@@ -48,4 +49,6 @@ def key_of_operand(operand: Path, plan: PlanSpec, run_dir: Path, *, rehash: bool
     if is_key_file(operand):
         return load_key_file(operand)
     daemon = daemon_named(operand, run_dir)
-    return key_of_daemon(daemon) if daemon is not None else key_of_checkpoint(operand, plan, rehash=rehash)
+    if daemon is not None:
+        return key_of_daemon(daemon)
+    return key_of_checkpoint(resolve_model_path(operand), plan, rehash=rehash)

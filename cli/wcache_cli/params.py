@@ -29,11 +29,22 @@ class Layout(StrEnum):
     identity = "identity"
 
 
+class Engine(StrEnum):
+    reference = "reference"
+    vllm = "vllm"
+    transformers = "transformers"
+
+
 class Mode(StrEnum):
     zero_copy = "zero_copy"
     copy = "copy"
 
 
+ModelArg = Annotated[
+    Path,
+    typer.Argument(help="Model directory, .safetensors file, or Hugging Face repo id (Org/Name[@revision]) in the "
+                   "local Hugging Face cache.", show_default=False),
+]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size.", min=1)]
 RankOpt = Annotated[int, typer.Option("--rank", help="Tensor-parallel rank (0 ≤ rank < tp).", min=0)]
 DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Processed dtype; auto keeps the checkpoint's.")]

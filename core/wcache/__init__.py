@@ -1,8 +1,83 @@
-"""wcache: content-fingerprinted caches of processed LLM weights."""
+"""wcache: content-fingerprinted caches of processed LLM weights.
 
+The public API, for engine authors, benchmarks and tests (everything else is internal and may move):
+
+    import wcache
+
+    group = wcache.start_daemons("path/to/model")            # `wcache preload`, returns once ready
+    with wcache.attach(Path("path/to/model")) as weights:    # hit (zero-copy), or the disk fallback
+        engine_tensors = weights.tensors                      # the plan's names (qkv_proj, gate_up_proj)
+        hf_tensors = weights.checkpoint_tensors()             # Hugging Face names, as views
+        print(weights.report.outcome, weights.report.reason)
+    key = wcache.compute_key(Path("path/to/model"))
+    group.stop()
+
+Names are loaded on first use, so `import wcache` does not import torch.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 try:
     __version__ = version("wcache")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
+
+_EXPORTS = {
+    "attach": "wcache.attach",
+    "AttachedWeights": "wcache.attach",
+    "AttachMissError": "wcache.attach",
+    "AttachReport": "wcache.attach",
+    "AttachOptions": "wcache.attach_options",
+    "compute_key": "wcache.key",
+    "KeyFile": "wcache.key",
+    "WeightCacheKey": "wcache.key",
+    "diff_keys": "wcache.key_diff",
+    "KeyDiff": "wcache.key_diff",
+    "PlanSpec": "wcache.plan",
+    "start_daemons": "wcache.daemons",
+    "stop_daemon": "wcache.daemons",
+    "DaemonGroup": "wcache.daemons",
+    "PreloadFailedError": "wcache.daemons",
+    "DaemonDescriptor": "wcache.rundir",
+    "census": "wcache.rundir",
+    "resolve_model_path": "wcache.model_path",
+    "WcacheError": "wcache.errors",
+    "BadInputError": "wcache.errors",
+    "UnavailableError": "wcache.errors",
+}
+
+__all__ = [
+    "AttachMissError", "AttachOptions", "AttachReport", "AttachedWeights", "BadInputError", "DaemonDescriptor",
+    "DaemonGroup", "KeyDiff", "KeyFile", "PlanSpec", "PreloadFailedError", "UnavailableError", "WcacheError",
+    "WeightCacheKey", "__version__", "attach", "census", "compute_key", "diff_keys", "resolve_model_path",
+    "start_daemons", "stop_daemon",
+]
+assert set(__all__) == {"__version__", *_EXPORTS}
+
+if TYPE_CHECKING:
+    from wcache.attach import AttachedWeights, AttachMissError, AttachReport, attach
+    from wcache.attach_options import AttachOptions
+    from wcache.daemons import DaemonGroup, PreloadFailedError, start_daemons, stop_daemon
+    from wcache.errors import BadInputError, UnavailableError, WcacheError
+    from wcache.key import KeyFile, WeightCacheKey, compute_key
+    from wcache.key_diff import KeyDiff, diff_keys
+    from wcache.model_path import resolve_model_path
+    from wcache.plan import PlanSpec
+    from wcache.rundir import DaemonDescriptor, census
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'wcache' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

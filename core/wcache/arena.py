@@ -1,8 +1,9 @@
 """The arena: every processed tensor of one rank in one contiguous block.
 
 CPU: a sealed-size memfd. The daemon fills it through a writable map; an engine receives the descriptor by
-SCM_RIGHTS and maps it read-only, so an engine bug cannot corrupt the shared weights, and the engine's map
-stays valid after the daemon exits (the memfd lives while any map or descriptor does).
+SCM_RIGHTS and maps it copy-on-write (MAP_PRIVATE): pages it only reads are the shared ones, and an in-place
+write (engines post-process weights) lands in a private page, so no engine can corrupt or crash on the shared
+weights. The engine's map stays valid after the daemon exits (the memfd lives while any map or descriptor does).
 
 CUDA: one device allocation per rank and one IPC handle exported per client. With the legacy CUDA IPC
 used by PyTorch, the memory dies with the exporting process, so an engine must treat daemon loss as fatal.
@@ -14,7 +15,6 @@ import contextlib
 import fcntl
 import mmap
 import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,21 +69,18 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def view_tensors(buffer: Any, entries: Sequence[ArenaEntry]) -> dict[str, torch.Tensor]:
-    """Tensors over a CPU buffer (no copies); read-only buffers give tensors that must not be written."""
+    """Tensors over a CPU buffer (no copies)."""
     tensors = {}
-    with warnings.catch_warnings():
-        # torch warns that a read-only buffer gives a tensor it cannot protect; the map's PROT_READ does.
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        for e in entries:
-            raw = torch.frombuffer(buffer, dtype=torch.uint8, count=e.nbytes, offset=e.offset) if e.nbytes else (
-                torch.empty(0, dtype=torch.uint8)
-            )
-            tensors[e.name] = raw.view(torch_dtype(e.dtype)).reshape(e.shape)
+    for e in entries:
+        raw = torch.frombuffer(buffer, dtype=torch.uint8, count=e.nbytes, offset=e.offset) if e.nbytes else (
+            torch.empty(0, dtype=torch.uint8)
+        )
+        tensors[e.name] = raw.view(torch_dtype(e.dtype)).reshape(e.shape)
     return tensors
 
 
 class CpuArena:
-    """A memfd of fixed size; writable in the daemon, shared read-only with engines."""
+    """A memfd of fixed size; writable in the daemon, mapped copy-on-write by engines."""
 
     def __init__(self, total_bytes: int, label: str = "wcache-arena") -> None:
         self.total_bytes = total_bytes
@@ -126,19 +123,19 @@ class CpuArena:
 
 @dataclass
 class MappedArena:
-    """An engine's read-only map of a daemon's CPU arena, and the tensors viewing it."""
+    """An engine's copy-on-write map of a daemon's CPU arena, and the tensors viewing it."""
 
     mapping: mmap.mmap
     tensors: dict[str, torch.Tensor]
 
 
 def map_cpu_arena(fd: int, total_bytes: int, entries: Sequence[ArenaEntry]) -> MappedArena:
-    """Map a received memfd read-only and view its tensors; the descriptor is closed afterwards."""
+    """Map a received memfd copy-on-write and view its tensors; the descriptor is closed afterwards."""
     try:
         size = os.fstat(fd).st_size
         if size < total_bytes:
             raise UnavailableError(f"the daemon's arena holds {size} bytes, fewer than the {total_bytes} it announced.")
-        mapping = mmap.mmap(fd, total_bytes, prot=mmap.PROT_READ)
+        mapping = mmap.mmap(fd, total_bytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     return MappedArena(mapping, view_tensors(mapping, entries))

@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from wcache.arena import ArenaEntry, MappedArena, map_cpu_arena, open_cuda_handle, torch_dtype
+from wcache.attach_options import MODES
 from wcache.checkpoint import locate
 from wcache.client import DaemonConnection, DaemonError
 from wcache.digest_store import DigestStore
@@ -30,12 +32,13 @@ from wcache.key_diff import KeyDiff, diff_keys
 from wcache.loader import load_from_disk
 from wcache.model_config import config_digest, config_dtype
 from wcache.plan import PlanSpec
+from wcache.processing import build_plan
 from wcache.remote_key import daemon_key_file
 from wcache.rundir import DaemonDescriptor, census, default_run_dir, ensure_run_dir, matches
 
-MODES = ("zero_copy", "copy")
 KEY_FIELDS = ("checkpoint", "config", "plan", "format")
 MAX_DIFF_TENSORS_IN_EVENT = 50
+WAIT_POLL_S = 0.25
 
 
 class AttachMissError(UnavailableError):
@@ -106,9 +109,12 @@ def describe_diff(diff: KeyDiff) -> str:
 class AttachedWeights:
     """Processed tensors for one rank, and the lease that keeps zero-copy tensors backed."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], report: AttachReport, run_dir: Path) -> None:
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], report: AttachReport, run_dir: Path, key_file: KeyFile
+    ) -> None:
         self.tensors = tensors
         self.report = report
+        self.key_file = key_file  # what the tensors were made from: this checkpoint's key, or a trusted daemon's
         self._run_dir = run_dir
         self._connection: DaemonConnection | None = None
         self._mapping: MappedArena | None = None
@@ -124,6 +130,15 @@ class AttachedWeights:
             target=_watch_lease, args=(connection.sock, self._closing, self.lost, self.report, self._run_dir),
             name="wcache-lease-watch", daemon=True,
         ).start()
+
+    def checkpoint_tensors(self, outputs: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+        """The tensors under checkpoint (Hugging Face) names, as views wherever a processed tensor holds one.
+
+        Complete for TP 1 plans that do not quantize; for a TP shard only the replicated tensors appear.
+        `outputs` (engine names) limits them to the sources of those tensors.
+        """
+        plan = build_plan(self.key_file.plan, self.key_file.config, self.key_file.manifest)
+        return plan.checkpoint_views(self.tensors, outputs)
 
     def close(self) -> None:
         """End the lease; CPU tensors stay readable while referenced (the memfd outlives the lease)."""
@@ -191,18 +206,25 @@ def attach(
     store: DigestStore | None = None,
     progress: HashProgress | None = None,
     dp_size: int = 1,
+    wait_s: float = 0.0,
+    engine: str = "wcache",
 ) -> AttachedWeights:
     """Get one rank's processed tensors from a daemon holding this checkpoint's key, or from disk.
 
     `daemon` names a daemon (its name or key id prefix) to use; `trust_daemon` skips the checkpoint stat
-    pass for it and compares only config, plan and format. DP size is recorded, never compared.
+    pass for it and compares only config, plan and format. `wait_s` keeps looking for a daemon with this
+    key that long (one still loading) before missing. `engine` names the attaching engine in the events.
+    DP size is recorded, never compared.
     """
     if mode not in MODES:
         raise BadInputError(f"--mode must be zero_copy or copy, not {mode!r}.")
+    if wait_s < 0:
+        raise BadInputError(f"the wait must be zero or more seconds, not {wait_s}.")
     plan = plan or PlanSpec()
     # Created (0700, owner-checked) even when no daemon runs: misses and fallbacks are logged there too.
     run_dir = ensure_run_dir(run_dir or default_run_dir())
     began = time.perf_counter()
+    deadline = time.monotonic() + wait_s
     timings: dict[str, float] = {}
 
     def full_key() -> KeyFile:
@@ -211,18 +233,16 @@ def attach(
         timings["key"] = (time.perf_counter() - t) * 1000
         return result
 
+    local: KeyFile | None = None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wcache-key") as pool:
         if trust_daemon:
             t = time.perf_counter()
             wanted = _partial_key(model, plan)
             timings["key"] = (time.perf_counter() - t) * 1000
-            local: KeyFile | None = None
         else:
             key_future = pool.submit(full_key)
         t = time.perf_counter()
-        live = census(run_dir).live
-        candidates = [d for d in live if d.device == device and _named(d, daemon)]
-        connections = _connect_all(candidates)
+        candidates, connections = _find_daemons(run_dir, device, daemon)
         timings["connect"] = (time.perf_counter() - t) * 1000
         if not trust_daemon:
             local = key_future.result()
@@ -230,21 +250,28 @@ def attach(
 
     key_id = local.key.short_id if local is not None else None
     report = AttachReport(outcome="miss", mode=mode, device=device, key_id=key_id, timings_ms=timings)
+    context = _AttachContext(model, wanted, local, mode, report, run_dir, began, dp_size, engine)
     try:
-        matches = [
-            d for d in candidates
-            if all(d.key[f] == wanted[f] for f in wanted) and isinstance(connections[d.name], DaemonConnection)
-        ]
-        if trust_daemon and daemon is None and len(matches) > 1:
-            raise BadInputError(
-                f"{len(matches)} daemons on {device} match this config and plan; name one with --daemon."
-            )
-        for descriptor in matches:
-            connection = connections.pop(descriptor.name)
-            assert isinstance(connection, DaemonConnection)
-            weights = _try_map(connection, descriptor, wanted, mode, report, run_dir, began, dp_size)
-            if weights is not None:
-                return weights
+        while True:
+            matches = [
+                d for d in candidates
+                if all(d.key[f] == wanted[f] for f in wanted) and isinstance(connections[d.name], DaemonConnection)
+            ]
+            if trust_daemon and daemon is None and len(matches) > 1:
+                raise BadInputError(
+                    f"{len(matches)} daemons on {device} match this config and plan; name one with --daemon."
+                )
+            for descriptor in matches:
+                connection = connections.pop(descriptor.name)
+                assert isinstance(connection, DaemonConnection)
+                weights = _try_map(connection, descriptor, context)
+                if weights is not None:
+                    return weights
+            if time.monotonic() >= deadline:
+                break
+            _close_all(connections)
+            time.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
+            candidates, connections = _find_daemons(run_dir, device, daemon)
         # A miss: explain it against the nearest daemon, then fall back or refuse.
         if local is None:
             local = compute_key(model, plan, store=store, progress=progress)
@@ -252,7 +279,7 @@ def attach(
         _explain_miss(report, local, candidates, connections, device)
         append_event(run_dir, "attach_miss", source=str(model), key_id=report.key_id, device=device,
                      reason=report.reason, daemon=report.daemon, mismatched=report.mismatched,
-                     diff=diff_summary(report.diff) if report.diff else None, dp_size=dp_size)
+                     diff=diff_summary(report.diff) if report.diff else None, dp_size=dp_size, engine=engine)
         if not fallback:
             raise AttachMissError(f"{report.reason}; not falling back to disk (fallback disabled).", report)
         t = time.perf_counter()
@@ -262,31 +289,61 @@ def attach(
         report.outcome = "fallback"
         report.num_tensors = len(tensors)
         append_event(run_dir, "fallback", source=str(model), key_id=report.key_id, device=device,
-                     reason=report.reason, seconds=round(timings["disk_load"] / 1000, 3), dp_size=dp_size)
-        return AttachedWeights(tensors, report, run_dir)
+                     reason=report.reason, seconds=round(timings["disk_load"] / 1000, 3), dp_size=dp_size,
+                     engine=engine)
+        return AttachedWeights(tensors, report, run_dir, local)
     finally:
-        for leftover in connections.values():
-            if isinstance(leftover, DaemonConnection):
-                leftover.close()
+        _close_all(connections)
+
+
+@dataclass(frozen=True, slots=True)
+class _AttachContext:
+    """What every mapping attempt of one attach shares."""
+
+    model: Path
+    wanted: dict[str, Any]
+    local: KeyFile | None  # None with --trust-daemon: the daemon's own manifest stands in for it
+    mode: str
+    report: AttachReport
+    run_dir: Path
+    began: float
+    dp_size: int
+    engine: str
+
+
+def _find_daemons(
+    run_dir: Path, device: str, daemon: str | None
+) -> tuple[list[DaemonDescriptor], dict[str, DaemonConnection | DaemonError]]:
+    live = census(run_dir).live
+    candidates = [d for d in live if d.device == device and _named(d, daemon)]
+    return candidates, _connect_all(candidates)
+
+
+def _close_all(connections: dict[str, DaemonConnection | DaemonError]) -> None:
+    for leftover in connections.values():
+        if isinstance(leftover, DaemonConnection):
+            leftover.close()
+    connections.clear()
 
 
 def _named(descriptor: DaemonDescriptor, daemon: str | None) -> bool:
     return daemon is None or matches(descriptor, daemon)
 
 
-def _try_map(
-    connection: DaemonConnection, descriptor: DaemonDescriptor, wanted: dict[str, Any], mode: str,
-    report: AttachReport, run_dir: Path, began: float, dp_size: int,
-) -> AttachedWeights | None:
+def _try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, ctx: _AttachContext) -> AttachedWeights | None:
+    report = ctx.report
     t = time.perf_counter()
     try:
-        hello = connection.request("hello", key=wanted, pid=os.getpid(), dp_size=dp_size)
+        hello = connection.request("hello", key=ctx.wanted, pid=os.getpid(), dp_size=ctx.dp_size)
         if hello.fields.get("status") != "hit":
             report.mismatched = list(hello.fields.get("mismatched", []))
             report.reason = f"daemon {descriptor.name} answered {hello.fields.get('status')}"
             connection.close()
             return None
-        reply = connection.request("map", mode=mode)
+        key_file = ctx.local
+        if key_file is None:
+            key_file = daemon_key_file(descriptor, connection.request("manifest").fields["tensors"])
+        reply = connection.request("map", mode=ctx.mode)
     except DaemonError as exc:
         report.reason = str(exc).rstrip(".")
         connection.close()
@@ -307,7 +364,7 @@ def _try_map(
             for e in entries
         }
     report.timings_ms["map"] = (time.perf_counter() - t) * 1000
-    if mode == "copy":
+    if ctx.mode == "copy":
         t = time.perf_counter()
         tensors = {name: tensor.clone() for name, tensor in tensors.items()}
         report.timings_ms["copy"] = (time.perf_counter() - t) * 1000
@@ -318,18 +375,18 @@ def _try_map(
             mapping.tensors.clear()
             with contextlib.suppress(BufferError):
                 mapping.mapping.close()
-    report.timings_ms["total"] = (time.perf_counter() - began) * 1000
+    report.timings_ms["total"] = (time.perf_counter() - ctx.began) * 1000
     report.outcome = "hit"
     report.reason = None
     report.daemon = descriptor.name
     report.daemon_key_id = descriptor.key_id
     report.bytes_mapped = total
     report.num_tensors = len(tensors)
-    append_event(run_dir, "attach_hit", source=descriptor.source, key_id=descriptor.key_id, daemon=descriptor.name,
-                 device=report.device, mode=mode, bytes=total, dp_size=dp_size,
-                 timings_ms={k: round(v, 3) for k, v in report.timings_ms.items()})
-    weights = AttachedWeights(tensors, report, run_dir)
-    if mode == "zero_copy":
+    append_event(ctx.run_dir, "attach_hit", source=descriptor.source, key_id=descriptor.key_id,
+                 daemon=descriptor.name, device=report.device, mode=ctx.mode, bytes=total, dp_size=ctx.dp_size,
+                 engine=ctx.engine, timings_ms={k: round(v, 3) for k, v in report.timings_ms.items()})
+    weights = AttachedWeights(tensors, report, ctx.run_dir, key_file)
+    if ctx.mode == "zero_copy":
         weights._hold_lease(connection, mapping)
     return weights
 

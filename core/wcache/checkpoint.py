@@ -73,7 +73,11 @@ def locate(path: Path) -> CheckpointLayout:
     if not stat.S_ISDIR(mode):
         if path.suffix != ".safetensors":
             raise CheckpointError(f"{path} is neither a model directory nor a .safetensors file.")
-        return CheckpointLayout(root=path.parent, shards=(path,), config=None, weight_map=None)
+        # A single file takes the config of the directory it sits in, as vLLM does for a file path.
+        config = _read_json(path.parent / CONFIG_NAME, "model config")
+        if config is not None and not isinstance(config, dict):
+            raise CheckpointError(f"{path.parent / CONFIG_NAME} is not a JSON object.")
+        return CheckpointLayout(root=path.parent, shards=(path,), config=config, weight_map=None)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         config_future: Future[Any] = pool.submit(_read_json, path / CONFIG_NAME, "model config")
@@ -83,14 +87,32 @@ def locate(path: Path) -> CheckpointLayout:
     if config is not None and not isinstance(config, dict):
         raise CheckpointError(f"{path / CONFIG_NAME} is not a JSON object.")
     if index is None:
-        single = path / SINGLE_NAME
-        # The shard's stat happens later with all the others; a missing file is reported there.
-        return CheckpointLayout(root=path, shards=(single,), config=config, weight_map=None)
+        return CheckpointLayout(root=path, shards=_unindexed_shards(path), config=config, weight_map=None)
     weight_map = _parse_index(index, path / INDEX_NAME)
     shard_names = sorted(set(weight_map.values()))
     return CheckpointLayout(
         root=path, shards=tuple(path / name for name in shard_names), config=config, weight_map=weight_map
     )
+
+
+def _unindexed_shards(path: Path) -> tuple[Path, ...]:
+    single = path / SINGLE_NAME
+    if single.exists() or single.is_symlink():
+        # The shard's stat happens later with all the others; an unreadable file is reported there.
+        return (single,)
+    # No index and no model.safetensors: every *.safetensors in the directory, as vLLM globs them.
+    try:
+        names = sorted(entry.name for entry in os.scandir(path) if entry.name.endswith(".safetensors"))
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be listed ({exc.strerror}).") from None
+    if names:
+        return tuple(path / name for name in names)
+    if any(path.glob("*.bin")) or (path / "pytorch_model.bin.index.json").exists():
+        raise CheckpointError(
+            f"{path} holds only PyTorch .bin weights; wcache reads safetensors, so convert them first "
+            "(for example with transformers: model.save_pretrained(dir, safe_serialization=True))."
+        )
+    raise CheckpointError(f"{path} holds no .safetensors file (neither {SINGLE_NAME} nor an index).")
 
 
 def _parse_index(index: Any, index_path: Path) -> dict[str, str]:

@@ -8,7 +8,7 @@ runs one recipe. The daemon and the engine's disk path both call it, so their pr
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +117,35 @@ class ProcessingPlan:
         if out is None:
             return result
         return out.copy_(result)
+
+
+    def checkpoint_views(
+        self, tensors: Mapping[str, torch.Tensor], outputs: Collection[str] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Checkpoint-named views of processed tensors: every source an output holds whole, as its rows.
+
+        With TP 1 every unquantized source is held whole (q, k and v are consecutive row ranges of qkv_proj,
+        gate and up of gate_up_proj), so an engine that loads Hugging Face names can take views instead of
+        reading the checkpoint. Sources held only as a TP shard, or quantized, are absent. `outputs` limits
+        the views to the sources of those outputs.
+        """
+        views: dict[str, torch.Tensor] = {}
+        for output in self.outputs:
+            recipe = self.recipes[output.name]
+            wanted = outputs is None or output.name in outputs
+            if recipe.kind != "tensor" or output.name not in tensors or not wanted:
+                continue
+            processed = tensors[output.name]
+            row = 0
+            for piece in recipe.pieces:
+                if piece.dim is None:
+                    views[piece.source] = processed
+                    break
+                rows = piece.length if piece.dim == 0 else piece.source_shape[0]
+                if piece.start == 0 and piece.length == piece.source_shape[piece.dim]:
+                    views[piece.source] = processed.narrow(0, row, rows)
+                row += rows
+        return views
 
 
 def process_all(plan: ProcessingPlan, source: Source) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ class Preset:
     config: Mapping[str, Any]
     num_shards: int
     write_lm_head: bool
+    tokenizer: bool = False  # write a byte-level tokenizer.json (token i < 256 is byte i, as ByteTokenizer)
 
 
 def _qwen3_config(**overrides: Any) -> dict[str, Any]:
@@ -62,6 +63,21 @@ PRESETS: dict[str, Preset] = {
         ),
         num_shards=2,
         write_lm_head=True,
+    ),
+    # The smallest checkpoint vLLM's CPU attention runs (head_dim 64; it refuses 16), with the same mixed
+    # sliding/full layers and byte vocabulary as "tiny", and a byte-level tokenizer.json so that vLLM and
+    # transformers can tokenize text for it. bfloat16, the dtype vLLM's "auto" picks on CPU.
+    "small": Preset(
+        config=_qwen3_config(
+            hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=64, vocab_size=320, max_position_embeddings=2048,
+            bos_token_id=256, eos_token_id=257, tie_word_embeddings=False, torch_dtype="bfloat16",
+            sliding_window=32, use_sliding_window=True, max_window_layers=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        ),
+        num_shards=2,
+        write_lm_head=True,
+        tokenizer=True,
     ),
     # Qwen/Qwen3-0.6B's exact tensor names, shapes and dtype. Its published file also stores lm_head.weight
     # although the embeddings are tied: 311 tensors, 1,503,264,768 data bytes.
@@ -176,11 +192,44 @@ def write_tensors(
 
 
 def write_checkpoint(preset: str, dest: Path, *, seed: int = 0, num_shards: int | None = None) -> Path:
-    """Write preset `preset` ("tiny", "qwen3-0.6b", "many-shards") to the new directory `dest`."""
+    """Write preset `preset` (one of PRESETS) to the new directory `dest`."""
     if preset not in PRESETS:
         raise BadInputError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}.")
     chosen = PRESETS[preset]
-    return write_tensors(make_tensors(chosen, seed), chosen.config, dest, num_shards or chosen.num_shards)
+    written = write_tensors(make_tensors(chosen, seed), chosen.config, dest, num_shards or chosen.num_shards)
+    if chosen.tokenizer:
+        write_byte_tokenizer(written, chosen.config)
+    return written
+
+
+def _byte_symbols() -> list[str]:
+    # The printable stand-in byte-level BPE uses for each byte (GPT-2's table): bytes that are printable
+    # Latin-1 stand for themselves, the others are shifted past U+0100, in byte order.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols: dict[int, int] = {b: b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in symbols:
+            symbols[b] = 256 + shifted
+            shifted += 1
+    return [chr(symbols[b]) for b in range(256)]
+
+
+def write_byte_tokenizer(dest: Path, config: Mapping[str, Any]) -> None:
+    """tokenizer.json and tokenizer_config.json whose ids are the UTF-8 bytes, plus BOS and EOS from config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    bos, eos = "<|bos|>", "<|eos|>"
+    vocab = {symbol: b for b, symbol in enumerate(_byte_symbols())}
+    vocab.update({bos: config["bos_token_id"], eos: config["eos_token_id"]})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([bos, eos])
+    tokenizer.save(str(dest / "tokenizer.json"))
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+                        "model_max_length": config["max_position_embeddings"], "add_bos_token": False}
+    (dest / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -93,11 +93,110 @@ def _run_prompts(tp: Any, model: Path, plan: dict[str, Any], prompts: list[str],
         cached.close()
 
 
-def verify_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int,
+ENGINES = ("reference", "vllm", "transformers")
+
+
+def _compare(prompts: list[str], cached: list[list[int]], disk: list[list[int]]) -> list[PromptResult]:
+    results = []
+    for index, (prompt, a, b) in enumerate(zip(prompts, cached, disk, strict=True)):
+        divergence = _first_divergence(a, b)
+        results.append(PromptResult(index, prompt, divergence is None, divergence, a, b))
+    return results
+
+
+def _attach_only(attach_options: dict[str, Any]) -> dict[str, Any]:
+    """The options another engine's integration takes (it picks its own device)."""
+    from wcache.attach_options import AttachOptions
+
+    return {k: v for k, v in attach_options.items() if k in AttachOptions.names() and v is not None}
+
+
+def _hit_event(run_dir: Path, engine: str, since: float) -> dict[str, Any]:
+    """The attach report of an engine that ran in other processes: its latest hit in the run dir's events."""
+    from wcache.events import read_events
+
+    hits = [e for e in read_events(run_dir) if e["kind"] == "attach_hit" and e.get("engine") == engine
+            and float(e.get("ts", 0)) >= since]
+    if not hits:
+        return {"outcome": "unknown", "engine": engine}
+    last = hits[-1]
+    return {"outcome": "hit", "engine": engine, "daemon": last.get("daemon"), "mode": last.get("mode"),
+            "key_id": last.get("key_id"), "timings_ms": last.get("timings_ms", {})}
+
+
+def _verify_vllm(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int,
+                 attach_options: dict[str, Any]) -> GreedyReport:
+    import time
+
+    from wcache.attach_options import AttachOptions
+    from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_tokens
+    from wcache.rundir import default_run_dir
+
+    if plan.quantization != "none" or plan.layout != "fused":
+        raise BadInputError("--engine vllm takes its plan from vLLM; drop --quantization and --plan.")
+    options = AttachOptions.from_mapping(_attach_only(attach_options), "the verify options")
+    run_dir = Path(options.run_dir) if options.run_dir else default_run_dir()
+    extra = {**{k: v for k, v in options.attach_kwargs().items() if v is not None}, "fallback": False,
+             "run_dir": str(run_dir)}
+    base = VllmRun(str(model), prompts, max_new_tokens, tensor_parallel_size=plan.tp_size, dtype=plan.dtype)
+    since = time.time()
+    try:
+        cached = greedy_tokens(VllmRun(**{**asdict(base), "load_format": "wcache", "extra_config": extra})).tokens
+    except VllmRunError as exc:
+        raise UnavailableError(f"vLLM could not start on a daemon's weights: {exc}") from None
+    attach = _hit_event(run_dir, "vllm", since)
+    try:
+        disk = greedy_tokens(base).tokens
+    except VllmRunError as exc:
+        raise UnavailableError(f"vLLM could not load {model} from disk: {exc}") from None
+    return GreedyReport(_compare(prompts, cached, disk), attach)
+
+
+def _verify_transformers(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int,
+                         attach_options: dict[str, Any]) -> GreedyReport:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from wcache.engine.tokenizer import load_tokenizer
+    from wcache.integrations.transformers import from_pretrained
+
+    if plan.tp_size != 1 or plan.quantization != "none" or plan.layout != "fused":
+        raise BadInputError("--engine transformers runs TP 1 without quantization; drop --tp, --quantization "
+                            "and --plan.")
+    dtype = {} if plan.dtype == "auto" else {"dtype": getattr(torch, plan.dtype)}
+    cached_model = from_pretrained(model, **dtype, **_attach_only(attach_options), fallback=False)
+    disk_model = AutoModelForCausalLM.from_pretrained(model, **dtype).eval()
+    tokenizer = load_tokenizer(model)
+
+    def generate(engine: Any, prompt: str) -> list[int]:
+        ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.int64)
+        with torch.inference_mode():
+            output = engine.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                     do_sample=False, pad_token_id=engine.config.eos_token_id)
+        return [int(t) for t in output[0, ids.shape[1]:]]
+
+    cached = [generate(cached_model, p) for p in prompts]
+    disk = [generate(disk_model, p) for p in prompts]
+    report = cached_model.wcache_report.to_json()
+    cached_model._wcache_weights.close()
+    return GreedyReport(_compare(prompts, cached, disk), {**report, "engine": "transformers"})
+
+
+def verify_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int, engine: str = "reference",
                   **attach_options: Any) -> GreedyReport:
-    """Compare greedy tokens of an attached engine and a disk engine; TP plans run every rank (gloo)."""
+    """Compare greedy tokens of an attached engine and a disk engine; TP plans run every rank (gloo).
+
+    `engine` is whose engine runs both sides: wcache's reference engine, vLLM (its `wcache` load format
+    against its default loader), or transformers (`from_pretrained` through wcache against its own).
+    """
     if not prompts:
         raise BadInputError("there are no prompts to verify with.")
+    if engine not in ENGINES:
+        raise BadInputError(f"--engine must be one of {', '.join(ENGINES)}, not {engine!r}.")
+    if engine == "vllm":
+        return _verify_vllm(model, plan, prompts, max_new_tokens, attach_options)
+    if engine == "transformers":
+        return _verify_transformers(model, plan, prompts, max_new_tokens, attach_options)
     if plan.tp_size == 1:
         from wcache.engine.parallel import TensorParallel
 

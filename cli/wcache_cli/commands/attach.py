@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 from wcache.digest_store import DigestStore
 from wcache.errors import BadInputError
+from wcache.model_path import resolve_model_path
 
 from wcache_cli.output import out
 from wcache_cli.params import (
@@ -20,6 +21,7 @@ from wcache_cli.params import (
     Layout,
     MaxNewTokensOpt,
     Mode,
+    ModelArg,
     ModeOpt,
     PlanOpt,
     Quantization,
@@ -35,7 +37,7 @@ from wcache_cli.render import human_bytes
 
 
 def attach(
-    model: Annotated[Path, typer.Argument(help="Model directory or .safetensors file.", show_default=False)],
+    model: ModelArg,
     tp: TpOpt = 1,
     rank: RankOpt = 0,
     dtype: DtypeOpt = Dtype.auto,
@@ -48,6 +50,10 @@ def attach(
     ] = False,
     trust_daemon: TrustDaemonOpt = False,
     daemon: DaemonOpt = None,
+    wait: Annotated[
+        float, typer.Option("--wait", help="Seconds to keep looking for a daemon with this key (one still "
+                            "loading) before missing.", min=0)
+    ] = 0.0,
     prompt: Annotated[
         str | None, typer.Option("--prompt", help="Generate from this prompt (greedy) and print the text.",
                                  show_default=False)
@@ -69,9 +75,10 @@ def attach(
     """
     if prompt is not None and serve:
         raise BadInputError("use --prompt or --serve, not both.")
+    model = resolve_model_path(model)
     where = run_dir_or_default(run_dir)
     options: dict[str, Any] = {"device": device, "mode": mode.value, "fallback": not no_fallback,
-                               "trust_daemon": trust_daemon, "daemon": daemon}
+                               "trust_daemon": trust_daemon, "daemon": daemon, "wait_s": wait}
     if prompt is not None or serve:
         from wcache.engine import EngineConfig
 

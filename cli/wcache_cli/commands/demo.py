@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from wcache.daemons import start_daemons, stop_daemon
 from wcache.digest_store import default_store_dir
 from wcache.errors import EXIT_DIFFERENCE, BadInputError
 from wcache.events import read_events
@@ -18,11 +19,9 @@ from wcache.plan import PlanSpec
 from wcache.rundir import census
 
 from wcache_cli.commands.demo_serving import leave_serving, stop_serving
-from wcache_cli.commands.preload import launch
-from wcache_cli.commands.status import shutdown_daemon
 from wcache_cli.operands import key_of_checkpoint
 from wcache_cli.output import out
-from wcache_cli.params import Dtype, Layout, Quantization, RunDirOpt, run_dir_or_default
+from wcache_cli.params import RunDirOpt, run_dir_or_default
 from wcache_cli.render import diff_renderable, key_table
 
 # A demo directory holds this marker, so a rerun only ever deletes what an earlier demo wrote.
@@ -111,7 +110,7 @@ def demo(
         served_ok = _serve_attach_verify(original, modified, victim.name, scratch, supervisors)
     finally:
         for descriptor in census(scratch).live:
-            shutdown_daemon(descriptor, force=True)
+            stop_daemon(descriptor, force=True)
         for supervisor in supervisors:
             supervisor.wait(timeout=30)  # each exits once its ranks have
         shutil.rmtree(scratch, ignore_errors=True)
@@ -131,7 +130,8 @@ def demo(
 
 
 def _preload(model: Path, run_dir: Path, supervisors: list[subprocess.Popen[str]]) -> str:
-    supervisor, ready = launch(model, "cpu", 1, Dtype.auto, Quantization.none, Layout.fused, run_dir)
+    group = start_daemons(model, run_dir=run_dir)
+    supervisor, ready = group.supervisor, group.ready
     supervisors.append(supervisor)
     key_id = ready["ranks"][0]["key_id"]
     out.print(f"READY in {ready['seconds']:.2f} s: key {key_id}; health {ready['health_url']}/health")

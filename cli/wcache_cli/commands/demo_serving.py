@@ -12,12 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from wcache.daemons import start_daemons, stop_daemon
 from wcache.rundir import ENGINES_DIR, census, ensure_run_dir
 
-from wcache_cli.commands.preload import launch
-from wcache_cli.commands.status import shutdown_daemon
 from wcache_cli.output import out
-from wcache_cli.params import Dtype, Layout, Quantization
 
 STATE_NAME = "serving.json"
 START_TIMEOUT_S = 120.0
@@ -56,7 +54,8 @@ def leave_serving(original: Path, modified: Path, workdir: Path, run_dir: Path) 
     from wcache.plan import PlanSpec
 
     ensure_run_dir(run_dir)
-    supervisor, ready = launch(original, "cpu", 1, Dtype.auto, Quantization.none, Layout.fused, run_dir)
+    group = start_daemons(original, run_dir=run_dir)
+    supervisor, ready = group.supervisor, group.ready
     assert supervisor.stdout is not None
     supervisor.stdout.close()  # detached: the daemon outlives this command
     state: dict[str, Any] = {"run_dir": str(run_dir), "daemons": [r["name"] for r in ready["ranks"]],
@@ -97,7 +96,7 @@ def stop_serving(workdir: Path) -> bool:
     if run_dir.exists():
         for descriptor in census(run_dir).live:
             if descriptor.name in state.get("daemons", []):
-                shutdown_daemon(descriptor, force=True)
+                stop_daemon(descriptor, force=True)
     supervisor_pid = state.get("supervisor_pid")
     if isinstance(supervisor_pid, int):
         _terminate(supervisor_pid, marker="wcache.daemon.supervisor")

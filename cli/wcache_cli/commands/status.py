@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Annotated, Any
 
-import psutil
 import typer
 from rich.table import Table
 from wcache.client import DaemonError, request_once
+from wcache.daemons import stop_daemon
 from wcache.errors import BadInputError, UnavailableError
 from wcache.rundir import DaemonDescriptor, census, matches
 
@@ -20,7 +19,6 @@ from wcache_cli.params import JsonOpt, RunDirOpt, run_dir_or_default
 from wcache_cli.render import human_bytes
 
 HEALTH_TIMEOUT_S = 2.0
-STOP_TIMEOUT_S = 15.0
 
 
 def _health(url: str | None) -> int | None:
@@ -96,7 +94,7 @@ def stop(
             out.print(f"No daemons in {where}.")
             return
         raise UnavailableError(f"no running daemon matches {ident!r} in {where}; `wcache status` lists them.")
-    refused = [f"{d.name} ({leases} lease(s))" for d in targets if (leases := shutdown_daemon(d, force=force))]
+    refused = [f"{d.name} ({leases} lease(s))" for d in targets if (leases := stop_daemon(d, force=force))]
     for descriptor in targets:
         if not any(r.startswith(descriptor.name + " ") for r in refused):
             out.print(f"stopped {descriptor.name}")
@@ -104,32 +102,3 @@ def stop(
         raise BadInputError(
             f"engines still hold leases on {', '.join(refused)}; detach them first or use --force."
         )
-
-
-def shutdown_daemon(descriptor: DaemonDescriptor, *, force: bool) -> int:
-    """Ask a daemon to stop and wait until it has; returns the lease count when it refused (else 0)."""
-    try:
-        reply = request_once(descriptor.socket, "shutdown", force=force).fields
-    except DaemonError as exc:
-        raise UnavailableError(f"daemon {descriptor.name} did not answer ({exc})") from None
-    if not reply.get("stopping"):
-        return int(reply.get("leases") or 1)
-    _wait_gone(descriptor)
-    return 0
-
-
-def _wait_gone(descriptor: DaemonDescriptor) -> None:
-    try:
-        process = psutil.Process(descriptor.pid)
-    except psutil.NoSuchProcess:
-        return
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            if process.status() == psutil.STATUS_ZOMBIE:
-                return
-        except psutil.NoSuchProcess:
-            return
-        time.sleep(0.05)
-    raise UnavailableError(f"daemon {descriptor.name} (pid {descriptor.pid}) did not exit within {STOP_TIMEOUT_S} s.")
-

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 from wcache.errors import EXIT_DIFFERENCE, BadInputError
+from wcache.model_path import resolve_model_path
 
 from wcache_cli.output import out
 from wcache_cli.params import (
@@ -15,10 +16,12 @@ from wcache_cli.params import (
     DeviceOpt,
     Dtype,
     DtypeOpt,
+    Engine,
     JsonOpt,
     Layout,
     MaxNewTokensOpt,
     Mode,
+    ModelArg,
     ModeOpt,
     PlanOpt,
     Quantization,
@@ -44,7 +47,7 @@ def _read_prompts(path: Path) -> list[str]:
 
 
 def verify(
-    model: Annotated[Path, typer.Argument(help="Model directory or .safetensors file.", show_default=False)],
+    model: ModelArg,
     greedy: Annotated[
         bool, typer.Option("--greedy", help="Compare greedy tokens of a cached engine and a disk engine.")
     ] = False,
@@ -66,16 +69,25 @@ def verify(
     trust_daemon: TrustDaemonOpt = False,
     daemon: DaemonOpt = None,
     run_dir: RunDirOpt = None,
+    engine: Annotated[
+        Engine,
+        typer.Option("--engine", help="Whose engine runs both sides of --greedy: wcache's reference engine, vLLM "
+                     "(load format wcache vs its default loader) or transformers (through wcache vs its own "
+                     "from_pretrained). Engines are compared only with themselves: vLLM CPU 0.32 ignores Qwen3 "
+                     "sliding windows, so its tokens may differ from the others' without any cache miss."),
+    ] = Engine.reference,
     json: JsonOpt = False,
 ) -> None:
     """Check that a daemon serves this checkpoint's weights; exit 1 on any difference.
 
-    --greedy runs the same prompts at temperature 0 through an engine attached to the daemon and one loaded
-    from disk (every TP rank for --tp N) and compares token ids. --content re-hashes the checkpoint without
-    the digest store and has the daemon re-hash its arena, listing every differing tensor.
+    --greedy runs the same prompts at temperature 0 through an engine attached to the daemon and the same
+    engine loading from disk its own way (every TP rank for --tp N) and compares token ids, per prompt, to
+    the first divergent position. --content re-hashes the checkpoint without the digest store and has the
+    daemon re-hash its arena, listing every differing tensor.
     """
     if not greedy and not content:
         raise BadInputError("choose what to verify: --greedy, --content, or both.")
+    model = resolve_model_path(model)
     where = run_dir_or_default(run_dir)
     document: dict[str, Any] = {}
     failed = False
@@ -93,8 +105,9 @@ def verify(
 
         texts = _read_prompts(prompts) if prompts is not None else default_prompts(num_prompts)
         spec = plan_from_options(tp, 0 if tp > 1 else rank, dtype, quantization, plan)
-        greedy_report = verify_greedy(model, spec, texts, max_new_tokens, run_dir=where, device=device,
-                                      mode=mode.value, trust_daemon=trust_daemon, daemon=daemon).to_json()
+        greedy_report = verify_greedy(model, spec, texts, max_new_tokens, engine.value, run_dir=where,
+                                      device=device, mode=mode.value, trust_daemon=trust_daemon,
+                                      daemon=daemon).to_json()
         document["greedy"] = greedy_report
         failed |= not greedy_report["all_match"]
         if not json:
@@ -121,7 +134,8 @@ def print_content(report: dict[str, Any]) -> None:
 
 def print_greedy(report: dict[str, Any]) -> None:
     attach = report["attach"]
-    out.print(f"cached engine: {attach.get('outcome')} from {attach.get('daemon')} ({attach.get('mode')})")
+    engine = attach.get("engine", "reference")
+    out.print(f"cached {engine} engine: {attach.get('outcome')} from {attach.get('daemon')} ({attach.get('mode')})")
     table = Table(title="greedy tokens, cached vs disk", title_justify="left")
     table.add_column("#", justify="right")
     table.add_column("prompt")

@@ -1,0 +1,74 @@
+"""Attaching with a wait: an engine that starts before its daemon is ready hits once the daemon is up."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from daemon_fixtures import (
+    DaemonRig,
+    daemon_rig,
+    nothing_survives,  # noqa: F401
+)
+from wcache.attach import AttachedWeights, attach
+from wcache.attach_options import AttachOptions
+from wcache.errors import BadInputError
+from wcache.synth import write_checkpoint
+
+
+@pytest.fixture
+def rig() -> Iterator[DaemonRig]:
+    with daemon_rig() as made:
+        yield made
+
+
+def test_attach_waits_for_a_daemon_that_comes_up(rig: DaemonRig) -> None:
+    model = write_checkpoint("tiny", rig.base / "tiny")
+    result: dict[str, AttachedWeights | BaseException] = {}
+
+    def engine() -> None:
+        try:
+            result["weights"] = attach(model, run_dir=rig.run_dir, fallback=False, wait_s=120)
+        except BaseException as exc:  # reported by the assertion below
+            result["weights"] = exc
+
+    began = time.monotonic()
+    thread = threading.Thread(target=engine)
+    thread.start()
+    time.sleep(0.5)  # the engine is already looking when the preload starts
+    [daemon] = rig.preload(model)
+    thread.join(timeout=120)
+    weights = result["weights"]
+    assert isinstance(weights, AttachedWeights), weights
+    with weights:
+        assert weights.report.outcome == "hit" and weights.report.daemon == daemon.name
+    assert time.monotonic() - began < 120
+
+
+def test_without_a_wait_the_same_attach_misses_at_once(rig: DaemonRig) -> None:
+    model = write_checkpoint("tiny", rig.base / "tiny")
+    began = time.monotonic()
+    with attach(model, run_dir=rig.run_dir, wait_s=0.5) as weights:
+        assert weights.report.outcome == "fallback" and weights.report.reason == "no daemon runs on cpu"
+    assert time.monotonic() - began < 30
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"fallbak": True}, "unknown wcache option 'fallbak' in here; the options are fallback, mode"),
+    ({"mode": "mmap"}, "mode must be zero_copy or copy, not 'mmap'"),
+    ({"wait_s": -1}, "wait_s must be zero or more seconds"),
+    ({"wait_s": True}, "wait_s in here cannot be True"),
+    ({"fallback": "yes"}, "fallback in here cannot be 'yes'"),
+    ({"daemon": 3}, "daemon in here cannot be 3"),
+])
+def test_attach_options_say_what_is_wrong(options: dict[str, object], message: str) -> None:
+    with pytest.raises(BadInputError) as failure:
+        AttachOptions.from_mapping(options, "here")
+    assert message in str(failure.value)
+
+
+def test_attach_options_round_trip() -> None:
+    options = AttachOptions.from_mapping({"mode": "copy", "wait_s": 3, "run_dir": "/tmp/x"}, "here")
+    assert options.attach_kwargs()["wait_s"] == 3.0 and str(options.attach_kwargs()["run_dir"]) == "/tmp/x"

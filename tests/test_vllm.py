@@ -1,0 +1,214 @@
+"""Real vLLM engines (the CPU build) attach through the load format `wcache`.
+
+One module-wide rig: the `small` checkpoint (head_dim 64, which vLLM's CPU attention accepts) with a daemon,
+a copy whose lm_head differs under an unchanged header with a daemon of its own (for the planted wrong
+hit), and a second such copy that no daemon holds (for the miss). Every vLLM start costs ~20 s here, so
+each test starts only the engines it needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from daemon_fixtures import (
+    DaemonRig,
+    copy_checkpoint,
+    daemon_rig,
+    http_status,
+    nothing_survives,  # noqa: F401
+    wait_for,
+)
+from wcache.errors import BadInputError
+from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_tokens
+from wcache.rundir import DaemonDescriptor
+from wcache.synth import overwrite_tensor_bytes, write_checkpoint
+
+PROMPTS = ["the weights cache keeps", "a daemon holds the shard and"]
+MAX_NEW_TOKENS = 8
+VICTIM = "lm_head.weight"  # zeroed past its first rows: greedy tokens change, the header does not
+VICTIM_BYTES = 320 * 128 * 2  # the small preset's vocab × hidden, bf16
+SERVER_START_S = 240.0
+
+
+@dataclass
+class VllmRig:
+    rig: DaemonRig
+    original: Path
+    served_copy: Path  # a zeroed copy that a daemon holds (the planted wrong hit)
+    unserved_copy: Path  # a differently zeroed copy that no daemon holds (the miss)
+    daemon: DaemonDescriptor
+    copy_daemon: DaemonDescriptor
+
+    def run(self, model: Path, **fields: object) -> VllmRun:
+        return VllmRun(str(model), PROMPTS, MAX_NEW_TOKENS, **fields)  # type: ignore[arg-type]
+
+    def extra(self, **options: object) -> dict[str, object]:
+        return {"run_dir": str(self.rig.run_dir), **options}
+
+
+@pytest.fixture(scope="module")
+def vllm_rig() -> Iterator[VllmRig]:
+    with daemon_rig() as rig:
+        original = write_checkpoint("small", rig.base / "small")
+        served = copy_checkpoint(original, rig.base / "small-zeroed")
+        overwrite_tensor_bytes(served, VICTIM, 1024, bytes(VICTIM_BYTES - 1024))
+        unserved = copy_checkpoint(original, rig.base / "small-zeroed-2")
+        overwrite_tensor_bytes(unserved, VICTIM, 2048, bytes(VICTIM_BYTES - 2048))
+        [daemon] = rig.preload(original)
+        [copy_daemon] = rig.preload(served)
+        previous = os.environ.get("WCACHE_CACHE_DIR")
+        # In-process runs (greedy_tokens) pass the environment on to vLLM: keep its digest store private too.
+        os.environ["WCACHE_CACHE_DIR"] = rig.env["WCACHE_CACHE_DIR"]
+        try:
+            yield VllmRig(rig, original, served, unserved, daemon, copy_daemon)
+        finally:
+            if previous is None:
+                os.environ.pop("WCACHE_CACHE_DIR", None)
+            else:
+                os.environ["WCACHE_CACHE_DIR"] = previous
+
+
+def test_hit_gives_the_greedy_tokens_of_vllms_own_disk_load(vllm_rig: VllmRig) -> None:
+    rig = vllm_rig.rig
+    result = rig.cli("verify", str(vllm_rig.original), "--greedy", "--engine", "vllm", "--num-prompts", "2",
+                     "--max-new-tokens", str(MAX_NEW_TOKENS), "--run-dir", str(rig.run_dir), "--json",
+                     timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    greedy = json.loads(result.stdout)["greedy"]
+    assert greedy["all_match"] and all(p["cached_tokens"] for p in greedy["prompts"])
+    assert greedy["attach"]["outcome"] == "hit" and greedy["attach"]["daemon"] == vllm_rig.daemon.name
+    [hit] = [e for e in rig.events("attach_hit") if e.get("engine") == "vllm"]
+    assert hit["daemon"] == vllm_rig.daemon.name and hit["mode"] == "zero_copy" and hit["pid"] != os.getpid()
+
+
+def test_planted_wrong_hit_fails_verify_with_vllm(vllm_rig: VllmRig) -> None:
+    rig = vllm_rig.rig
+    result = rig.cli("verify", str(vllm_rig.original), "--greedy", "--engine", "vllm", "--trust-daemon",
+                     "--daemon", vllm_rig.copy_daemon.name, "--num-prompts", "2", "--max-new-tokens",
+                     str(MAX_NEW_TOKENS), "--run-dir", str(rig.run_dir), "--json", timeout=600)
+    assert result.returncode == 1, result.stdout + result.stderr
+    greedy = json.loads(result.stdout)["greedy"]
+    assert greedy["attach"]["daemon"] == vllm_rig.copy_daemon.name
+    assert not greedy["all_match"]
+    assert all(p["first_divergence"] is not None for p in greedy["prompts"] if not p["match"])
+
+
+def test_changed_copy_misses_and_serves_its_own_tokens(vllm_rig: VllmRig) -> None:
+    rig = vllm_rig.rig
+    cached = greedy_tokens(vllm_rig.run(vllm_rig.unserved_copy, load_format="wcache", extra_config=vllm_rig.extra()))
+    disk = greedy_tokens(vllm_rig.run(vllm_rig.unserved_copy))
+    original = greedy_tokens(vllm_rig.run(vllm_rig.original, load_format="wcache", extra_config=vllm_rig.extra()))
+    assert cached.tokens == disk.tokens, "the fallback must serve the copy's own weights"
+    assert cached.tokens != original.tokens, "the zeroed lm_head must change the tokens"
+    [warning] = [line for line in cached.log.splitlines() if "wcache: weight cache miss" in line]
+    assert "WARNING" in warning and VICTIM in warning and "falling back to disk loading" in warning
+    [miss] = [e for e in rig.events("attach_miss") if e.get("engine") == "vllm"]
+    assert miss["source"] == str(vllm_rig.unserved_copy) and miss["diff"]["changed"] == [VICTIM]
+    [fallback] = [e for e in rig.events("fallback") if e.get("engine") == "vllm"]
+    assert VICTIM in fallback["reason"]
+
+
+def test_fallback_false_refuses_to_start_and_names_the_tensor(vllm_rig: VllmRig) -> None:
+    run = vllm_rig.run(vllm_rig.unserved_copy, load_format="wcache", extra_config=vllm_rig.extra(fallback=False))
+    with pytest.raises(VllmRunError) as failure:
+        greedy_tokens(run)
+    message = str(failure.value)
+    assert VICTIM in message and "fallback is false" in message, message
+    assert "\n" not in message
+
+
+def test_unknown_extra_config_key_is_one_clear_error() -> None:
+    from vllm.config.load import LoadConfig
+    from wcache.integrations.vllm_loader import WcacheModelLoader
+
+    with pytest.raises(BadInputError, match=r"unknown wcache option 'fallbak'.*the options are fallback, mode"):
+        WcacheModelLoader(LoadConfig(load_format="wcache", model_loader_extra_config={"fallbak": False}))
+    with pytest.raises(BadInputError, match="mode must be zero_copy or copy"):
+        WcacheModelLoader(LoadConfig(load_format="wcache", model_loader_extra_config={"mode": "mmap"}))
+    loader = WcacheModelLoader(LoadConfig(load_format="wcache", model_loader_extra_config={"mode": "copy"}))
+    assert loader.options.mode == "copy" and loader.options.fallback
+
+
+def test_the_plugin_is_found_through_vllms_entry_point() -> None:
+    from importlib.metadata import entry_points
+
+    [plugin] = [e for e in entry_points(group="vllm.general_plugins") if e.name == "wcache"]
+    plugin.load()()
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    loader = get_model_loader(LoadConfig(load_format="wcache"))
+    assert type(loader).__name__ == "WcacheModelLoader"
+    # vLLM's own weight cache loader is untouched.
+    assert type(get_model_loader(LoadConfig(load_format="ipc_cache"))).__name__ != "WcacheModelLoader"
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return http_status(url, timeout=2)[0] == 200
+    except OSError:  # not listening yet
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_served_vllm_answers_completions_and_shows_in_top(vllm_rig: VllmRig) -> None:
+    rig = vllm_rig.rig
+    port = _free_port()
+    log_path = rig.base / "vllm-server.log"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_rig.original),
+               "--port", str(port), "--host", "127.0.0.1", "--load-format", "wcache",
+               "--model-loader-extra-config", json.dumps(vllm_rig.extra()), "--enforce-eager",
+               "--max-model-len", "512", "--served-model-name", "small"]
+    env = {**os.environ, **rig.env, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with log_path.open("w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                  start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: server.poll() is not None or _healthy(f"{base}/health"),
+                 timeout=SERVER_START_S, interval=1.0, what="the vLLM server to come up")
+        assert server.poll() is None, log_path.read_text()[-3000:]
+        body = json.dumps({"model": "small", "prompt": PROMPTS[0], "max_tokens": MAX_NEW_TOKENS,
+                           "temperature": 0}).encode()
+        request = urllib.request.Request(f"{base}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            completion = json.loads(response.read())
+        assert completion["choices"][0]["text"], completion
+        assert completion["usage"]["completion_tokens"] == MAX_NEW_TOKENS
+        text = log_path.read_text()
+        assert "wcache: weight cache hit from daemon " + vllm_rig.daemon.name in text
+        top = rig.cli("top", "--once", "--json", "--interval", "0.5", "--scrape", f"{base}/metrics",
+                      "--run-dir", str(rig.run_dir), as_json=True)
+        [engine] = top["engines"]
+        assert engine["kind"] == "vllm" and engine["up"] and engine["model"] == "small"
+        assert vllm_rig.daemon.name in {d["name"] for d in top["daemons"]}
+        # The zero-copy engine holds a lease on the daemon it maps.
+        assert rig.stats(vllm_rig.daemon)["leases"] >= 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)  # vLLM's engine core and workers share its session
