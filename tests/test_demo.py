@@ -33,6 +33,9 @@ def test_demo_walks_the_whole_flow_and_leaves_something_for_top(tmp_path: Path) 
         assert out.count("same key: would serve the wrong") == 2  # header-only and sampled both miss it
         assert "model.embed_tokens.weight" in out
         assert "READY" in out and "HIT" in out and "MISS" in out and "FALLBACK" in out
+        # The trained original speaks; the zeroed copy does not, and a header-only key would have hidden that.
+        assert "the processed weights" in out and "the zeroed copy's own weights" in out
+        assert "would have been served the original's ' the processed weights" in out
         assert "attach_hit" in out and "attach_miss" in out and "fallback" in out
         assert "VERIFIED" in out and "MISMATCH" in out and "SOURCE DIFFERS" in out
         assert f"wcache top --run-dir {run_dir}" in out and "wcache demo --stop" in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,23 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+# Not a Preset: the "tiny" architecture with weights trained (in seconds, deterministically) by wcache.trained,
+# shipped in the package (`benchmarks/train_tiny.py DIR` trains them again) so that nobody waits for training.
+TRAINED_PRESET = "tiny-trained"
+TRAINED_DATA = Path(__file__).parent / "data" / TRAINED_PRESET
+
+
+def _copy_trained(dest: Path, num_shards: int | None) -> Path:
+    if dest.exists() and any(dest.iterdir()):
+        raise BadInputError(f"{dest} already exists and is not empty; choose a new directory.")
+    if num_shards is not None:
+        return write_tensors(read_tensors(TRAINED_DATA), PRESETS["tiny"].config, dest, num_shards)
+    dest.mkdir(parents=True, exist_ok=True)
+    for source in sorted(TRAINED_DATA.iterdir()):
+        shutil.copyfile(source, dest / source.name)
+    return dest
+
+
 def tensor_shapes(config: Mapping[str, Any], write_lm_head: bool) -> Iterator[tuple[str, tuple[int, ...]]]:
     """Hugging Face tensor names and shapes of a Llama/Qwen3 model, in module order."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
@@ -192,9 +210,11 @@ def write_tensors(
 
 
 def write_checkpoint(preset: str, dest: Path, *, seed: int = 0, num_shards: int | None = None) -> Path:
-    """Write preset `preset` (one of PRESETS) to the new directory `dest`."""
+    """Write preset `preset` (one of PRESETS, or TRAINED_PRESET) to the new directory `dest`."""
+    if preset == TRAINED_PRESET:  # "tiny" trained on a few paragraphs, so that its generations are words
+        return _copy_trained(dest, num_shards)
     if preset not in PRESETS:
-        raise BadInputError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}.")
+        raise BadInputError(f"unknown preset {preset!r}; choose one of {', '.join([*PRESETS, TRAINED_PRESET])}.")
     chosen = PRESETS[preset]
     written = write_tensors(make_tensors(chosen, seed), chosen.config, dest, num_shards or chosen.num_shards)
     if chosen.tokenizer:

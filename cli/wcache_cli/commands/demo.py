@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 from wcache.daemons import start_daemons, stop_daemon
 from wcache.digest_store import default_store_dir
@@ -27,6 +28,9 @@ from wcache_cli.render import diff_renderable, key_table
 # A demo directory holds this marker, so a rerun only ever deletes what an earlier demo wrote.
 MARKER = ".wcache-demo"
 KEEP_BYTES = 1024
+# A phrase of the trained checkpoint's corpus: the original continues it with the corpus's next words.
+PROMPT = "the weights cache daemon keeps"
+NEW_TOKENS = 50
 
 
 def _fresh_dir(directory: Path) -> None:
@@ -65,8 +69,9 @@ def demo(
     _fresh_dir(workdir)
     original, modified = workdir / "tiny", workdir / "tiny-zeroed"
 
-    out.print(f"[bold]1.[/] Writing the [cyan]tiny[/] test checkpoint to {original}")
-    synth.write_checkpoint("tiny", original)
+    out.print(f"[bold]1.[/] Writing the [cyan]tiny-trained[/] checkpoint (the tiny Qwen3 architecture, byte "
+              f"vocabulary, trained on a few paragraphs of English by benchmarks/train_tiny.py) to {original}")
+    synth.write_checkpoint(synth.TRAINED_PRESET, original)
     plan = PlanSpec()
     key_a = key_of_checkpoint(original, plan)
     out.print(key_table(key_a))
@@ -126,7 +131,7 @@ def demo(
     out.print(f"\nDone. Try: [bold]wcache key {original} --tensors[/], "
               f"[bold]wcache diff {original} {modified} --json[/], and "
               f"[bold]wcache preload {original} --tp 2[/] in one terminal with "
-              f"[bold]wcache attach {original} --tp 2 --prompt 'the weights cache'[/] in another.")
+              f"[bold]wcache attach {original} --tp 2 --prompt '{PROMPT}'[/] in another.")
 
 
 def _preload(model: Path, run_dir: Path, supervisors: list[subprocess.Popen[str]]) -> str:
@@ -157,8 +162,8 @@ def _serve_attach_verify(
         hit = engine.attach_report
         timings = ", ".join(f"{k} {v:.1f} ms" for k, v in hit.timings_ms.items())
         out.print(f"[green]HIT[/] {hit.daemon}: {hit.num_tensors} tensors mapped; {timings}")
-        text, generation = engine.complete("the weights cache daemon", 24)
-        out.print(f"generated {len(generation.token_ids)} tokens (random weights, so no prose): {text!r}")
+        spoken, generation = engine.complete(PROMPT, NEW_TOKENS)
+        out.print(f"generated {len(generation.token_ids)} tokens from {PROMPT!r}: [green]{escape(repr(spoken))}[/]")
     finally:
         engine.close()
 
@@ -169,6 +174,10 @@ def _serve_attach_verify(
         out.print(f"[red]MISS[/] {miss.report.reason}")
         out.print(f"[yellow]FALLBACK[/] loaded {miss.report.num_tensors} tensors from disk with the same plan "
                   f"in {miss.report.timings_ms.get('disk_load', 0):.1f} ms; the daemon's weights were not used.")
+        broken, _ = Engine.from_weights(modified, miss.tensors).complete(PROMPT, NEW_TOKENS)
+        out.print(f"the zeroed copy's own weights, from {PROMPT!r}: [red]{escape(repr(broken))}[/]")
+        out.print(f"A header-only key (vLLM 0.31's, or #59648's sampled one) matches the daemon holding the original, "
+                  f"so this copy would have been served the original's {escape(repr(spoken))} instead (vLLM #59647).")
     missed_right = miss.report.diff is not None and [c.name for c in miss.report.diff.changed] == [victim]
 
     prompts = default_prompts(3)
