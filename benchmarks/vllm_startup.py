@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 from wcache.daemons import start_daemons
 from wcache.integrations.vllm_runner import VllmRun, greedy_tokens
-from wcache.synth import overwrite_tensor_bytes, write_checkpoint
+from wcache.synth import PRESETS, overwrite_tensor_bytes, write_byte_tokenizer, write_checkpoint
 
 _LOAD_MS = re.compile(r"wcache: .*\(([\d.]+) ms, post-processing included\)")
 
@@ -59,6 +59,8 @@ def main() -> None:
         run_dir.mkdir(mode=0o700, exist_ok=True)
         os.environ["WCACHE_CACHE_DIR"] = str(work / "store")
         model = write_checkpoint(args.preset, work / args.preset)
+        if not (model / "tokenizer.json").exists():  # vLLM needs one; the byte-level one fits any of our presets
+            write_byte_tokenizer(model, PRESETS[args.preset].config)
         unserved = work / f"{args.preset}-changed"
         shutil.copytree(model, unserved)
         overwrite_tensor_bytes(unserved, "model.norm.weight", 0, bytes(2))

@@ -491,3 +491,24 @@ def test_rank_outside_tp_is_one_error_naming_the_option(tmp_path: Path, template
         PlanSpec(tp_size=2, tp_rank=2)
     result = wcache_cli("key", str(template), "--tp", "2", "--rank", "2", cache=tmp_path / "cache")
     assert_one_error_sentence(result, "--rank")
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("config.json", "fifo"), ("model.safetensors.index.json", "fifo"), ("config.json", "/dev/zero"),
+    ("model.safetensors.index.json", "/dev/zero"),
+])
+def test_json_file_that_is_not_a_regular_file_is_refused(tmp_path: Path, name: str, kind: str) -> None:
+    # A FIFO would block the read forever; /dev/zero would be read until memory runs out.
+    checkpoint = write_checkpoint("tiny", tmp_path / "ckpt")
+    target = checkpoint / name
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.symlink_to(kind)
+    try:
+        result = wcache_cli("key", str(checkpoint), cache=tmp_path / "cache", timeout=FIFO_DEADLINE_S * 4)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`wcache key` blocked on {name} as {kind}")
+    assert_one_error_sentence(result, name)
+    assert "is not a regular file" in result.stderr

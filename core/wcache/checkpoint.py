@@ -29,16 +29,26 @@ class CheckpointLayout:
     weight_map: dict[str, str] | None  # tensor name → shard file name, from the index
 
 
+# config.json and the index of an 11,000-tensor checkpoint are about a megabyte; anything far larger is not one.
+MAX_JSON_BYTES = 64 << 20
+
+
 def _read_small_file(path: Path) -> bytes | None:
-    # os.open/os.read rather than Path.read_bytes: on a remote filesystem every extra fstat, ioctl (isatty)
-    # and lookup is a round trip, and these two files are on the warm path.
+    # os.open/os.read rather than Path.read_bytes: on a remote filesystem every extra ioctl (isatty) and lookup
+    # is a round trip, and these two files are on the warm path. O_NONBLOCK and the S_ISREG check: a FIFO must
+    # be refused, not waited on, and a device (/dev/zero) must not be read until memory runs out.
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     try:
-        chunks = []
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{path} is not a regular file.")
+        chunks, size = [], 0
         while chunk := os.read(fd, 1 << 20):
+            size += len(chunk)
+            if size > MAX_JSON_BYTES:
+                raise CheckpointError(f"{path} is over {MAX_JSON_BYTES >> 20} MiB, too large for a model's JSON.")
             chunks.append(chunk)
         return b"".join(chunks)
     finally:

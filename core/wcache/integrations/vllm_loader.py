@@ -35,7 +35,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from wcache.attach import AttachedWeights, AttachMissError, attach
 from wcache.attach_options import AttachOptions
 from wcache.digest_store import DigestStore
-from wcache.errors import UnavailableError, WcacheError
+from wcache.errors import CheckpointError, UnavailableError, WcacheError
 from wcache.events import append_event
 from wcache.model_path import resolve_model_path
 from wcache.plan import PlanSpec, layout_for
@@ -59,6 +59,7 @@ class Placement:
 
     assigned: int  # parameters that now are the daemon's tensors (views of the arena in zero-copy mode)
     copied: int  # parameters filled by the model's load_weights from checkpoint-named views
+    post_processing_s: float = 0.0  # vLLM's process_weights_after_loading (the oneDNN repack on CPU)
 
 
 def plan_for(vllm_config: VllmConfig, model_config: ModelConfig) -> PlanSpec:
@@ -180,9 +181,10 @@ class WcacheModelLoader(BaseModelLoader):
         how = "zero-copy views of its arena" if report.mode == "zero_copy" else "private copies (copy mode)"
         logger.info(
             "wcache: weight cache hit from daemon %s (key %s): %d parameters took the daemon's tensors as %s, "
-            "%d were copied in through load_weights; no checkpoint byte was read (%.1f ms, post-processing "
-            "included)", report.daemon, report.daemon_key_id, placement.assigned, how, placement.copied,
-            (time.perf_counter() - began) * 1000,
+            "%d were copied in through load_weights; no checkpoint byte was read (attach %.1f ms, vLLM's "
+            "post-processing %.1f ms; %.1f ms, post-processing included)", report.daemon, report.daemon_key_id,
+            placement.assigned, how, placement.copied, report.timings_ms.get("total", 0.0),
+            placement.post_processing_s * 1000, (time.perf_counter() - began) * 1000,
         )
         return model
 
@@ -196,7 +198,8 @@ class WcacheModelLoader(BaseModelLoader):
                               **{**self.options.attach_kwargs(), "fallback": False})
         except AttachMissError as exc:
             raise CannotAttachError(exc.report.reason or str(exc)) from None
-        except UnsupportedPlanError as exc:
+        except (UnsupportedPlanError, CheckpointError) as exc:
+            # E.g. a Hugging Face id not downloaded yet: vLLM's own loader fetches it; wcache never downloads.
             raise CannotAttachError(str(exc).rstrip(".")) from None
 
     def _build(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
@@ -209,7 +212,9 @@ class WcacheModelLoader(BaseModelLoader):
             with target_device:
                 model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
             placement = place(model, weights, plan_for(vllm_config, model_config))
+            began = time.perf_counter()
             process_weights_after_loading(model, model_config, target_device)
+            placement = dataclasses.replace(placement, post_processing_s=time.perf_counter() - began)
         # The model keeps the lease (and the arena's map) for as long as vLLM keeps the model.
         model._wcache_weights = weights  # type: ignore[assignment]
         return model.eval(), placement
