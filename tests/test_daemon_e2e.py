@@ -6,7 +6,9 @@ the module checks at the end that no process mentioning any rig's path survived.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import os
 import signal
 import stat
@@ -91,6 +93,26 @@ def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {name: processed_digest(t) for name, t in tensors.items()}
 
 
+def assert_arena_sealed(daemon_pid: int) -> None:
+    """The daemon's arena, reopened through /proc as a same-uid attacker would, refuses every kind of write."""
+    fd_dir = Path(f"/proc/{daemon_pid}/fd")
+    arenas = []
+    for name in os.listdir(fd_dir):
+        with contextlib.suppress(FileNotFoundError):  # a descriptor the daemon closed while we listed
+            if "memfd:wcache-arena" in os.readlink(fd_dir / name):
+                arenas.append(fd_dir / name)
+    assert arenas, f"daemon {daemon_pid} holds no arena memfd"
+    for path in arenas:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.pwrite(fd, b"x", 0)
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+
+
 def memfd_maps() -> list[str]:
     with open("/proc/self/maps") as f:
         return [line.strip() for line in f if "memfd:wcache-arena" in line]
@@ -137,6 +159,7 @@ def test_tp2_zero_copy_attach_is_byte_equal_to_disk(shared: tuple[DaemonRig, Pat
             with attach(model, spec, run_dir=rig.run_dir) as other:
                 assert torch.equal(other.tensors[name], disk_tensors(model, spec)[name])
                 assert not torch.equal(other.tensors[name], victim)
+            assert_arena_sealed(descriptor.pid)
         wait_for(lambda d=descriptor: rig.stats(d)["leases"] == 0, what="the lease to end after close()")
     hits = [e for e in rig.events("attach_hit") if e["source"] == str(model)]
     assert {e["daemon"] for e in hits} >= {d.name for d in daemons}

@@ -450,3 +450,67 @@ def test_edit_with_size_and_mtime_restored_is_caught_by_ctime(tmp_path: Path, ag
     digests_after = {e.name: e.digest for e in after.manifest}
     assert digests_after.keys() == digests_before.keys()
     assert {n for n in digests_after if digests_after[n] != digests_before[n]} == {"model.norm.weight"}
+
+
+def test_write_during_hashing_on_a_one_second_filesystem_is_never_trusted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A filesystem with 1-second timestamps (NFSv3, ext3): a same-size write in the second the file was
+    # last written leaves its identity unchanged, so only the racy rule, counted from when hashing began,
+    # keeps the mixed receipt from being trusted once hashing has taken longer than the window.
+    import wcache.shard_hash as shard_hash
+
+    def coarse(cls: type[FileIdentity], st: os.stat_result) -> FileIdentity:
+        second = 10**9
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns // second * second,
+                   st.st_ctime_ns // second * second)
+
+    real_hash = shard_hash._hash_tensor
+    written: list[str] = []
+
+    def slow_hash(view: memoryview, base: int, tensor: object, on_bytes: object) -> str:
+        if not written:
+            written.append("done")
+            overwrite_tensor_bytes(checkpoint, "model.norm.weight", 0, b"\x11" * 16)  # same size, same second
+            time.sleep(RACY_WINDOW_NS / 1e9 + 1)  # hashing outlasts the window
+        return real_hash(view, base, tensor, on_bytes)  # type: ignore[arg-type]
+
+    while time.time() % 1 > 0.2:  # write, open and overwrite all within one wall-clock second
+        time.sleep(0.01)
+    checkpoint = write_checkpoint("tiny", tmp_path / "coarse", num_shards=1)
+    monkeypatch.setattr(FileIdentity, "of", classmethod(coarse))
+    monkeypatch.setattr(shard_hash, "_hash_tensor", slow_hash)
+    cache = tmp_path / "cache"
+    key_with(checkpoint, cache)
+    monkeypatch.setattr(shard_hash, "_hash_tensor", real_hash)
+    assert written
+    warm = key_with(checkpoint, cache)
+    assert warm.key == reference_key(checkpoint).key, "a receipt of bytes that changed under it was trusted"
+
+
+@pytest.mark.parametrize("how", ["directory-0777", "database-0666", "directory-symlink", "database-symlink"])
+def test_store_others_could_write_is_not_trusted(how: str, tmp_path: Path, aged: dict[str, Path]) -> None:
+    # Receipts forged in a store another uid can write would make checkpoint B's key read as A's.
+    checkpoint = aged["shared"]
+    real = tmp_path / "real-cache"
+    key_with(checkpoint, real)  # a genuine store holding receipts for this checkpoint
+    cache = real
+    if how == "directory-0777":
+        real.chmod(0o777)
+    elif how == "database-0666":
+        (real / DB_NAME).chmod(0o666)
+    elif how == "directory-symlink":
+        cache = tmp_path / "link-cache"
+        cache.symlink_to(real)
+    else:
+        cache = tmp_path / "cache-with-linked-db"
+        cache.mkdir(mode=0o700)
+        (cache / DB_NAME).symlink_to(real / DB_NAME)
+    with DigestStore(cache) as store:
+        assert not store.enabled
+        key = compute_key(checkpoint, store=store)
+    assert key.stats is not None and key.stats.shards_from_store == 0
+    result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    assert cli_key_id(result) == reference_key(checkpoint).key.short_id
+    warning = assert_one_store_warning(result)
+    assert ("symlink" in warning) if "symlink" in how else ("writable by group or others" in warning), warning

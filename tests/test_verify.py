@@ -220,25 +220,17 @@ def overwrite_arena(daemon: DaemonDescriptor, offset: int, data: bytes) -> None:
         os.close(fd)
 
 
-def test_arena_modified_after_loading_fails_both_checks(hit: tuple[DaemonRig, Path, DaemonDescriptor]) -> None:
+def test_arena_cannot_be_modified_after_loading(hit: tuple[DaemonRig, Path, DaemonDescriptor]) -> None:
+    # Before the arena was sealed, this write (the final norm zeroed) went through and only --content and
+    # --greedy could tell; now the memfd refuses it, so both checks keep passing.
     rig, model, daemon = hit
     offset, nbytes = arena_entries(daemon)[NORM]
-    # The final norm zeroed: every logit becomes 0, so greedy decoding must leave the disk engine's path.
-    overwrite_arena(daemon, offset, bytes(nbytes))
+    with pytest.raises(PermissionError):
+        overwrite_arena(daemon, offset, bytes(nbytes))
 
-    content = verify_json(rig, model, "--content", expect=EXIT_DIFFERENCE)
-    assert content["ok"] is False
-    report = content["content"]
-    assert report["daemon"] == daemon.name
-    assert report["source"] == {"changed": [], "added": [], "removed": []}, "the checkpoint is untouched"
-    assert report["arena"]["changed"] == [NORM]
-    human_content = verify(rig, model, "--content")
-    assert human_content.returncode == EXIT_DIFFERENCE, human_content.stderr
-    assert "ARENA MODIFIED" in human_content.stdout and NORM in human_content.stdout
-    assert "SOURCE OK" in human_content.stdout
-
+    content = verify_json(rig, model, "--content", expect=0)
+    assert content["ok"] is True
+    assert content["content"]["arena"]["changed"] == []
     greedy = verify(rig, model, "--greedy", *SHORT)
-    assert greedy.returncode == EXIT_DIFFERENCE, greedy.stdout + greedy.stderr
-    assert f"hit from {daemon.name}" in greedy.stdout, "the key still matches: only the tokens can tell"
-    assert "MISMATCH" in greedy.stdout and "diverges at token" in greedy.stdout
-    assert "VERIFIED" not in greedy.stdout
+    assert greedy.returncode == 0, greedy.stdout + greedy.stderr
+    assert "VERIFIED" in greedy.stdout

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,8 +88,9 @@ class CpuArena:
         self.fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, total_bytes)
-            # Nobody may shrink it: an engine's map of a shrunk memfd faults (SIGBUS) on the lost pages.
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            # Nobody may shrink it: an engine's map of a shrunk memfd faults (SIGBUS) on the lost pages. The write
+            # seal comes once it is filled (seal()); F_SEAL_SEAL follows it there.
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             self._map: mmap.mmap | None = mmap.mmap(self.fd, total_bytes, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
@@ -106,9 +108,23 @@ class CpuArena:
         del target
 
     def tensors(self, entries: Sequence[ArenaEntry]) -> dict[str, torch.Tensor]:
-        """Writable views in the daemon's own map (for verification and tests)."""
+        """Views in the daemon's own map: writable while filling, read-only once sealed."""
         assert self._map is not None
-        return view_tensors(self._map, entries)
+        with warnings.catch_warnings():
+            # A sealed arena's map is read-only, and torch warns it cannot protect such a buffer; PROT_READ does.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return view_tensors(self._map, entries)
+
+    def seal(self) -> None:
+        """Once filled: no process can write the shared bytes again (write(), a writable shared map, an
+        mprotect of a read-only one, or the memfd reopened through /proc all fail). Engines' copy-on-write
+        maps still work. Every view of the writable map must be gone first."""
+        assert self._map is not None
+        # F_SEAL_WRITE is refused while any writable shared map exists, our own included.
+        self._map.close()
+        self._map = None
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+        self._map = mmap.mmap(self.fd, self.total_bytes, prot=mmap.PROT_READ)
 
     def close(self) -> None:
         """Drop the daemon's map and descriptor; engines' maps of the memfd stay valid."""

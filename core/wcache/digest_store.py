@@ -7,6 +7,7 @@ import fcntl
 import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -23,8 +24,10 @@ log = logging.getLogger("wcache")
 
 SCHEMA_VERSION = "1"
 DB_NAME = "digests.sqlite3"
-# Racy-git rule: a file written within this window of being hashed may be written again without its
-# mtime moving (coarse timestamps, or a writer still busy), so such a receipt is never trusted.
+# Racy-git rule: a file written within this window of the moment its hashing began may be written again
+# without its identity moving (a filesystem's timestamps are truncated to its granularity: 1 s on NFSv3,
+# ext3 and HFS+, 2 s on FAT, the coarsest in use), so such a receipt is never trusted. Measured from the
+# start of hashing, a write stamped before `hashed_at - window` happened before the read began.
 RACY_WINDOW_NS = 2_000_000_000
 BUSY_TIMEOUT_S = 30.0
 
@@ -54,7 +57,7 @@ def _file_id(identity: FileIdentity) -> str:
 
 
 def is_trusted(identity: FileIdentity, hashed_at_ns: int) -> bool:
-    """A receipt is trusted only if the file's last change lies safely before the moment it was hashed."""
+    """A receipt is trusted only if the file's last change lies safely before the moment hashing began."""
     return max(identity.mtime_ns, identity.ctime_ns) < hashed_at_ns - RACY_WINDOW_NS
 
 
@@ -123,6 +126,10 @@ class DigestStore:
         except OSError as exc:
             self._disable(f"its directory {self.directory} cannot be created ({exc.strerror})")
             return
+        untrusted = self._untrusted_reason()
+        if untrusted is not None:
+            self._disable(untrusted)
+            return
         try:
             self._conn = self._open_checked()
         except sqlite3.DatabaseError as exc:
@@ -131,6 +138,28 @@ class DigestStore:
                 self._disable(f"you lack permission to use it ({exc})")
                 return
             self._rebuild(str(exc))
+
+    def _untrusted_reason(self) -> str | None:
+        """Why receipts here could have been written by someone else (then none is used), or None.
+
+        Whoever can write the store can make any checkpoint's key look like another's, so the directory and
+        the database must be ours, not symlinks, and writable by nobody else (as the run dir is checked).
+        """
+        for path, what in ((self.directory, "its directory"), (self.path, "its database")):
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                return f"{what} {path} cannot be checked ({exc.strerror})"
+            if stat.S_ISLNK(st.st_mode):
+                return f"{what} {path} is a symlink"
+            if st.st_uid != os.getuid():
+                return f"{what} {path} belongs to uid {st.st_uid}, not to you"
+            if st.st_mode & 0o022:
+                return (f"{what} {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}), so "
+                        "its receipts could be forged; chmod go-w it")
+        return None
 
     def _accessible(self) -> bool:
         directory_ok = os.access(self.directory, os.R_OK | os.W_OK | os.X_OK)

@@ -146,6 +146,10 @@ def load_rank(
             slots = arena.tensors(entries)
             produce_all(plan, reader, lambda output: slots[output.name])
             digests = {name: processed_digest(tensor) for name, tensor in slots.items()}
+            if isinstance(arena, CpuArena):
+                del slots
+                gc.collect()  # the views of the writable map must be gone before it is unmapped
+                arena.seal()
         except BaseException:
             arena.close()
             raise

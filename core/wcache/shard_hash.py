@@ -48,7 +48,7 @@ class ShardRecord:
     identity: FileIdentity
     header: ShardHeader
     digests: tuple[str, ...]
-    hashed_at_ns: int
+    hashed_at_ns: int  # when reading the file began, not when hashing ended
 
 
 def _hash_tensor(view: memoryview, base: int, tensor: TensorInfo, on_bytes: BytesCallback | None) -> str:
@@ -78,6 +78,10 @@ class OpenShard:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        # Taken before the file is opened: a receipt is dated when reading began, so that a write during the
+        # read, stamped with a coarse timestamp that does not move the file's identity, is still inside the
+        # racy window (digest_store.is_trusted).
+        self.opened_ns = time.time_ns()
         try:
             # O_NONBLOCK: opening a FIFO planted as a shard must fail below, not wait for a writer forever.
             self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -152,7 +156,7 @@ class OpenShard:
         return self.identity == after == current
 
     def record(self, digests: tuple[str, ...]) -> ShardRecord:
-        return ShardRecord(self.path, self.identity, self.header, digests, time.time_ns())
+        return ShardRecord(self.path, self.identity, self.header, digests, self.opened_ns)
 
 
 def _hash_once(path: Path, pool: Executor, on_bytes: BytesCallback | None) -> tuple[ShardRecord, bool]:
