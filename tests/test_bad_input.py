@@ -512,3 +512,72 @@ def test_json_file_that_is_not_a_regular_file_is_refused(tmp_path: Path, name: s
         pytest.fail(f"`wcache key` blocked on {name} as {kind}")
     assert_one_error_sentence(result, name)
     assert "is not a regular file" in result.stderr
+
+
+_GOOD_DESCRIPTOR = {
+    "name": "cpu-aaaaaaaaaaaa", "pid": 999_999_999, "pid_created": 1.0, "device": "cpu", "tp_size": 1,
+    "tp_rank": 0, "key_id": "aaaaaaaaaaaa", "key": {"checkpoint": "a", "config": "b", "plan": "c", "format": 1},
+    "plan": {}, "config": None, "source": "/nowhere", "socket": "/nowhere.sock", "health_url": None,
+    "supervisor_pid": None, "started": "2026-12-01T00:00:00Z", "weights_bytes": 0,
+}
+
+
+@pytest.mark.parametrize("bad", [
+    "not json", "[1, 2]", json.dumps({**_GOOD_DESCRIPTOR, "pid": "123"}), json.dumps({**_GOOD_DESCRIPTOR, "pid": -1}),
+    json.dumps({**_GOOD_DESCRIPTOR, "key": [1, 2]}), json.dumps({**_GOOD_DESCRIPTOR, "name": 7}),
+    json.dumps({**_GOOD_DESCRIPTOR, "pid": True}),
+    json.dumps({k: v for k, v in _GOOD_DESCRIPTOR.items() if k != "key"}),
+], ids=["text", "list", "pid-string", "pid-negative", "key-list", "name-int", "pid-bool", "key-missing"])
+def test_foreign_descriptor_is_skipped_with_a_warning(bad: str, tmp_path: Path, template: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    (run_dir / "cpu-bad.json").write_text(bad)
+    status = wcache_cli("status", "--json", "--run-dir", str(run_dir), cache=tmp_path / "cache")
+    assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
+    assert "Ignoring unreadable daemon descriptor" in status.stderr and json.loads(status.stdout) is not None
+    stop = wcache_cli("stop", "--all", "--run-dir", str(run_dir), cache=tmp_path / "cache")
+    assert stop.returncode == 0 and "Traceback" not in stop.stderr, stop.stderr
+    attach = wcache_cli("attach", str(template), "--json", "--run-dir", str(run_dir), cache=tmp_path / "cache")
+    assert attach.returncode == 0 and json.loads(attach.stdout)["outcome"] == "fallback", attach.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_event_log_that_is_not_a_file_never_hangs(kind: str, tmp_path: Path, template: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    log = run_dir / "events.jsonl"
+    if kind == "fifo":
+        os.mkfifo(log)
+    else:
+        log.mkdir()
+    try:
+        attach = wcache_cli("attach", str(template), "--json", "--run-dir", str(run_dir), cache=tmp_path / "cache",
+                            timeout=FIFO_DEADLINE_S * 6)
+        top = wcache_cli("top", "--once", "--json", "--interval", "0.1", "--run-dir", str(run_dir),
+                         cache=tmp_path / "cache", timeout=FIFO_DEADLINE_S * 6)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a command blocked on events.jsonl as a {kind}")
+    assert attach.returncode == 0 and json.loads(attach.stdout)["outcome"] == "fallback", attach.stderr
+    assert "Traceback" not in attach.stderr + top.stderr and top.returncode == 0, top.stderr
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_config_with_a_non_finite_number_is_one_sentence(number: str, tmp_path: Path, template: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(template, checkpoint)
+    config = (checkpoint / "config.json").read_text()
+    (checkpoint / "config.json").write_text(config.replace('"rms_norm_eps": 1e-06', f'"rms_norm_eps": {number}'))
+    assert number in (checkpoint / "config.json").read_text()
+    line = assert_one_error_sentence(wcache_cli("key", str(checkpoint), cache=tmp_path / "cache"), "config.json")
+    assert "no canonical form" in line
+
+
+def test_index_shard_name_with_a_nul_byte_is_one_sentence(tmp_path: Path, template: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(template, checkpoint)
+    index_path = checkpoint / INDEX
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "model\u0000.safetensors"
+    index_path.write_text(json.dumps(index))
+    assert_one_error_sentence(wcache_cli("key", str(checkpoint), cache=tmp_path / "cache"), INDEX)

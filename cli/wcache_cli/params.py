@@ -81,3 +81,18 @@ DaemonOpt = Annotated[
     str | None, typer.Option("--daemon", help="Use this daemon (name or key id prefix).", show_default=False)
 ]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Tokens to generate per prompt.", min=1)]
+
+
+def warn_if_exposed(host: str, flag: str, what: str) -> None:
+    """One warning when a server without authentication listens beyond this machine's loopback."""
+    import ipaddress
+
+    from wcache_cli.output import out
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        loopback = False
+    if not loopback:
+        out.warning(f"{flag} {host} serves {what} without authentication to every network that reaches it.")
+

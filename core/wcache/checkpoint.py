@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from collections.abc import Mapping
@@ -63,9 +64,28 @@ def _read_json(path: Path, what: str) -> Any:
     if text is None:
         return None
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_non_finite, parse_float=_finite_float)
+    except _NonFiniteError as exc:
+        # Canonical JSON, and so the key, has no NaN or Infinity; a config holding one has no defined key.
+        raise CheckpointError(f"{path} holds the number {exc}, which has no canonical form, so the {what} "
+                              "cannot be keyed; write a finite number or null.") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc}), so the {what} cannot be read.") from None
+
+
+class _NonFiniteError(Exception):
+    pass
+
+
+def _non_finite(constant: str) -> float:
+    raise _NonFiniteError(constant)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NonFiniteError(text)
+    return value
 
 
 def locate(path: Path) -> CheckpointLayout:
@@ -132,7 +152,7 @@ def _parse_index(index: Any, index_path: Path) -> dict[str, str]:
     if not weight_map:
         raise CheckpointError(f"{index_path} lists no tensors.")
     for tensor, shard in weight_map.items():
-        if not isinstance(shard, str) or not shard:
+        if not isinstance(shard, str) or not shard or "\x00" in shard:
             raise CheckpointError(f"{index_path} maps tensor {tensor!r} to something that is not a file name.")
         pure = PurePosixPath(shard)
         # A shard name that escapes the model directory would let an index point at any file on the machine.

@@ -28,7 +28,7 @@ from wcache.key import KeyFile, make_key_file
 from wcache.plan import PlanSpec
 from wcache.processing import OutputSpec, ProcessingPlan, build_plan
 from wcache.safetensors_header import TensorInfo
-from wcache.shard_hash import OpenShard
+from wcache.shard_hash import OpenShard, ShardRecord
 
 # safetensors dtype names to torch dtypes, for viewing checkpoint bytes.
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -46,6 +46,7 @@ class CheckpointReader:
     def __init__(self, layout: CheckpointLayout) -> None:
         self.layout = layout
         self.shards: list[OpenShard] = []
+        self.records: dict[Path, ShardRecord] = {}  # filled by fingerprint()
         self._where: dict[str, tuple[OpenShard, TensorInfo]] = {}
         try:
             for path in layout.shards:
@@ -97,12 +98,32 @@ class CheckpointReader:
         changed = [s.path for s in self.shards if not s.unchanged()]
         if changed:
             raise CheckpointError(f"{changed[0]} changed while it was being loaded; load it again once written.")
+        self.records = records
         if store is not None:
             store.put_many(list(records.values()))
         manifest = manifest_of(self.layout, records)
         total = sum(e.nbytes for e in manifest)
         stats = FingerprintStats(len(self.shards), 0, len(self.shards), total, time.perf_counter() - began)
         return make_key_file(path, self.layout, manifest, spec, stats)
+
+
+    def check_unchanged(self) -> None:
+        """Hash every tensor again and compare with fingerprint(): the bytes a fill copied are the hashed ones.
+
+        A rewrite between hashing and filling (with a same-size write a filesystem with coarse timestamps
+        does not even show in the file's identity) would otherwise leave an arena holding other bytes than its
+        key and recorded digests describe.
+        """
+        with ThreadPoolExecutor(thread_name_prefix="wcache-hash") as pool:
+            for shard in self.shards:
+                again = shard.hash_tensors(pool)
+                for tensor, before, now in zip(shard.header.tensors, self.records[shard.path].digests, again,
+                                               strict=True):
+                    if before != now:
+                        raise CheckpointError(
+                            f"{shard.path} changed while it was being loaded (tensor {tensor.name!r}); load it "
+                            "again once written."
+                        )
 
 
 def produce_all(
@@ -138,7 +159,8 @@ def load_rank(
     began = time.perf_counter()
     layout = locate(path)
     with CheckpointReader(layout) as reader:
-        key_file = reader.fingerprint(path, spec, store, progress)
+        # Receipts go to the store only once the fill is known to have copied the bytes that were hashed.
+        key_file = reader.fingerprint(path, spec, None, progress)
         plan = build_plan(key_file.plan, layout.config, key_file.manifest)
         entries, total = plan_layout([(o.name, o.dtype, o.shape, o.nbytes) for o in plan.outputs])
         arena: CpuArena | CudaArena = CudaArena(total, device) if device.startswith("cuda") else CpuArena(total)
@@ -150,9 +172,12 @@ def load_rank(
                 del slots
                 gc.collect()  # the views of the writable map must be gone before it is unmapped
                 arena.seal()
+            reader.check_unchanged()
         except BaseException:
             arena.close()
             raise
+        if store is not None:
+            store.put_many(list(reader.records.values()))
     return LoadedRank(key_file, plan, entries, arena, digests, time.perf_counter() - began)
 
 

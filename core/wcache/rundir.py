@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
 import stat
-from dataclasses import asdict, dataclass
+import types
+import typing
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +102,35 @@ class DaemonDescriptor:
 
     @classmethod
     def from_json(cls, data: Any) -> DaemonDescriptor:
+        """A descriptor from its JSON; ValueError naming the first field of the wrong type or value."""
+        if not isinstance(data, dict):
+            raise ValueError("it is not a JSON object")
+        names = {f.name for f in fields(cls)}
+        if set(data) != names:
+            missing, extra = sorted(names - set(data)), sorted(set(data) - names)
+            raise ValueError(f"fields missing {missing}, unexpected {extra}")
+        for name, kinds in _field_kinds(cls).items():
+            value = data[name]
+            # bool is an int, and a pid of True is no pid.
+            if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+                raise ValueError(f"field {name} is {value!r}")
+        if data["pid"] <= 0 or (data["supervisor_pid"] is not None and data["supervisor_pid"] <= 0):
+            raise ValueError(f"pid {data['pid']} is not a process id")
+        if not all(isinstance(k, str) and isinstance(v, (str, int)) for k, v in data["key"].items()):
+            raise ValueError("field key is not a map of strings")
         return cls(**data)
+
+
+
+
+@functools.cache
+def _field_kinds(cls: type) -> dict[str, tuple[type, ...]]:
+    """The runtime types each field's annotation allows (`str | None` → (str, NoneType), dict[...] → dict)."""
+    kinds = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        kinds[name] = tuple(typing.get_origin(o) or o for o in options)
+    return kinds
 
 
 def matches(descriptor: DaemonDescriptor, ident: str) -> bool:

@@ -32,6 +32,7 @@ from wcache_cli.params import (
     TrustDaemonOpt,
     plan_from_options,
     run_dir_or_default,
+    warn_if_exposed,
 )
 from wcache_cli.render import human_bytes
 
@@ -85,6 +86,7 @@ def attach(
         engine_config = EngineConfig(swa_bounded_replay=not no_swa_bounded_replay)
         spec = plan_from_options(tp, 0, dtype, quantization, plan)
         if serve:
+            warn_if_exposed(host, "--host", "completions and metrics")
             _serve(model, spec.to_json(), engine_config, options, host, port, where)
         else:
             _generate(model, spec.to_json(), engine_config, options, where, prompt or "", max_new_tokens, json)

@@ -26,6 +26,7 @@ from wcache_cli.params import (
     RunDirOpt,
     TpOpt,
     run_dir_or_default,
+    warn_if_exposed,
 )
 from wcache_cli.render import human_bytes
 
@@ -69,6 +70,7 @@ def preload(
     """
     model = resolve_model_path(model)
     where = ensure_run_dir(run_dir_or_default(run_dir))
+    warn_if_exposed(health_host, "--health-host", "/health, /metrics and /stats")
     group = launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port)
     process = group.supervisor
     _print_ready(group.ready, model, device, json_output)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import stat
 import time
 import urllib.parse
 from collections import deque
@@ -57,6 +58,8 @@ class EventTail:
         try:
             st = self.path.stat()
         except FileNotFoundError:
+            return []
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or directory in its place: nothing to tail, never a hang
             return []
         if st.st_ino != self._inode or st.st_size < self._offset:
             self._inode, self._offset, self._partial = st.st_ino, 0, b""
