@@ -12,6 +12,8 @@ import mmap
 import os
 import signal
 import stat
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +29,7 @@ from daemon_fixtures import (
     http_status,
     mode_of,
     nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
+    processes_mentioning,
     request_frame,
     wait_for,
 )
@@ -591,3 +594,28 @@ def test_sigterm_removes_socket_and_descriptor(stoppable: tuple[DaemonRig, Path,
     assert not any(f.exists() for f in files)
     assert [e["leases"] for e in rig.events("stop") if e["daemon"] == target.name] == [0]
     assert target.name not in {d["name"] for d in rig.status()["daemons"]}
+
+
+def test_one_daemon_per_key_even_when_two_preloads_race(rig: DaemonRig) -> None:
+    model = write_checkpoint("tiny", rig.base / "race")
+    command = [sys.executable, "-m", "wcache_cli.main", "preload", str(model), "--detach", "--json",
+               "--run-dir", str(rig.run_dir)]
+    racers = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **rig.env}, stdin=subprocess.DEVNULL) for _ in range(2)]
+    outputs = [racer.communicate(timeout=120) for racer in racers]
+    rig._remember_supervisors()
+    assert [racer.returncode for racer in racers] == [0, 0], outputs
+    documents = [json.loads(stdout) for stdout, _ in outputs]
+    assert sorted(d["event"] for d in documents) == ["exists", "ready"], documents
+    [winner] = [d for d in documents if d["event"] == "ready"]
+    [loser] = [d for d in documents if d["event"] == "exists"]
+    name = winner["ranks"][0]["name"]
+    assert name in loser["reason"] and "nothing more was started" in loser["reason"]
+    served = [d for d in rig.descriptors() if d.source == str(model)]
+    assert [d.name for d in served] == [name]
+    # Once it is ready, a third preload says so in one sentence and exits 0, starting nothing that stays.
+    again = rig.cli("preload", str(model), "--detach", "--run-dir", str(rig.run_dir))
+    assert again.returncode == 0 and again.stdout.strip().endswith("nothing more was started."), again
+    assert f"daemon {name} (pid {served[0].pid}) already serves this key on cpu" in again.stdout
+    wait_for(lambda: len(processes_mentioning(str(model))) == 2, timeout=15,
+             what="only the winner's daemon and supervisor to remain")

@@ -43,6 +43,7 @@ _EXPORTS = {
     "DaemonGroup": "wcache.daemons",
     "PreloadFailedError": "wcache.daemons",
     "DaemonDescriptor": "wcache.rundir",
+    "DaemonExistsError": "wcache.rundir",
     "census": "wcache.rundir",
     "resolve_model_path": "wcache.model_path",
     "WcacheError": "wcache.errors",
@@ -52,9 +53,9 @@ _EXPORTS = {
 
 __all__ = [
     "AttachMissError", "AttachOptions", "AttachReport", "AttachedWeights", "BadInputError", "DaemonDescriptor",
-    "DaemonGroup", "KeyDiff", "KeyFile", "PlanSpec", "PreloadFailedError", "UnavailableError", "WcacheError",
-    "WeightCacheKey", "__version__", "attach", "census", "compute_key", "diff_keys", "resolve_model_path",
-    "start_daemons", "stop_daemon",
+    "DaemonExistsError", "DaemonGroup", "KeyDiff", "KeyFile", "PlanSpec", "PreloadFailedError", "UnavailableError",
+    "WcacheError", "WeightCacheKey", "__version__", "attach", "census", "compute_key", "diff_keys",
+    "resolve_model_path", "start_daemons", "stop_daemon",
 ]
 assert set(__all__) == {"__version__", *_EXPORTS}
 
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
     from wcache.key_diff import KeyDiff, diff_keys
     from wcache.model_path import resolve_model_path
     from wcache.plan import PlanSpec
-    from wcache.rundir import DaemonDescriptor, census
+    from wcache.rundir import DaemonDescriptor, DaemonExistsError, census
 
 
 def __getattr__(name: str) -> Any:

@@ -23,7 +23,7 @@ import psutil
 from wcache.client import DaemonError, request_once
 from wcache.daemon.status_pipe import parse_line
 from wcache.errors import EXIT_UNAVAILABLE, UnavailableError, WcacheError
-from wcache.rundir import DaemonDescriptor, default_run_dir, ensure_run_dir, read_descriptors
+from wcache.rundir import DaemonDescriptor, DaemonExistsError, default_run_dir, ensure_run_dir, read_descriptors
 
 STOP_TIMEOUT_S = 15.0
 
@@ -85,7 +85,7 @@ def _follow(stream: IO[str], on_progress: ProgressCallback | None) -> dict[str, 
             continue
         if message["event"] == "progress" and on_progress is not None:
             on_progress(int(message.get("done", 0)), int(message.get("total") or 0))
-        elif message["event"] in ("ready", "failed"):
+        elif message["event"] in ("ready", "failed", "exists"):
             return message
     return None
 
@@ -97,8 +97,9 @@ def start_daemons(
 ) -> DaemonGroup:
     """Start a supervisor with one daemon per TP rank and return once every rank is ready.
 
-    Raises PreloadFailedError with the failing rank's reason (and its exit code) otherwise; Ctrl-C stops
-    the ranks before it propagates.
+    Raises DaemonExistsError (exit code 0) when a daemon already holds (or is loading) a rank's key, having
+    started nothing that stays; PreloadFailedError with the failing rank's reason (and its exit code)
+    otherwise; Ctrl-C stops the ranks before it propagates.
     """
     from wcache.model_path import resolve_model_path
 
@@ -119,6 +120,9 @@ def start_daemons(
         process.send_signal(signal.SIGTERM)
         process.wait()
         raise PreloadFailedError("preload was interrupted; the daemons were stopped.") from None
+    if outcome is not None and outcome["event"] == "exists":
+        process.wait()
+        raise DaemonExistsError(str(outcome.get("reason", "a daemon already holds this key.")))
     if outcome is None or outcome["event"] == "failed":
         code = process.wait()
         reason = outcome.get("reason") if outcome else f"the supervisor exited with code {code}; see {log_path}"

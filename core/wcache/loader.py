@@ -153,14 +153,20 @@ class LoadedRank:
 
 
 def load_rank(
-    path: Path, spec: PlanSpec, device: str, store: DigestStore | None, progress: HashProgress | None = None
+    path: Path, spec: PlanSpec, device: str, store: DigestStore | None, progress: HashProgress | None = None,
+    on_key: Callable[[KeyFile], None] | None = None,
 ) -> LoadedRank:
-    """Read and hash the checkpoint once, run the plan, and fill a fresh arena on `device`."""
+    """Read and hash the checkpoint once, run the plan, and fill a fresh arena on `device`.
+
+    `on_key` runs once the key is known and before any arena memory is taken; what it raises ends the load.
+    """
     began = time.perf_counter()
     layout = locate(path)
     with CheckpointReader(layout) as reader:
         # Receipts go to the store only once the fill is known to have copied the bytes that were hashed.
         key_file = reader.fingerprint(path, spec, None, progress)
+        if on_key is not None:
+            on_key(key_file)
         plan = build_plan(key_file.plan, layout.config, key_file.manifest)
         entries, total = plan_layout([(o.name, o.dtype, o.shape, o.nbytes) for o in plan.outputs])
         arena: CpuArena | CudaArena = CudaArena(total, device) if device.startswith("cuda") else CpuArena(total)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import json
 import logging
@@ -16,12 +17,13 @@ from typing import Any
 
 import psutil
 
-from wcache.errors import BadInputError
+from wcache.errors import EXIT_OK, BadInputError, WcacheError
 
 log = logging.getLogger("wcache")
 
 DESCRIPTOR_SUFFIX = ".json"
 SOCKET_SUFFIX = ".sock"
+LOCK_SUFFIX = ".lock"
 # Serving engines announce themselves here (one JSON file per engine pid) for `wcache top`.
 ENGINES_DIR = "engines"
 # AF_UNIX paths are limited to 108 bytes including the terminating NUL.
@@ -163,6 +165,37 @@ def write_descriptor(run_dir: Path, descriptor: DaemonDescriptor) -> Path:
         json.dump(descriptor.to_json(), f, indent=2)
     temporary.replace(final)
     return final
+
+
+class DaemonExistsError(WcacheError):
+    """A daemon for this key and device already runs (or is loading); nothing more was started. Not a failure."""
+
+    exit_code = EXIT_OK
+
+
+def hold_daemon_lock(run_dir: Path, name: str, device: str) -> int:
+    """Own `<name>.lock` for this process's life (the returned descriptor), or DaemonExistsError naming the owner.
+
+    One daemon per key and device: whoever holds the lock may replace a socket or descriptor of that name,
+    nobody else. The lock file is never removed, so two processes can never lock two different files of the
+    same name.
+    """
+    path = run_dir / f"{name}{LOCK_SUFFIX}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        state = "serves" if descriptor_path(run_dir, name).exists() else "is loading"
+        raise DaemonExistsError(f"daemon {name} (pid {owner}) already {state} this key on {device}; nothing more "
+                                "was started.") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def remove_daemon_files(run_dir: Path, name: str) -> None:

@@ -10,7 +10,7 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from wcache.daemons import DaemonGroup, start_daemons
 from wcache.model_path import resolve_model_path
-from wcache.rundir import ensure_run_dir
+from wcache.rundir import DaemonExistsError, ensure_run_dir
 
 from wcache_cli.output import out
 from wcache_cli.params import (
@@ -71,7 +71,14 @@ def preload(
     model = resolve_model_path(model)
     where = ensure_run_dir(run_dir_or_default(run_dir))
     warn_if_exposed(health_host, "--health-host", "/health, /metrics and /stats")
-    group = launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port)
+    try:
+        group = launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port)
+    except DaemonExistsError as exc:
+        if json_output:
+            out.json({"event": "exists", "reason": str(exc)})
+        else:
+            out.print(str(exc))
+        return
     process = group.supervisor
     _print_ready(group.ready, model, device, json_output)
     if detach:

@@ -15,9 +15,19 @@ from wcache.daemon.status_pipe import ProgressReporter, StatusWriter
 from wcache.digest_store import DigestStore
 from wcache.errors import WcacheError
 from wcache.events import append_event
+from wcache.key import KeyFile
 from wcache.loader import load_rank
 from wcache.plan import PlanSpec
-from wcache.rundir import DaemonDescriptor, daemon_name, ensure_run_dir, process_created, socket_path, write_descriptor
+from wcache.rundir import (
+    DaemonDescriptor,
+    DaemonExistsError,
+    daemon_name,
+    ensure_run_dir,
+    hold_daemon_lock,
+    process_created,
+    socket_path,
+    write_descriptor,
+)
 
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
@@ -53,9 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = ensure_run_dir(args.run_dir)
         spec = PlanSpec(tp_size=args.tp, tp_rank=args.rank, dtype=args.dtype, quantization=args.quantization,
                         layout=args.plan)
+        locks: list[int] = []  # held (open) for the life of the process
+
+        def own_key(key_file: KeyFile) -> None:
+            locks.append(hold_daemon_lock(run_dir, daemon_name(args.device, key_file.key.short_id), args.device))
+
         with DigestStore.open() as store:
             loaded = load_rank(args.model, spec, args.device, store,
-                               ProgressReporter(status, rank=args.rank))
+                               ProgressReporter(status, rank=args.rank), on_key=own_key)
         key_file = loaded.key_file
         name = daemon_name(args.device, key_file.key.short_id)
         descriptor = DaemonDescriptor(
@@ -74,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         status.emit("failed", rank=args.rank, reason="stopped before it was ready.", exit_code=1)
         return 1
+    except DaemonExistsError as exc:
+        status.emit("exists", rank=args.rank, reason=str(exc))
+        return 0
     except WcacheError as exc:
         status.emit("failed", rank=args.rank, reason=str(exc), exit_code=exc.exit_code)
         return exc.exit_code

@@ -50,6 +50,7 @@ class _Rank:
     ready: dict[str, Any] | None = None
     failure: str | None = None
     failure_code: int = 1
+    exists: str | None = None  # another daemon already holds (or is loading) this rank's key
     exit_code: int | None = None
     finished: threading.Event = field(default_factory=threading.Event)
 
@@ -76,6 +77,12 @@ class Supervisor:
         for rank, device in enumerate(self.devices):
             self.ranks.append(self._spawn(rank, device, health_url))
         outcome = self._wait_until_settled()
+        if outcome is not None and outcome[1] == 0:
+            # The key is served already: not a failure, and nothing of ours may keep running.
+            self._terminate_all()
+            self.status.emit("exists", reason=outcome[0])
+            server.shutdown()
+            return 0
         if outcome is not None:
             reason, code = outcome
             self._terminate_all()
@@ -127,6 +134,8 @@ class Supervisor:
                 elif message["event"] == "ready":
                     state.ready = message
                     self.table.ready(state.rank, message["socket"])
+                elif message["event"] == "exists":
+                    state.exists = str(message.get("reason", "another daemon holds this key."))
                 elif message["event"] == "failed":
                     state.failure = str(message.get("reason", "unknown reason"))
                     code = message.get("exit_code")
@@ -143,10 +152,12 @@ class Supervisor:
                          exit_code=code)
 
     def _wait_until_settled(self) -> tuple[str, int] | None:
-        """None once every rank is ready; else the first failure's reason and exit code."""
+        """None once every rank is ready; else the first failure's reason and exit code (0: the key is served)."""
         with self.changed:
             while True:
                 for r in self.ranks:
+                    if r.exists is not None:
+                        return r.exists, 0
                     if r.failure is not None or (r.exit_code is not None and r.ready is None):
                         reason = r.failure or f"rank {r.rank} exited with code {r.exit_code} while loading."
                         # The rank's own verdict (bad input 2, unavailable 3) when it gave one.
