@@ -619,3 +619,31 @@ def test_one_daemon_per_key_even_when_two_preloads_race(rig: DaemonRig) -> None:
     assert f"daemon {name} (pid {served[0].pid}) already serves this key on cpu" in again.stdout
     wait_for(lambda: len(processes_mentioning(str(model))) == 2, timeout=15,
              what="only the winner's daemon and supervisor to remain")
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGHUP, -signal.SIGHUP),
+                                                 (signal.SIGINT, 130)], ids=["SIGTERM", "SIGHUP", "SIGINT"])
+def test_signal_to_a_foreground_preload_stops_every_rank(rig: DaemonRig, signum: int, status: int) -> None:
+    model = write_checkpoint("tiny", rig.base / f"fg-{signum}")
+    preload = subprocess.Popen(
+        [sys.executable, "-m", "wcache_cli.main", "preload", str(model), "--tp", "2", "--run-dir", str(rig.run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **rig.env},
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        assert preload.stdout is not None
+        ready = preload.stdout.readline()
+        assert ready.startswith("READY"), ready + preload.stderr.read()
+        rig._remember_supervisors()
+        ranks = [d for d in rig.descriptors() if d.source == str(model)]
+        assert len(ranks) == 2
+        preload.send_signal(signum)
+        assert preload.wait(timeout=60) == status
+        for d in ranks:
+            wait_for(lambda d=d: pid_gone(d.pid), timeout=30, what=f"rank {d.tp_rank} to exit")
+        assert not [d for d in rig.descriptors() if d.source == str(model)], "descriptors were left behind"
+        assert not list(rig.run_dir.glob(f"{ranks[0].name}.sock")) and not processes_mentioning(str(model))
+    finally:
+        if preload.poll() is None:
+            preload.kill()
+            preload.wait()

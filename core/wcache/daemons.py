@@ -99,7 +99,7 @@ def start_daemons(
 
     Raises DaemonExistsError (exit code 0) when a daemon already holds (or is loading) a rank's key, having
     started nothing that stays; PreloadFailedError with the failing rank's reason (and its exit code)
-    otherwise; Ctrl-C stops the ranks before it propagates.
+    otherwise. Ctrl-C (or any exception while waiting) stops the ranks before it propagates.
     """
     from wcache.model_path import resolve_model_path
 
@@ -116,10 +116,10 @@ def start_daemons(
     assert process.stdout is not None
     try:
         outcome = _follow(process.stdout, on_progress)
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C or a stop signal while loading: the ranks must not outlive the caller
         process.send_signal(signal.SIGTERM)
         process.wait()
-        raise PreloadFailedError("preload was interrupted; the daemons were stopped.") from None
+        raise
     if outcome is not None and outcome["event"] == "exists":
         process.wait()
         raise DaemonExistsError(str(outcome.get("reason", "a daemon already holds this key.")))

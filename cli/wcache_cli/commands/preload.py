@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -71,27 +73,56 @@ def preload(
     model = resolve_model_path(model)
     where = ensure_run_dir(run_dir_or_default(run_dir))
     warn_if_exposed(health_host, "--health-host", "/health, /metrics and /stats")
+    # SIGTERM and SIGHUP (systemd, supervisord, `timeout`, `docker stop`, a closed terminal) stop every rank we
+    # started, as Ctrl-C does: the supervisor runs in a session of its own, so only we can pass the stop on.
+    previous = {signum: signal.signal(signum, _raise_stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    group: DaemonGroup | None = None  # once set (ready), a stop must reach its supervisor
     try:
-        group = launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port)
-    except DaemonExistsError as exc:
-        if json_output:
-            out.json({"event": "exists", "reason": str(exc)})
-        else:
-            out.print(str(exc))
-        return
-    process = group.supervisor
-    _print_ready(group.ready, model, device, json_output)
-    if detach:
-        group.detach()
-        out.hint(f"Daemons keep running; stop them with: wcache stop --all --run-dir {where}")
-        return
-    out.hint("Serving; press Ctrl-C to stop the daemons.")
-    try:
-        process.wait()
-    except KeyboardInterrupt:
-        process.send_signal(signal.SIGTERM)
-        process.wait()
-        out.hint("Stopped.")
+        try:
+            group = launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port)
+        except DaemonExistsError as exc:
+            if json_output:
+                out.json({"event": "exists", "reason": str(exc)})
+            else:
+                out.print(str(exc))
+            return
+        _print_ready(group.ready, model, device, json_output)
+        if detach:
+            group.detach()
+            group = None
+            out.hint(f"Daemons keep running; stop them with: wcache stop --all --run-dir {where}")
+            return
+        out.hint("Serving; press Ctrl-C to stop the daemons.")
+        group.supervisor.wait()
+    except (KeyboardInterrupt, _StopSignal) as stop:
+        # Further stops wait: the ranks' files must be removed, not abandoned half-way.
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
+        if group is not None:
+            _stop_supervisor(group.supervisor)
+            out.hint("Stopped.")
+        if isinstance(stop, KeyboardInterrupt):
+            raise typer.Exit(130) from None
+        # Die of the signal itself once everything is stopped: what service managers count as a clean stop.
+        signal.signal(stop.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), stop.signum)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+class _StopSignal(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _StopSignal(signum)
+
+
+def _stop_supervisor(supervisor: subprocess.Popen[str]) -> None:
+    supervisor.send_signal(signal.SIGTERM)  # it stops every rank, and each removes its files
+    supervisor.wait()
 
 
 def _print_ready(ready: dict[str, Any], model: Path, device: str, json_output: bool) -> None:
