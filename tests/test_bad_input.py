@@ -581,3 +581,27 @@ def test_index_shard_name_with_a_nul_byte_is_one_sentence(tmp_path: Path, templa
     index["weight_map"][first] = "model\u0000.safetensors"
     index_path.write_text(json.dumps(index))
     assert_one_error_sentence(wcache_cli("key", str(checkpoint), cache=tmp_path / "cache"), INDEX)
+
+
+def test_paths_with_terminal_escapes_are_shown_escaped(tmp_path: Path, template: Path) -> None:
+    # A directory name can carry an escape sequence (colours, a window title, an OSC 8 link); printed raw, it
+    # would act on the user's terminal instead of being read.
+    hostile = tmp_path / "ti\x1b]0;owned\x07ny"
+    shutil.copytree(template, hostile)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    cache = tmp_path / "cache"
+    try:
+        results = [
+            wcache_cli("key", str(hostile), cache=cache),
+            wcache_cli("key", str(hostile) + "-missing", cache=cache),
+            wcache_cli("preload", str(hostile), "--detach", "--run-dir", str(run_dir), cache=cache),
+            wcache_cli("status", "--run-dir", str(run_dir), cache=cache),
+        ]
+    finally:
+        wcache_cli("stop", "--all", "--force", "--run-dir", str(run_dir), cache=cache)
+    assert [r.returncode for r in results] == [0, 2, 0, 0], [r.stderr for r in results]
+    for result in results:
+        assert "\x1b" not in result.stdout + result.stderr and "\x07" not in result.stdout + result.stderr
+    assert "ti\\x1b]0;owned\\x07ny" in results[0].stdout and "\\x1b" in results[1].stderr
+    assert "\\x1b" in results[2].stdout and "\\x1b" in results[3].stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -11,6 +12,13 @@ from rich.console import Console
 from rich.markup import escape
 
 PIPE_WIDTH = 200
+# C0 controls but newline and tab, DEL and C1: what a terminal would act on (escape sequences, OSC 8 links…).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """Text from outside (a path, a name) as it may be shown on a terminal: control characters as \\xNN."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 class Output:
@@ -32,13 +40,13 @@ class Output:
         self.stdout.print(*renderables)
 
     def error(self, message: str) -> None:
-        self.stderr.print(f"[bold red]error:[/] {escape(message)}")
+        self.stderr.print(f"[bold red]error:[/] {escape(printable(message))}")
 
     def warning(self, message: str) -> None:
-        self.stderr.print(f"[yellow]warning:[/] {escape(message)}")
+        self.stderr.print(f"[yellow]warning:[/] {escape(printable(message))}")
 
     def hint(self, message: str) -> None:
-        self.stderr.print(f"[dim]{escape(message)}[/]")
+        self.stderr.print(f"[dim]{escape(printable(message))}[/]")
 
 
 out = Output()

@@ -13,6 +13,8 @@ from wcache.key import KeyFile
 from wcache.key_diff import KeyDiff
 from wcache.manifest import TensorDigest
 
+from wcache_cli.output import printable
+
 DIGEST_CHARS = 16
 
 
@@ -46,7 +48,7 @@ def stats_line(stats: FingerprintStats) -> str:
 
 
 def key_table(key_file: KeyFile) -> RenderableType:
-    table = Table(title=f"key {key_file.key.short_id}  {escape(key_file.source)}", title_justify="left",
+    table = Table(title=f"key {key_file.key.short_id}  {escape(printable(key_file.source))}", title_justify="left",
                   show_header=False, box=None, padding=(0, 2))
     table.add_column(style="bold")
     table.add_column(style="cyan")
@@ -79,7 +81,7 @@ def diff_renderable(diff: KeyDiff, a: KeyFile, b: KeyFile) -> RenderableType:
         return Text(f"Same key {a.key.short_id}: both hold the same processed weights.", style="green")
     parts: list[RenderableType] = [
         Text(f"Keys differ: {a.key.short_id} (A) vs {b.key.short_id} (B)", style="bold red"),
-        Text(f"A: {a.source}\nB: {b.source}", style="dim"),
+        Text(f"A: {printable(a.source)}\nB: {printable(b.source)}", style="dim"),
     ]
     fields = Table(title="differing fields", title_justify="left")
     fields.add_column("field")

@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from wcache.daemons import DaemonGroup, start_daemons
 from wcache.model_path import resolve_model_path
 from wcache.rundir import DaemonExistsError, ensure_run_dir
 
-from wcache_cli.output import out
+from wcache_cli.output import out, printable
 from wcache_cli.params import (
     DeviceOpt,
     Dtype,
@@ -132,7 +133,8 @@ def _print_ready(ready: dict[str, Any], model: Path, device: str, json_output: b
         return
     total = sum(int(r.get("weights_bytes", 0)) for r in ranks)
     keys = " ".join(r.get("key_id", "?") for r in ranks)
+    shown = escape(printable(str(model)))  # a path may hold brackets (markup) or escape sequences
     out.print(
-        f"READY: {len(ranks)} rank(s) of {model} on {device}, key(s) {keys}, {human_bytes(total)} "
+        f"READY: {len(ranks)} rank(s) of {shown} on {device}, key(s) {keys}, {human_bytes(total)} "
         f"in {ready.get('seconds', 0):.2f} s; health {ready.get('health_url')}/health"
     )

@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 from wcache.client import DaemonError, request_once
 from wcache.daemons import stop_daemon
 from wcache.errors import BadInputError, UnavailableError
 from wcache.rundir import DaemonDescriptor, census, matches
 
-from wcache_cli.output import out
+from wcache_cli.output import out, printable
 from wcache_cli.params import JsonOpt, RunDirOpt, run_dir_or_default
 from wcache_cli.render import human_bytes
 
@@ -71,7 +72,8 @@ def status(run_dir: RunDirOpt = None, json: JsonOpt = False) -> None:
     for r in rows:
         uptime = f"{r['uptime_s']:.0f} s" if isinstance(r["uptime_s"], int | float) else "?"
         health = str(r["health_status"]) if r["health_status"] is not None else "off"
-        table.add_row(r["name"], r["device"], f"{r['tp_rank']}/{r['tp_size']}", Path(r["source"]).name,
+        model = escape(printable(Path(r["source"]).name))  # a directory name may hold brackets or escapes
+        table.add_row(escape(printable(r["name"])), r["device"], f"{r['tp_rank']}/{r['tp_size']}", model,
                       r["key_id"], str(r["state"]), human_bytes(int(r["weights_bytes"] or 0)), str(r["leases"]),
                       uptime, health)
     out.print(table)
