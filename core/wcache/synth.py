@@ -51,16 +51,22 @@ def _qwen3_config(**overrides: Any) -> dict[str, Any]:
     return config
 
 
+# What "tiny" and "small" share: four layers alternating sliding (W = 32) and full attention over a byte
+# vocabulary (token i < 256 is byte i, then BOS and EOS) padded to 320.
+_BYTE_VOCAB_MIXED_WINDOWS: dict[str, Any] = {
+    "num_hidden_layers": 4, "vocab_size": 320, "max_position_embeddings": 2048, "bos_token_id": 256,
+    "eos_token_id": 257, "tie_word_embeddings": False, "sliding_window": 32, "use_sliding_window": True,
+    "max_window_layers": 4,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+}
+
 PRESETS: dict[str, Preset] = {
     # Mixed full and sliding-window layers so the engine's SWA paths have something to chew on; float32
     # so outputs can be compared with transformers to 1e-4. Written as two shards to exercise the index.
     "tiny": Preset(
         config=_qwen3_config(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, vocab_size=320, max_position_embeddings=2048,
-            bos_token_id=256, eos_token_id=257, tie_word_embeddings=False, torch_dtype="float32",
-            sliding_window=32, use_sliding_window=True, max_window_layers=4,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            torch_dtype="float32", **_BYTE_VOCAB_MIXED_WINDOWS,
         ),
         num_shards=2,
         write_lm_head=True,
@@ -70,11 +76,8 @@ PRESETS: dict[str, Preset] = {
     # transformers can tokenize text for it. bfloat16, the dtype vLLM's "auto" picks on CPU.
     "small": Preset(
         config=_qwen3_config(
-            hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=64, vocab_size=320, max_position_embeddings=2048,
-            bos_token_id=256, eos_token_id=257, tie_word_embeddings=False, torch_dtype="bfloat16",
-            sliding_window=32, use_sliding_window=True, max_window_layers=4,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+            torch_dtype="bfloat16", **_BYTE_VOCAB_MIXED_WINDOWS,
         ),
         num_shards=2,
         write_lm_head=True,

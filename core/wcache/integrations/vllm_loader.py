@@ -211,7 +211,7 @@ class WcacheModelLoader(BaseModelLoader):
             # touched before the daemon's tensors replace it.
             with target_device:
                 model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-            placement = place(model, weights, plan_for(vllm_config, model_config))
+            placement = place(model, weights, weights.key_file.plan)
             began = time.perf_counter()
             process_weights_after_loading(model, model_config, target_device)
             placement = dataclasses.replace(placement, post_processing_s=time.perf_counter() - began)
