@@ -1,12 +1,20 @@
-"""Helpers every benchmark script shares: a work directory, raw reads, and how numbers are printed."""
+"""Helpers every benchmark script shares: a work directory, raw reads, preloads, and how numbers are printed."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
+import signal
+import subprocess
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+import psutil
+from wcache.rundir import read_descriptors
 
 READ_CHUNK_BYTES = 16 * 1024 * 1024
 
@@ -53,3 +61,69 @@ def speed_ratio(base: float, seconds: float) -> str:
     """How much faster (or slower) `seconds` is than `base`."""
     speed = base / seconds
     return f"{speed:,.1f}× faster" if speed >= 1 else f"{1 / speed:,.1f}× slower"
+
+
+# -- daemons started through the CLI, as an operator would ---------------------------------------------------
+
+STOP_GRACE_S = 10.0
+
+
+def timed_preload(command: list[str], env: dict[str, str], run_dir: Path, spawned: list[psutil.Process],
+                  on_start: Callable[[int], None] | None = None) -> tuple[float, dict[str, Any]]:
+    """Run a `wcache preload --detach --json` command line; seconds from start to READY, and the READY fields.
+
+    The daemons and supervisors it started are appended to `spawned`, for `stop_preloaded`.
+    """
+    began = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                               text=True, env=env)
+    if on_start is not None:
+        on_start(process.pid)
+    ready: dict[str, Any] | None = None
+    try:
+        assert process.stdout is not None
+        text = ""
+        for line in process.stdout:  # the READY object, on one line or pretty-printed over several
+            text += line
+            with contextlib.suppress(ValueError):
+                message = json.loads(text)
+                text = ""
+                if isinstance(message, dict) and "ranks" in message:
+                    ready = message
+                    break
+        seconds = time.perf_counter() - began
+        _, stderr = process.communicate(timeout=60)
+    except BaseException:
+        # Interrupted: the CLI stops its supervisor (and so the daemons) on SIGINT.
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(STOP_GRACE_S)
+        raise
+    if ready is None or process.returncode != 0:
+        raise RuntimeError(f"wcache preload failed (exit {process.returncode}): {stderr.strip()}")
+    for descriptor in read_descriptors(run_dir):
+        for pid in (descriptor.pid, descriptor.supervisor_pid):
+            with contextlib.suppress(psutil.Error, TypeError):
+                spawned.append(psutil.Process(pid))
+    return seconds, ready
+
+
+def stop_preloaded(cli: list[str], run_dir: Path, spawned: list[psutil.Process]) -> list[str]:
+    """`wcache stop --all --force`, then kill whatever in `spawned` still runs (by pid, never by name).
+
+    Returns one line per process that had to be killed.
+    """
+    if run_dir.exists():
+        subprocess.run([*cli, "stop", "--all", "--force", "--run-dir", str(run_dir)],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, timeout=60)
+    alive = [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    _, alive = psutil.wait_procs(alive, timeout=STOP_GRACE_S)
+    killed = []
+    for process in alive:
+        killed.append(f"pid {process.pid} outlived `wcache stop`; killed")
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=STOP_GRACE_S)
+    spawned.clear()
+    return killed

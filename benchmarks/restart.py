@@ -30,12 +30,9 @@ import contextlib
 import ctypes
 import gc
 import itertools
-import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -45,7 +42,15 @@ from typing import Any
 
 import psutil
 import torch
-from bench_common import READ_CHUNK_BYTES, fmt_rate, fmt_seconds, read_all, workspace
+from bench_common import (
+    READ_CHUNK_BYTES,
+    fmt_rate,
+    fmt_seconds,
+    read_all,
+    stop_preloaded,
+    timed_preload,
+    workspace,
+)
 from rich.console import Console, JustifyMethod
 from rich.table import Table
 from safetensors.torch import load_file
@@ -56,7 +61,6 @@ from wcache.key import KeyFile, compute_key
 from wcache.loader import load_from_disk
 from wcache.plan import PlanSpec
 from wcache.processing import build_plan, process_all
-from wcache.rundir import read_descriptors
 from wcache.synth import write_checkpoint
 
 # The store ignores receipts for files changed within 2 s of being hashed (racy-git rule).
@@ -191,53 +195,12 @@ def preload(bench: Bench, store_dir: Path) -> tuple[float, dict[str, Any]]:
         *bench.wcache_cli, "preload", str(bench.model), "--detach", "--json", "--run-dir", str(bench.run_dir),
         "--tp", str(bench.spec.tp_size), "--plan", bench.spec.layout,
     ]
-    env = {**os.environ, "WCACHE_CACHE_DIR": str(store_dir)}
-    began = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                               text=True, env=env)
-    ready: dict[str, Any] | None = None
-    try:
-        assert process.stdout is not None
-        text = ""
-        for line in process.stdout:  # the READY object, on one line or pretty-printed over several
-            text += line
-            with contextlib.suppress(ValueError):
-                message = json.loads(text)
-                text = ""
-                if isinstance(message, dict) and "ranks" in message:
-                    ready = message
-                    break
-        seconds = time.perf_counter() - began
-        _, stderr = process.communicate(timeout=60)
-    except BaseException:
-        # Interrupted: the CLI stops its supervisor (and so the daemons) on SIGINT.
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(STOP_GRACE_S)
-        raise
-    if ready is None or process.returncode != 0:
-        raise RuntimeError(f"wcache preload failed (exit {process.returncode}): {stderr.strip()}")
-    for descriptor in read_descriptors(bench.run_dir):
-        for pid in (descriptor.pid, descriptor.supervisor_pid):
-            with contextlib.suppress(psutil.Error, TypeError):
-                bench.spawned.append(psutil.Process(pid))
-    return seconds, ready
+    return timed_preload(command, {**os.environ, "WCACHE_CACHE_DIR": str(store_dir)}, bench.run_dir, bench.spawned)
 
 
 def stop_daemons(bench: Bench) -> None:
     """`wcache stop --all --force`, then end whatever of ours is still running (by pid, never by name)."""
-    if bench.run_dir.exists():
-        subprocess.run([*bench.wcache_cli, "stop", "--all", "--force", "--run-dir", str(bench.run_dir)],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, timeout=60)
-    alive = [p for p in bench.spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    _, alive = psutil.wait_procs(alive, timeout=STOP_GRACE_S)
-    for process in alive:
-        bench.problems.append(f"pid {process.pid} outlived `wcache stop`; killed")
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-    psutil.wait_procs(alive, timeout=STOP_GRACE_S)
-    bench.spawned.clear()
+    bench.problems += stop_preloaded(bench.wcache_cli, bench.run_dir, bench.spawned)
 
 
 def our_leftovers(run_dir: Path) -> list[psutil.Process]:

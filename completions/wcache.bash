@@ -23,15 +23,15 @@ _wcache_subcommands() {
 _wcache_options() {
     case "$1" in
         '') echo '--verbose -v --version -h --help' ;;
-        attach) echo '--tp --rank --dtype --quantization --plan --device --mode --no-fallback --trust-daemon --daemon --wait --prompt --max-new-tokens --serve --port --host --no-swa-bounded-replay --run-dir --json -h --help' ;;
-        demo) echo '--dir --serve --no-serve --stop --run-dir -h --help' ;;
-        diff) echo '--tp --rank --dtype --quantization --plan --run-dir --json -h --help' ;;
-        key) echo '--tp --rank --dtype --quantization --plan --tensors --rehash --run-dir --json -h --help' ;;
-        preload) echo '--device --tp --dtype --quantization --plan --run-dir --health-port --health-host --detach --json -h --help' ;;
-        status) echo '--run-dir --json -h --help' ;;
-        stop) echo '--all --force --run-dir -h --help' ;;
-        top) echo '--interval --scrape --once --count --run-dir --json -h --help' ;;
-        verify) echo '--greedy --content --prompts --num-prompts --max-new-tokens --tp --rank --dtype --quantization --plan --device --mode --trust-daemon --daemon --run-dir --engine --json -h --help' ;;
+        attach) echo '--tp --rank --dtype --quantization --plan --device --mode --no-fallback --trust-daemon --daemon --wait --prompt --max-new-tokens --serve --port --host --no-swa-bounded-replay --run-dir --json --verbose -v -h --help' ;;
+        demo) echo '--dir --serve --no-serve --stop --run-dir --verbose -v -h --help' ;;
+        diff) echo '--tp --rank --dtype --quantization --plan --run-dir --json --verbose -v -h --help' ;;
+        key) echo '--tp --rank --dtype --quantization --plan --tensors --rehash --run-dir --json --verbose -v -h --help' ;;
+        preload) echo '--device --tp --dtype --quantization --plan --run-dir --health-port --health-host --detach --replace --force --log-level --log-format --json --verbose -v -h --help' ;;
+        status) echo '--run-dir --json --check --verbose -v -h --help' ;;
+        stop) echo '--all --group --force --run-dir --verbose -v -h --help' ;;
+        top) echo '--interval --scrape --once --count --run-dir --json --verbose -v -h --help' ;;
+        verify) echo '--greedy --content --prompts --num-prompts --max-new-tokens --tp --rank --dtype --quantization --plan --device --mode --trust-daemon --daemon --run-dir --engine --json --verbose -v -h --help' ;;
     esac
     :
 }
@@ -43,7 +43,7 @@ _wcache_arity() {
         'demo --dir'|'demo --run-dir') _wcache_n=1; return ;;
         'diff --tp'|'diff --rank'|'diff --dtype'|'diff --quantization'|'diff --plan'|'diff --run-dir') _wcache_n=1; return ;;
         'key --tp'|'key --rank'|'key --dtype'|'key --quantization'|'key --plan'|'key --run-dir') _wcache_n=1; return ;;
-        'preload --device'|'preload --tp'|'preload --dtype'|'preload --quantization'|'preload --plan'|'preload --run-dir'|'preload --health-port'|'preload --health-host') _wcache_n=1; return ;;
+        'preload --device'|'preload --tp'|'preload --dtype'|'preload --quantization'|'preload --plan'|'preload --run-dir'|'preload --health-port'|'preload --health-host'|'preload --log-level'|'preload --log-format') _wcache_n=1; return ;;
         'status --run-dir') _wcache_n=1; return ;;
         'stop --run-dir') _wcache_n=1; return ;;
         'top --interval'|'top --scrape'|'top --count'|'top --run-dir') _wcache_n=1; return ;;
@@ -74,6 +74,8 @@ _wcache_option_value() {
         'preload --quantization') _wcache_words 'none int8 fp8' "$3" ;;
         'preload --plan') _wcache_words 'fused identity' "$3" ;;
         'preload --run-dir') _wcache_paths path "$3" ;;
+        'preload --log-level') _wcache_words 'debug info warning error' "$3" ;;
+        'preload --log-format') _wcache_words 'text json' "$3" ;;
         'status --run-dir') _wcache_paths path "$3" ;;
         'stop --run-dir') _wcache_paths path "$3" ;;
         'top --run-dir') _wcache_paths path "$3" ;;

@@ -21,7 +21,7 @@ function __wcache_arity
             echo 1; return
         case 'key --tp' 'key --rank' 'key --dtype' 'key --quantization' 'key --plan' 'key --run-dir'
             echo 1; return
-        case 'preload --device' 'preload --tp' 'preload --dtype' 'preload --quantization' 'preload --plan' 'preload --run-dir' 'preload --health-port' 'preload --health-host'
+        case 'preload --device' 'preload --tp' 'preload --dtype' 'preload --quantization' 'preload --plan' 'preload --run-dir' 'preload --health-port' 'preload --health-host' 'preload --log-level' 'preload --log-format'
             echo 1; return
         case 'status --run-dir'
             echo 1; return
@@ -106,6 +106,7 @@ complete -c wcache -n '__wcache_at attach' -l 'host' -x -d 'Address for --serve.
 complete -c wcache -n '__wcache_at attach' -l 'no-swa-bounded-replay' -d 'Keep sliding-window KV in the prefix cache instead.'
 complete -c wcache -n '__wcache_at attach' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
 complete -c wcache -n '__wcache_at attach' -l 'json' -d 'Print one JSON document instead of tables.'
+complete -c wcache -n '__wcache_at attach' -l 'verbose' -s 'v' -d 'Show tracebacks for errors (also WCACHE_DEBUG=1).'
 complete -c wcache -n '__wcache_at attach' -s 'h' -l 'help' -d 'Show this message and exit.'
 complete -c wcache -n '__wcache_at attach' -F
 
@@ -114,6 +115,7 @@ complete -c wcache -n '__wcache_at demo' -l 'dir' -r -F -d 'Where to write the d
 complete -c wcache -n '__wcache_at demo' -l 'serve' -l 'no-serve' -d 'Leave a daemon and a served engine running for wcache top.'
 complete -c wcache -n '__wcache_at demo' -l 'stop' -d 'Stop what an earlier demo left running, then exit.'
 complete -c wcache -n '__wcache_at demo' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
+complete -c wcache -n '__wcache_at demo' -l 'verbose' -s 'v' -d 'Show tracebacks for errors (also WCACHE_DEBUG=1).'
 complete -c wcache -n '__wcache_at demo' -s 'h' -l 'help' -d 'Show this message and exit.'
 
 # wcache diff
@@ -124,6 +126,7 @@ complete -c wcache -n '__wcache_at diff' -l 'quantization' -x -a 'none int8 fp8'
 complete -c wcache -n '__wcache_at diff' -l 'plan' -x -a 'fused identity' -d 'Tensor layout: fused (qkv, gate_up) or identity.'
 complete -c wcache -n '__wcache_at diff' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
 complete -c wcache -n '__wcache_at diff' -l 'json' -d 'Print one JSON document instead of tables.'
+complete -c wcache -n '__wcache_at diff' -l 'verbose' -s 'v' -d 'Show tracebacks for errors (also WCACHE_DEBUG=1).'
 complete -c wcache -n '__wcache_at diff' -s 'h' -l 'help' -d 'Show this message and exit.'
 complete -c wcache -n '__wcache_at diff' -F
 
@@ -137,6 +140,7 @@ complete -c wcache -n '__wcache_at key' -l 'tensors' -d 'Also list every tensor 
 complete -c wcache -n '__wcache_at key' -l 'rehash' -d 'Hash every byte again instead of trusting the digest store.'
 complete -c wcache -n '__wcache_at key' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
 complete -c wcache -n '__wcache_at key' -l 'json' -d 'Print one JSON document instead of tables.'
+complete -c wcache -n '__wcache_at key' -l 'verbose' -s 'v' -d 'Show tracebacks for errors (also WCACHE_DEBUG=1).'
 complete -c wcache -n '__wcache_at key' -s 'h' -l 'help' -d 'Show this message and exit.'
 complete -c wcache -n '__wcache_at key' -F
 
@@ -150,19 +154,28 @@ complete -c wcache -n '__wcache_at preload' -l 'run-dir' -r -F -d 'Where daemons
 complete -c wcache -n '__wcache_at preload' -l 'health-port' -x -d 'Port for /health, /metrics and /stats (0 picks a free one).'
 complete -c wcache -n '__wcache_at preload' -l 'health-host' -x -d 'Address the health server binds.'
 complete -c wcache -n '__wcache_at preload' -l 'detach' -d 'Return once ready and leave the daemons running.'
+complete -c wcache -n '__wcache_at preload' -l 'replace' -d 'First stop the daemons of this checkpoint on these devices.'
+complete -c wcache -n '__wcache_at preload' -l 'force' -d 'With --replace: stop them even while engines hold zero-copy leases.'
+complete -c wcache -n '__wcache_at preload' -l 'log-level' -x -a 'debug info warning error' -d 'Lowest level the supervisor and daemons log.'
+complete -c wcache -n '__wcache_at preload' -l 'log-format' -x -a 'text json' -d 'Log lines as text or as one JSON object each.'
 complete -c wcache -n '__wcache_at preload' -l 'json' -d 'Print one JSON document instead of tables.'
+complete -c wcache -n '__wcache_at preload' -l 'verbose' -s 'v' -d 'Show tracebacks for errors (also WCACHE_DEBUG=1).'
 complete -c wcache -n '__wcache_at preload' -s 'h' -l 'help' -d 'Show this message and exit.'
 complete -c wcache -n '__wcache_at preload' -F
 
 # wcache status
 complete -c wcache -n '__wcache_at status' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
 complete -c wcache -n '__wcache_at status' -l 'json' -d 'Print one JSON document instead of tables.'
+complete -c wcache -n '__wcache_at status' -l 'check' -d 'Exit 3 unless there are daemons and every one is ready (an exec probe).'
+complete -c wcache -n '__wcache_at status' -l 'verbose' -s 'v' -d 'Show tracebacks for errors (also WCACHE_DEBUG=1).'
 complete -c wcache -n '__wcache_at status' -s 'h' -l 'help' -d 'Show this message and exit.'
 
 # wcache stop
 complete -c wcache -n '__wcache_at stop' -l 'all' -d 'Stop every daemon in the run dir.'
+complete -c wcache -n '__wcache_at stop' -l 'group' -d 'Stop every rank of the tensor-parallel group the daemon belongs to.'
 complete -c wcache -n '__wcache_at stop' -l 'force' -d 'Stop even while engines hold zero-copy leases.'
 complete -c wcache -n '__wcache_at stop' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
+complete -c wcache -n '__wcache_at stop' -l 'verbose' -s 'v' -d 'Show tracebacks for errors (also WCACHE_DEBUG=1).'
 complete -c wcache -n '__wcache_at stop' -s 'h' -l 'help' -d 'Show this message and exit.'
 
 # wcache top
@@ -172,6 +185,7 @@ complete -c wcache -n '__wcache_at top' -l 'once' -d 'Sample twice, one interval
 complete -c wcache -n '__wcache_at top' -l 'count' -x -d 'With --json (without --once): print N lines, one per interval, then exit.'
 complete -c wcache -n '__wcache_at top' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
 complete -c wcache -n '__wcache_at top' -l 'json' -d 'JSON (schema wcache.top/1): one object with --once, else one line per interval, flushed.'
+complete -c wcache -n '__wcache_at top' -l 'verbose' -s 'v' -d 'Show tracebacks for errors (also WCACHE_DEBUG=1).'
 complete -c wcache -n '__wcache_at top' -s 'h' -l 'help' -d 'Show this message and exit.'
 
 # wcache verify
@@ -192,5 +206,6 @@ complete -c wcache -n '__wcache_at verify' -l 'daemon' -x -d 'Use this daemon (n
 complete -c wcache -n '__wcache_at verify' -l 'run-dir' -r -F -d 'Where daemons publish sockets and descriptors [default: $WCACHE_RUN_DIR, else $XDG_RUNTIME_DIR/wcache, else /tmp/wcache-<uid>].'
 complete -c wcache -n '__wcache_at verify' -l 'engine' -x -a 'reference vllm transformers' -d 'Whose engine runs both sides of --greedy: wcache\'s reference engine, vLLM (load format wcache vs its default loader) or transformers (through wcache vs its own from_pretrained). Engines are compared only with themselves: vLLM CPU 0.32 ignores Qwen3 sliding windows, so its tokens may differ from the others\' without any cache miss.'
 complete -c wcache -n '__wcache_at verify' -l 'json' -d 'Print one JSON document instead of tables.'
+complete -c wcache -n '__wcache_at verify' -l 'verbose' -s 'v' -d 'Show tracebacks for errors (also WCACHE_DEBUG=1).'
 complete -c wcache -n '__wcache_at verify' -s 'h' -l 'help' -d 'Show this message and exit.'
 complete -c wcache -n '__wcache_at verify' -F

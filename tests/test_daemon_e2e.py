@@ -552,10 +552,11 @@ def test_kill_9_under_an_attached_engine(rig: DaemonRig, tiny_template: Path) ->
 
 @pytest.fixture(scope="module")
 def stoppable(tiny_template: Path) -> Iterator[tuple[DaemonRig, Path, list[DaemonDescriptor]]]:
-    """A TP=2 preload whose rank 0 is stopped by `wcache stop` and rank 1 by SIGTERM."""
+    """Two daemons of one checkpoint (fused and identity layouts): one is stopped by `wcache stop`, the other
+    by SIGTERM. (Not two ranks of one TP group: a group stops whole.)"""
     with daemon_rig() as made:
         model = copy_checkpoint(tiny_template, made.base / "tiny")
-        yield made, model, made.preload(model, "--tp", "2")
+        yield made, model, [*made.preload(model), *made.preload(model, "--plan", "identity")]
 
 
 def test_stop_refuses_while_a_lease_is_held_and_force_stops(
@@ -563,7 +564,7 @@ def test_stop_refuses_while_a_lease_is_held_and_force_stops(
 ) -> None:
     rig, model, daemons = stoppable
     target = daemons[0]
-    spec = PlanSpec(tp_size=2, tp_rank=0)
+    spec = PlanSpec()
     with attach(model, spec, run_dir=rig.run_dir) as weights:
         assert weights.report.outcome == "hit"
         refused = rig.cli("stop", target.name, "--run-dir", str(rig.run_dir))

@@ -4,16 +4,24 @@ it from serving everyone else, and its counters say what happened."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import resource
+import select
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgpack
 import psutil
 import pytest
+from as_nobody import run_as_nobody
 from daemon_fixtures import (
     LENGTH,
     DaemonRig,
@@ -29,8 +37,10 @@ from daemon_fixtures import (
     request_frame,
     wait_for,
 )
-from wcache.client import request_once
-from wcache.protocol import MAX_FDS, MAX_FRAME_BYTES
+from wcache.attach import attach
+from wcache.client import DaemonConnection, DaemonError, request_once
+from wcache.daemon.server import MAX_CLIENTS
+from wcache.protocol import MAX_FDS, REQUEST_LIMITS
 from wcache.rundir import DaemonDescriptor
 
 
@@ -67,7 +77,15 @@ CLOSING_FRAMES: dict[str, bytes] = {
     "garbage bytes": b"\xde\xad\xbe\xef" * 8,
     "garbage with a small length": b"\x00\x00\x00\x05hello",
     "length prefix 0": LENGTH.pack(0),
-    "length one past 16 MiB": LENGTH.pack(MAX_FRAME_BYTES + 1) + b"\x80",
+    "length one past the request limit": LENGTH.pack(REQUEST_LIMITS.frame_bytes + 1) + b"\x80",
+    "a 16 MiB length, once legal": LENGTH.pack(16 << 20) + b"\x90" * 64,
+    "a request too large": request_frame("frobnicate", pad=b"\0" * REQUEST_LIMITS.frame_bytes),
+    "an array longer than any request holds": request_frame("stats", x=[0] * (REQUEST_LIMITS.array_len + 1)),
+    "a map larger than any request holds": request_frame(
+        "stats", x={str(i): 0 for i in range(REQUEST_LIMITS.map_len + 1)}),
+    "more lists and maps than any request holds": request_frame("stats", x=[[]] * REQUEST_LIMITS.array_len),
+    "a string longer than any request holds": request_frame("stats", x="a" * (REQUEST_LIMITS.str_len + 1)),
+    "an extension type": raw_frame(msgpack.packb({"v": 1, "type": "stats", "x": msgpack.ExtType(1, b"ab")})),
     "length 4 GiB - 1": LENGTH.pack(0xFFFFFFFF),
     "valid length, non-msgpack body": raw_frame(b"\xc1"),
     "valid length, truncated msgpack body": raw_frame(msgpack.packb({"v": 1, "type": "stats"})[:-2]),
@@ -126,7 +144,7 @@ ERROR_REQUESTS: dict[str, tuple[bytes, str | None]] = {
     "map without mode": (request_frame("map"), "bad_requests"),
     "map with an unknown mode": (request_frame("map", mode="steal"), "bad_requests"),
     "map with mode of the wrong type": (request_frame("map", mode=1), "bad_requests"),
-    "unknown request with a large body": (request_frame("frobnicate", pad=b"\0" * (8 << 20)), "unknown_requests"),
+    "unknown request with a body near the limit": (request_frame("frobnicate", pad=b"\0" * 1000), "unknown_requests"),
 }
 
 
@@ -295,3 +313,222 @@ def test_running_out_of_descriptors_does_not_kill_the_daemon(flood_rig: tuple[Da
     )
     wait_for(lambda: open_fds(daemon.pid) < limit, what="the flood's descriptors to be closed")
     assert_still_serving(daemon)
+
+
+# -- slow, huge and numerous clients ----------------------------------------------------------------------------------
+
+
+def test_a_slow_drip_is_dropped_at_the_frame_deadline_while_an_idle_lease_lives_on(
+    live: tuple[DaemonRig, DaemonDescriptor],
+) -> None:
+    """1 byte every half second never trips a per-recv timeout; the frame's deadline, from its first byte, does.
+    A zero-copy lease silent for longer than that deadline is idle between frames, not slow within one."""
+    _, daemon = live
+    deadline = REQUEST_LIMITS.deadline_s
+    before = counters(daemon).get("bad_frames", 0)
+    with DaemonConnection(daemon.socket) as lease:
+        assert lease.request("hello", key=daemon.key, pid=os.getpid()).fields["status"] == "hit"
+        for fd in lease.request("map", mode="zero_copy").fds:
+            os.close(fd)
+        frame = request_frame("stats", pad=b"\0" * 200)  # would take minutes to arrive at this pace
+        with raw_connect(daemon.socket) as drip:
+            began = time.monotonic()
+            for byte in frame:
+                assert time.monotonic() - began < deadline + 10, "the dripping client was never dropped"
+                try:
+                    drip.send(bytes([byte]))
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+                if select.select([drip], [], [], 0.5)[0]:
+                    assert read_until_closed(drip) == b"", "a dripped frame was answered"
+                    break
+            dropped_after = time.monotonic() - began
+        assert deadline - 0.5 <= dropped_after <= deadline + 5, dropped_after
+        wait_counter(daemon, "bad_frames", before + 1)
+        # The lease has now been silent for longer than a frame may take, and serves on.
+        assert lease.request("stats").fields["leases"] >= 1
+
+
+def _largest_request() -> bytes:
+    """A legal request that decodes to about as many objects as the limits allow: every list but the frame's
+    own map as long as allowed, of short strings (3 bytes each on the wire, ~50 as Python objects)."""
+    assert REQUEST_LIMITS.containers is not None
+    lists = min(REQUEST_LIMITS.containers - 1, REQUEST_LIMITS.map_len - 2)
+    fields = {f"x{i}": [f"{j:02d}" for j in range(REQUEST_LIMITS.array_len)] for i in range(lists)}
+    return request_frame("stats", **fields)
+
+
+def peak_rss_since_reset(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
+MEMORY_BOUND_BYTES = 200 * 1024 * 1024
+
+
+def test_hostile_frames_cost_the_daemon_bounded_memory(live: tuple[DaemonRig, DaemonDescriptor]) -> None:
+    """16 MiB of empty arrays was a legal frame and decoded to +1.2 GB; now requests are bounded before and
+    while decoding. Four such frames and 60 of the largest legal requests at once stay far under the bound."""
+    _, daemon = live
+    count = 16 * 1024 * 1024 - 8
+    flood = LENGTH.pack(count + 5) + b"\xdd" + count.to_bytes(4, "big") + b"\x90" * count
+    largest = _largest_request()
+    assert len(largest) - LENGTH.size <= REQUEST_LIMITS.frame_bytes
+    before = psutil.Process(daemon.pid).memory_info().rss
+    Path(f"/proc/{daemon.pid}/clear_refs").write_text("5")  # the peak RSS starts again from here
+    payloads = [flood] * 4 + [largest] * 60
+    sockets = [raw_connect(daemon.socket, timeout=30) for _ in payloads]
+    start = threading.Barrier(len(payloads))
+    answers: list[str] = [""] * len(payloads)
+
+    def send(i: int) -> None:
+        start.wait()
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused at the length prefix
+            sockets[i].sendall(payloads[i])
+        if payloads[i] is largest:
+            answers[i] = read_reply(sockets[i], timeout=30)["type"]
+        else:  # closed only once the daemon is done with the frame, whatever it cost
+            answers[i] = "closed" if read_until_closed(sockets[i], timeout=30) == b"" else "answered"
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(payloads))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        for sock in sockets:
+            sock.close()
+    growth = peak_rss_since_reset(daemon.pid) - before
+    assert growth < MEMORY_BOUND_BYTES, f"the daemon's RSS grew by {growth / 2**20:.0f} MiB"
+    assert answers == ["closed"] * 4 + ["stats"] * 60
+    assert_still_serving(daemon)
+
+
+def test_200_simultaneous_connects_are_all_served(live: tuple[DaemonRig, DaemonDescriptor]) -> None:
+    _, daemon = live
+    clients = 200
+    start = threading.Barrier(clients)
+    failures: list[str] = []
+
+    def client() -> None:
+        start.wait()
+        try:
+            request_once(daemon.socket, "stats")
+        except DaemonError as exc:
+            failures.append(str(exc))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not failures, f"{len(failures)} of {clients} were not served, e.g. {failures[0]}"
+
+
+def test_a_client_retries_while_the_listen_queue_is_full() -> None:
+    """A listener whose queue is full answers a non-blocking connect with EAGAIN; the client waits its turn."""
+    base = Path(tempfile.mkdtemp(prefix="wc-q-", dir="/tmp"))
+    path = str(base / "q.sock")
+    queued: list[socket.socket] = []
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(path)
+            listener.listen(0)  # room for one connection waiting to be accepted
+            queued.append(raw_connect(path))
+            with pytest.raises(BlockingIOError):  # the queue is full: what a burst of engines meets
+                queued.append(raw_connect(path))
+            outcome: list[DaemonConnection | DaemonError] = []
+
+            def connect() -> None:
+                try:
+                    outcome.append(DaemonConnection(path, timeout=10))
+                except DaemonError as exc:
+                    outcome.append(exc)
+
+            began = time.monotonic()
+            waiter = threading.Thread(target=connect)
+            waiter.start()
+            time.sleep(0.5)
+            assert not outcome, f"the client gave up at once: {outcome}"
+            accepted, _ = listener.accept()  # the daemon's accept loop catches up
+            queued.append(accepted)
+            waiter.join(timeout=10)
+            (connection,) = outcome
+            assert isinstance(connection, DaemonConnection), connection
+            assert time.monotonic() - began >= 0.5
+            connection.close()
+    finally:
+        for sock in queued:
+            sock.close()
+        shutil.rmtree(base)
+
+
+def test_connections_beyond_the_limit_get_a_clear_refusal(live: tuple[DaemonRig, DaemonDescriptor]) -> None:
+    _, daemon = live
+    before = counters(daemon).get("refused_busy", 0)
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(MAX_CLIENTS):
+            idle.append(raw_connect(daemon.socket))
+        with pytest.raises(DaemonError, match=f"refused stats: this daemon already serves {MAX_CLIENTS} connections"):
+            request_once(daemon.socket, "stats")
+    finally:
+        for sock in idle:
+            sock.close()
+
+    def served() -> bool:
+        with contextlib.suppress(DaemonError):
+            return request_once(daemon.socket, "stats").type == "stats"
+        return False
+
+    wait_for(served, what="the daemon to serve again once the idle connections closed")
+    assert counters(daemon).get("refused_busy", 0) >= before + 1
+    assert_still_serving(daemon)
+
+
+# -- another uid ---------------------------------------------------------------------------------------------------
+
+OTHER_UID_PEER = """
+import socket, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.settimeout(10)
+sock.connect(sys.argv[1])
+try:
+    sock.sendall(bytes.fromhex(sys.argv[2]))
+    print(len(sock.recv(65536)))
+except (BrokenPipeError, ConnectionResetError):
+    print(0)
+"""
+
+
+def test_after_another_uid_is_refused_a_same_uid_attach_hits(live: tuple[DaemonRig, DaemonDescriptor]) -> None:
+    """Refusing a peer of another uid (reached through a hard link of the socket, opened up for the test)
+    changes nothing for our own engines: each refusal is followed by an attach that hits."""
+    if os.geteuid() != 0:
+        pytest.skip("a peer of another uid needs root to start")
+    rig, daemon = live
+    model = Path(daemon.source)
+    refused_before = counters(daemon).get("refused_peers", 0)
+    outside = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+    rig.extra_paths.append(outside)
+    outside.chmod(0o711)
+    link = outside / "s.sock"
+    os.link(daemon.socket, link)
+    os.chmod(daemon.socket, 0o666)
+    try:
+        for _ in range(3):
+            peer = run_as_nobody([sys.executable, "-c", OTHER_UID_PEER, str(link), request_frame("stats").hex()],
+                                 dict(os.environ), cwd=Path("/"))
+            assert (peer.returncode, peer.stdout.strip()) == (0, "0"), peer.stderr
+            with attach(model, run_dir=rig.run_dir, fallback=False) as weights:
+                assert weights.report.outcome == "hit"
+    finally:
+        os.chmod(daemon.socket, 0o600)
+        link.unlink()
+    result = rig.cli("attach", str(model), "--json", "--no-fallback", "--run-dir", str(rig.run_dir))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["outcome"] == "hit"
+    wait_counter(daemon, "refused_peers", refused_before + 3)

@@ -254,7 +254,8 @@ def check_fields(record: dict[str, Any], schema: dict[str, tuple[Any, ...]], whe
 def check_schema(document: dict[str, Any]) -> None:
     """The documented `wcache.top/1` schema (wcache.monitor.snapshot), numbers as JSON numbers."""
     assert document["schema"] == SCHEMA
-    assert set(document) == {"schema", "taken_at", "interval_s", "rates", "run_dir", "daemons", "engines", "events"}
+    assert set(document) == {"schema", "taken_at", "interval_s", "rates", "run_dir", "daemons", "engines", "events",
+                             "alerts"}
     assert isinstance(document["taken_at"], float) and isinstance(document["interval_s"], NUMBER)
     assert document["rates"] in ("interval", "cumulative")
     for i, d in enumerate(document["daemons"]):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import copy
+from typing import Annotated, Any
 
 import typer
 import wcache
+from typer.core import TyperGroup
 
 from wcache_cli.commands.attach import attach
 from wcache_cli.commands.demo import demo
@@ -17,7 +19,27 @@ from wcache_cli.commands.top import top
 from wcache_cli.commands.verify import verify
 from wcache_cli.state import state
 
+
+def _set_verbose(ctx: Any, param: Any, value: bool) -> None:
+    if value:
+        state.verbose = True
+
+
+class _WcacheGroup(TyperGroup):
+    """The root group; every subcommand also takes the global `--verbose`, since users add it at the end."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        verbose = next(p for p in self.params if p.name == "verbose")
+        for command in self.commands.values():
+            option = copy.copy(verbose)
+            option.expose_value = False
+            option.callback = _set_verbose
+            command.params.append(option)
+
+
 app = typer.Typer(
+    cls=_WcacheGroup,
     name="wcache",
     help="Keep processed LLM weights alive across engine restarts, and prove every reuse is the right checkpoint.",
     no_args_is_help=True,
@@ -45,7 +67,7 @@ def root(
     ] = False,
 ) -> None:
     """Keep processed LLM weights alive across engine restarts, and prove every reuse is the right checkpoint."""
-    state.verbose = verbose
+    state.verbose = state.verbose or verbose
 
 
 app.command()(preload)

@@ -22,6 +22,15 @@ def key_of_checkpoint(path: Path, plan: PlanSpec, *, rehash: bool = False) -> Ke
         return compute_key(path, plan, store=store, rehash=rehash, progress=bar)
 
 
+def check_tp_fits(model: Path, spec: PlanSpec) -> None:
+    """Refuse a --tp the model cannot be split by before a process per rank starts (reads config.json only)."""
+    if spec.tp_size > 1:
+        from wcache.checkpoint import locate
+        from wcache.processing import check_tp_split
+
+        check_tp_split(spec, locate(model).config)
+
+
 def find_daemons(run_dir: Path, ident: str) -> list[DaemonDescriptor]:
     """Live daemons whose name or key id starts with `ident`."""
     live = census(run_dir).live if run_dir.exists() else ()

@@ -6,10 +6,11 @@ import json
 import os
 import re
 import sys
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.markup import escape
+if TYPE_CHECKING:
+    from rich.console import Console
 
 PIPE_WIDTH = 200
 # C0 controls but newline and tab, DEL and C1: what a terminal would act on (escape sequences, OSC 8 links…).
@@ -21,32 +22,65 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
-class Output:
-    """Where every command prints; respects NO_COLOR and non-TTY output through rich."""
+def reader_gone() -> None:
+    """stdout's reader left (`| head`, `| grep -q`): it has what it wanted, so end quietly with success."""
+    # Point stdout at /dev/null so the interpreter's final flush cannot raise a second time.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    raise SystemExit(0)
 
-    def __init__(self) -> None:
-        self.stdout = Console(highlight=False, soft_wrap=True)
-        if not self.stdout.is_terminal and "COLUMNS" not in os.environ:
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(printable(text))
+
+
+class Output:
+    """Where every command prints; respects NO_COLOR and non-TTY output through rich.
+
+    The consoles are made on first use: importing rich costs more than `wcache --help` itself.
+    """
+
+    @cached_property
+    def stdout(self) -> Console:
+        from rich.console import Console
+
+        class _Console(Console):
+            def on_broken_pipe(self) -> None:
+                reader_gone()
+
+        console = _Console(highlight=False, soft_wrap=True)
+        if not console.is_terminal and "COLUMNS" not in os.environ:
             # Piped output is read by grep and by people scrolling logs: never fold a tensor name at 80.
-            self.stdout = Console(highlight=False, soft_wrap=True, width=PIPE_WIDTH)
-        self.stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+            console = _Console(highlight=False, soft_wrap=True, width=PIPE_WIDTH)
+        return console
+
+    @cached_property
+    def stderr(self) -> Console:
+        from rich.console import Console
+
+        return Console(stderr=True, highlight=False, soft_wrap=True)
 
     def json(self, value: Any) -> None:
         # Plain print: rich would re-wrap long strings and break the document.
-        sys.stdout.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            reader_gone()  # here, not in main(): Click turns EPIPE into exit 1 before main() could see it
 
     def print(self, *renderables: Any) -> None:
         self.stdout.print(*renderables)
 
     def error(self, message: str) -> None:
-        self.stderr.print(f"[bold red]error:[/] {escape(printable(message))}")
+        self.stderr.print(f"[bold red]error:[/] {_escape(message)}")
 
     def warning(self, message: str) -> None:
-        self.stderr.print(f"[yellow]warning:[/] {escape(printable(message))}")
+        self.stderr.print(f"[yellow]warning:[/] {_escape(message)}")
 
     def hint(self, message: str) -> None:
-        self.stderr.print(f"[dim]{escape(printable(message))}[/]")
+        self.stderr.print(f"[dim]{_escape(message)}[/]")
 
 
 out = Output()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from wcache.plan import PlanSpec
-from wcache.rundir import default_run_dir
+from wcache.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
+
+if TYPE_CHECKING:
+    from wcache.plan import PlanSpec
 
 
 class Dtype(StrEnum):
@@ -27,6 +29,12 @@ class Quantization(StrEnum):
 class Layout(StrEnum):
     fused = "fused"
     identity = "identity"
+
+
+LogLevel = StrEnum("LogLevel", {name: name for name in LOG_LEVELS})  # type: ignore[misc]
+LogFormat = StrEnum("LogFormat", {name: name for name in LOG_FORMATS})  # type: ignore[misc]
+DEFAULT_LEVEL = LogLevel(DEFAULT_LOG_LEVEL)
+DEFAULT_FORMAT = LogFormat(DEFAULT_LOG_FORMAT)
 
 
 class Engine(StrEnum):
@@ -65,12 +73,19 @@ RunDirOpt = Annotated[
 
 def plan_from_options(tp: int, rank: int, dtype: Dtype, quantization: Quantization, layout: Layout) -> PlanSpec:
     """A validated plan; bad combinations raise BadInputError with the flag to fix."""
+    # Here, not at the top: every command imports this module while Typer builds the help.
+    from wcache.plan import PlanSpec
+
     return PlanSpec(tp_size=tp, tp_rank=rank, dtype=dtype.value, quantization=quantization.value,
                     layout=layout.value)
 
 
 def run_dir_or_default(run_dir: Path | None) -> Path:
-    return run_dir if run_dir is not None else default_run_dir()
+    if run_dir is not None:
+        return run_dir
+    from wcache.rundir import default_run_dir  # it imports psutil, which only commands that look at daemons need
+
+    return default_run_dir()
 
 
 ModeOpt = Annotated[Mode, typer.Option("--mode", help="zero_copy maps the daemon's memory; copy takes a private copy.")]

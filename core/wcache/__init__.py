@@ -12,19 +12,13 @@ The public API, for engine authors, benchmarks and tests (everything else is int
     key = wcache.compute_key(Path("path/to/model"))
     group.stop()
 
-Names are loaded on first use, so `import wcache` does not import torch.
+Names (and `__version__`) are loaded on first use, so `import wcache` does not import torch.
 """
 
 from __future__ import annotations
 
 from importlib import import_module
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
-
-try:
-    __version__ = version("wcache")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0.0.0+unknown"
 
 _EXPORTS = {
     "attach": "wcache.attach",
@@ -60,6 +54,7 @@ __all__ = [
 assert set(__all__) == {"__version__", *_EXPORTS}
 
 if TYPE_CHECKING:
+    __version__: str
     from wcache.attach import AttachedWeights, AttachMissError, AttachReport, attach
     from wcache.attach_options import AttachOptions
     from wcache.daemons import DaemonGroup, PreloadFailedError, start_daemons, stop_daemon
@@ -71,7 +66,20 @@ if TYPE_CHECKING:
     from wcache.rundir import DaemonDescriptor, DaemonExistsError, census
 
 
+def _version() -> str:
+    # importlib.metadata costs more than the rest of `import wcache`; only key files and --version need it.
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("wcache")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "0.0.0+unknown"
+
+
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        value = globals()[name] = _version()
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'wcache' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """The arena: every processed tensor of one rank in one contiguous block.
 
-CPU: a sealed-size memfd. The daemon fills it through a writable map; an engine receives the descriptor by
+CPU: a sealed-size memfd. The daemon fills it with pwrite, then write-seals it; an engine receives the descriptor by
 SCM_RIGHTS and maps it copy-on-write (MAP_PRIVATE): pages it only reads are the shared ones, and an in-place
 write (engines post-process weights) lands in a private page, so no engine can corrupt or crash on the shared
 weights. The engine's map stays valid after the daemon exits (the memfd lives while any map or descriptor does).
@@ -26,6 +26,13 @@ from wcache.errors import UnavailableError
 
 # 256 bytes covers every SIMD width and CUDA's allocation granularity for vectorised loads.
 ALIGNMENT = 256
+
+
+class ArenaClosedError(UnavailableError):
+    """An arena used after close(): its daemon released its weights to a copy-mode engine, or stopped."""
+
+    def __init__(self) -> None:
+        super().__init__("the arena was closed; its weights are gone.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,34 +107,50 @@ class CpuArena:
         source = _as_bytes(tensor)
         if source.numel() != entry.nbytes:
             raise ValueError(f"{entry.name}: {source.numel()} bytes do not fit an entry of {entry.nbytes}")
-        if entry.nbytes == 0:
-            return
-        assert self._map is not None
-        target = torch.frombuffer(self._map, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
-        target.copy_(source)
-        del target
+        self.write_at(entry.offset, source)
+
+    def write_at(self, offset: int, data: torch.Tensor) -> None:
+        """Write a contiguous CPU uint8 tensor's bytes at byte `offset`.
+
+        pwrite, not a copy through the map: the kernel gives the memfd its pages as it copies, where a write
+        through a map takes a page fault per 4 KiB page (microseconds each on a VM).
+        """
+        self._live_map()  # a closed arena refuses writes as it refuses every other use
+        view = memoryview(data.detach().numpy()).cast("B")
+        done = 0
+        while done < len(view):
+            try:
+                done += os.pwrite(self.fd, view[done:], offset + done)
+            except OSError as exc:
+                raise UnavailableError(
+                    f"the {self.total_bytes}-byte arena cannot be filled ({exc.strerror}); free some memory."
+                ) from None
 
     def tensors(self, entries: Sequence[ArenaEntry]) -> dict[str, torch.Tensor]:
         """Views in the daemon's own map: writable while filling, read-only once sealed."""
-        assert self._map is not None
+        live = self._live_map()
         with warnings.catch_warnings():
             # A sealed arena's map is read-only, and torch warns it cannot protect such a buffer; PROT_READ does.
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            return view_tensors(self._map, entries)
+            return view_tensors(live, entries)
 
     def seal(self) -> None:
         """Once filled: no process can write the shared bytes again (write(), a writable shared map, an
         mprotect of a read-only one, or the memfd reopened through /proc all fail). Engines' copy-on-write
         maps still work. Every view of the writable map must be gone first."""
-        assert self._map is not None
         # F_SEAL_WRITE is refused while any writable shared map exists, our own included.
-        self._map.close()
+        self._live_map().close()
         self._map = None
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
         self._map = mmap.mmap(self.fd, self.total_bytes, prot=mmap.PROT_READ)
 
+    def _live_map(self) -> mmap.mmap:
+        if self._map is None:
+            raise ArenaClosedError
+        return self._map
+
     def close(self) -> None:
-        """Drop the daemon's map and descriptor; engines' maps of the memfd stay valid."""
+        """Drop the daemon's map and descriptor; engines' maps of the memfd stay valid. Closing twice is fine."""
         if self._map is not None:
             with contextlib.suppress(BufferError):
                 self._map.close()
@@ -169,15 +192,27 @@ class CudaArena:
             raise UnavailableError(f"device {device} was requested but this machine has no CUDA device.")
         self.device = torch.device(device)
         self.total_bytes = total_bytes
-        self.block = torch.empty(total_bytes, dtype=torch.uint8, device=self.device)
+        self._block: torch.Tensor | None = torch.empty(total_bytes, dtype=torch.uint8, device=self.device)
+
+    @property
+    def block(self) -> torch.Tensor:
+        if self._block is None:
+            raise ArenaClosedError
+        return self._block
 
     def write(self, entry: ArenaEntry, tensor: torch.Tensor) -> None:
         if entry.nbytes:
             self.block[entry.offset : entry.offset + entry.nbytes].copy_(_as_bytes(tensor), non_blocking=False)
 
+    def write_at(self, offset: int, data: torch.Tensor) -> None:
+        """Copy a CPU uint8 tensor's bytes to byte `offset`; synchronous, so `data` may be reused at once."""
+        if data.numel():
+            self.block[offset : offset + data.numel()].copy_(data, non_blocking=False)
+
     def tensors(self, entries: Sequence[ArenaEntry]) -> dict[str, torch.Tensor]:
+        block = self.block
         return {
-            e.name: self.block[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).reshape(e.shape)
+            e.name: block[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).reshape(e.shape)
             for e in entries
         }
 
@@ -196,7 +231,10 @@ class CudaArena:
         }
 
     def close(self) -> None:
-        del self.block
+        """Free the block (a copy-mode release, then shutdown, both close); engines' IPC maps keep theirs."""
+        if self._block is None:
+            return
+        self._block = None
         torch.cuda.empty_cache()
 
 

@@ -337,7 +337,7 @@ def _try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, ctx: _A
         hello = connection.request("hello", key=ctx.wanted, pid=os.getpid(), dp_size=ctx.dp_size)
         if hello.fields.get("status") != "hit":
             report.mismatched = list(hello.fields.get("mismatched", []))
-            report.reason = f"daemon {descriptor.name} answered {hello.fields.get('status')}"
+            report.reason = _refusal_reason(descriptor, hello.fields)
             connection.close()
             return None
         key_file = ctx.local
@@ -382,13 +382,27 @@ def _try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, ctx: _A
     report.daemon_key_id = descriptor.key_id
     report.bytes_mapped = total
     report.num_tensors = len(tensors)
-    append_event(ctx.run_dir, "attach_hit", source=descriptor.source, key_id=descriptor.key_id,
+    # `verified`: the checkpoint's content key was compared with the daemon's (not so with --trust-daemon);
+    # `source` is the engine's checkpoint, `daemon_source` what the daemon loaded (they differ for a copy).
+    append_event(ctx.run_dir, "attach_hit", source=str(ctx.model.absolute()), daemon_source=descriptor.source,
+                 verified=ctx.local is not None, key_id=descriptor.key_id,
                  daemon=descriptor.name, device=report.device, mode=ctx.mode, bytes=total, dp_size=ctx.dp_size,
                  engine=ctx.engine, timings_ms={k: round(v, 3) for k, v in report.timings_ms.items()})
     weights = AttachedWeights(tensors, report, ctx.run_dir, key_file)
     if ctx.mode == "zero_copy":
         weights._hold_lease(connection, mapping)
     return weights
+
+
+def _refusal_reason(descriptor: DaemonDescriptor, hello: dict[str, Any]) -> str:
+    """Why a daemon with our key answered hello with something other than a hit."""
+    status = hello.get("status")
+    summary = hello.get("daemon")
+    released = summary.get("released") if isinstance(summary, dict) else None
+    if status == "released" and isinstance(released, dict):
+        return (f"the daemon {descriptor.name} released its weights to a copy-mode engine "
+                f"(pid {released.get('client_pid')}) at {released.get('at')}")
+    return f"the daemon {descriptor.name} answered {status}"
 
 
 def _explain_miss(
@@ -407,20 +421,21 @@ def _explain_miss(
     report.daemon = nearest.name
     report.daemon_key_id = nearest.key_id
     report.mismatched = [f for f in KEY_FIELDS if nearest.key[f] != getattr(local.key, f)]
+    others = len(candidates) - 1
+    also = f" (and {others} other daemon(s) on {device})" if others else ""
     connection = connections.get(nearest.name)
+    if not report.mismatched:
+        # The nearest daemon holds this very key: say why it did not serve, never "holds key X, not X".
+        if serve_failure is None and isinstance(connection, DaemonError):
+            serve_failure = str(connection).rstrip(".")
+        report.reason = (serve_failure or f"the daemon {nearest.name} holds this key but did not serve it") + also
+        return
     if isinstance(connection, DaemonConnection):
         with contextlib.suppress(DaemonError):
             # Saying hello lets the daemon count the miss and its reason in its own metrics.
             connection.request("hello", key={f: getattr(local.key, f) for f in KEY_FIELDS}, pid=os.getpid())
             manifest = connection.request("manifest")
             report.diff = diff_keys(daemon_key_file(nearest, manifest.fields["tensors"]), local)
-    others = len(candidates) - 1
-    if report.diff is not None and report.mismatched:
-        what = describe_diff(report.diff)
-    elif report.mismatched:
-        what = "differs in " + ", ".join(report.mismatched)
-    else:
-        what = f"could not serve ({serve_failure or 'no reason given'})"
-    also = f" (and {others} other daemon(s) on {device})" if others else ""
+    what = describe_diff(report.diff) if report.diff is not None else "differs in " + ", ".join(report.mismatched)
     report.reason = (f"the daemon on {device} holds key {nearest.key_id}, not {local.key.short_id}: it {what}"
                      f"{also}")

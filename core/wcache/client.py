@@ -5,18 +5,43 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
 from wcache.errors import UnavailableError
-from wcache.protocol import Frame, ProtocolError, peer_uid, receive, send
+from wcache.protocol import REPLY_LIMITS, REQUEST_LIMITS, Frame, ProtocolError, peer_uid, receive, send
 
 CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 30.0
+# Back-off between connects while the daemon's listen queue is full: short at first (it drains in
+# microseconds), never long enough to waste much of the connect timeout.
+CONNECT_RETRY_FIRST_S = 0.002
+CONNECT_RETRY_MAX_S = 0.1
 
 
 class DaemonError(UnavailableError):
     """The daemon answered with an error, or could not be reached."""
+
+
+def _connect(sock: socket.socket, path: str, timeout: float) -> None:
+    """connect(), retried with back-off while the listen queue is full (EAGAIN), until `timeout` has passed.
+
+    A socket with a timeout connects without blocking, so a burst of engines that outruns the daemon's
+    accept loop gets EAGAIN at once instead of waiting its turn.
+    """
+    deadline = time.monotonic() + timeout
+    pause = CONNECT_RETRY_FIRST_S
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, CONNECT_RETRY_MAX_S)
 
 
 class DaemonConnection:
@@ -28,7 +53,7 @@ class DaemonConnection:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
         try:
-            self.sock.connect(self.path)
+            _connect(self.sock, self.path, timeout)
             uid = peer_uid(self.sock)
         except OSError as exc:
             self.sock.close()
@@ -51,11 +76,19 @@ class DaemonConnection:
 
     def request(self, message_type: str, **fields: Any) -> Frame:
         """Send a request and return the reply; an error reply raises DaemonError with its message."""
+        send_error: OSError | None = None
         try:
-            send(self.sock, message_type, fields)
-            reply = receive(self.sock)
+            send(self.sock, message_type, fields, REQUEST_LIMITS)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            # A daemon that refuses a connection (too many clients) says why and closes before reading:
+            # its error frame may still be waiting to be read.
+            send_error = exc
         except (OSError, ProtocolError) as exc:
             raise DaemonError(f"the daemon at {self.path} stopped answering ({exc}).") from None
+        try:
+            reply = receive(self.sock, REPLY_LIMITS)
+        except (OSError, ProtocolError) as exc:
+            raise DaemonError(f"the daemon at {self.path} stopped answering ({send_error or exc}).") from None
         if reply.type == "error":
             for fd in reply.fds:
                 os.close(fd)

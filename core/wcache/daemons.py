@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,7 +24,17 @@ import psutil
 from wcache.client import DaemonError, request_once
 from wcache.daemon.status_pipe import parse_line
 from wcache.errors import EXIT_UNAVAILABLE, UnavailableError, WcacheError
-from wcache.rundir import DaemonDescriptor, DaemonExistsError, default_run_dir, ensure_run_dir, read_descriptors
+from wcache.loading import LoadingRecord, read_loading
+from wcache.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL
+from wcache.rundir import (
+    DaemonDescriptor,
+    DaemonExistsError,
+    census,
+    default_run_dir,
+    ensure_run_dir,
+    process_created,
+    read_descriptors,
+)
 
 STOP_TIMEOUT_S = 15.0
 
@@ -68,12 +79,14 @@ class DaemonGroup:
 
 def _supervisor_command(
     model: Path, device: str, tp: int, dtype: str, quantization: str, layout: str, run_dir: Path,
-    health_host: str, health_port: int,
+    health_host: str, health_port: int, log_level: str, log_format: str, log_path: Path, share_stderr: bool,
 ) -> list[str]:
     return [
         sys.executable, "-m", "wcache.daemon.supervisor", "--model", str(model.absolute()), "--device", device,
         "--tp", str(tp), "--dtype", dtype, "--quantization", quantization, "--plan", layout,
         "--run-dir", str(run_dir), "--health-host", health_host, "--health-port", str(health_port),
+        "--log-level", log_level, "--log-format", log_format, "--log-file", str(log_path),
+        *(["--foreground"] if share_stderr else []),
     ]
 
 
@@ -94,8 +107,12 @@ def start_daemons(
     model: str | os.PathLike[str], *, device: str = "cpu", tp: int = 1, dtype: str = "auto",
     quantization: str = "none", layout: str = "fused", run_dir: Path | None = None,
     health_host: str = "127.0.0.1", health_port: int = 0, on_progress: ProgressCallback | None = None,
+    log_level: str = DEFAULT_LOG_LEVEL, log_format: str = DEFAULT_LOG_FORMAT, share_stderr: bool = False,
 ) -> DaemonGroup:
     """Start a supervisor with one daemon per TP rank and return once every rank is ready.
+
+    The supervisor and the ranks log to files under `<run dir>/logs`; with `share_stderr` also to this
+    process's stderr (a foreground service whose stderr is a journal or a container log).
 
     Raises DaemonExistsError (exit code 0) when a daemon already holds (or is loading) a rank's key, having
     started nothing that stays; PreloadFailedError with the failing rank's reason (and its exit code)
@@ -108,11 +125,12 @@ def start_daemons(
     logs = where / "logs"
     logs.mkdir(mode=0o700, exist_ok=True)
     log_path = logs / f"supervisor-{os.getpid()}.log"
-    command = _supervisor_command(path, device, tp, dtype, quantization, layout, where, health_host, health_port)
+    command = _supervisor_command(path, device, tp, dtype, quantization, layout, where, health_host, health_port,
+                                  log_level, log_format, log_path, share_stderr)
     with log_path.open("a") as log_file:
         # A session of its own: Ctrl-C here reaches the supervisor only through us, so it can stop cleanly.
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
-                                   text=True, bufsize=1, start_new_session=True)
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=None if share_stderr else log_file,
+                                   stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True)
     assert process.stdout is not None
     try:
         outcome = _follow(process.stdout, on_progress)
@@ -140,13 +158,24 @@ def stop_daemon(descriptor: DaemonDescriptor, *, force: bool = False) -> int:
         raise UnavailableError(f"daemon {descriptor.name} did not answer ({exc})") from None
     if not reply.get("stopping"):
         return int(reply.get("leases") or 1)
-    _wait_gone(descriptor)
+    wait_exit(descriptor.pid, descriptor.name)
     return 0
 
 
-def _wait_gone(descriptor: DaemonDescriptor) -> None:
+def stop_loading(record: LoadingRecord) -> None:
+    """Stop a rank that is still loading and wait until it has; it removes its own files on the way out."""
+    # No socket yet: the pid, checked against the start time it recorded, is the handle.
+    created = process_created(record.pid)
+    if created is not None and abs(created - record.pid_created) < 0.01:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(record.pid, signal.SIGTERM)
+        wait_exit(record.pid, record.name or f"pid {record.pid}")
+
+
+def wait_exit(pid: int, name: str) -> None:
+    """Wait until process `pid` (daemon `name`) has exited; UnavailableError when it does not in time."""
     try:
-        process = psutil.Process(descriptor.pid)
+        process = psutil.Process(pid)
     except psutil.NoSuchProcess:
         return
     deadline = time.monotonic() + STOP_TIMEOUT_S
@@ -157,4 +186,31 @@ def _wait_gone(descriptor: DaemonDescriptor) -> None:
         except psutil.NoSuchProcess:
             return
         time.sleep(0.05)
-    raise UnavailableError(f"daemon {descriptor.name} (pid {descriptor.pid}) did not exit within {STOP_TIMEOUT_S} s.")
+    raise UnavailableError(f"daemon {name} (pid {pid}) did not exit within {STOP_TIMEOUT_S} s.")
+
+
+def replace_daemons(source: Path, devices: list[str], run_dir: Path, *, force: bool = False) -> list[str]:
+    """Stop every daemon of checkpoint `source` on `devices`, ready or still loading; returns their names.
+
+    Refuses (nothing stopped) while engines hold zero-copy leases on any of them, unless `force`.
+    """
+    wanted = str(source.absolute())
+    ready = [d for d in census(run_dir).live if d.source == wanted and d.device in devices]
+    loading = [r for r in read_loading(run_dir) if r.source == wanted and r.device in devices]
+    if not force:
+        held = []
+        for descriptor in ready:
+            try:
+                leases = int(request_once(descriptor.socket, "stats").fields.get("leases") or 0)
+            except DaemonError:
+                leases = 0
+            if leases:
+                held.append(f"{descriptor.name} ({leases} lease(s))")
+        if held:
+            raise UnavailableError(f"engines hold leases on {', '.join(held)}; detach them first, or replace "
+                                   "with --force.")
+    for descriptor in ready:
+        stop_daemon(descriptor, force=True)
+    for record in loading:
+        stop_loading(record)
+    return [d.name for d in ready] + [r.name or f"pid {r.pid}" for r in loading]

@@ -32,3 +32,7 @@ class UnavailableError(WcacheError):
     """A daemon or engine that was needed is not there."""
 
     exit_code = EXIT_UNAVAILABLE
+
+
+class ListenError(BadInputError):
+    """A server cannot listen where the user asked (a host that does not resolve or is not local, a busy port)."""

@@ -1,8 +1,15 @@
-"""Structured events: one JSON object per line, appended atomically to `<run dir>/events.jsonl`."""
+"""Structured events: one JSON object per line, appended atomically to `<run dir>/events.jsonl`.
+
+The log is bounded: once it passes `max_events_bytes()` the writer that crossed the line renames it to
+`events.jsonl.1` (replacing the previous generation) and the next event starts a fresh file; readers take
+both generations in order.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -15,14 +22,42 @@ from typing import Any
 log = logging.getLogger("wcache")
 
 EVENTS_NAME = "events.jsonl"
+ROTATED_SUFFIX = ".1"
+DEFAULT_MAX_EVENTS_BYTES = 16 * 1024 * 1024
 KINDS = frozenset({
     "preload", "ready", "preload_failed", "attach_hit", "attach_miss", "fallback", "release", "stop",
-    "daemon_exited", "daemon_lost", "engine_counters",
+    "daemon_exited", "daemon_lost", "engine_counters", "group_stopped",
 })
 
 
 def events_path(run_dir: Path) -> Path:
     return run_dir / EVENTS_NAME
+
+
+def rotated_path(path: Path) -> Path:
+    return path.with_name(path.name + ROTATED_SUFFIX)
+
+
+def max_events_bytes() -> int:
+    """The size at which the log rotates: `WCACHE_EVENTS_MAX_BYTES`, else 16 MiB."""
+    try:
+        return max(4096, int(os.environ.get("WCACHE_EVENTS_MAX_BYTES", DEFAULT_MAX_EVENTS_BYTES)))
+    except ValueError:
+        return DEFAULT_MAX_EVENTS_BYTES
+
+
+def _rotate_if_full(path: Path, fd: int) -> None:
+    """Move a full log aside; the lock on the old file makes exactly one of several writers do it."""
+    if os.fstat(fd).st_size < max_events_bytes():
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            # Another writer may have rotated it while we waited: then the path names a fresh file.
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                path.replace(rotated_path(path))
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def _open_log(path: Path, flags: int) -> int:
@@ -45,6 +80,7 @@ def append_event(run_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:
         fd = _open_log(events_path(run_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             os.write(fd, line)
+            _rotate_if_full(events_path(run_dir), fd)
         finally:
             os.close(fd)
     except OSError as exc:
@@ -53,13 +89,20 @@ def append_event(run_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:
 
 
 def read_events(run_dir: Path) -> Iterator[dict[str, Any]]:
-    """Every well-formed event in order; a torn or foreign line is skipped."""
+    """Every well-formed event still kept (the rotated generation, then the current one), in order."""
+    path = events_path(run_dir)
+    yield from _read_log(rotated_path(path))
+    yield from _read_log(path)
+
+
+def _read_log(path: Path) -> Iterator[dict[str, Any]]:
+    """One file's well-formed events; a torn or foreign line is skipped."""
     try:
-        fd = _open_log(events_path(run_dir), os.O_RDONLY)
+        fd = _open_log(path, os.O_RDONLY)
     except FileNotFoundError:
         return
     except OSError as exc:
-        log.warning("Cannot read events from %s (%s).", events_path(run_dir), exc.strerror)
+        log.warning("Cannot read events from %s (%s).", path, exc.strerror)
         return
     try:
         with os.fdopen(fd, "rb") as f:

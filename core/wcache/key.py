@@ -132,6 +132,11 @@ def compute_key(
     return make_key_file(path, layout, fingerprint.manifest, plan or PlanSpec(), fingerprint.stats)
 
 
+def resolve_plan(layout: CheckpointLayout, manifest: tuple[TensorDigest, ...], plan: PlanSpec) -> PlanSpec:
+    """`plan` with an "auto" dtype made the checkpoint's own; needs the tensors' dtypes, not their digests."""
+    return plan.resolve(config_dtype(layout.config) or _dominant_dtype(manifest))
+
+
 def make_key_file(
     path: Path,
     layout: CheckpointLayout,
@@ -140,7 +145,7 @@ def make_key_file(
     stats: FingerprintStats | None,
 ) -> KeyFile:
     """Assemble the key of a fingerprinted checkpoint; "auto" dtype resolves to the checkpoint's own."""
-    resolved = plan.resolve(config_dtype(layout.config) or _dominant_dtype(manifest))
+    resolved = resolve_plan(layout, manifest, plan)
     key = WeightCacheKey(
         checkpoint=merkle_root(manifest),
         config=config_digest(layout.config),

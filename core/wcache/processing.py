@@ -255,14 +255,23 @@ def build_plan(spec: PlanSpec, config: Mapping[str, Any] | None, tensors: Sequen
         manifest[entry.name] = entry
     builder = _Builder(spec, manifest)
     if spec.layout == "identity":
-        if spec.tp_size != 1:
-            raise UnsupportedPlanError("the identity plan holds unsharded weights; use --tp 1 or --plan fused.")
+        check_tp_split(spec, config)
         # Sorted, so the order does not depend on how the manifest was listed (by shard, by name).
         for name in sorted(manifest):
             builder.whole(name)
         return builder.plan()
     _build_fused(builder, _Dims.from_config(config), manifest)
     return builder.plan()
+
+
+def check_tp_split(spec: PlanSpec, config: Mapping[str, Any] | None) -> None:
+    """UnsupportedPlanError unless `spec`'s --tp splits a model with this config; reads no tensors, so a TP
+    launcher can refuse before starting a process per rank."""
+    if spec.layout == "identity":
+        if spec.tp_size != 1:
+            raise UnsupportedPlanError("the identity plan holds unsharded weights; use --tp 1 or --plan fused.")
+        return
+    _check_split(spec.tp_size, _Dims.from_config(config))
 
 
 def _torch_name(entry: TensorDigest) -> str:
@@ -318,8 +327,7 @@ class _Dims:
                    number("num_hidden_layers"), bool(tie))
 
 
-def _build_fused(b: _Builder, d: _Dims, manifest: Mapping[str, TensorDigest]) -> None:
-    tp, rank = b.spec.tp_size, b.spec.tp_rank
+def _check_split(tp: int, d: _Dims) -> None:
     if d.heads % tp:
         raise UnsupportedPlanError(f"{d.heads} attention heads cannot be split evenly across --tp {tp}.")
     if d.kv_heads % tp and tp % d.kv_heads:
@@ -329,6 +337,10 @@ def _build_fused(b: _Builder, d: _Dims, manifest: Mapping[str, TensorDigest]) ->
     if d.intermediate % tp:
         raise UnsupportedPlanError(f"intermediate_size {d.intermediate} cannot be split evenly across --tp {tp}.")
 
+
+def _build_fused(b: _Builder, d: _Dims, manifest: Mapping[str, TensorDigest]) -> None:
+    tp, rank = b.spec.tp_size, b.spec.tp_rank
+    _check_split(tp, d)
     expected, required = _expected_shapes(d)
     unknown = sorted(n for n in manifest if n not in expected and not n.endswith(_ROTARY_BUFFER))
     if unknown:

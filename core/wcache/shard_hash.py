@@ -1,10 +1,17 @@
-"""Hash every tensor of one safetensors shard: one open, one header read, BLAKE3 over a memory map."""
+"""Hash every tensor of one safetensors shard: one open, one header read, BLAKE3 over positioned reads.
+
+Shards are read with pread into buffers, never memory-mapped: a file that shrinks while it is read then gives
+a short read, one error sentence, where a map's missing page kills the process with SIGBUS; and the network and
+FUSE filesystems that refuse mmap (ENODEV) read like any other.
+"""
 
 from __future__ import annotations
 
-import mmap
+import contextlib
+import fcntl
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, wait
@@ -16,11 +23,14 @@ import blake3
 from wcache.errors import CheckpointError
 from wcache.safetensors_header import ShardHeader, TensorInfo, read_header
 
-# Progress is reported per chunk so a single multi-GB tensor still moves the bar.
-CHUNK_BYTES = 16 * 1024 * 1024
+# Reads are this size, and progress is reported per read, so a single multi-GB tensor still moves the bar; a
+# chunk this small stays in the CPU's cache between the read that copies it and the hash that consumes it.
+CHUNK_BYTES = 4 * 1024 * 1024
 # Above this size one tensor is worth BLAKE3's own multithreading.
 PARALLEL_TENSOR_BYTES = 8 * 1024 * 1024
 MAX_ATTEMPTS = 3
+# The largest page-cache folio (a PMD) on x86-64 and arm64 with 4 KiB pages.
+FORGET_ALIGN = 2 * 1024 * 1024
 
 BytesCallback = Callable[[int], None]
 
@@ -51,29 +61,42 @@ class ShardRecord:
     hashed_at_ns: int  # when reading the file began, not when hashing ended
 
 
-def _hash_tensor(view: memoryview, base: int, tensor: TensorInfo, on_bytes: BytesCallback | None) -> str:
-    hasher = (
-        blake3.blake3(max_threads=blake3.blake3.AUTO)
-        if tensor.nbytes >= PARALLEL_TENSOR_BYTES
-        else blake3.blake3()
-    )
-    position = base + tensor.start
-    end = base + tensor.end
-    while position < end:
-        step = min(CHUNK_BYTES, end - position)
-        with view[position : position + step] as chunk:
-            hasher.update(chunk)
-        position += step
+def tensor_hasher(nbytes: int) -> blake3.blake3:
+    """A BLAKE3 hasher for `nbytes` of data: multi-threaded when that many bytes are worth it."""
+    return blake3.blake3(max_threads=blake3.blake3.AUTO) if nbytes >= PARALLEL_TENSOR_BYTES else blake3.blake3()
+
+
+_thread_buffers = threading.local()
+
+
+def _chunk_buffer() -> memoryview:
+    # One buffer per hashing thread, reused for every chunk it reads: fresh memory costs a page fault per page.
+    buffer: memoryview | None = getattr(_thread_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _thread_buffers.buffer = memoryview(bytearray(CHUNK_BYTES))
+    return buffer
+
+
+def _hash_tensor(shard: OpenShard, tensor: TensorInfo, on_bytes: BytesCallback | None) -> str:
+    """Read one tensor in chunks into this thread's buffer and hash each chunk as it arrives."""
+    hasher = tensor_hasher(tensor.nbytes)
+    buffer = _chunk_buffer()
+    done = 0
+    while done < tensor.nbytes:
+        chunk = buffer[: min(CHUNK_BYTES, tensor.nbytes - done)]
+        shard.read_into(tensor, done, chunk)
+        hasher.update(chunk)
+        done += len(chunk)
         if on_bytes is not None:
-            on_bytes(step)
+            on_bytes(len(chunk))
     return hasher.hexdigest()
 
 
 class OpenShard:
-    """One open shard: a single open, a validated header, and a read-only map of the whole file.
+    """One open shard: a single open, a validated header, and positioned reads of its tensors' bytes.
 
-    The fingerprint hashes through it; the daemon also builds its tensors from the same map, so a shard's
-    bytes come off the disk once for both.
+    The fingerprint hashes through it; the daemon reads each tensor's bytes through it once, to hash them and
+    to fill its arena from the same buffer.
     """
 
     def __init__(self, path: Path) -> None:
@@ -89,17 +112,15 @@ class OpenShard:
             raise CheckpointError(f"{path} does not exist.") from None
         except OSError as exc:
             raise CheckpointError(f"{path} cannot be opened ({exc.strerror}).") from None
-        self._map: mmap.mmap | None = None
-        self._view: memoryview | None = None
+        self._forgotten = 0  # forget_read() has dropped the file's pages before this offset
         try:
             st = os.fstat(self._fd)
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointError(f"{path} is not a regular file.")
+            # Reads of a regular file ignore O_NONBLOCK on local filesystems; some remote ones honour it.
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
             self.identity = FileIdentity.of(st)
             self.header = read_header(self._fd, self.identity.size, path)
-            if self.header.data_bytes > 0:
-                self._map = mmap.mmap(self._fd, 0, prot=mmap.PROT_READ)
-                self._view = memoryview(self._map)
         except OSError as exc:
             self.close()
             raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
@@ -114,37 +135,55 @@ class OpenShard:
         self.close()
 
     def close(self) -> None:
-        if self._view is not None:
-            self._view.release()
-            self._view = None
-        if self._map is not None:
-            self._map.close()
-            self._map = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
-    def tensor_bytes(self, tensor: TensorInfo) -> memoryview:
-        """A read-only view of one tensor's data; release it before the shard closes."""
-        if self._view is None:
-            return memoryview(b"")
-        start = self.header.data_start + tensor.start
-        return self._view[start : start + tensor.nbytes]
+    def read_into(self, tensor: TensorInfo, start: int, buffer: memoryview) -> None:
+        """Fill `buffer` with the tensor's bytes from byte `start` of its data on; a file that is now too short
+        for them is a CheckpointError."""
+        position = self.header.data_start + tensor.start + start
+        done, wanted = 0, len(buffer)
+        while done < wanted:
+            try:
+                got = os.preadv(self._fd, [buffer[done:]], position + done)
+            except OSError as exc:
+                raise CheckpointError(f"{self.path} cannot be read ({exc.strerror}).") from None
+            if got == 0:
+                raise CheckpointError(
+                    f"{self.path} shrank while it was being read; wait until it is fully written and try again."
+                )
+            done += got
+
+    def advise_sequential(self) -> None:
+        """Tell the kernel the file will be read start to end once: it reads further ahead."""
+        self._advise(0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+    def forget_read(self, tensor: TensorInfo, end: int) -> None:
+        """A reader going through the file in order has copied out `tensor`'s bytes up to `end`: let the kernel
+        drop the file's pages before them from the page cache, so that it and the arena do not both hold the
+        weights. Rounded down to FORGET_ALIGN: the kernel keeps a large folio that the range only partly covers."""
+        until = (self.header.data_start + tensor.start + end) // FORGET_ALIGN * FORGET_ALIGN
+        if until > self._forgotten:
+            self._advise(self._forgotten, until - self._forgotten, os.POSIX_FADV_DONTNEED)
+            self._forgotten = until
+
+    def forget_all(self) -> None:
+        """Drop all of the file's pages from the page cache, once it has been read."""
+        self._advise(0, 0, os.POSIX_FADV_DONTNEED)
+        self._forgotten = self.identity.size
+
+    def _advise(self, offset: int, nbytes: int, advice: int) -> None:
+        # Advice only: a filesystem that ignores it costs memory or speed, never correctness.
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(self._fd, offset, nbytes, advice)
 
     def hash_tensors(self, pool: Executor, on_bytes: BytesCallback | None = None) -> tuple[str, ...]:
         """BLAKE3 of every tensor, in header order, hashed concurrently."""
-        if self._view is None:
-            return tuple(blake3.blake3().hexdigest() for _ in self.header.tensors)
-        futures = [
-            pool.submit(_hash_tensor, self._view, self.header.data_start, tensor, on_bytes)
-            for tensor in self.header.tensors
-        ]
-        # Every task must finish before the map can close, even when one of them failed.
+        futures = [pool.submit(_hash_tensor, self, tensor, on_bytes) for tensor in self.header.tensors]
+        # Every task must finish before the descriptor can close, even when one of them failed.
         wait(futures)
-        try:
-            return tuple(f.result() for f in futures)
-        except OSError as exc:
-            raise CheckpointError(f"{self.path} cannot be read ({exc.strerror}).") from None
+        return tuple(f.result() for f in futures)
 
     def unchanged(self) -> bool:
         """Whether the file still has the identity it had when opened, by descriptor and by path."""

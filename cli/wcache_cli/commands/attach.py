@@ -11,6 +11,7 @@ from wcache.digest_store import DigestStore
 from wcache.errors import BadInputError
 from wcache.model_path import resolve_model_path
 
+from wcache_cli.operands import check_tp_fits
 from wcache_cli.output import out
 from wcache_cli.params import (
     DaemonOpt,
@@ -85,6 +86,7 @@ def attach(
 
         engine_config = EngineConfig(swa_bounded_replay=not no_swa_bounded_replay)
         spec = plan_from_options(tp, 0, dtype, quantization, plan)
+        check_tp_fits(model, spec)
         if serve:
             warn_if_exposed(host, "--host", "completions and metrics")
             _serve(model, spec.to_json(), engine_config, options, host, port, where)

@@ -11,17 +11,25 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from wcache.daemons import DaemonGroup, start_daemons
+from wcache.daemon.supervisor import rank_devices
+from wcache.daemons import DaemonGroup, replace_daemons, start_daemons
+from wcache.errors import BadInputError, UnavailableError
+from wcache.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL
 from wcache.model_path import resolve_model_path
 from wcache.rundir import DaemonExistsError, ensure_run_dir
+from wcache.sd_notify import Notifier
 
 from wcache_cli.output import out, printable
 from wcache_cli.params import (
+    DEFAULT_FORMAT,
+    DEFAULT_LEVEL,
     DeviceOpt,
     Dtype,
     DtypeOpt,
     JsonOpt,
     Layout,
+    LogFormat,
+    LogLevel,
     ModelArg,
     PlanOpt,
     Quantization,
@@ -36,7 +44,8 @@ from wcache_cli.render import human_bytes
 
 def launch(
     model: Path, device: str, tp: int, dtype: Dtype, quantization: Quantization, plan: Layout, run_dir: Path,
-    health_host: str = "127.0.0.1", health_port: int = 0,
+    health_host: str = "127.0.0.1", health_port: int = 0, log_level: str = DEFAULT_LOG_LEVEL,
+    log_format: str = DEFAULT_LOG_FORMAT, share_stderr: bool = False,
 ) -> DaemonGroup:
     """Start the daemons with a progress bar on a terminal; raise with the failing rank's reason otherwise."""
     bar = Progress(TextColumn("loading, hashing, processing"), BarColumn(), DownloadColumn(binary_units=True),
@@ -46,7 +55,8 @@ def launch(
         task = bar.add_task("load", total=None)
         return start_daemons(
             model, device=device, tp=tp, dtype=dtype.value, quantization=quantization.value, layout=plan.value,
-            run_dir=run_dir, health_host=health_host, health_port=health_port,
+            run_dir=run_dir, health_host=health_host, health_port=health_port, log_level=log_level,
+            log_format=log_format, share_stderr=share_stderr,
             on_progress=lambda done, total: bar.update(task, completed=done, total=total or None),
         )
 
@@ -64,23 +74,45 @@ def preload(
     ] = 0,
     health_host: Annotated[str, typer.Option("--health-host", help="Address the health server binds.")] = "127.0.0.1",
     detach: Annotated[bool, typer.Option("--detach", help="Return once ready and leave the daemons running.")] = False,
+    replace: Annotated[
+        bool, typer.Option("--replace", help="First stop the daemons of this checkpoint on these devices.")
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="With --replace: stop them even while engines hold zero-copy leases.")
+    ] = False,
+    log_level: Annotated[
+        LogLevel, typer.Option("--log-level", help="Lowest level the supervisor and daemons log.")
+    ] = DEFAULT_LEVEL,
+    log_format: Annotated[
+        LogFormat, typer.Option("--log-format", help="Log lines as text or as one JSON object each.")
+    ] = DEFAULT_FORMAT,
     json_output: JsonOpt = False,
 ) -> None:
     """Start one daemon per TP rank holding the checkpoint's processed weights.
 
     Each daemon reads every shard once (hashing as it reads), runs the processing plan, fills its arena and
-    then publishes its socket. Without --detach, preload stays in the foreground; Ctrl-C stops the daemons.
+    then publishes its socket. A key already served (or loading) on the device is not loaded twice: preload
+    says which daemon holds it and exits 0; --replace stops that daemon first. Without --detach, preload
+    stays in the foreground (SIGTERM, SIGHUP and Ctrl-C stop the daemons) and, when stderr is not a
+    terminal, the daemons' log lines go to it as well as to the run dir's logs/.
     """
+    if force and not replace:
+        raise BadInputError("--force only applies with --replace.")
     model = resolve_model_path(model)
     where = ensure_run_dir(run_dir_or_default(run_dir))
     warn_if_exposed(health_host, "--health-host", "/health, /metrics and /stats")
+    if replace:
+        for name in replace_daemons(model, rank_devices(device, tp), where, force=force):
+            out.hint(f"stopped {printable(name)} to replace it")
+    notifier = Notifier.take_from_environment()  # systemd's Type=notify; taken before any child inherits it
     # SIGTERM and SIGHUP (systemd, supervisord, `timeout`, `docker stop`, a closed terminal) stop every rank we
     # started, as Ctrl-C does: the supervisor runs in a session of its own, so only we can pass the stop on.
     previous = {signum: signal.signal(signum, _raise_stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
     group: DaemonGroup | None = None  # once set (ready), a stop must reach its supervisor
     try:
         try:
-            group = launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port)
+            group = launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port,
+                           log_level.value, log_format.value, share_stderr=not detach and not out.stderr.is_terminal)
         except DaemonExistsError as exc:
             if json_output:
                 out.json({"event": "exists", "reason": str(exc)})
@@ -93,13 +125,20 @@ def preload(
             group = None
             out.hint(f"Daemons keep running; stop them with: wcache stop --all --run-dir {where}")
             return
+        notifier.ready(f"{len(group.ready.get('ranks', []))} rank(s) of {printable(str(model))} ready on {device}; "
+                       f"health {group.ready.get('health_url')}")
         out.hint("Serving; press Ctrl-C to stop the daemons.")
-        group.supervisor.wait()
+        code = group.supervisor.wait()
+        notifier.stopping("every rank has exited")
+        if code != 0:
+            raise UnavailableError(f"a daemon of {model} exited on its own (its supervisor exited with code {code}); "
+                                   f"see {where / 'logs'}.")
     except (KeyboardInterrupt, _StopSignal) as stop:
         # Further stops wait: the ranks' files must be removed, not abandoned half-way.
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_IGN)
         if group is not None:
+            notifier.stopping()
             _stop_supervisor(group.supervisor)
             out.hint("Stopped.")
         if isinstance(stop, KeyboardInterrupt):

@@ -1,7 +1,8 @@
-"""`wcache status` and `wcache stop`: what the run dir's daemons hold, and stopping them."""
+"""`wcache status` and `wcache stop`: what the run dir's daemons hold (or are loading), and stopping them."""
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -11,8 +12,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 from wcache.client import DaemonError, request_once
-from wcache.daemons import stop_daemon
+from wcache.daemons import stop_daemon, stop_loading, wait_exit
 from wcache.errors import BadInputError, UnavailableError
+from wcache.loading import LoadingRecord, read_loading
 from wcache.rundir import DaemonDescriptor, census, matches
 
 from wcache_cli.output import out, printable
@@ -42,65 +44,179 @@ def _row(descriptor: DaemonDescriptor) -> dict[str, Any]:
     return {
         "name": descriptor.name, "pid": descriptor.pid, "device": descriptor.device,
         "tp_size": descriptor.tp_size, "tp_rank": descriptor.tp_rank, "source": descriptor.source,
-        "key_id": descriptor.key_id, "state": stats.get("state"),
+        "key_id": descriptor.key_id, "state": stats.get("state"), "holds_weights": bool(stats.get("holds_weights")),
         "weights_bytes": stats.get("weights_bytes", 0), "leases": stats.get("leases", 0),
         "uptime_s": stats.get("uptime_s"), "health_url": descriptor.health_url,
         "health_status": _health(descriptor.health_url), "counters": stats.get("counters", {}),
     }
 
 
-def status(run_dir: RunDirOpt = None, json: JsonOpt = False) -> None:
+def _loading_row(record: LoadingRecord) -> dict[str, Any]:
+    return {
+        "name": record.name, "pid": record.pid, "device": record.device, "tp_size": record.tp_size,
+        "tp_rank": record.tp_rank, "source": record.source, "key_id": None, "state": "loading",
+        "phase": record.phase, "done_bytes": record.done_bytes, "total_bytes": record.total_bytes,
+        "holds_weights": False, "weights_bytes": 0, "leases": 0, "uptime_s": round(time.time() - record.started, 3),
+        "health_url": None, "health_status": None, "counters": {},
+    }
+
+
+def _unhealthy(row: dict[str, Any]) -> str | None:
+    """Why a daemon is not ready to serve, or None when it is."""
+    name = row["name"] or f"pid {row['pid']}"
+    if row["state"] == "loading":
+        total = int(row["total_bytes"] or 0)
+        progress = f", {int(row['done_bytes']) * 100 // total}% read" if total else ""
+        return f"daemon {name} is still loading ({row['phase']}{progress})"
+    if row["state"] == "unreachable":
+        return f"daemon {name} does not answer"
+    if row["state"] == "released" or not row["holds_weights"]:
+        return f"daemon {name} no longer holds weights (state {row['state']})"
+    if row["health_status"] not in (None, 200):
+        return f"the health server of daemon {name} answers {row['health_status']}"
+    return None
+
+
+def status(
+    run_dir: RunDirOpt = None,
+    json: JsonOpt = False,
+    check: Annotated[
+        bool,
+        typer.Option("--check", help="Exit 3 unless there are daemons and every one is ready (an exec probe)."),
+    ] = False,
+) -> None:
     """List the daemons in the run dir: device, model, key, state, memory, leases, uptime and health.
 
-    Descriptors left by daemons that died are reported and removed.
+    Daemons still loading are listed with their progress. Descriptors left by daemons that died are reported
+    and removed. With --check, exit 0 only when at least one daemon runs and every daemon holds its weights.
     """
     where = run_dir_or_default(run_dir)
     found = census(where) if where.exists() else None
     rows = [_row(d) for d in found.live] if found else []
+    rows += [_loading_row(r) for r in read_loading(where)] if where.exists() else []
     stale = [{"name": d.name, "pid": d.pid, "source": d.source} for d in found.stale] if found else []
+    problems = [p for p in map(_unhealthy, rows) if p is not None]
     if json:
-        out.json({"run_dir": str(where), "daemons": rows, "stale_removed": stale})
-        return
-    for gone in stale:
-        out.warning(f"daemon {gone['name']} (pid {gone['pid']}) is gone; removed its descriptor and socket.")
-    if not rows:
-        out.print(f"No daemons in {where}.")
-        return
+        out.json({"run_dir": str(where), "daemons": rows, "stale_removed": stale,
+                  "ready": bool(rows) and not problems})
+    else:
+        for gone in stale:
+            out.warning(f"daemon {gone['name']} (pid {gone['pid']}) is gone; removed its descriptor and socket.")
+        if not rows and not check:
+            out.print(f"No daemons in {where}.")
+        elif rows and not check:
+            out.print(_table(where, rows))
+    if check:
+        if not rows:
+            raise UnavailableError(f"no daemons in {where}.")
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise UnavailableError(f"{problems[0]}{more}.")
+        if not json:
+            out.print(f"ready: {len(rows)} daemon(s) in {where}")
+
+
+def _table(where: Path, rows: list[dict[str, Any]]) -> Table:
     table = Table(title=f"daemons in {where}", title_justify="left")
-    for column in ("daemon", "device", "rank", "model", "key", "state", "memory", "leases", "uptime", "health"):
+    # `stop` needs the whole name: that column never shrinks, the others wrap first.
+    widest = max(len(printable(r["name"] or "")) for r in rows)
+    table.add_column("daemon", no_wrap=True, min_width=max(widest, len("daemon")))
+    for column in ("device", "rank", "model", "key", "state", "memory", "leases", "uptime", "health"):
         table.add_column(column)
     for r in rows:
         uptime = f"{r['uptime_s']:.0f} s" if isinstance(r["uptime_s"], int | float) else "?"
         health = str(r["health_status"]) if r["health_status"] is not None else "off"
         model = escape(printable(Path(r["source"]).name))  # a directory name may hold brackets or escapes
-        table.add_row(escape(printable(r["name"])), r["device"], f"{r['tp_rank']}/{r['tp_size']}", model,
-                      r["key_id"], str(r["state"]), human_bytes(int(r["weights_bytes"] or 0)), str(r["leases"]),
-                      uptime, health)
-    out.print(table)
+        state = str(r["state"])
+        if state == "loading":
+            total = int(r["total_bytes"] or 0)
+            state = (f"loading {human_bytes(int(r['done_bytes']))}/{human_bytes(total)}" if total
+                     else f"loading ({r['phase']})")
+        elif not r["holds_weights"] and state == "ready":
+            state = "ready, no weights"
+        name = escape(printable(r["name"])) if r["name"] else f"(pid {r['pid']})"
+        table.add_row(name, r["device"], f"{r['tp_rank']}/{r['tp_size']}", model, r["key_id"] or "-", state,
+                      human_bytes(int(r["weights_bytes"] or 0)), str(r["leases"]), uptime, health)
+    return table
+
+
+def _group_of(descriptor: DaemonDescriptor, live: tuple[DaemonDescriptor, ...]) -> list[DaemonDescriptor]:
+    """The ranks one preload started together; a TP group only serves whole."""
+    if descriptor.tp_size == 1 or descriptor.supervisor_pid is None:
+        return [descriptor]
+    return sorted((d for d in live if d.supervisor_pid == descriptor.supervisor_pid), key=lambda d: d.tp_rank)
 
 
 def stop(
     ident: Annotated[str | None, typer.Argument(help="Daemon name or key id prefix.", show_default=False)] = None,
     all_daemons: Annotated[bool, typer.Option("--all", help="Stop every daemon in the run dir.")] = False,
+    group: Annotated[
+        bool, typer.Option("--group", help="Stop every rank of the tensor-parallel group the daemon belongs to.")
+    ] = False,
     force: Annotated[bool, typer.Option("--force", help="Stop even while engines hold zero-copy leases.")] = False,
     run_dir: RunDirOpt = None,
 ) -> None:
-    """Stop daemons; refuses while zero-copy engines hold leases unless --force."""
+    """Stop daemons; refuses while zero-copy engines hold leases unless --force.
+
+    One rank of a tensor-parallel group is never stopped alone (the rest could not serve): name the group
+    with --group.
+    """
     if (ident is None) == (not all_daemons):
         raise BadInputError("name one daemon to stop, or pass --all (not both).")
     where = run_dir_or_default(run_dir)
     live = census(where).live if where.exists() else ()
     targets = list(live) if all_daemons else [d for d in live if matches(d, ident or "")]
+    loading = read_loading(where) if all_daemons and where.exists() else []
+    for record in loading:
+        stop_loading(record)
+        out.print(f"stopped {printable(record.name or f'pid {record.pid}')} (it was loading)")
     if not targets:
+        if loading:
+            return
         if all_daemons:
             out.print(f"No daemons in {where}.")
             return
         raise UnavailableError(f"no running daemon matches {ident!r} in {where}; `wcache status` lists them.")
-    refused = [f"{d.name} ({leases} lease(s))" for d in targets if (leases := stop_daemon(d, force=force))]
+    if not all_daemons:
+        chosen = {d.name for d in targets}
+        for descriptor in targets:
+            members = _group_of(descriptor, live)
+            missing = [d.name for d in members if d.name not in chosen]
+            if missing and not group:
+                raise BadInputError(
+                    f"daemon {descriptor.name} is rank {descriptor.tp_rank} of a tensor-parallel group of "
+                    f"{descriptor.tp_size} ({', '.join(d.name for d in members)}); stop the whole group with "
+                    "--group."
+                )
+            targets += [d for d in members if d.name not in chosen]
+            chosen.update(d.name for d in members)
+    # Leases are checked on every target first, so a refusal never leaves part of a group stopped.
+    held = {} if force else {d.name: n for d in targets if (n := _leases(d))}
+    if held:
+        busy = ", ".join(f"{name} ({n} lease(s))" for name, n in held.items())
+        raise BadInputError(f"engines still hold leases on {busy}; detach them first or use --force.")
+    refused = []
     for descriptor in targets:
-        if not any(r.startswith(descriptor.name + " ") for r in refused):
+        try:
+            leases = stop_daemon(descriptor, force=force)
+        except UnavailableError:
+            if descriptor.tp_size == 1:
+                raise
+            # Its supervisor is already stopping it with the rest of its group: that is what we asked for.
+            wait_exit(descriptor.pid, descriptor.name)
+            leases = 0
+        if leases:
+            refused.append(f"{descriptor.name} ({leases} lease(s))")
+        else:
             out.print(f"stopped {descriptor.name}")
     if refused:
         raise BadInputError(
             f"engines still hold leases on {', '.join(refused)}; detach them first or use --force."
         )
+
+
+def _leases(descriptor: DaemonDescriptor) -> int:
+    try:
+        return int(request_once(descriptor.socket, "stats").fields.get("leases") or 0)
+    except DaemonError:
+        return 0  # it cannot be asked; stop_daemon will say so

@@ -10,6 +10,7 @@ from rich.table import Table
 from wcache.errors import EXIT_DIFFERENCE, BadInputError
 from wcache.model_path import resolve_model_path
 
+from wcache_cli.operands import check_tp_fits
 from wcache_cli.output import out
 from wcache_cli.params import (
     DaemonOpt,
@@ -105,6 +106,7 @@ def verify(
 
         texts = _read_prompts(prompts) if prompts is not None else default_prompts(num_prompts)
         spec = plan_from_options(tp, 0 if tp > 1 else rank, dtype, quantization, plan)
+        check_tp_fits(model, spec)
         greedy_report = verify_greedy(model, spec, texts, max_new_tokens, engine.value, run_dir=where,
                                       device=device, mode=mode.value, trust_daemon=trust_daemon,
                                       daemon=daemon).to_json()

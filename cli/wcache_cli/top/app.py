@@ -139,6 +139,9 @@ class TopApp(App[None]):
         self._polling = False
         self._poll_again = False
         self._events: dict[str, EventRow] = {}
+        # The detail pane follows the newest event until the user picks one; then it stays on their pick.
+        self._event_pinned = False
+        self._followed_event: str | None = None
         self._rendering = False
         self._signatures: dict[str, Any] = {}  # what each table last showed
         self._texts: dict[str, tuple[Any, ...]] = {}  # what each Static last showed
@@ -239,13 +242,17 @@ class TopApp(App[None]):
         if self.poll_error:
             line.append(f"  last poll failed: {self.poll_error}", style="bold red")
         self._update("#status", line)
-        self.query_one("#banner", Static).display = self.paused
+        alerts = shown.alerts if shown is not None else ()
+        self.query_one("#banner", Static).display = self.paused or bool(alerts)
+        banner = Text(" · ".join(alerts), style="bold") if alerts else Text()
         if self.paused:
             taken = f" from {now - shown.taken_at:.0f} s ago" if shown is not None else ""
-            self._update("#banner", Text(
+            banner = Text(
                 f"PAUSED · showing the sample{taken} · collection continues "
-                f"({self.newer_while_paused} newer) · p resumes",
-            ))
+                f"({self.newer_while_paused} newer) · p resumes" + ("\n" if alerts else ""),
+            ).append_text(banner)
+        if self.paused or alerts:
+            self._update("#banner", banner)
 
     def _update(self, selector: str, text: Text) -> None:
         """Static.update repaints even with the same text; skip it when nothing changed."""
@@ -283,7 +290,11 @@ class TopApp(App[None]):
                     cells.append(cell)
                 table.add_row(*cells, key=row.key)
                 keys.append(row.key)
-            if selected in keys:
+            if panel.id == "events" and not self._event_pinned and rows:
+                newest = max(range(len(rows)), key=lambda i: rows[i].row.ts)  # type: ignore[attr-defined]
+                self._followed_event = keys[newest]
+                table.move_cursor(row=newest, animate=False)
+            elif selected in keys:
                 table.move_cursor(row=keys.index(selected), animate=False)
         finally:
             self._rendering = False
@@ -311,6 +322,9 @@ class TopApp(App[None]):
         if self._rendering:
             return
         with contextlib.suppress(NoMatches):  # a highlight that arrives while the app is closing
+            key = self._cursor_key(self.query_one("#events", DataTable))
+            if key is not None and key != self._followed_event:
+                self._event_pinned = True  # not where we put the cursor: the user chose this one
             self.render_detail()
 
     def on_descendant_focus(self, event: Any) -> None:

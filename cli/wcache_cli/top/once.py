@@ -7,6 +7,7 @@ from rich.table import Table
 from rich.text import Text
 from wcache.monitor.snapshot import Snapshot
 
+from wcache_cli.output import printable
 from wcache_cli.top.view import (
     FEED_LIMIT,
     PANEL_BY_ID,
@@ -42,7 +43,7 @@ def _why(snapshot: Snapshot, now: float) -> RenderableType | None:
     text = Text()
     for event in reversed(notable):
         text.append(f"{event.kind}: ", style=SEVERITY_STYLE.get(event.severity, ""))
-        text.append(f"{event.summary}\n")
+        text.append(f"{printable(event.summary)}\n")
         diff = event.detail.get("diff")
         if isinstance(diff, dict):
             for line in diff_lines(diff):
@@ -53,7 +54,8 @@ def _why(snapshot: Snapshot, now: float) -> RenderableType | None:
 
 def once_renderable(snapshot: Snapshot, now: float, waited_s: float) -> RenderableType:
     parts: list[RenderableType] = [
-        Text(f"wcache top · {snapshot.run_dir} · {counts_line(snapshot)}", style="bold"),
+        Text(f"wcache top · {printable(snapshot.run_dir)} · {counts_line(snapshot)}", style="bold"),
+        *(Text(alert, style="bold red") for alert in snapshot.alerts),
     ]
     for panel in PANELS:
         limit = FEED_LIMIT if panel is PANEL_BY_ID["events"] else None

@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 from rich.text import Text
 from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
 
+from wcache_cli.output import printable
 from wcache_cli.render import human_bytes
 
 OFF = "off"
@@ -97,7 +98,22 @@ def health(d: DaemonRow) -> Text:
 
 def state(d: DaemonRow) -> Text:
     style = {"ready": "green", "gone": "bold red"}.get(d.state, "yellow")
+    if d.state == "loading" and d.loaded_fraction is not None:
+        return Text(f"loading {d.loaded_fraction:.0%}", style=style)
     return Text(d.state, style=style)
+
+
+def misses(d: DaemonRow) -> Text:
+    """Misses against hellos: a daemon that engines keep missing is holding the wrong key for them."""
+    asked = d.hits + d.misses
+    if not d.alive or asked == 0:
+        return off()
+    return Text(f"{d.misses} ({d.misses / asked:.0%})", style="bold yellow" if d.misses else "")
+
+
+def shown(value: str, style: str = "") -> Text:
+    """Text from outside (paths, names, reasons) with its control characters escaped for the terminal."""
+    return Text(printable(value), style=style)
 
 
 def weights(e: EngineRow) -> Text:
@@ -136,7 +152,7 @@ def _has_prefix(e: EngineRow) -> bool:
 DAEMON_COLUMNS: tuple[Column[DaemonRow], ...] = (
     Column("device", lambda d, _: Text(d.device), lambda d: d.device),
     Column("rank", lambda d, _: Text(f"{d.tp_rank}/{d.tp_size}"), lambda d: (d.tp_size, d.tp_rank)),
-    Column("model", lambda d, _: Text(d.model), lambda d: d.model),
+    Column("model", lambda d, _: shown(d.model), lambda d: d.model),
     Column("key id", lambda d, _: Text(d.key_id, style="cyan"), lambda d: d.key_id),
     Column("state", lambda d, _: state(d), lambda d: d.state),
     Column("memory", lambda d, _: Text(human_bytes(d.weights_bytes)) if d.alive else off(),
@@ -145,6 +161,7 @@ DAEMON_COLUMNS: tuple[Column[DaemonRow], ...] = (
            lambda d: d.leases if d.alive else None, "right"),
     Column("uptime", lambda d, _: Text(duration(d.uptime_s), style="" if d.uptime_s is not None else "dim"),
            lambda d: d.uptime_s, "right"),
+    Column("misses", lambda d, _: misses(d), lambda d: d.misses, "right"),
     Column("health", lambda d, _: health(d), lambda d: (d.alive, d.health_status or 0)),
     Column("pid", lambda d, _: Text(str(d.pid), style="dim"), lambda d: d.pid, "right"),
 )
@@ -166,7 +183,7 @@ ENGINE_COLUMNS: tuple[Column[EngineRow], ...] = (
     Column("pid", lambda e, _: Text(str(engine_pid(e)), style="dim") if engine_pid(e) else Text("scraped", style="dim"),
            lambda e: engine_pid(e), "right"),
     Column("kind", lambda e, _: Text(e.kind), lambda e: e.kind),
-    Column("model", lambda e, _: Text(e.model), lambda e: e.model),
+    Column("model", lambda e, _: shown(e.model), lambda e: e.model),
     Column("weights", lambda e, _: weights(e), lambda e: e.weights),
     Column("mode", lambda e, _: plain(e.mode), lambda e: e.mode),
     Column("daemon", lambda e, _: plain(e.daemon), lambda e: e.daemon),
@@ -191,7 +208,7 @@ REPLAY_COLUMNS: tuple[Column[EngineRow], ...] = (
 
 
 def _severity_text(value: str, e: EventRow) -> Text:
-    return Text(value, style=SEVERITY_STYLE.get(e.severity, ""))
+    return shown(value, SEVERITY_STYLE.get(e.severity, ""))
 
 
 EVENT_COLUMNS: tuple[Column[EventRow], ...] = (
@@ -361,10 +378,10 @@ def event_detail(event: EventRow, now: float) -> Text:
     reason = detail.pop("reason", None)
     diff = detail.pop("diff", None)
     if not (reason and str(reason) in event.summary):  # a miss's summary is mostly its reason: say it once
-        text.append(f"{event.summary}\n")
+        text.append(f"{printable(event.summary)}\n")
     if reason:
         text.append("reason: ", style="bold")
-        text.append(f"{reason}\n")
+        text.append(f"{printable(str(reason))}\n")
     if isinstance(diff, dict):
         text.append("key diff:\n", style="bold")
         for line in diff_lines(diff):
@@ -377,8 +394,8 @@ def event_detail(event: EventRow, now: float) -> Text:
             value = ", ".join(f"{k} {v}" for k, v in value.items())
         elif isinstance(value, list | tuple):
             value = ", ".join(str(v) for v in value)
-        text.append(f"{name}: ", style="dim")
-        text.append(f"{value}\n")
+        text.append(f"{printable(name)}: ", style="dim")
+        text.append(f"{printable(str(value))}\n")
     text.rstrip()
     return text
 

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -15,8 +16,12 @@ from wcache.daemon.status_pipe import ProgressReporter, StatusWriter
 from wcache.digest_store import DigestStore
 from wcache.errors import WcacheError
 from wcache.events import append_event
+from wcache.fingerprint import HashProgress
 from wcache.key import KeyFile
 from wcache.loader import load_rank
+from wcache.loading import LoadingBoard, LoadingRecord
+from wcache.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
+from wcache.logs import configure as configure_logging
 from wcache.plan import PlanSpec
 from wcache.rundir import (
     DaemonDescriptor,
@@ -28,6 +33,8 @@ from wcache.rundir import (
     socket_path,
     write_descriptor,
 )
+
+log = logging.getLogger("wcache.daemon")
 
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
@@ -42,12 +49,31 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--health-url", default=None)
     parser.add_argument("--supervisor-pid", type=int, default=None)
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default=DEFAULT_LOG_LEVEL)
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=DEFAULT_LOG_FORMAT)
+    parser.add_argument("--log-file", type=Path, default=None)
     return parser.parse_args(argv)
+
+
+class _Both:
+    """Progress for the supervisor's pipe and for the run dir's loading record alike."""
+
+    def __init__(self, *targets: HashProgress) -> None:
+        self._targets = targets
+
+    def start(self, total_bytes: int, num_files: int) -> None:
+        for target in self._targets:
+            target.start(total_bytes, num_files)
+
+    def advance(self, nbytes: int) -> None:
+        for target in self._targets:
+            target.advance(nbytes)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _arguments(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {args.rank} %(levelname)s %(message)s")
+    configure_logging(f"rank{args.rank}", args.log_level, args.log_format, args.log_file)
+    log.info("loading %s for %s (tp %d, rank %d)", args.model, args.device, args.tp, args.rank)
     status = StatusWriter()
 
     def on_term(signum: int, frame: object) -> None:
@@ -57,20 +83,30 @@ def main(argv: list[str] | None = None) -> int:
             raise KeyboardInterrupt
 
     server: DaemonServer | None = None
+    board: LoadingBoard | None = None
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     try:
         run_dir = ensure_run_dir(args.run_dir)
         spec = PlanSpec(tp_size=args.tp, tp_rank=args.rank, dtype=args.dtype, quantization=args.quantization,
                         layout=args.plan)
+        board = LoadingBoard(run_dir, LoadingRecord(
+            pid=os.getpid(), pid_created=process_created(os.getpid()) or 0.0, source=str(args.model.absolute()),
+            device=args.device, tp_size=args.tp, tp_rank=args.rank, supervisor_pid=args.supervisor_pid,
+            started=time.time(), phase="starting"))
         locks: list[int] = []  # held (open) for the life of the process
 
         def own_key(key_file: KeyFile) -> None:
-            locks.append(hold_daemon_lock(run_dir, daemon_name(args.device, key_file.key.short_id), args.device))
+            name = daemon_name(args.device, key_file.key.short_id)
+            locks.append(hold_daemon_lock(run_dir, name, args.device))
+            log.info("key %s: this process is daemon %s", key_file.key.short_id, name)
+            assert board is not None
+            board.update(name=name)
 
         with DigestStore.open() as store:
             loaded = load_rank(args.model, spec, args.device, store,
-                               ProgressReporter(status, rank=args.rank), on_key=own_key)
+                               _Both(ProgressReporter(status, rank=args.rank), board), on_key=own_key)
+        board.update(phase="publishing")
         key_file = loaded.key_file
         name = daemon_name(args.device, key_file.key.short_id)
         descriptor = DaemonDescriptor(
@@ -87,26 +123,35 @@ def main(argv: list[str] | None = None) -> int:
         server.bind()
         write_descriptor(run_dir, descriptor)
     except KeyboardInterrupt:
+        log.info("stopped before it was ready")
         status.emit("failed", rank=args.rank, reason="stopped before it was ready.", exit_code=1)
         return 1
     except DaemonExistsError as exc:
+        log.info("%s", exc)
         status.emit("exists", rank=args.rank, reason=str(exc))
         return 0
     except WcacheError as exc:
+        log.error("load failed: %s", exc)
         status.emit("failed", rank=args.rank, reason=str(exc), exit_code=exc.exit_code)
         return exc.exit_code
     except Exception as exc:  # the supervisor must hear why, whatever it was
-        logging.exception("rank %d failed while loading", args.rank)
+        log.exception("rank %d failed while loading", args.rank)
         status.emit("failed", rank=args.rank, reason=f"{type(exc).__name__}: {exc}", exit_code=1)
         return 1
+    finally:
+        if board is not None:
+            board.remove()  # ready (the descriptor says the rest) or gone
     append_event(run_dir, "ready", daemon=descriptor.name, key_id=descriptor.key_id, rank=args.rank,
                  device=args.device, source=descriptor.source, weights_bytes=descriptor.weights_bytes,
                  load_s=round(loaded.load_seconds, 3))
     status.emit("ready", rank=args.rank, name=descriptor.name, key_id=descriptor.key_id,
                 socket=descriptor.socket, weights_bytes=descriptor.weights_bytes,
                 load_s=round(loaded.load_seconds, 3))
+    log.info("ready: daemon %s serves key %s, %d bytes, loaded in %.2f s", descriptor.name, descriptor.key_id,
+             descriptor.weights_bytes, loaded.load_seconds)
     status.close()
     server.serve_forever()  # returns at once, cleaning up, if a stop came during loading
+    log.info("stopped: daemon %s", descriptor.name)
     return 0
 
 

@@ -1,5 +1,10 @@
-"""The supervisor's HTTP endpoints: /health (200 only while every rank is ready and holds weights),
-/metrics (Prometheus text) and /stats (JSON)."""
+"""The supervisor's HTTP endpoints: /livez, /readyz (and /health, its older name), /metrics (Prometheus text)
+and /stats (JSON).
+
+Liveness and readiness differ on purpose: a rank whose weights went to a copy-mode client serves no more
+attaches (not ready) but is a healthy process (alive); a liveness probe that failed on it would restart it
+in a loop.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +18,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from wcache.client import DaemonError, request_once
-from wcache.http_base import QuietHandler, make_http_server
+from wcache.http_base import HTTPRequestError, QuietHandler, make_http_server
 
 STATS_TIMEOUT_S = 2.0
+DEAD_STATES = frozenset({"exited", "unreachable"})
 
 
 class RankTable:
@@ -55,7 +61,17 @@ class RankTable:
 
 
 def healthy(ranks: list[dict[str, Any]]) -> bool:
+    """Ready: every rank is ready and holds weights (what /readyz and /health answer 200 to)."""
     return bool(ranks) and all(r.get("state") == "ready" and r.get("holds_weights") for r in ranks)
+
+
+def alive(ranks: list[dict[str, Any]]) -> bool:
+    """Alive: no rank has exited or stopped answering; loading and released ranks are alive."""
+    return bool(ranks) and all(rank_alive(r) for r in ranks)
+
+
+def rank_alive(rank: dict[str, Any]) -> bool:
+    return rank.get("state") not in DEAD_STATES
 
 
 class _StatsCollector(Collector):
@@ -66,6 +82,8 @@ class _StatsCollector(Collector):
         ranks = self.table.snapshot()
         labels = ["tp_rank", "key_id"]
         ready = GaugeMetricFamily("wcache_daemon_ready", "1 while the rank is ready and holds weights.", labels=labels)
+        live = GaugeMetricFamily("wcache_daemon_alive", "1 while the rank's process runs and answers (loading, "
+                                 "ready or released).", labels=labels)
         weights = GaugeMetricFamily("wcache_daemon_weights_bytes", "Bytes of processed weights held.", labels=labels)
         leases = GaugeMetricFamily("wcache_daemon_leases", "Zero-copy engines attached now.", labels=labels)
         attaches = CounterMetricFamily("wcache_attaches", "Maps served.", labels=[*labels, "mode"])
@@ -79,6 +97,7 @@ class _StatsCollector(Collector):
             values = [str(r.get("tp_rank", "")), str(r.get("key_id", ""))]
             counters = r.get("counters", {})
             ready.add_metric(values, 1.0 if r.get("state") == "ready" and r.get("holds_weights") else 0.0)
+            live.add_metric(values, 1.0 if rank_alive(r) else 0.0)
             weights.add_metric(values, float(r.get("weights_bytes", 0)))
             leases.add_metric(values, float(r.get("leases", 0)))
             for mode in ("zero_copy", "copy"):
@@ -89,28 +108,36 @@ class _StatsCollector(Collector):
                     misses.add_metric([*values, name.removeprefix("misses_")], float(count))
             served.add_metric(values, float(counters.get("bytes_served", 0)))
             bad.add_metric(values, float(counters.get("bad_frames", 0)))
-        yield from (ready, weights, leases, attaches, hits, misses, served, bad)
+        yield from (ready, live, weights, leases, attaches, hits, misses, served, bad)
 
 
-def serve_health(table: RankTable, host: str, port: int) -> ThreadingHTTPServer:
-    """Start the endpoints in a background thread; returns the server (its port may have been 0)."""
+def serve_health(table: RankTable, host: str, port: int,
+                 flags: tuple[str, str] | None = None) -> ThreadingHTTPServer:
+    """Start the endpoints in a background thread; returns the server (its port may have been 0).
+
+    `flags` name the options that chose host and port, for the ListenError raised when it cannot listen.
+    """
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StatsCollector(table))
 
     class Handler(QuietHandler):
         def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/health":
+            path = self.route()
+            if path in ("/readyz", "/health"):
                 ranks = table.snapshot()
                 ok = healthy(ranks)
                 self.send_json(200 if ok else 503, {"status": "ok" if ok else "unavailable", "ranks": ranks})
+            elif path == "/livez":
+                ranks = table.snapshot()
+                ok = alive(ranks)
+                self.send_json(200 if ok else 503, {"status": "ok" if ok else "down", "ranks": ranks})
             elif path == "/metrics":
                 self.send_metrics(registry)
             elif path == "/stats":
                 self.send_json(200, {"ranks": table.snapshot()})
             else:
-                self.send_json(404, {"error": f"no route {path}"})
+                raise HTTPRequestError(f"no route {path}; try /livez, /readyz, /metrics or /stats", 404)
 
-    server = make_http_server(host, port, Handler)
+    server = make_http_server(host, port, Handler, flags)
     threading.Thread(target=server.serve_forever, name="wcache-health", daemon=True).start()
     return server

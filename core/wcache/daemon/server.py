@@ -1,4 +1,11 @@
-"""The daemon's serve loop: one thread per client, leases for zero-copy clients, any bad client dropped alone."""
+"""The daemon's serve loop: one thread per client, leases for zero-copy clients, any bad client dropped alone.
+
+A copy-mode engine that has its copy asks the daemon to release its weights. The release waits until no other
+attach is in flight (a connection that has not sent its first request yet, or said hello with our key and not
+yet mapped or released) and no zero-copy lease is held, so engines that started together all get the weights;
+only an engine that arrives after the weights are really gone is told so. A silent connection holds a release
+back for CLIENT_TIMEOUT_S at most.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +17,37 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from wcache.arena import CpuArena
 from wcache.events import append_event
 from wcache.loader import LoadedRank
-from wcache.protocol import Frame, PeerClosedError, ProtocolError, peer_uid, receive, require, send
+from wcache.protocol import (
+    REPLY_LIMITS,
+    REQUEST_LIMITS,
+    Frame,
+    PeerClosedError,
+    ProtocolError,
+    encode,
+    peer_uid,
+    receive,
+    require,
+    send_encoded,
+)
 from wcache.rundir import DaemonDescriptor, remove_daemon_files
 
 log = logging.getLogger("wcache.daemon")
 
 # A reply: its type, its fields, and the descriptors that travel with it.
 Reply = tuple[str, dict[str, Any], tuple[int, ...]]
-# A client that stops mid-frame must not hold a thread forever.
+# A client that holds no map and says nothing for this long is dropped (a frame once begun has its
+# own, shorter deadline: protocol.REQUEST_LIMITS).
 CLIENT_TIMEOUT_S = 60.0
+# Connections served at once, lease holders included: one thread each, so a flood cannot exhaust threads
+# or memory; beyond it a connection gets one error frame and is closed.
+MAX_CLIENTS = 512
 KEY_FIELDS = ("checkpoint", "config", "plan", "format")
 
 
@@ -37,6 +60,19 @@ class _Client:
     matched: bool = False
     mode: str | None = None
 
+    @property
+    def attaching(self) -> bool:
+        """Said hello with our key and has neither taken a lease nor released."""
+        return self.matched and self.mode != "zero_copy"
+
+
+@dataclass(frozen=True, slots=True)
+class _Release:
+    """A copy-mode engine's request that the daemon let go of its weights."""
+
+    client_pid: int | None
+    asked: float  # time.time()
+
 
 @dataclass
 class DaemonState:
@@ -45,6 +81,12 @@ class DaemonState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     state: str = "ready"
     leases: set[int] = field(default_factory=set)
+    # Connections that may yet map: no request seen yet (an engine connects while it computes its key), or
+    # a hello that hit and no lease or release since.
+    attaching: set[int] = field(default_factory=set)
+    clients: int = 0
+    release: _Release | None = None  # asked for, not yet carried out
+    released: dict[str, Any] | None = None  # when and to whom, once carried out
     counters: Counter[str] = field(default_factory=Counter)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -74,7 +116,8 @@ class DaemonServer:
         finally:
             os.umask(old_umask)
         path.chmod(0o600)
-        listener.listen(64)
+        # Engines start in bursts (one per rank and DP replica); the kernel caps this at net.core.somaxconn.
+        listener.listen(socket.SOMAXCONN)
         listener.settimeout(0.25)
         self._listener = listener
 
@@ -93,9 +136,40 @@ class DaemonServer:
                 log.warning("accept() failed (%s); retrying.", exc)
                 self.shared.stop.wait(0.1)
                 continue
-            self._next_ident += 1
-            threading.Thread(target=self._serve_client, args=(conn, self._next_ident), daemon=True).start()
+            self._start_client(conn)
         self._shutdown()
+
+    def _start_client(self, conn: socket.socket) -> None:
+        self._next_ident += 1
+        ident = self._next_ident
+        with self.shared.lock:
+            busy = self.shared.clients >= MAX_CLIENTS
+            if not busy:
+                self.shared.clients += 1
+                self.shared.attaching.add(ident)
+        if busy:
+            self._refuse_busy(conn)
+            return
+        try:
+            threading.Thread(target=self._serve_client, args=(conn, ident), daemon=True).start()
+        except RuntimeError as exc:  # no thread to be had: this client goes, the daemon stays
+            self._count("accept_errors")
+            log.warning("Could not start a thread for client %d (%s).", ident, exc)
+            conn.close()
+            self._forget(_Client(ident))
+
+    def _refuse_busy(self, conn: socket.socket) -> None:
+        """One error frame and a close, from the accept loop itself: it must never block there."""
+        with conn:
+            conn.setblocking(False)
+            with contextlib.suppress(OSError):
+                message = f"this daemon already serves {MAX_CLIENTS} connections; try again shortly"
+                send_encoded(conn, encode("error", {"message": message}, REPLY_LIMITS))
+        with self.shared.lock:
+            self.shared.counters["refused_busy"] += 1
+            refused = self.shared.counters["refused_busy"]
+        if refused == 1 or refused % 1000 == 0:  # a flood would otherwise fill the log
+            log.warning("Refused a connection beyond %d at once (%d so far).", MAX_CLIENTS, refused)
 
     def request_stop(self) -> None:
         self.shared.stop.set()
@@ -125,15 +199,17 @@ class DaemonServer:
                     log.warning("Refused a connection from uid %d.", uid)
                     return
                 while not self.shared.stop.is_set():
-                    # A lease holder may stay silent for as long as it serves; only other clients time out.
-                    conn.settimeout(None if client.mode == "zero_copy" else CLIENT_TIMEOUT_S)
+                    # A client holding a map (a lease, or a copy still being made) may stay silent for as
+                    # long as it needs; only other clients time out.
+                    conn.settimeout(None if client.mode is not None else CLIENT_TIMEOUT_S)
                     try:
-                        frame = receive(conn)
+                        frame = receive(conn, REQUEST_LIMITS)
                     except PeerClosedError:
                         return
                     reply_type, fields, fds = self._dispatch(client, frame)
+                    self._settle(client)
                     try:
-                        send(conn, reply_type, fields, fds)
+                        send_encoded(conn, self._encode_reply(reply_type, fields), fds)
                     finally:
                         # The reply owns its descriptors (duplicates); the kernel copied them into the message.
                         _close_fds(fds)
@@ -144,7 +220,14 @@ class DaemonServer:
             self._count("client_errors")
             log.warning("Client %d went away: %s.", ident, exc)
         finally:
-            self._end_lease(client)
+            self._forget(client)
+
+    def _encode_reply(self, reply_type: str, fields: dict[str, Any]) -> bytes:
+        try:
+            return encode(reply_type, fields, REPLY_LIMITS)
+        except ProtocolError as exc:  # ours, not the client's: it gets the reason, the connection stays
+            self._count("oversized_replies")
+            return encode("error", {"message": str(exc)}, REPLY_LIMITS)
 
     def _dispatch(self, client: _Client, frame: Frame) -> Reply:
         for fd in frame.fds:
@@ -163,6 +246,23 @@ class DaemonServer:
         with self.shared.lock:
             self.shared.counters[name] += amount
 
+    def _settle(self, client: _Client) -> None:
+        """After a request: the client stays in flight only while it may still map; a queued release may be due."""
+        with self.shared.lock:
+            if client.attaching:
+                self.shared.attaching.add(client.ident)
+            else:
+                self.shared.attaching.discard(client.ident)
+        self._release_if_due()
+
+    def _forget(self, client: _Client) -> None:
+        """The connection is gone: its lease and any attach in flight end with it."""
+        with self.shared.lock:
+            self.shared.clients -= 1
+            self.shared.attaching.discard(client.ident)
+        self._end_lease(client)
+        self._release_if_due()
+
     def _end_lease(self, client: _Client) -> None:
         with self.shared.lock:
             had = client.ident in self.shared.leases
@@ -171,14 +271,39 @@ class DaemonServer:
             append_event(self.run_dir, "release", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
                          mode="zero_copy", client_pid=client.pid)
 
+    def _release_if_due(self) -> None:
+        """Carry out a queued copy-mode release once no attach is in flight and no lease is held."""
+        with self.shared.lock:
+            asked = self.shared.release
+            if asked is None or self.shared.state != "ready" or self.shared.attaching or self.shared.leases:
+                return
+            self.shared.release = None
+            self.shared.state = "released"
+            self.shared.released = {"at": datetime.now(UTC).isoformat(timespec="seconds"),
+                                    "client_pid": asked.client_pid}
+            self.loaded.arena.close()
+        log.info("Released the weights to the copy-mode engine %s.", asked.client_pid)
+        append_event(self.run_dir, "release", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
+                     mode="copy", client_pid=asked.client_pid, weights_dropped=True,
+                     queued_s=round(time.time() - asked.asked, 3))
+
     # -- requests ------------------------------------------------------------------------------------
 
     def _summary(self) -> dict[str, Any]:
         d = self.descriptor
         with self.shared.lock:
-            state = self.shared.state
+            state, released = self.shared.state, self.shared.released
         return {"name": d.name, "key_id": d.key_id, "key": d.key, "plan": d.plan, "config": d.config,
-                "source": d.source, "device": d.device, "state": state}
+                "source": d.source, "device": d.device, "state": state, "released": released}
+
+    def _released_message(self) -> str:
+        """Why this daemon holds no weights, for error replies (the caller holds no lock)."""
+        with self.shared.lock:
+            released = self.shared.released
+        if released is None:
+            return "this daemon holds no weights"
+        return (f"this daemon released its weights to a copy-mode engine (pid {released['client_pid']}) "
+                f"at {released['at']}")
 
     def _handle_hello(self, client: _Client, fields: dict[str, Any]) -> Reply:
         wanted = require(fields, "key", dict)
@@ -214,16 +339,20 @@ class DaemonServer:
         if not client.matched:
             return "error", {"message": "say hello with a matching key before asking for a map"}, ()
         arena = self.loaded.arena
+        fds: tuple[int, ...] = ()
         with self.shared.lock:
-            if self.shared.state != "ready":
-                return "error", {"message": "this daemon released its weights"}, ()
-            if mode == "zero_copy":
-                self.shared.leases.add(client.ident)
-            self.shared.counters["attaches"] += 1
-            self.shared.counters[f"attaches_{mode}"] += 1
-            self.shared.counters["bytes_served"] += arena.total_bytes
-            # The descriptor is duplicated under the lock so a concurrent release cannot close it mid-send.
-            fds: tuple[int, ...] = (os.dup(arena.fd),) if isinstance(arena, CpuArena) else ()
+            ready = self.shared.state == "ready"
+            if ready:
+                if mode == "zero_copy":
+                    self.shared.leases.add(client.ident)
+                self.shared.counters["attaches"] += 1
+                self.shared.counters[f"attaches_{mode}"] += 1
+                self.shared.counters["bytes_served"] += arena.total_bytes
+                # Duplicated under the lock so a concurrent release cannot close it mid-send.
+                if isinstance(arena, CpuArena):
+                    fds = (os.dup(arena.fd),)
+        if not ready:
+            return "error", {"message": self._released_message()}, ()
         client.mode = mode
         reply: dict[str, Any] = {
             "kind": "memfd" if isinstance(arena, CpuArena) else "cuda",
@@ -236,31 +365,39 @@ class DaemonServer:
 
     def _handle_release(self, client: _Client, fields: dict[str, Any]) -> Reply:
         if client.mode == "copy":
-            # Copy mode hands ownership to the engine and the daemon lets go of its weights, unless zero-copy
-            # engines still map them: their memory stays in use anyway, and new engines can still attach.
+            # Copy mode hands ownership to the engine: the daemon lets go of its weights once no other
+            # engine is attaching or holds a lease (their memory stays in use anyway).
             with self.shared.lock:
-                others = len(self.shared.leases - {client.ident})
-                if self.shared.state == "ready" and not others:
-                    self.shared.state = "released"
-                    self.loaded.arena.close()
-            append_event(self.run_dir, "release", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
-                         mode="copy", client_pid=client.pid, kept_for_leases=others)
+                self.shared.attaching.discard(client.ident)
+                others = len(self.shared.attaching), len(self.shared.leases)
+                queued = self.shared.state == "ready" and self.shared.release is None
+                if queued:
+                    self.shared.release = _Release(client.pid, time.time())
+            if queued and any(others):
+                append_event(self.run_dir, "release", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
+                             mode="copy", client_pid=client.pid, weights_dropped=False,
+                             kept_for_attaches=others[0], kept_for_leases=others[1])
         else:
             self._end_lease(client)
+        client.matched = False  # another map on this connection needs another hello
         client.mode = None
-        return "released", {"state": self._summary()["state"]}, ()
+        self._release_if_due()
+        with self.shared.lock:
+            state, pending = self.shared.state, self.shared.release is not None
+        return "released", {"state": state, "release_queued": pending}, ()
 
     def _handle_check_arena(self, client: _Client, fields: dict[str, Any]) -> Reply:
         """Re-hash every processed tensor in the arena against the digest recorded when it was built."""
         from wcache.loader import processed_digest
 
         with self.shared.lock:
-            if self.shared.state != "ready":
-                return "error", {"message": "this daemon released its weights; nothing to check"}, ()
-            tensors = self.loaded.arena.tensors(self.loaded.entries)
-            changed = [name for name, tensor in tensors.items()
-                       if processed_digest(tensor) != self.loaded.processed_digests[name]]
-        return "arena", {"checked": len(tensors), "changed": changed}, ()
+            ready = self.shared.state == "ready"
+            if ready:
+                tensors = self.loaded.arena.tensors(self.loaded.entries)
+                changed = [name for name, tensor in tensors.items()
+                           if processed_digest(tensor) != self.loaded.processed_digests[name]]
+                return "arena", {"checked": len(tensors), "changed": changed}, ()
+        return "error", {"message": f"{self._released_message()}; nothing to check"}, ()
 
     def stats(self) -> dict[str, Any]:
         d = self.descriptor
@@ -273,6 +410,8 @@ class DaemonServer:
                 "weights_bytes": self.loaded.arena.total_bytes if holds else 0,
                 "leases": len(self.shared.leases), "uptime_s": round(time.time() - self.started, 3),
                 "load_s": round(self.loaded.load_seconds, 3), "counters": dict(self.shared.counters),
+                "connections": self.shared.clients, "release_queued": self.shared.release is not None,
+                "released": self.shared.released,
             }
 
     def _handle_stats(self, client: _Client, fields: dict[str, Any]) -> Reply:

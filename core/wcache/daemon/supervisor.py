@@ -7,6 +7,7 @@ stdout until every rank is ready (or one failed), then keeps running without the
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import subprocess
@@ -19,11 +20,16 @@ from typing import IO, Any
 
 from wcache.daemon.health import RankTable, serve_health
 from wcache.daemon.status_pipe import StatusWriter, parse_line
-from wcache.errors import WcacheError
+from wcache.errors import EXIT_UNAVAILABLE, WcacheError
 from wcache.events import append_event
+from wcache.http_base import http_url
+from wcache.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
+from wcache.logs import configure as configure_logging
 from wcache.rundir import census, ensure_run_dir
 
 TERM_GRACE_S = 10.0
+
+log = logging.getLogger("wcache.supervisor")
 
 
 def rank_devices(device: str, tp_size: int) -> list[str]:
@@ -69,8 +75,9 @@ class Supervisor:
 
     def run(self) -> int:
         census(self.run_dir)  # clean descriptors of dead daemons before adding ours
-        server = serve_health(self.table, self.args.health_host, self.args.health_port)
-        health_url = f"http://{self.args.health_host}:{server.server_address[1]}"
+        server = serve_health(self.table, self.args.health_host, self.args.health_port,
+                              ("--health-host", "--health-port"))
+        health_url = http_url(self.args.health_host, server.server_address[1])
         append_event(self.run_dir, "preload", source=str(self.args.model), device=self.args.device,
                      tp_size=self.args.tp, health_url=health_url)
         began = time.perf_counter()
@@ -85,11 +92,14 @@ class Supervisor:
             return 0
         if outcome is not None:
             reason, code = outcome
+            log.error("preload failed: %s", reason)
             self._terminate_all()
             append_event(self.run_dir, "preload_failed", source=str(self.args.model), reason=reason)
             self.status.emit("failed", reason=reason, exit_code=code)
             server.shutdown()
             return code
+        log.info("all %d rank(s) ready in %.2f s; health %s", len(self.ranks), time.perf_counter() - began,
+                 health_url)
         self.status.emit(
             "ready", seconds=round(time.perf_counter() - began, 3), health_url=health_url,
             ranks=[r.ready for r in self.ranks],
@@ -99,22 +109,29 @@ class Supervisor:
         for r in self.ranks:
             r.finished.wait()
         server.shutdown()
-        return 0
+        # A rank that died (rather than being stopped) makes this a failure: service managers restart on it.
+        died = [r for r in self.ranks if r.exit_code not in (0, None)]
+        return 0 if self.stopping or not died else EXIT_UNAVAILABLE
 
     def _spawn(self, rank: int, device: str, health_url: str) -> _Rank:
         a = self.args
         logs = self.run_dir / "logs"
         logs.mkdir(mode=0o700, exist_ok=True)
-        log_file = (logs / f"preload-{os.getpid()}-rank{rank}.log").open("a")
+        log_path = logs / f"preload-{os.getpid()}-rank{rank}.log"
         command = [
             sys.executable, "-m", "wcache.daemon", "--model", str(a.model), "--device", device,
             "--tp", str(a.tp), "--rank", str(rank), "--dtype", a.dtype, "--quantization", a.quantization,
             "--plan", a.plan, "--run-dir", str(self.run_dir), "--health-url", health_url,
-            "--supervisor-pid", str(os.getpid()),
+            "--supervisor-pid", str(os.getpid()), "--log-level", a.log_level, "--log-format", a.log_format,
+            "--log-file", str(log_path),
         ]
+        # In the foreground the ranks share our stderr (journald, `docker logs`); their log file is kept too.
+        log_file = None if a.foreground else log_path.open("a")
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
                                    text=True, bufsize=1)
-        log_file.close()
+        if log_file is not None:
+            log_file.close()
+        log.info("started rank %d on %s (pid %d, log %s)", rank, device, process.pid, log_path)
         state = _Rank(rank, device, process)
         threading.Thread(target=self._follow, args=(state,), daemon=True).start()
         return state
@@ -134,6 +151,7 @@ class Supervisor:
                 elif message["event"] == "ready":
                     state.ready = message
                     self.table.ready(state.rank, message["socket"])
+                    log.info("rank %d ready: daemon %s", state.rank, message.get("name"))
                 elif message["event"] == "exists":
                     state.exists = str(message.get("reason", "another daemon holds this key."))
                 elif message["event"] == "failed":
@@ -147,9 +165,15 @@ class Supervisor:
             self.changed.notify_all()
         self.table.gone(state.rank)
         state.finished.set()
+        log.log(logging.INFO if self.stopping else logging.WARNING, "rank %d exited with code %d", state.rank, code)
         if state.ready is not None and not self.stopping:
             append_event(self.run_dir, "daemon_exited", daemon=state.ready.get("name"), rank=state.rank,
                          exit_code=code)
+            if len(self.ranks) > 1:
+                # A tensor-parallel group serves whole or not at all: the other ranks must not report ready.
+                append_event(self.run_dir, "group_stopped", source=str(self.args.model), rank=state.rank,
+                             reason=f"rank {state.rank} exited with code {code}")
+                self.stop()
 
     def _wait_until_settled(self) -> tuple[str, int] | None:
         """None once every rank is ready; else the first failure's reason and exit code (0: the key is served)."""
@@ -182,6 +206,7 @@ class Supervisor:
                 r.process.wait()
 
     def stop(self) -> None:
+        log.info("stopping every rank")
         with self.changed:
             self.stopping = True
             self.changed.notify_all()
@@ -199,11 +224,16 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--health-host", default="127.0.0.1")
     parser.add_argument("--health-port", type=int, default=0)
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default=DEFAULT_LOG_LEVEL)
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=DEFAULT_LOG_FORMAT)
+    parser.add_argument("--log-file", type=Path, default=None)
+    parser.add_argument("--foreground", action="store_true", help="ranks log to our stderr as well as their files")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _arguments(sys.argv[1:] if argv is None else argv)
+    configure_logging("supervisor", args.log_level, args.log_format, args.log_file)
     try:
         supervisor = Supervisor(args)
     except WcacheError as exc:
@@ -213,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: supervisor.stop())
     try:
         return supervisor.run()
+    except WcacheError as exc:  # the health server cannot listen (ListenError): the CLI shows this sentence
+        supervisor._terminate_all()
+        log.error("preload failed: %s", exc)
+        append_event(supervisor.run_dir, "preload_failed", source=str(args.model), reason=str(exc))
+        supervisor.status.emit("failed", reason=str(exc), exit_code=exc.exit_code)
+        return exc.exit_code
     except OSError as exc:
         supervisor._terminate_all()
         supervisor.status.emit("failed", reason=f"the supervisor failed: {exc}.", exit_code=1)

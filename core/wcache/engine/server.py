@@ -7,6 +7,7 @@ Metric names follow vLLM where the meaning is the same (`vllm:prefix_cache_queri
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -21,16 +22,19 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from wcache.engine.block_manager import KVCacheFullError
 from wcache.engine.engine import Engine, Generation
 from wcache.events import append_event
-from wcache.http_base import QuietHandler, make_http_server
+from wcache.http_base import HTTPRequestError, QuietHandler, make_http_server
 from wcache.rundir import ENGINES_DIR
 
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_LIMIT = 4096
 
+log = logging.getLogger("wcache.engine")
 
-class RequestError(Exception):
+
+class RequestError(HTTPRequestError):
     """A client request the server answers with 400 and this message."""
 
 
@@ -95,7 +99,10 @@ def _completion(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise RequestError("this engine has no tokenizer; send token ids")
-        token_ids = tokenizer.encode(prompt)
+        try:
+            token_ids = tokenizer.encode(prompt)
+        except UnicodeError as exc:  # JSON can carry lone surrogates ("\ud800"), which no text encoding holds
+            raise RequestError(f"the prompt is not valid Unicode text ({exc.reason})") from None
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         token_ids = list(prompt)
     else:
@@ -110,6 +117,13 @@ def _completion(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
     temperature = body.get("temperature", 0)
     if not isinstance(temperature, int | float) or temperature != 0:
         raise RequestError("only greedy decoding is supported: temperature must be 0")
+    # Refused here, before any TP rank starts: a request the KV cache cannot hold would fail on every rank.
+    config = served.engine.config
+    capacity, needed = config.num_blocks * config.block_size, len(token_ids) + max_tokens - 1
+    if needed > capacity:
+        raise RequestError(f"the prompt ({len(token_ids)} tokens) and max_tokens ({max_tokens}) need {needed} "
+                           f"tokens of KV cache but this engine holds {capacity}; shorten the prompt or lower "
+                           f"max_tokens")
     generation = served.generate(token_ids, max_tokens)
     text = tokenizer.decode(generation.token_ids) if tokenizer is not None else ""
     eos = set(served.engine.model_config.eos_token_ids)
@@ -128,13 +142,20 @@ def _completion(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def make_server(served: ServedEngine, host: str, port: int) -> ThreadingHTTPServer:
+def make_server(served: ServedEngine, host: str, port: int,
+                flags: tuple[str, str] | None = None) -> ThreadingHTTPServer:
+    """The engine's HTTP server, not yet serving; `flags` name the options that chose host and port."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_EngineCollector(served))
 
     class Handler(QuietHandler):
+        def error_document(self, code: int, sentence: str) -> Any:
+            # OpenAI's error shape: what the clients of this API parse.
+            kind = "not_found" if code == 404 else "invalid_request_error" if code < 500 else "server_error"
+            return {"error": {"message": sentence, "type": kind, "code": code}}
+
         def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
+            path = self.route()
             if path == "/health":
                 report = served.engine.attach_report
                 lost = report is not None and report.daemon_lost
@@ -147,51 +168,81 @@ def make_server(served: ServedEngine, host: str, port: int) -> ThreadingHTTPServ
                 self.send_json(200, {"object": "list", "data": [{"id": served.model_name, "object": "model",
                                                                  "owned_by": "wcache"}]})
             else:
-                self.send_json(404, {"error": {"message": f"no route {path}", "type": "not_found"}})
+                raise HTTPRequestError(f"no route {path}", 404)
 
         def do_POST(self) -> None:
-            path = self.path.split("?", 1)[0]
+            path = self.route()
             if path != "/v1/completions":
-                self.send_json(404, {"error": {"message": f"no route {path}", "type": "not_found"}})
-                return
+                raise HTTPRequestError(f"no route {path}", 404)
+            body = self.read_json_object(MAX_BODY_BYTES)
             try:
-                length = int(self.headers.get("Content-Length") or 0)
-                if not 0 < length <= MAX_BODY_BYTES:
-                    raise RequestError(f"the body must be 1..{MAX_BODY_BYTES} bytes of JSON")
-                body = json.loads(self.rfile.read(length))
-                if not isinstance(body, dict):
-                    raise RequestError("the body must be a JSON object")
-                self.send_json(200, _completion(served, body))
-            except (RequestError, ValueError) as exc:
-                self.send_json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+                completion = _completion(served, body)
+            except (ValueError, KVCacheFullError) as exc:  # a prompt the tokenizer or the cache cannot take
+                raise RequestError(str(exc)) from None
+            self.send_json(200, completion)
 
-    return make_http_server(host, port, Handler)
+    return make_http_server(host, port, Handler, flags)
 
 
 class CounterEvents:
-    """Writes the engine's counters to the run dir's event log every `interval` seconds (and at the end)."""
+    """Every `interval` seconds: the engine's counters to the run dir's event log when they changed (and once
+    at the end), and a vLLM-style stats line to the "wcache.engine" logger while there was activity.
+
+    An idle engine writes nothing: readers find engines by their descriptors, never by these lines.
+    """
 
     def __init__(self, served: ServedEngine, run_dir: Path, url: str, interval: float = 5.0) -> None:
         self.served, self.run_dir, self.url, self.interval = served, run_dir, url, interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="wcache-engine-counters", daemon=True)
+        self._last = served.engine.counters.snapshot()
+        self._last_at = time.monotonic()
 
     def start(self) -> None:
         self._thread.start()
 
-    def _emit(self) -> None:
+    def _emit(self, counters: dict[str, int]) -> None:
         report = self.served.engine.attach_report
         append_event(self.run_dir, "engine_counters", engine_pid=os.getpid(), url=self.url,
-                     model=self.served.model_name, outcome=report.outcome if report else "disk",
-                     **self.served.engine.counters.snapshot())
+                     model=self.served.model_name, outcome=report.outcome if report else "disk", **counters)
+
+    def _tick(self) -> None:
+        engine = self.served.engine
+        now, counters, running = time.monotonic(), engine.counters.snapshot(), engine.lock.locked()
+        changed = counters != self._last
+        if changed:
+            self._emit(counters)
+        if changed or running:
+            log.info(stats_line(self._last, counters, now - self._last_at, running, engine.blocks.num_free,
+                                engine.config.num_blocks))
+        self._last, self._last_at = counters, now
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self._emit()
+            self._tick()
 
     def stop(self) -> None:
         self._stop.set()
-        self._emit()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.interval + 1)
+        self._emit(self.served.engine.counters.snapshot())  # the final count, changed or not
+
+
+def stats_line(before: dict[str, int], after: dict[str, int], seconds: float, running: bool, free_blocks: int,
+               num_blocks: int) -> str:
+    """One line like vLLM's periodic stats log, over the interval between two counter snapshots."""
+
+    def grew(name: str) -> int:
+        return after[name] - before[name]
+
+    per_s = 1.0 / seconds if seconds > 0 else 0.0
+    queries = grew("prefix_queries")
+    hit_rate = 100.0 * grew("prefix_hits") / queries if queries else 0.0
+    usage = 100.0 * (num_blocks - free_blocks) / num_blocks if num_blocks else 0.0
+    return (f"Avg prompt throughput: {queries * per_s:.1f} tokens/s, "
+            f"Avg generation throughput: {grew('generation_tokens') * per_s:.1f} tokens/s, "
+            f"Running: {int(running)} reqs, Started: {grew('requests')} reqs, "
+            f"Prefix cache hit rate: {hit_rate:.1f}%, KV cache usage: {usage:.1f}%")
 
 
 def write_engine_descriptor(run_dir: Path, url: str, served: ServedEngine, source: str) -> Path:

@@ -2,6 +2,10 @@
 
 Every rank runs the same generate() calls in the same order, because the model's collectives must line up:
 rank 0 broadcasts each request before running it, and a stop message ends the others' loops.
+
+Requests travel as int64 tensors only (a fixed-size header, then the token ids), never as pickled objects:
+gloo's TCP ports on loopback are open to every local user, and a rank that unpickled what it received there
+could be made to run anything. A header outside the protocol ends the rank instead of being guessed at.
 """
 
 from __future__ import annotations
@@ -12,38 +16,98 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
+import torch
 
 from wcache.engine.config import EngineConfig
 from wcache.engine.engine import Engine, Generation
 from wcache.engine.parallel import TensorParallel
-from wcache.engine.server import CounterEvents, ServedEngine, make_server, write_engine_descriptor
+from wcache.engine.server import (
+    MAX_BODY_BYTES,
+    MAX_TOKENS_LIMIT,
+    CounterEvents,
+    ServedEngine,
+    make_server,
+    write_engine_descriptor,
+)
+from wcache.http_base import http_url
 from wcache.plan import PlanSpec
 from wcache.rundir import ensure_run_dir
 
-_STOP = "stop"
+# Every request starts with the header [opcode, prompt length, max new tokens].
+_GENERATE, _STOP = 1, 2
+_HEADER_LEN = 3
+# A prompt cannot hold more tokens than the request body that carried it had bytes.
+MAX_PROMPT_TOKENS = MAX_BODY_BYTES
 
 
-def _lockstep(engine: Engine, tp: TensorParallel) -> Callable[[list[int], int], Generation]:
-    if tp.size == 1:
-        return engine.generate
-
-    def generate(token_ids: list[int], max_new_tokens: int) -> Generation:
-        with engine.lock:
-            dist.broadcast_object_list([("generate", token_ids, max_new_tokens)], src=0)
-        return engine.generate(token_ids, max_new_tokens)
-
-    return generate
+class LockstepError(RuntimeError):
+    """The ranks are no longer running the same requests; the rank that notices stops rather than drift."""
 
 
-def _follow_rank0(engine: Engine) -> None:
-    while True:
-        message: list[Any] = [None]
-        dist.broadcast_object_list(message, src=0)
-        if message[0] == _STOP:
-            return
-        _, token_ids, max_new_tokens = message[0]
-        engine.generate(token_ids, max_new_tokens)
+class Driver:
+    """Rank 0's side: tells the other ranks each request, then runs it with them, one request at a time."""
+
+    def __init__(self, engine: Engine, tp: TensorParallel) -> None:
+        self.engine, self.tp = engine, tp
+        # Held from the header to the end of the generation: two HTTP threads interleaving their broadcasts
+        # with each other's generations would pair one request's collectives with another's.
+        self.lock = threading.Lock()
+
+    def generate(self, token_ids: list[int], max_new_tokens: int) -> Generation:
+        # Refused here, before any rank hears of it, so a served request never trips the followers' checks.
+        if not 0 < len(token_ids) <= MAX_PROMPT_TOKENS:
+            raise ValueError(f"the prompt must hold 1 to {MAX_PROMPT_TOKENS} tokens")
+        if not 1 <= max_new_tokens <= MAX_TOKENS_LIMIT:
+            raise ValueError(f"max_tokens must be an integer between 1 and {MAX_TOKENS_LIMIT}")
+        with self.lock:
+            self.tp.broadcast_ints([_GENERATE, len(token_ids), max_new_tokens])
+            self.tp.broadcast_ints(token_ids)
+            try:
+                generation = self.engine.generate(token_ids, max_new_tokens)
+            except Exception:
+                _check_agreement(self.tp, failed=True)
+                raise
+            _check_agreement(self.tp, failed=False)
+            return generation
+
+    def stop_followers(self) -> None:
+        with self.lock:
+            self.tp.broadcast_ints([_STOP, 0, 0])
+
+
+def _check_agreement(tp: TensorParallel, failed: bool) -> None:
+    """Every rank says whether this request failed; a request that failed on some ranks only desynchronized them."""
+    failures = int(tp.all_reduce(torch.tensor([1.0 if failed else 0.0]))[0])
+    if failures not in (0, tp.size):
+        raise LockstepError(f"a request failed on {failures} of {tp.size} tensor-parallel ranks; stopping rank "
+                            f"{tp.rank} rather than run out of step")
+
+
+def _next_request(tp: TensorParallel, vocab_size: int) -> tuple[list[int], int] | None:
+    """Rank 0's next request (prompt, max new tokens), or None when it says stop."""
+    opcode, length, max_new_tokens = tp.broadcast_ints([0] * _HEADER_LEN)
+    if opcode == _STOP:
+        return None
+    if opcode != _GENERATE or not 0 < length <= MAX_PROMPT_TOKENS or not 1 <= max_new_tokens <= MAX_TOKENS_LIMIT:
+        raise LockstepError(f"rank 0 sent the request header {[opcode, length, max_new_tokens]}, which is neither "
+                            "a stop nor a generate request within the server's limits")
+    token_ids = tp.broadcast_ints([0] * length)
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise LockstepError("rank 0 sent token ids outside the vocabulary")
+    return token_ids, max_new_tokens
+
+
+def follow_rank0(engine: Engine, tp: TensorParallel) -> None:
+    """A rank other than 0: run every request rank 0's Driver sends, until it says stop."""
+    while (request := _next_request(tp, engine.model_config.vocab_size)) is not None:
+        # A request that fails on rank 0 (a full KV cache) fails here at the same step: rank 0's server lives
+        # on and answers the next request, so this rank must too, once both agree that it failed everywhere.
+        try:
+            engine.generate(*request)
+        except Exception:
+            _check_agreement(tp, failed=True)
+            continue
+        _check_agreement(tp, failed=False)
 
 
 def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_config: EngineConfig,
@@ -54,11 +118,12 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
     engine = Engine.from_attach(model, spec, engine_config, tp, run_dir=run_dir, **attach_options)
     try:
         if tp.rank != 0:
-            _follow_rank0(engine)
+            follow_rank0(engine, tp)
             return
-        served = ServedEngine(engine, model.name, _lockstep(engine, tp))
-        server = make_server(served, host, port)
-        url = f"http://{host}:{server.server_address[1]}"
+        driver = Driver(engine, tp) if tp.size > 1 else None
+        served = ServedEngine(engine, model.name, driver.generate if driver is not None else engine.generate)
+        server = make_server(served, host, port, ("--host", "--port"))
+        url = http_url(host, server.server_address[1])
         ensure_run_dir(run_dir)
         descriptor = write_engine_descriptor(run_dir, url, served, str(model))
         counters = CounterEvents(served, run_dir, url)
@@ -76,8 +141,7 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
             counters.stop()
             descriptor.unlink(missing_ok=True)
             server.server_close()
-            if tp.size > 1:
-                with engine.lock:
-                    dist.broadcast_object_list([_STOP], src=0)
+            if driver is not None:
+                driver.stop_followers()
     finally:
         engine.close()

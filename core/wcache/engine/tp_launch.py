@@ -13,8 +13,17 @@ Design choices, and why:
   port found free now can be taken by someone else before rank 0 binds it; a new file cannot collide.
 - **One pipe per rank, results pickled to bytes by the plain pickler.** torch.multiprocessing's own
   pickler would pass tensors by shared-memory handle, which needs the sending process alive while the
-  parent unpickles; a rank exits right after sending. (Spawning on POSIX starts multiprocessing's
-  resource-tracker helper once per parent process; it is shared, idle, and exits with the parent.)
+  parent unpickles; a rank exits right after sending. The pipe is an anonymous descriptor only the
+  parent and that rank hold, so nobody else can put bytes in it. (Spawning on POSIX starts
+  multiprocessing's resource-tracker helper once per parent process; it is shared, idle, and exits
+  with the parent.)
+- **Errors cross as names and text, never as pickled exceptions.** A rank sends the class path of a
+  wcache error (and of its wcache bases) with its message; the parent raises the first of those it
+  finds among wcache's own error classes, with the same message, so a miss or a bad checkpoint found by
+  a rank is the same one sentence and exit code as with `--tp 1`. Anything else (a bug, a dead rank, a timeout) becomes
+  one TensorParallelError sentence naming the rank. The rank's traceback rides along as a note (shown
+  by `wcache -v`). Unpickling an exception would call its constructor with its args, which breaks for
+  errors with extra arguments and would run any class a rank names.
 - **The parent waits on the pipes and the process sentinels together**, so a rank that dies without
   reporting (segfault, OOM kill, `os._exit`) is noticed at once, not at the timeout.
 - **Any failure stops every rank.** When one rank raises, the others are usually blocked in a collective
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import pickle
 import signal
@@ -49,6 +59,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from wcache.engine.parallel import TensorParallel
+from wcache.errors import UnavailableError, WcacheError
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -70,13 +81,18 @@ _OK = "ok"
 _ERROR = "error"
 
 
+class TensorParallelError(UnavailableError):
+    """A rank crashed, died or did not finish in time; every rank was stopped. Its traceback is a note."""
+
+
 def run_tensor_parallel(
     fn: Callable[[TensorParallel, *Ts], T], tp_size: int, *args: *Ts, timeout: float | None = 300
 ) -> list[T]:
     """Run `fn(TensorParallel(rank, tp_size), *args)` on `tp_size` CPU processes; results in rank order.
 
-    Raises RuntimeError naming the rank and its error (with the rank's traceback) when any rank raises,
-    dies, or when not every rank has returned within `timeout` seconds; all ranks are stopped first.
+    All ranks are stopped before anything is raised. A rank's WcacheError is raised here as the same class
+    with the same message; any other failure, a rank that dies, or ranks that have not all returned within
+    `timeout` seconds raise TensorParallelError naming the rank (its traceback is attached as a note).
     `timeout=None` waits for as long as the ranks run (a server); it also lifts the process group's
     per-collective timeout, so ranks may sit idle in a collective (waiting for rank 0's next request).
     """
@@ -115,7 +131,10 @@ class _Failure:
     rank: int
     at: float  # time.time() when it failed (the rank's own clock reading, or when the parent noticed)
     silent: bool  # died without sending anything: a crash, a kill, os._exit
-    text: str
+    text: str  # what happened, to follow "tensor-parallel rank N "
+    error_classes: tuple[str, ...] = ()  # a wcache error's class path and its wcache bases', most derived first
+    message: str = ""  # that error's own message
+    detail: str = ""  # the rank's traceback
 
     def order(self) -> tuple[bool, float]:
         # A silent death is almost always a cause (a rank whose peer vanished raises, it does not vanish);
@@ -141,7 +160,7 @@ def _collect(processes: list[Any], receivers: list[Connection], deadline: float 
                 break
             missing = sorted(pending.values())
             names = f"rank {missing[0]}" if len(missing) == 1 else "ranks " + ", ".join(map(str, missing))
-            raise RuntimeError(f"tensor-parallel {names} did not finish within {timeout:g} s")
+            raise TensorParallelError(f"tensor-parallel {names} did not finish within {timeout:g} s.")
         # A rank that exited with status 0 may still have its result in the pipe: read it first, and only
         # call the rank lost when the pipe stays silent for a grace period.
         for rank, when in list(exited_at.items()):
@@ -166,11 +185,11 @@ def _collect(processes: list[Any], receivers: list[Connection], deadline: float 
                 try:
                     status, payload, failed_at = pickle.loads(data)
                 except Exception as exc:  # e.g. a result class the parent cannot import
-                    text = f"sent a result that could not be unpickled: {type(exc).__name__}: {exc}"
+                    text = f"sent a result that could not be unpickled ({type(exc).__name__}: {exc})"
                     failures.append(_Failure(rank, time.time(), False, text))
                     continue
                 if status == _ERROR:
-                    failures.append(_Failure(rank, failed_at, False, f"failed: {payload}"))
+                    failures.append(_failure_from_report(rank, failed_at, payload))
                 else:
                     results[rank] = payload
             else:
@@ -192,9 +211,51 @@ def _collect(processes: list[Any], receivers: list[Connection], deadline: float 
     if failures:
         first = min(failures, key=_Failure.order)
         others = sorted(f.rank for f in failures if f is not first)
-        also = f" (rank {', '.join(map(str, others))} failed too)" if others else ""
-        raise RuntimeError(f"tensor-parallel rank {first.rank} {first.text}{also}")
+        raise _error_for(first, others)
     return [results[rank] for rank in range(len(processes))]
+
+
+def _error_for(failure: _Failure, others: list[int]) -> WcacheError:
+    """The exception the caller sees: the rank's own wcache error class if it had one, else one sentence."""
+    also = f" (rank {', '.join(map(str, others))} failed too)" if others else ""
+    error: WcacheError | None = None
+    for path in failure.error_classes:
+        cls = _wcache_error_class(path)
+        if cls is not None:
+            # Built without calling the class's constructor: some take more than a message (a report, a log).
+            error = cls.__new__(cls)
+            Exception.__init__(error, failure.message)
+            break
+    if error is None:
+        error = TensorParallelError(f"tensor-parallel rank {failure.rank} {failure.text.rstrip('.')}{also}.")
+    if failure.detail:
+        error.add_note(f"raised on tensor-parallel rank {failure.rank}{also}:\n{failure.detail.rstrip()}")
+    return error
+
+
+def _wcache_error_class(path: str) -> type[WcacheError] | None:
+    """The WcacheError subclass named "module.Class" if it is one of wcache's own; None for anything else."""
+    module_name, _, name = path.rpartition(".")
+    if module_name != "wcache" and not module_name.startswith("wcache."):
+        return None
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    cls = getattr(module, name, None)
+    if isinstance(cls, type) and issubclass(cls, WcacheError) and cls.__module__ == module_name:
+        return cls
+    return None
+
+
+def _failure_from_report(rank: int, at: float, report: Any) -> _Failure:
+    """A rank's error report (see _describe) as a failure; a report of another shape is itself the failure."""
+    if not isinstance(report, dict):
+        return _Failure(rank, at, False, f"sent an error report the launcher cannot read: {report!r}"[:500])
+    classes = report.get("error_classes", ())
+    text = str(report.get("summary", "failed"))
+    return _Failure(rank, at, False, f"failed: {text}", tuple(str(c) for c in classes),
+                    str(report.get("message", "")), str(report.get("traceback", "")))
 
 
 def _stop_all(processes: list[Any]) -> None:
@@ -243,16 +304,22 @@ def _rank_main(rank: int, size: int, init_method: str, timeout: float | None, se
         sender.close()
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+def _describe(exc: BaseException) -> dict[str, Any]:
+    """A rank's error as plain strings: the parent rebuilds wcache errors by class name, never by unpickling."""
+    classes = [f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__
+               if isinstance(c, type) and issubclass(c, WcacheError)]
+    lines = str(exc).strip().splitlines()
+    summary = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return {"error_classes": classes, "message": str(exc), "summary": summary,
+            "traceback": traceback.format_exc()}
 
 
 def _send(sender: Connection, message: tuple[str, Any, float | None]) -> None:
     try:
         data = pickle.dumps(message)
     except Exception as exc:
-        text = f"its result could not be pickled ({type(exc).__name__}: {exc})"
-        data = pickle.dumps((_ERROR, text, time.time()))
+        report = {"summary": f"its result could not be pickled ({type(exc).__name__}: {exc})"}
+        data = pickle.dumps((_ERROR, report, time.time()))
     sender.send_bytes(data)
 
 

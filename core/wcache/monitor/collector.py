@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
 import stat
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,8 @@ from typing import Any
 import psutil
 
 from wcache.client import DaemonError, request_once
-from wcache.events import events_path
+from wcache.events import events_path, rotated_path
+from wcache.loading import LoadingRecord, read_loading
 from wcache.monitor.prometheus import Samples, label_value, parse_metrics, total
 from wcache.monitor.rates import CounterDeltas, ratio
 from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
@@ -38,6 +40,9 @@ PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total
 # The metric families a poll reads; the rest of a /metrics page is skipped before parsing.
 FAMILIES = ("vllm:prefix_cache_", "vllm:gpu_prefix_cache_", "wcache:")
 MAX_EVENTS = 500
+# A fallback storm: this many engines falling back to disk within the window raises a banner in `top`.
+STORM_FALLBACKS = 5
+STORM_WINDOW_S = 60.0
 # Shown in the feed; engine_counters is bookkeeping for rates, not news.
 FEED_KINDS = frozenset({
     "preload", "ready", "preload_failed", "attach_hit", "attach_miss", "fallback", "release", "stop",
@@ -61,14 +66,18 @@ class EventTail:
             return []
         if not stat.S_ISREG(st.st_mode):  # a FIFO or directory in its place: nothing to tail, never a hang
             return []
+        data = b""
         if st.st_ino != self._inode or st.st_size < self._offset:
-            self._inode, self._offset, self._partial = st.st_ino, 0, b""
-        if st.st_size == self._offset:
+            data = self._rest_of_rotated()
+            self._inode, self._offset = st.st_ino, 0
+        if st.st_size > self._offset:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                fresh = f.read(st.st_size - self._offset)
+            self._offset += len(fresh)
+            data += fresh
+        if not data:
             return []
-        with self.path.open("rb") as f:
-            f.seek(self._offset)
-            data = f.read(st.st_size - self._offset)
-        self._offset += len(data)
         lines = (self._partial + data).split(b"\n")
         self._partial = lines.pop()  # an unfinished last line waits for its newline
         events = []
@@ -80,6 +89,23 @@ class EventTail:
             if isinstance(event, dict) and isinstance(event.get("kind"), str):
                 events.append(event)
         return events
+
+
+    def _rest_of_rotated(self) -> bytes:
+        """What was appended to the file we followed after our last read, if it was rotated (else nothing)."""
+        partial, self._partial = self._partial, b""
+        if self._inode is None:
+            return b""
+        try:
+            with rotated_path(self.path).open("rb") as f:
+                if os.fstat(f.fileno()).st_ino != self._inode:
+                    return b""  # replaced or truncated, not rotated: start over
+                f.seek(self._offset)
+                rest = f.read()
+        except (FileNotFoundError, OSError):
+            return b""
+        # Complete the line the old file ended in; a torn last line is dropped at the boundary.
+        return partial + rest + (b"" if rest.endswith(b"\n") or not rest else b"\n")
 
 
 def summarize(event: dict[str, Any]) -> EventRow:
@@ -106,10 +132,39 @@ def summarize(event: dict[str, Any]) -> EventRow:
         total_ms = (event.get("timings_ms") or {}).get("total")
         timing = f", {total_ms:.1f} ms" if isinstance(total_ms, int | float) else ""
         summary = f"hit {event.get('daemon', '?')} ({event.get('mode', '?')}{timing})"
+        if event.get("verified") is False:
+            # --trust-daemon: the checkpoint was never compared with the daemon's, so it may not be the same.
+            severity = "warning"
+            summary = f"unverified {summary} for {event.get('source', '?')} (--trust-daemon)"
     else:
         subject = event.get("daemon") or event.get("source") or ""
         summary = f"{kind.replace('_', ' ')} {subject}".strip()
     return EventRow(ts=float(event.get("ts", 0.0)), kind=kind, severity=severity, summary=summary, detail=detail)
+
+
+def _loading_row(record: LoadingRecord) -> DaemonRow:
+    return DaemonRow(
+        name=record.name or f"pid {record.pid}", pid=record.pid, device=record.device, tp_rank=record.tp_rank,
+        tp_size=record.tp_size, model=Path(record.source).name, key_id="-", state="loading", weights_bytes=0,
+        leases=0, uptime_s=max(0.0, time.time() - record.started), health_status=None, alive=True,
+        loaded_fraction=record.fraction,
+    )
+
+
+def alerts(events: Iterable[EventRow], now: float) -> tuple[str, ...]:
+    """What needs a person now: a storm of fallbacks, hits nobody verified."""
+    recent = [e for e in events if now - e.ts <= STORM_WINDOW_S]
+    found = []
+    fallbacks = [e for e in recent if e.kind == "fallback"]
+    if len(fallbacks) >= STORM_FALLBACKS:
+        last = fallbacks[-1].detail.get("reason") or "no reason recorded"
+        found.append(f"FALLBACK STORM: {len(fallbacks)} engines fell back to disk in the last "
+                     f"{STORM_WINDOW_S:.0f} s; the latest because {last}")
+    unverified = [e for e in recent if e.kind == "attach_hit" and e.detail.get("verified") is False]
+    if unverified:
+        found.append(f"{len(unverified)} unverified hit(s) (--trust-daemon) in the last {STORM_WINDOW_S:.0f} s: "
+                     "those engines never compared their checkpoint with the daemon's")
+    return tuple(found)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,13 +291,14 @@ class Collector:
             if event["kind"] in FEED_KINDS:
                 self._events.append(summarize(event))
         daemons = tuple(self._daemon_row(d, stats[d.name].result(), health) for d in descriptors)
+        daemons += tuple(_loading_row(r) for r in (read_loading(self.run_dir) if self.run_dir.exists() else []))
         self._delta_keys = set()
         engines = tuple(self._engine_row(t, scraped[t.id].result()) for t in targets)
         self._deltas.forget(self._delta_keys)  # engines and series that went away start over if they return
         return Snapshot(
             taken_at=time.time(), interval_s=self.interval_s,
             rates="interval" if self._polls > 1 else "cumulative", run_dir=str(self.run_dir),
-            daemons=daemons, engines=engines, events=tuple(self._events),
+            daemons=daemons, engines=engines, events=tuple(self._events), alerts=alerts(self._events, time.time()),
         )
 
     @staticmethod
@@ -250,6 +306,8 @@ class Collector:
                     health: dict[str, Future[int | None]]) -> DaemonRow:
         alive = stats is not None
         status = health[d.health_url].result() if d.health_url in health else None
+        counters = stats.get("counters", {}) if stats else {}
+        counters = counters if isinstance(counters, dict) else {}
         return DaemonRow(
             name=d.name, pid=d.pid, device=d.device, tp_rank=d.tp_rank, tp_size=d.tp_size,
             model=Path(d.source).name, key_id=d.key_id,
@@ -258,6 +316,8 @@ class Collector:
             leases=int(stats.get("leases", 0)) if stats else 0,
             uptime_s=float(stats["uptime_s"]) if stats and "uptime_s" in stats else None,
             health_status=status if alive else None, alive=alive,
+            hits=int(counters.get("hits", 0)),
+            misses=sum(int(v) for k, v in counters.items() if k.startswith("misses_")),
         )
 
     def _delta(self, target: EngineTarget, samples: Samples, names: tuple[str, ...]) -> float | None:

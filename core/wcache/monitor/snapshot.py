@@ -3,14 +3,16 @@
 Schema (`Snapshot.to_json()`), version `wcache.top/1`:
   taken_at (unix s), interval_s, rates ("interval": rates are deltas over the last interval; "cumulative":
   only one sample yet, so rates are null and totals are since start), run_dir,
-  daemons[]: name, pid, device, tp_rank, tp_size, model, key_id, state, weights_bytes, leases, uptime_s,
-             health_status (HTTP code or null), alive
+  daemons[]: name, pid, device, tp_rank, tp_size, model, key_id, state ("loading" while it loads), weights_bytes,
+             leases, uptime_s, health_status (HTTP code or null), alive, hits, misses (hellos since start),
+             loaded_fraction (0..1 while loading, else null)
   engines[]: id, url, kind ("wcache" | "vllm"), model, up, weights (attach outcome: hit | miss | fallback |
              disk | null), mode, daemon, attach_ms, prefix_queries_total, prefix_hits_total,
              hit_rate_interval, hit_rate_overall, adopted_hits_total, replayed_tokens_total,
              prefill_saved_total, swa_cached_bytes, hit_rate_history[] — any of these is null ("off") when
              the engine does not export the series
   events[]: ts, kind, severity (info | warning | error), summary, detail{}
+  alerts[]: one sentence each, for what needs a person now (a storm of fallbacks, unverified hits)
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class DaemonRow:
     uptime_s: float | None
     health_status: int | None
     alive: bool
+    hits: int = 0
+    misses: int = 0
+    loaded_fraction: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +83,7 @@ class Snapshot:
     daemons: tuple[DaemonRow, ...]
     engines: tuple[EngineRow, ...]
     events: tuple[EventRow, ...]
+    alerts: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         # Field by field rather than dataclasses.asdict, which deep-copies every event's detail: with a full
@@ -91,6 +97,7 @@ class Snapshot:
             "daemons": [_plain(d) for d in self.daemons],
             "engines": [{**_plain(e), "hit_rate_history": list(e.hit_rate_history)} for e in self.engines],
             "events": [{**_plain(e), "detail": dict(e.detail)} for e in self.events],
+            "alerts": list(self.alerts),
         }
 
 

@@ -1,0 +1,262 @@
+"""Zero-copy attach against the tensor count: a fixed cost plus µs per tensor.
+
+For each ``--layers`` count, writes a Qwen3-shaped checkpoint with tiny dimensions (11 tensors per layer plus 3,
+so 28 layers is Qwen3-0.6B's 311 tensors and 1,024 layers 11,267), preloads it with a real daemon
+(``wcache preload --detach``), then times ``wcache.attach.attach(..., mode="zero_copy", fallback=False)``
+``--repeat`` times against a warm digest store (the daemon's), and prints the median wall time, each stage of
+``AttachReport.timings_ms``, and the cost per tensor above the smallest size's. The attached tensors of every
+size are compared byte for byte with the disk path (``wcache.loader.load_from_disk``).
+
+Run::
+
+    .venv/bin/python benchmarks/attach_scale.py                      # 28, 272 and 1,024 layers, identity plan
+    .venv/bin/python benchmarks/attach_scale.py --plan fused --repeat 9
+    .venv/bin/python benchmarks/attach_scale.py --profile 1024       # cProfile of one attach at 1,024 layers
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import gc
+import json
+import os
+import pstats
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from bench_common import workspace
+from rich.console import Console
+from rich.table import Table
+from wcache.attach import attach
+from wcache.digest_store import DigestStore
+from wcache.key import compute_key
+from wcache.loader import load_from_disk
+from wcache.plan import PlanSpec
+from wcache.rundir import read_descriptors
+from wcache.synth import PRESETS, Preset, make_tensors, write_tensors
+
+TARGET_US_PER_TENSOR = 3.0
+TARGET_LARGEST_MS = 100.0
+RACY_WINDOW_S = 2.0  # the store ignores receipts for files changed within 2 s of being hashed
+STOP_GRACE_S = 10.0
+DEFAULT_LAYERS = (28, 272, 1024)
+NUM_SHARDS = 4
+
+
+@dataclass(slots=True)
+class SizeResult:
+    """Every attach of one checkpoint size."""
+
+    layers: int
+    num_tensors: int = 0
+    seconds: list[float] = field(default_factory=list)
+    stages_ms: dict[str, list[float]] = field(default_factory=dict)
+    identical: bool = False
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.seconds) * 1000
+
+    def stage(self, name: str) -> float | None:
+        values = self.stages_ms.get(name)
+        return statistics.median(values) if values else None
+
+
+def preset_with(layers: int) -> Preset:
+    """The "tiny" shape (hidden 64, bfloat16) with `layers` layers, all full attention."""
+    base = dict(PRESETS["tiny"].config)
+    base.update(num_hidden_layers=layers, layer_types=["full_attention"] * layers, use_sliding_window=False,
+                max_window_layers=layers, torch_dtype="bfloat16")
+    return Preset(config=base, num_shards=min(NUM_SHARDS, layers), write_lm_head=True)
+
+
+def wcache_command() -> list[str]:
+    beside = Path(sys.executable).with_name("wcache")
+    found = str(beside) if beside.exists() else shutil.which("wcache")
+    if found is None:
+        raise SystemExit("cannot find the `wcache` command; install the project (pip install -e .)")
+    return [found]
+
+
+def preload(cli: list[str], model: Path, run_dir: Path, store: Path, plan: str) -> list[psutil.Process]:
+    """`wcache preload --detach` until READY; the supervisor and daemon processes it left running."""
+    command = [*cli, "preload", str(model), "--detach", "--json", "--run-dir", str(run_dir), "--plan", plan]
+    env = {**os.environ, "WCACHE_CACHE_DIR": str(store)}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                               text=True, env=env)
+    try:
+        _, stderr = process.communicate(timeout=600)
+    except BaseException:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(STOP_GRACE_S)
+        raise
+    spawned = []
+    for descriptor in read_descriptors(run_dir):
+        for pid in (descriptor.pid, descriptor.supervisor_pid):
+            with contextlib.suppress(psutil.Error, TypeError):
+                spawned.append(psutil.Process(pid))
+    if process.returncode != 0:
+        raise RuntimeError(f"wcache preload failed (exit {process.returncode}): {stderr.strip()}")
+    return spawned
+
+
+def stop(cli: list[str], run_dir: Path, spawned: list[psutil.Process], problems: list[str]) -> None:
+    """`wcache stop --all --force`, then end whatever of ours still runs (by pid)."""
+    if run_dir.exists():
+        subprocess.run([*cli, "stop", "--all", "--force", "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=False, timeout=60)
+    _, alive = psutil.wait_procs([p for p in spawned if p.is_running()], timeout=STOP_GRACE_S)
+    for process in alive:
+        problems.append(f"pid {process.pid} outlived `wcache stop`; killed")
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=STOP_GRACE_S)
+
+
+def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[n].dtype == b[n].dtype and a[n].shape == b[n].shape
+        and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))
+        for n in a
+    )
+
+
+def measure(result: SizeResult, model: Path, spec: PlanSpec, run_dir: Path, store_dir: Path, repeat: int,
+            profile_to: Path | None) -> None:
+    with DigestStore.open(store_dir) as store:
+        key_file = compute_key(model, spec, store=store)  # warms this process's imports and the store's pages
+        if key_file.stats is not None and key_file.stats.shards_hashed:
+            raise RuntimeError(f"the warm key hashed {key_file.stats.shards_hashed} shard(s)")
+        for i in range(repeat + 1):  # the first attach is a warm-up, not counted
+            gc.collect()
+            profiler = cProfile.Profile() if profile_to is not None and i == repeat else None
+            began = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
+            weights = attach(model, spec, run_dir=run_dir, mode="zero_copy", store=store, fallback=False)
+            if profiler is not None:
+                profiler.disable()
+            seconds = time.perf_counter() - began
+            if profiler is not None and profile_to is not None:
+                profiler.dump_stats(profile_to)
+            if weights.report.outcome != "hit":
+                raise RuntimeError(f"zero-copy attach did not hit: {weights.report.reason}")
+            if i == 0:
+                result.num_tensors = weights.report.num_tensors
+                result.identical = same_bytes(weights.tensors, load_from_disk(key_file, model))
+            else:
+                result.seconds.append(seconds)
+                for name, ms in weights.report.timings_ms.items():
+                    result.stages_ms.setdefault(name, []).append(ms)
+            weights.close()
+            del weights
+
+
+def run_size(layers: int, args: argparse.Namespace, work: Path, cli: list[str], problems: list[str],
+             err: Console) -> SizeResult:
+    result = SizeResult(layers)
+    model, run_dir, store = work / f"ckpt-{layers}", work / f"run-{layers}", work / f"store-{layers}"
+    for owned in (model, run_dir, store):
+        shutil.rmtree(owned, ignore_errors=True)
+    chosen = preset_with(layers)
+    err.print(f"{layers} layers: writing the checkpoint ...")
+    write_tensors(make_tensors(chosen), chosen.config, model, chosen.num_shards)
+    written = max(max(p.stat().st_mtime_ns, p.stat().st_ctime_ns) for p in model.iterdir())
+    wait_s = RACY_WINDOW_S + 0.2 - (time.time_ns() - written) / 1e9
+    if wait_s > 0:
+        time.sleep(wait_s)  # receipts for younger files are not trusted, so the warm key would rehash
+    err.print(f"{layers} layers: preloading ...")
+    spawned: list[psutil.Process] = []
+    try:
+        spawned = preload(cli, model, run_dir, store, args.plan)
+        err.print(f"{layers} layers: {args.repeat} zero-copy attaches ...")
+        profile_to = work / f"attach-{layers}.prof" if args.profile == layers else None
+        measure(result, model, PlanSpec(layout=args.plan), run_dir, store, args.repeat, profile_to)
+        if profile_to is not None:
+            pstats.Stats(str(profile_to)).sort_stats("cumulative").print_stats(args.profile_lines)
+    finally:
+        stop(cli, run_dir, spawned, problems)
+        if args.workdir is None:
+            shutil.rmtree(model, ignore_errors=True)
+    return result
+
+
+def table(results: list[SizeResult], plan: str, repeat: int) -> Table:
+    order = ["key", "connect", "map", "total"]
+    stages = sorted({s for r in results for s in r.stages_ms}, key=lambda s: (s not in order, order.index(s) if s in order else 0, s))
+    out = Table(title=f"Zero-copy attach by tensor count ({plan} plan, CPU daemon), median of {repeat}")
+    for name in ("layers", "tensors", "attach (wall)", *(f"{s} ms" for s in stages), "µs/tensor above fixed",
+                 "same bytes as disk"):
+        out.add_column(name, justify="right")
+    base = results[0]
+    for r in results:
+        extra = r.num_tensors - base.num_tensors
+        per = f"{(r.median_ms - base.median_ms) * 1000 / extra:,.2f}" if extra > 0 else "(fixed)"
+        cells = [f"{r.stage(s):,.1f}" if r.stage(s) is not None else "" for s in stages]
+        out.add_row(f"{r.layers:,}", f"{r.num_tensors:,}", f"{r.median_ms:,.1f} ms", *cells, per,
+                    "yes" if r.identical else "NO")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure every size and print the table; exit 1 when bytes differ or the per-tensor target is missed."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=list(DEFAULT_LAYERS),
+                        help="layer counts to measure, smallest first (28 272 1024)")
+    parser.add_argument("--repeat", type=int, default=5, help="attaches per size; the median is shown (5)")
+    parser.add_argument("--plan", choices=("identity", "fused"), default="identity", help="processing plan")
+    parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: temp dir)")
+    parser.add_argument("--profile", type=int, default=None, metavar="LAYERS",
+                        help="cProfile one extra attach at this layer count and print the top functions")
+    parser.add_argument("--profile-lines", type=int, default=30, help="functions the profile prints (30)")
+    args = parser.parse_args(argv)
+    if args.repeat < 1 or any(n < 1 for n in args.layers):
+        parser.error("--repeat and every --layers value must be at least 1")
+    layers = sorted(set(args.layers))
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    err = Console(stderr=True, soft_wrap=True)
+    cli = wcache_command()
+    problems: list[str] = []
+    results = []
+    with workspace(args.workdir) as work:
+        os.environ["WCACHE_CACHE_DIR"] = str(work / "engine-store")  # nothing may touch the user's own store
+        for n in layers:
+            results.append(run_size(n, args, work, cli, problems, err))
+    console.print(table(results, args.plan, args.repeat))
+    for problem in problems:
+        console.print(f"[yellow]note:[/] {problem}")
+    ok = all(r.identical for r in results)
+    if len(results) > 1:
+        base, top = results[0], results[-1]
+        per_us = (top.median_ms - base.median_ms) * 1000 / max(1, top.num_tensors - base.num_tensors)
+        met = per_us <= TARGET_US_PER_TENSOR and top.median_ms < TARGET_LARGEST_MS
+        verdict = "[bold green]PASS[/]" if met else "[bold red]FAIL[/]"
+        console.print(
+            f"[bold]{per_us:,.2f} µs per tensor on top of {base.median_ms:,.1f} ms at {base.num_tensors:,} "
+            f"tensors; {top.median_ms:,.1f} ms at {top.num_tensors:,}[/] (target ≤ {TARGET_US_PER_TENSOR:g} µs "
+            f"per tensor, < {TARGET_LARGEST_MS:g} ms at the largest) {verdict}"
+        )
+        ok &= met
+    console.print(json.dumps({"results": [
+        {"layers": r.layers, "tensors": r.num_tensors, "median_ms": round(r.median_ms, 2),
+         "stages_ms": {s: round(v, 2) for s in r.stages_ms if (v := r.stage(s)) is not None}}
+        for r in results
+    ]}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

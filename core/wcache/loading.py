@@ -1,0 +1,136 @@
+"""Daemons that are still loading: one small JSON file per rank process, so `status` and `top` can list them.
+
+A rank writes `<run dir>/loading/<pid>.json` when it starts, rewrites it (atomically, at most every
+`UPDATE_INTERVAL_S`) as bytes are read, hashed and processed, and removes it once it publishes its descriptor
+or exits. A record whose process is gone (or whose pid was reused) is stale and removed by the next reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from wcache.rundir import process_created
+
+log = logging.getLogger("wcache")
+
+LOADING_DIR = "loading"
+UPDATE_INTERVAL_S = 0.5
+MAX_RECORD_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class LoadingRecord:
+    """What a rank that is not ready yet says about itself."""
+
+    pid: int
+    pid_created: float
+    source: str
+    device: str
+    tp_size: int
+    tp_rank: int
+    supervisor_pid: int | None
+    started: float  # time.time() when the rank began
+    phase: str  # starting, loading (reading, hashing and processing), publishing
+    done_bytes: int = 0
+    total_bytes: int = 0
+    name: str | None = None  # known once the key is
+
+    @classmethod
+    def from_json(cls, data: Any) -> LoadingRecord:
+        if not isinstance(data, dict) or set(data) != {f.name for f in fields(cls)}:
+            raise ValueError("it is not a loading record")
+        record = cls(**data)
+        ints = (record.pid, record.tp_size, record.tp_rank, record.done_bytes, record.total_bytes)
+        if not all(type(v) is int for v in ints) or record.pid <= 0:
+            raise ValueError("a count is not an integer")
+        if not all(isinstance(v, str) for v in (record.source, record.device, record.phase)):
+            raise ValueError("a name is not a string")
+        if not isinstance(record.name, str | None) or not isinstance(record.pid_created, int | float):
+            raise ValueError("a field has the wrong type")
+        return record
+
+    @property
+    def fraction(self) -> float | None:
+        return self.done_bytes / self.total_bytes if self.total_bytes else None
+
+
+def _record_path(run_dir: Path, pid: int) -> Path:
+    return run_dir / LOADING_DIR / f"{pid}.json"
+
+
+class LoadingBoard:
+    """One rank's record, kept current; also a HashProgress, so the loader's byte counts move it."""
+
+    def __init__(self, run_dir: Path, record: LoadingRecord) -> None:
+        self._path = _record_path(run_dir, record.pid)
+        self._path.parent.mkdir(mode=0o700, exist_ok=True)
+        self._record = record
+        self._lock = threading.Lock()
+        self._written = 0.0
+        self._write(force=True)
+
+    def start(self, total_bytes: int, num_files: int) -> None:
+        self.update(phase="loading", total_bytes=total_bytes)
+
+    def advance(self, nbytes: int) -> None:
+        with self._lock:
+            self._record = replace(self._record, done_bytes=self._record.done_bytes + nbytes)
+        self._write()
+
+    def update(self, **changes: Any) -> None:
+        with self._lock:
+            self._record = replace(self._record, **changes)
+        self._write(force=True)
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path.unlink()
+
+    def _write(self, *, force: bool = False) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if not force and now - self._written < UPDATE_INTERVAL_S:
+                return
+            self._written = now
+            temporary = self._path.with_suffix(".tmp")
+            try:
+                fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(asdict(self._record), f)
+                temporary.replace(self._path)
+            except OSError as exc:
+                # Visibility is a courtesy: a full or read-only run dir must not fail the load itself.
+                log.debug("cannot write the loading record %s (%s)", self._path, exc)
+
+
+def read_loading(run_dir: Path) -> list[LoadingRecord]:
+    """The records of ranks still loading, by pid; stale and unreadable records are removed or skipped."""
+    where = run_dir / LOADING_DIR
+    if not where.is_dir():
+        return []
+    found = []
+    for path in sorted(where.glob("*.json")):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as f:
+                record = LoadingRecord.from_json(json.loads(f.read(MAX_RECORD_BYTES)))
+        except FileNotFoundError:
+            continue  # the rank became ready while we listed
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning("Ignoring unreadable loading record %s (%s).", path, exc)
+            continue
+        created = process_created(record.pid)
+        if created is None or abs(created - record.pid_created) >= 0.01:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            continue
+        found.append(record)
+    return found

@@ -1,0 +1,443 @@
+"""One pass over a checkpoint's bytes: each tensor read once, hashed from the buffer it was read into, and the
+plan's outputs written to the arena from those same buffers.
+
+So the bytes hashed are the bytes the arena holds, and no second pass re-reads the files to prove it. An output
+that is a checkpoint tensor's bytes unchanged (most of a TP 1 plan) streams through a few reused chunk buffers and
+shares its source's digest; a tensor that other outputs are computed from (fused, cast, sliced or quantized)
+stays in memory only until the last of them is made. The page cache behind the read is dropped, so the pass
+needs about the arena's memory and little more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from wcache.dtypes import ITEMSIZE
+from wcache.fingerprint import HashProgress
+from wcache.processing import OutputSpec, ProcessingPlan
+from wcache.safetensors_header import TensorInfo
+from wcache.shard_hash import CHUNK_BYTES, OpenShard, tensor_hasher
+
+# safetensors dtype names to torch dtypes, for viewing checkpoint bytes.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64, "F8_E5M2": torch.float8_e5m2, "F8_E4M3": torch.float8_e4m3fn,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "F8_E8M0": torch.float8_e8m0fnu,
+}
+assert set(TORCH_DTYPES) == set(ITEMSIZE)
+
+# Buffers (chunks, whole tensors, computed outputs) in use before the reader waits for the workers to catch up;
+# also about what the pool keeps for reuse.
+HELD_BYTES = 64 * 1024 * 1024
+
+# Writes `data` (uint8, CPU) at byte `offset` of the arena.
+ArenaWrite = Callable[[int, torch.Tensor], None]
+
+
+def copied_source(plan: ProcessingPlan, output: OutputSpec) -> str | None:
+    """The checkpoint tensor whose bytes `output` is, unchanged (no cast, slice, fusion or padding), or None."""
+    recipe = plan.recipes[output.name]
+    if recipe.kind != "tensor" or len(recipe.pieces) != 1:
+        return None
+    piece = recipe.pieces[0]
+    whole = piece.dim is None or (piece.start == 0 and piece.length == piece.source_shape[piece.dim])
+    same = piece.source_dtype == output.dtype and tuple(recipe.shape) == tuple(piece.source_shape)
+    return piece.source if whole and same else None
+
+
+class Schedule:
+    """Which outputs each checkpoint tensor feeds, and when an output computed from several can be made."""
+
+    def __init__(self, plan: ProcessingPlan) -> None:
+        self.copies: dict[str, list[OutputSpec]] = {}  # tensor → outputs that are its bytes unchanged
+        self.computed: dict[str, list[OutputSpec]] = {}  # tensor → outputs computed from it (and others)
+        self._missing: dict[str, int] = {}
+        self._lock = threading.Lock()
+        for output in plan.outputs:
+            source = copied_source(plan, output)
+            if source is not None:
+                self.copies.setdefault(source, []).append(output)
+                continue
+            self._missing[output.name] = len(output.sources)
+            for name in output.sources:
+                self.computed.setdefault(name, []).append(output)
+
+    def arrived(self, name: str) -> list[OutputSpec]:
+        """Tensor `name` is in memory: the computed outputs that now have all their sources."""
+        ready = []
+        with self._lock:
+            for output in self.computed.get(name, ()):
+                self._missing[output.name] -= 1
+                if self._missing[output.name] == 0:
+                    ready.append(output)
+        return ready
+
+
+def file_order(shards: Sequence[OpenShard]) -> Iterator[tuple[OpenShard, TensorInfo]]:
+    """Every tensor, shard by shard and by offset within each: the order the disk serves fastest."""
+    for shard in shards:
+        for tensor in sorted(shard.header.tensors, key=lambda t: t.start):
+            yield shard, tensor
+
+
+def typed(buffer: torch.Tensor, tensor: TensorInfo) -> torch.Tensor:
+    """The checkpoint tensor's bytes in `buffer` (uint8) seen with its own dtype and shape."""
+    if tensor.nbytes == 0:
+        return torch.empty(tensor.shape, dtype=TORCH_DTYPES[tensor.dtype])
+    return buffer.view(TORCH_DTYPES[tensor.dtype]).reshape(tensor.shape)
+
+
+def fresh_buffer(nbytes: int) -> torch.Tensor:
+    """`nbytes` of anonymous memory as a uint8 tensor, in huge pages where the kernel offers them (the first
+    touch of a 4 KiB page costs microseconds on a VM), given back to the system as soon as it is dropped."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous memory, not a file
+    with contextlib.suppress(AttributeError, OSError):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes)
+
+
+class BufferPool:
+    """Reused uint8 buffers: a buffer given back serves the next request it fits, since fresh memory costs a
+    page fault per page. Keeps at most `cap` bytes; a buffer given back past that returns to the system."""
+
+    def __init__(self, cap: int) -> None:
+        self._cap = cap
+        self._owned = 0  # bytes of the buffers handed out or free
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least `nbytes` (slice it); give it back whole."""
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            while self._free and self._owned + nbytes > self._cap:
+                self._owned -= self._free.pop(0).numel()
+            self._owned += nbytes
+        return fresh_buffer(nbytes)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            if self._owned > self._cap:
+                self._owned -= buffer.numel()
+            else:
+                self._free.append(buffer)
+
+    def clear(self) -> None:
+        """Return every free buffer to the system now, not whenever the garbage collector gets to them."""
+        with self._lock:
+            for buffer in self._free:
+                self._owned -= buffer.numel()
+            self._free.clear()
+
+
+def as_buffer(data: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU uint8 tensor's bytes, for preadv and BLAKE3."""
+    return memoryview(data.numpy())
+
+
+@dataclass(frozen=True, slots=True)
+class PassResult:
+    """What one pass learnt: every tensor's digest, and the digest of every output it wrote."""
+
+    digests: dict[str, str]  # checkpoint tensor name → BLAKE3 of its bytes
+    processed: dict[str, str]  # output name → BLAKE3 of the bytes written for it
+
+
+class _Aborted(Exception):
+    """A worker failed; the reader stops and the worker's error is raised instead."""
+
+
+class _Hold:
+    """A buffer shared by several tasks; `release` runs when the last of them lets go."""
+
+    __slots__ = ("refs", "release")
+
+    def __init__(self, refs: int, release: Callable[[], None]) -> None:
+        self.refs = refs
+        self.release = release
+
+
+class _Lane:
+    """Calls run one at a time, in the order given, on the pass's pool: one tensor's hash is fed in order."""
+
+    def __init__(self, owner: _Pass, pool: ThreadPoolExecutor | None = None) -> None:
+        self._owner = owner
+        self._pool = pool
+        self._queue: deque[Callable[[], None]] = deque()
+        self._busy = False
+
+    def submit(self, call: Callable[[], None]) -> None:
+        with self._owner.cond:
+            self._queue.append(call)
+            if self._busy:
+                return
+            self._busy = True
+        self._owner.submit(self._drain, pool=self._pool)
+
+    def _drain(self) -> None:
+        while True:
+            with self._owner.cond:
+                if not self._queue or self._owner.error is not None:
+                    self._busy = False
+                    return
+                call = self._queue.popleft()
+            call()
+
+
+class _Pass:
+    """The reader (the calling thread) and a pool that hashes, computes and writes behind it."""
+
+    def __init__(self, plan: ProcessingPlan, shards: Sequence[OpenShard], write: ArenaWrite,
+                 offsets: Mapping[str, int], progress: HashProgress | None) -> None:
+        self.plan = plan
+        self.shards = shards
+        self.write = write
+        self.offsets = offsets
+        self.progress = progress
+        self.schedule = Schedule(plan)
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.outstanding = 0  # tasks submitted and not finished
+        self.held = 0  # bytes of buffers in use
+        self.buffers_pool = BufferPool(HELD_BYTES)
+        self.kept: dict[str, torch.Tensor] = {}  # whole tensors, typed, while computed outputs need them
+        self.holds: dict[str, _Hold] = {}
+        self.digests: dict[str, str] = {}
+        self.processed: dict[str, str] = {}
+        self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="wcache-fill")
+        # The arena takes one write at a time anyway (a memfd's writes hold its inode lock), and its writes are
+        # the pass's longest chain: they get a thread of their own, and the pool's workers hash and compute.
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wcache-write")
+        self.writes = _Lane(self, self.writer)
+
+    # -- tasks ---------------------------------------------------------------------------------------------
+
+    def submit(self, call: Callable[..., None], *args: Any, pool: ThreadPoolExecutor | None = None) -> None:
+        with self.cond:
+            self.outstanding += 1
+        (pool or self.pool).submit(self._run, call, args)
+
+    def _run(self, call: Callable[..., None], args: tuple[Any, ...]) -> None:
+        try:
+            if self.error is None:
+                call(*args)
+        except BaseException as exc:  # handed to the reader, which raises it
+            with self.cond:
+                self.error = self.error or exc
+        finally:
+            with self.cond:
+                self.outstanding -= 1
+                self.cond.notify_all()
+
+    def drop(self, hold: _Hold) -> None:
+        with self.cond:
+            hold.refs -= 1
+            last = hold.refs == 0
+        if last:
+            hold.release()
+
+    # -- memory ----------------------------------------------------------------------------------------------
+
+    def _take(self, nbytes: int, wait: bool) -> torch.Tensor:
+        """A buffer of at least `nbytes`. Only the reader waits (`wait`), and only while workers still run:
+        buffers waiting for tensors not read yet free nothing."""
+        with self.cond:
+            while wait and self.error is None and self.outstanding and self.held + nbytes > HELD_BYTES:
+                self.cond.wait()
+            if self.error is not None and wait:
+                raise _Aborted
+            self.held += nbytes
+        return self.buffers_pool.take(nbytes)
+
+    def _give(self, buffer: torch.Tensor, nbytes: int) -> None:
+        self.buffers_pool.give(buffer)
+        with self.cond:
+            self.held -= nbytes
+            self.cond.notify_all()
+
+    # -- the pass ------------------------------------------------------------------------------------------
+
+    def run(self) -> PassResult:
+        try:
+            for shard in self.shards:
+                shard.advise_sequential()
+            current: OpenShard | None = None
+            for shard, tensor in file_order(self.shards):
+                if current is not None and shard is not current:
+                    current.forget_all()
+                current = shard
+                self._read(shard, tensor)
+            if current is not None:
+                current.forget_all()
+        except _Aborted:
+            pass
+        finally:
+            with self.cond:
+                while self.outstanding:
+                    self.cond.wait()
+            self.pool.shutdown()
+            self.writer.shutdown()
+            self.buffers_pool.clear()
+        if self.error is not None:
+            raise self.error
+        for output in self.plan.outputs:
+            source = copied_source(self.plan, output)
+            if source is not None:
+                self.processed[output.name] = self.digests[source]
+        return PassResult(self.digests, self.processed)
+
+    def _read(self, shard: OpenShard, tensor: TensorInfo) -> None:
+        """Read one tensor chunk by chunk; each chunk is hashed (in order) and written to every output that
+        copies it, and the whole tensor is kept only for outputs computed from it."""
+        copies = [self.offsets[o.name] for o in self.schedule.copies.get(tensor.name, ())]
+        computed = self.schedule.computed.get(tensor.name, ())
+        hasher = tensor_hasher(tensor.nbytes)
+        lane = _Lane(self)
+        whole: torch.Tensor | None = None
+        whole_hold: _Hold | None = None
+        if computed:
+            whole = self._take(tensor.nbytes, wait=True)
+            # One reference for the reader and one per computed output; each chunk's tasks add theirs below.
+            whole_hold = _Hold(1 + len(computed), lambda: self._free_whole(tensor.name, whole, tensor.nbytes))
+        for start in range(0, tensor.nbytes, CHUNK_BYTES):
+            size = min(CHUNK_BYTES, tensor.nbytes - start)
+            if whole is not None and whole_hold is not None:
+                chunk, hold = whole[start : start + size], whole_hold
+                with self.cond:
+                    hold.refs += 1 + len(copies)
+            else:
+                base = self._take(size, wait=True)
+                chunk = base[:size]
+                hold = _Hold(1 + len(copies), lambda base=base, size=size: self._give(base, size))
+            shard.read_into(tensor, start, as_buffer(chunk))
+            shard.forget_read(tensor, start + size)
+            if self.progress is not None:
+                self.progress.advance(size)
+            lane.submit(lambda chunk=chunk, hold=hold: self._hash_chunk(hasher, chunk, hold))
+            for offset in copies:
+                self.writes.submit(lambda at=offset + start, chunk=chunk, hold=hold: self._write(at, chunk, hold))
+        lane.submit(lambda: self._finish_digest(tensor.name, hasher))
+        if whole is not None and whole_hold is not None:
+            with self.cond:
+                self.kept[tensor.name] = typed(whole[: tensor.nbytes], tensor)
+                self.holds[tensor.name] = whole_hold
+            for output in self.schedule.arrived(tensor.name):
+                self.submit(self._compute, output)
+            self.drop(whole_hold)
+
+    def _hash_chunk(self, hasher: Any, chunk: torch.Tensor, hold: _Hold) -> None:
+        hasher.update(as_buffer(chunk))
+        self.drop(hold)
+
+    def _finish_digest(self, name: str, hasher: Any) -> None:
+        digest = hasher.hexdigest()
+        with self.cond:
+            self.digests[name] = digest
+
+    def _write(self, offset: int, data: torch.Tensor, hold: _Hold) -> None:
+        self.write(offset, data)
+        self.drop(hold)
+
+    def _free_whole(self, name: str, buffer: torch.Tensor, nbytes: int) -> None:
+        with self.cond:
+            self.kept.pop(name, None)
+            self.holds.pop(name, None)
+        self._give(buffer, nbytes)
+
+    def _compute(self, output: OutputSpec) -> None:
+        nbytes = output.nbytes
+        base = self._take(nbytes, wait=False)
+        try:
+            out = base[:nbytes].view(getattr(torch, output.dtype)).reshape(output.shape)
+            self.plan.produce(output, self.kept.__getitem__, out=out)
+        except BaseException:
+            self._give(base, nbytes)
+            raise
+        finally:
+            for name in output.sources:
+                self.drop(self.holds[name])
+        data = base[:nbytes]
+        hold = _Hold(2, lambda: self._give(base, nbytes))
+        self.submit(self._hash_output, output.name, data, hold)
+        self.writes.submit(lambda: self._write(self.offsets[output.name], data, hold))
+
+    def _hash_output(self, name: str, data: torch.Tensor, hold: _Hold) -> None:
+        hasher = tensor_hasher(data.numel())
+        if data.numel():
+            hasher.update(as_buffer(data))
+        digest = hasher.hexdigest()
+        with self.cond:
+            self.processed[name] = digest
+        self.drop(hold)
+
+
+def fill_in_one_pass(plan: ProcessingPlan, shards: Sequence[OpenShard], write: ArenaWrite,
+                     offsets: Mapping[str, int], progress: HashProgress | None = None) -> PassResult:
+    """Read every tensor of `shards` once, hash it, and write every output of `plan` at `offsets[output.name]`."""
+    return _Pass(plan, shards, write, offsets, progress).run()
+
+
+def read_outputs(plan: ProcessingPlan, shards: Sequence[OpenShard]) -> dict[str, torch.Tensor]:
+    """Every output of `plan` from one read of each tensor it needs, in tensors the caller owns (a disk load)."""
+    schedule = Schedule(plan)
+    outputs: dict[str, torch.Tensor] = {}
+    held: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # tensor → (pooled buffer, typed view of it)
+    users_left = {name: len(users) for name, users in schedule.computed.items()}
+    pool = BufferPool(HELD_BYTES)
+    workers = os.cpu_count() or 2
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="wcache-read") as readers:
+        for shard, tensor in file_order(shards):
+            copies = schedule.copies.get(tensor.name, [])
+            if tensor.name in schedule.computed:
+                # A reused buffer: it lives only until the outputs computed from it are made.
+                base = pool.take(tensor.nbytes)
+                shard.read_into(tensor, 0, as_buffer(base[: tensor.nbytes]))
+                view = typed(base[: tensor.nbytes], tensor)
+                held[tensor.name] = (base, view)
+                for output in copies:
+                    outputs[output.name] = view.clone()
+                for output in schedule.arrived(tensor.name):
+                    outputs[output.name] = plan.produce(output, lambda name: held[name][1])
+                    for name in output.sources:
+                        users_left[name] -= 1
+                        if users_left[name] == 0:
+                            pool.give(held.pop(name)[0])
+            elif copies:
+                # The engine owns these: the first copy is read straight into its own tensor, any other is a
+                # clone (an engine may change one in place).
+                data = torch.empty(tensor.nbytes, dtype=torch.uint8)
+                _read_in_parts(shard, tensor, data, readers, workers)
+                view = typed(data, tensor)
+                for i, output in enumerate(copies):
+                    outputs[output.name] = view if i == 0 else view.clone()
+            # A tensor no output needs is not read: a disk load does not hash.
+    pool.clear()
+    return {o.name: outputs[o.name] for o in plan.outputs}
+
+
+def _read_in_parts(shard: OpenShard, tensor: TensorInfo, data: torch.Tensor, readers: ThreadPoolExecutor,
+                   workers: int) -> None:
+    """Read a tensor into fresh memory a part per thread: the first touch of each page (a fault) is then paid
+    by several cores at once, as a parallel copy would."""
+    parts = max(1, min(workers, tensor.nbytes // CHUNK_BYTES))
+    bounds = [tensor.nbytes * i // parts for i in range(parts + 1)]
+    futures = [readers.submit(shard.read_into, tensor, lo, as_buffer(data[lo:hi]))
+               for lo, hi in itertools.pairwise(bounds)]
+    for future in futures:
+        future.result()

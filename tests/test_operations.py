@@ -1,0 +1,229 @@
+"""What an operator relies on: loading daemons are visible, probes tell ready from not, --replace, TP groups
+stop whole, logs reach a service manager's stderr, the events log stays bounded, and the CLI behaves in pipes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from daemon_fixtures import (
+    DaemonRig,
+    daemon_rig,
+    nothing_survives,  # noqa: F401
+    wait_for,
+)
+from wcache.attach import attach
+from wcache.events import append_event, read_events, rotated_path
+from wcache.loading import LOADING_DIR, read_loading
+from wcache.monitor.collector import EventTail
+from wcache.synth import write_checkpoint
+
+
+@pytest.fixture
+def rig() -> Iterator[DaemonRig]:
+    with daemon_rig() as made:
+        yield made
+
+
+@pytest.fixture
+def tiny(rig: DaemonRig) -> Path:
+    return write_checkpoint("tiny", rig.base / "tiny")
+
+
+def _start_preload(rig: DaemonRig, model: Path, *options: str,
+                   stderr: int = subprocess.DEVNULL) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "wcache_cli.main", "preload", str(model), "--run-dir", str(rig.run_dir), *options],
+        stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL, text=True,
+        env={**os.environ, **rig.env},
+    )
+
+
+def _loading_rank(rig: DaemonRig) -> int:
+    """Wait for a rank's loading record and freeze that rank where it stands; returns its pid."""
+    def first() -> int | None:
+        for path in (rig.run_dir / LOADING_DIR).glob("*.json"):
+            return int(path.stem)
+        return None
+    pid = wait_for(first, timeout=60, interval=0.002, what="a loading record")
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def test_a_loading_daemon_is_listed_and_not_ready_until_it_is(rig: DaemonRig, tiny: Path) -> None:
+    preload = _start_preload(rig, tiny, "--detach", "--json")
+    pid = _loading_rank(rig)
+    try:
+        listed = rig.status()
+        [row] = listed["daemons"]
+        assert row["state"] == "loading" and row["pid"] == pid and row["source"] == str(tiny)
+        assert listed["ready"] is False
+        check = rig.cli("status", "--check", "--run-dir", str(rig.run_dir))
+        assert check.returncode == 3 and f"pid {pid} is still loading" in check.stderr
+        assert "loading" in rig.cli("status", "--run-dir", str(rig.run_dir)).stdout
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert preload.wait(timeout=60) == 0
+    assert read_loading(rig.run_dir) == []  # the record goes once the descriptor is published
+    check = rig.cli("status", "--check", "--run-dir", str(rig.run_dir))
+    assert check.returncode == 0 and "ready: 1 daemon(s)" in check.stdout, check.stderr
+
+
+def test_check_fails_without_daemons(rig: DaemonRig) -> None:
+    check = rig.cli("status", "--check", "--run-dir", str(rig.run_dir))
+    assert check.returncode == 3 and "no daemons in" in check.stderr and check.stdout == ""
+
+
+def test_stop_all_stops_a_daemon_that_is_still_loading(rig: DaemonRig, tiny: Path) -> None:
+    preload = _start_preload(rig, tiny, "--detach")
+    pid = _loading_rank(rig)
+    os.kill(pid, signal.SIGCONT)  # SIGTERM must reach a running process
+    stopped = rig.cli("stop", "--all", "--run-dir", str(rig.run_dir))
+    assert stopped.returncode == 0, stopped.stderr
+    assert preload.wait(timeout=60) != 0 or not psutil.pid_exists(pid)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert rig.status()["daemons"] == []
+
+
+def test_a_killed_supervisor_leaves_one_daemon_that_the_next_preload_and_stop_see(rig: DaemonRig, tiny: Path) -> None:
+    preload = _start_preload(rig, tiny, "--detach")
+    rank = _loading_rank(rig)
+    supervisor = psutil.Process(rank).ppid()
+    os.kill(supervisor, signal.SIGKILL)
+    os.kill(rank, signal.SIGCONT)
+    preload.wait(timeout=60)
+    # The orphaned rank carries on; a second preload of the same key finds it instead of loading a twin.
+    again = rig.cli("preload", str(tiny), "--detach", "--run-dir", str(rig.run_dir))
+    assert again.returncode == 0, again.stderr
+    assert "already" in again.stdout or "READY" in again.stdout
+    wait_for(lambda: rig.descriptors(), timeout=60, what="the orphan to publish")
+    ranks = [p for p in psutil.process_iter()
+             if "wcache.daemon " in " ".join(_cmd(p)) and str(rig.base) in " ".join(_cmd(p))]
+    assert len(ranks) == 1, [p.pid for p in ranks]
+    assert rig.cli("stop", "--all", "--run-dir", str(rig.run_dir)).returncode == 0
+    wait_for(lambda: not psutil.pid_exists(rank) or psutil.Process(rank).status() == psutil.STATUS_ZOMBIE,
+             timeout=30, what="the orphan to exit")
+
+
+def _cmd(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
+def test_replace_refuses_while_leased_and_force_replaces(rig: DaemonRig, tiny: Path) -> None:
+    [old] = rig.preload(tiny)
+    with attach(tiny, run_dir=rig.run_dir, fallback=False) as weights:
+        assert weights.report.outcome == "hit"
+        refused = rig.cli("preload", str(tiny), "--detach", "--replace", "--run-dir", str(rig.run_dir))
+        assert refused.returncode == 3 and "lease" in refused.stderr and "--force" in refused.stderr
+        assert [d.pid for d in rig.descriptors()] == [old.pid]
+        replaced = rig.cli("preload", str(tiny), "--detach", "--json", "--replace", "--force",
+                           "--run-dir", str(rig.run_dir))
+        assert replaced.returncode == 0, replaced.stderr
+    [new] = rig.descriptors()
+    assert new.name == old.name and new.pid != old.pid
+    assert not psutil.pid_exists(old.pid) or psutil.Process(old.pid).status() == psutil.STATUS_ZOMBIE
+    assert rig.cli("preload", str(tiny), "--force", "--run-dir", str(rig.run_dir)).returncode == 2
+
+
+def test_one_rank_of_a_group_is_never_stopped_alone(rig: DaemonRig, tiny: Path) -> None:
+    first, second = rig.preload(tiny, "--tp", "2")
+    alone = rig.cli("stop", first.name, "--run-dir", str(rig.run_dir))
+    assert alone.returncode == 2 and "--group" in alone.stderr and second.name in alone.stderr
+    assert len(rig.descriptors()) == 2
+    group = rig.cli("stop", first.name, "--group", "--run-dir", str(rig.run_dir))
+    assert group.returncode == 0, group.stderr
+    assert first.name in group.stdout and second.name in group.stdout
+    assert rig.descriptors() == []
+
+
+def test_a_rank_that_dies_takes_its_group_down(rig: DaemonRig, tiny: Path) -> None:
+    _, second = rig.preload(tiny, "--tp", "2")
+    os.kill(second.pid, signal.SIGKILL)
+    wait_for(lambda: rig.status()["daemons"] == [], timeout=30, what="the rest of the group to stop")
+    assert rig.events("group_stopped")
+
+
+def test_foreground_preload_logs_to_a_non_terminal_stderr_as_json(rig: DaemonRig, tiny: Path) -> None:
+    preload = _start_preload(rig, tiny, "--log-format", "json", stderr=subprocess.PIPE)
+    assert preload.stdout is not None
+    assert preload.stdout.readline().startswith("READY"), "no READY line"
+    preload.send_signal(signal.SIGTERM)
+    _, stderr = preload.communicate(timeout=60)
+    lines = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    components = {line["component"] for line in lines}
+    assert {"supervisor", "rank0"} <= components, stderr
+    messages = " ".join(line["message"] for line in lines)
+    assert "ready: daemon" in messages and "stopped: daemon" in messages
+    logs = list((rig.run_dir / "logs").glob("preload-*-rank0.log"))
+    assert logs and "ready: daemon" in logs[0].read_text()  # and the log file keeps them too
+
+
+def test_events_rotate_by_size_and_readers_follow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WCACHE_EVENTS_MAX_BYTES", "4096")
+    tail = EventTail(tmp_path / "events.jsonl")
+    followed = []
+    for i in range(400):
+        append_event(tmp_path, "stop", i=i)
+        if i % 25 == 0:
+            followed += tail.read_new()
+    followed += tail.read_new()
+    assert [e["i"] for e in followed] == list(range(400))  # nothing lost or doubled across rotations
+    files = [tmp_path / "events.jsonl", rotated_path(tmp_path / "events.jsonl")]
+    assert sorted(tmp_path.iterdir()) == sorted(files)
+    assert all(f.stat().st_size < 4096 + 200 for f in files)
+    kept = [e["i"] for e in read_events(tmp_path)]
+    assert kept == list(range(kept[0], 400))  # the newest events, in order
+
+
+def _wcache(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "wcache_cli.main", *args], capture_output=True, text=True,
+                          timeout=120, **kwargs)  # type: ignore[call-overload]
+
+
+def test_verbose_is_accepted_after_the_subcommand(tmp_path: Path) -> None:
+    quiet = _wcache("key", str(tmp_path / "missing"))
+    loud = _wcache("key", str(tmp_path / "missing"), "-v")
+    assert quiet.returncode == loud.returncode == 2
+    assert "Traceback" not in quiet.stderr and "Traceback" in loud.stderr
+    assert "does not exist" in loud.stderr
+
+
+@pytest.mark.parametrize("json_output", [False, True])
+def test_a_reader_that_leaves_early_is_not_an_error(tmp_path: Path, json_output: bool) -> None:
+    model = write_checkpoint("tiny", tmp_path / "tiny")
+    command = [sys.executable, "-m", "wcache_cli.main", "key", str(model), "--tensors", *(["--json"] * json_output)]
+    env = {**os.environ, "WCACHE_CACHE_DIR": str(tmp_path / "cache")}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as process:
+        assert process.stdout is not None and process.stderr is not None
+        process.stdout.close()  # what `| head -1` does once it has its line; here before any is written
+        code = process.wait(timeout=120)
+        stderr = process.stderr.read().decode()
+    assert code == 0 and stderr == "", stderr
+
+
+def test_top_raises_a_banner_for_a_fallback_storm_and_for_unverified_hits() -> None:
+    from wcache.monitor.collector import STORM_FALLBACKS, alerts, summarize
+
+    now = time.time()
+    calm = [summarize({"ts": now - 5, "kind": "fallback", "reason": "r"})] * (STORM_FALLBACKS - 1)
+    assert alerts(calm, now) == ()
+    old = [summarize({"ts": now - 600, "kind": "fallback", "reason": "r"})] * 10
+    assert alerts(old, now) == ()  # a storm that is over is history, not an alert
+    storm = [*calm, summarize({"ts": now - 1, "kind": "fallback", "reason": "checkpoint differs"})]
+    [banner] = alerts(storm, now)
+    assert banner.startswith("FALLBACK STORM") and "checkpoint differs" in banner
+    unverified = summarize({"ts": now, "kind": "attach_hit", "daemon": "cpu-x", "mode": "zero_copy",
+                            "verified": False, "source": "/m"})
+    assert unverified.severity == "warning" and "unverified" in unverified.summary
+    assert any("unverified" in a for a in alerts([unverified], now))
