@@ -3,12 +3,14 @@ stop whole, logs reach a service manager's stderr, the events log stays bounded,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -227,3 +229,71 @@ def test_top_raises_a_banner_for_a_fallback_storm_and_for_unverified_hits() -> N
                             "verified": False, "source": "/m"})
     assert unverified.severity == "warning" and "unverified" in unverified.summary
     assert any("unverified" in a for a in alerts([unverified], now))
+
+
+@pytest.mark.parametrize("shards", [1, 2])  # model.safetensors alone, and an index naming two shards
+def test_a_model_directory_that_cannot_be_listed_is_still_read(shards: int) -> None:
+    from as_nobody import nobody_tree, open_to_all, run_as_nobody
+
+    with nobody_tree() as (base, env):
+        model = write_checkpoint("tiny", base / "model", num_shards=shards)
+        open_to_all(model)
+        model.chmod(0o311)  # traversable, not listable: every file in it can still be opened by name
+        result = run_as_nobody([sys.executable, "-m", "wcache_cli.main", "key", str(model)], env, cwd=base)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("key "), result.stdout
+
+
+@pytest.fixture
+def full_run_dir(tmp_path: Path) -> Iterator[Path]:
+    """A run dir on a 64 KiB tmpfs that is already full (mounting needs root, as CI runs)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    where = tmp_path / "full"
+    where.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(where)], check=True)
+    try:
+        with (where / "filler").open("wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_run_dir_is_one_sentence_and_no_daemon(rig: DaemonRig, tiny: Path, full_run_dir: Path) -> None:
+    result = rig.cli("preload", str(tiny), "--detach", "--run-dir", str(full_run_dir))
+    assert result.returncode == 3, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "no space left" in line and str(full_run_dir) in line and "Traceback" not in line
+    assert rig.cli("status", "--json", "--run-dir", str(full_run_dir)).returncode == 0
+
+
+def test_the_engine_path_without_config_json_is_one_sentence(tmp_path: Path) -> None:
+    model = write_checkpoint("tiny", tmp_path / "tiny", num_shards=1)
+    (model / "config.json").unlink()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    result = _wcache("attach", str(model), "--plan", "identity", "--prompt", "hi", "--run-dir", str(run_dir),
+                     env={**os.environ, "WCACHE_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "config.json" in line and "Traceback" not in result.stderr
+
+
+def test_a_trusted_hit_is_recorded_as_unverified_everywhere(rig: DaemonRig, tiny: Path) -> None:
+    [daemon] = rig.preload(tiny)
+    with attach(tiny, run_dir=rig.run_dir, fallback=False):
+        pass
+    with attach(tiny, run_dir=rig.run_dir, fallback=False, trust_daemon=True) as trusted:
+        assert trusted.report.outcome == "hit"
+    verified, unverified = rig.events("attach_hit")
+    assert verified["verified"] is True and unverified["verified"] is False
+    assert unverified["source"] == str(tiny) and unverified["daemon_source"] == daemon.source
+    counters = rig.stats(daemon)["counters"]
+    assert counters["hits"] == 2 and counters["hits_unverified"] == 1
+    assert "1 unverified hit(s)" in rig.cli("status", "--run-dir", str(rig.run_dir)).stdout
+    [health_url] = {d.health_url for d in rig.descriptors()}
+    with urllib.request.urlopen(f"{health_url}/metrics", timeout=5) as response:
+        metrics = response.read().decode()
+    assert any(line.startswith("wcache_unverified_hits") and line.endswith(" 1.0") for line in metrics.splitlines())

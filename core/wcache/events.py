@@ -84,7 +84,7 @@ def append_event(run_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:
         finally:
             os.close(fd)
     except OSError as exc:
-        log.warning("Could not write a %s event to %s (%s).", kind, events_path(run_dir), exc.strerror)
+        log.warning("Could not write the %s event to %s (%s).", kind, events_path(run_dir), exc.strerror)
     return event
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -14,7 +15,7 @@ from pathlib import Path
 from wcache.daemon.server import DaemonServer
 from wcache.daemon.status_pipe import ProgressReporter, StatusWriter
 from wcache.digest_store import DigestStore
-from wcache.errors import WcacheError
+from wcache.errors import EXIT_UNAVAILABLE, WcacheError
 from wcache.events import append_event
 from wcache.fingerprint import HashProgress
 from wcache.key import KeyFile
@@ -134,6 +135,18 @@ def main(argv: list[str] | None = None) -> int:
         log.error("load failed: %s", exc)
         status.emit("failed", rank=args.rank, reason=str(exc), exit_code=exc.exit_code)
         return exc.exit_code
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            log.exception("rank %d failed while loading", args.rank)
+            status.emit("failed", rank=args.rank, reason=f"{type(exc).__name__}: {exc}", exit_code=1)
+            return 1
+        # Checkpoint reads raise CheckpointError; what runs out of space here is the run dir (lock, socket,
+        # descriptor) or the arena's memory.
+        reason = (f"no space left to publish the daemon in {args.run_dir} or to hold its weights "
+                  f"({exc.strerror}); free some space or choose another --run-dir")
+        log.error("load failed: %s", reason)
+        status.emit("failed", rank=args.rank, reason=reason, exit_code=EXIT_UNAVAILABLE)
+        return EXIT_UNAVAILABLE
     except Exception as exc:  # the supervisor must hear why, whatever it was
         log.exception("rank %d failed while loading", args.rank)
         status.emit("failed", rank=args.rank, reason=f"{type(exc).__name__}: {exc}", exit_code=1)

@@ -88,6 +88,9 @@ class _StatsCollector(Collector):
         leases = GaugeMetricFamily("wcache_daemon_leases", "Zero-copy engines attached now.", labels=labels)
         attaches = CounterMetricFamily("wcache_attaches", "Maps served.", labels=[*labels, "mode"])
         hits = CounterMetricFamily("wcache_hits", "Hellos whose key matched.", labels=labels)
+        unverified = CounterMetricFamily(
+            "wcache_unverified_hits", "Hits whose engine skipped the checkpoint comparison (--trust-daemon).",
+            labels=labels)
         misses = CounterMetricFamily("wcache_misses", "Hellos whose key did not match, by reason.",
                                      labels=[*labels, "reason"])
         served = CounterMetricFamily("wcache_bytes_served", "Bytes of weights mapped or copied by engines.",
@@ -103,12 +106,13 @@ class _StatsCollector(Collector):
             for mode in ("zero_copy", "copy"):
                 attaches.add_metric([*values, mode], float(counters.get(f"attaches_{mode}", 0)))
             hits.add_metric(values, float(counters.get("hits", 0)))
+            unverified.add_metric(values, float(counters.get("hits_unverified", 0)))
             for name, count in counters.items():
                 if name.startswith("misses_"):
                     misses.add_metric([*values, name.removeprefix("misses_")], float(count))
             served.add_metric(values, float(counters.get("bytes_served", 0)))
             bad.add_metric(values, float(counters.get("bad_frames", 0)))
-        yield from (ready, live, weights, leases, attaches, hits, misses, served, bad)
+        yield from (ready, live, weights, leases, attaches, hits, unverified, misses, served, bad)
 
 
 def serve_health(table: RankTable, host: str, port: int,

@@ -181,6 +181,7 @@ class DaemonServer:
         with self.shared.lock:
             leases = len(self.shared.leases)
             self.shared.state = "stopped"
+        log.info("Stopping with %d lease(s) held.", leases)
         append_event(self.run_dir, "stop", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
                      leases=leases)
         self.loaded.arena.close()
@@ -268,6 +269,7 @@ class DaemonServer:
             had = client.ident in self.shared.leases
             self.shared.leases.discard(client.ident)
         if had:
+            log.info("Engine pid %s detached (zero_copy).", client.pid)
             append_event(self.run_dir, "release", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
                          mode="zero_copy", client_pid=client.pid)
 
@@ -325,6 +327,11 @@ class DaemonServer:
         else:
             status = "hit"
             self._count("hits")
+            if "checkpoint" not in compared:
+                # --trust-daemon: the engine never compared its checkpoint's content with ours.
+                self._count("hits_unverified")
+        if status != "hit":
+            log.info("Engine pid %s missed (%s).", client.pid, status if released else ", ".join(mismatched))
         client.matched = status == "hit"
         return "hello", {"status": status, "mismatched": mismatched, "daemon": self._summary()}, ()
 
@@ -353,6 +360,7 @@ class DaemonServer:
                     fds = (os.dup(arena.fd),)
         if not ready:
             return "error", {"message": self._released_message()}, ()
+        log.info("Engine pid %s attached (%s).", client.pid, mode)
         client.mode = mode
         reply: dict[str, Any] = {
             "kind": "memfd" if isinstance(arena, CpuArena) else "cuda",
