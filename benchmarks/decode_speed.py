@@ -9,8 +9,8 @@ every token) and each torch thread count, one run measures side by side, interle
   call, then one call per token with the cache, argmax in between; decode time likewise per token;
 * the ratio wcache / transformers of the two (below 1 means the engine is faster).
 
-The thread count is set with ``torch.set_num_threads`` before both sides run; the engine may run on fewer
-(``EngineConfig.num_threads``), which the table shows. The construction table times ``Engine(...)`` with
+The thread count is set with ``torch.set_num_threads`` before both sides run; the engine's decode steps may
+run on fewer (``wcache.engine.threads``), which the table shows. The construction table times ``Engine(...)`` with
 the default ``EngineConfig`` on weights already loaded, against zeroing a KV pool of that default size
 (what construction cost before the pool was allocated on demand).
 
@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 from wcache.engine.config import EngineConfig, ModelConfig
 from wcache.engine.engine import Engine
+from wcache.engine.threads import step_threads
 from wcache.plan import PlanSpec
 from wcache.synth import PRESETS, Preset, make_tensors, write_tensors
 
@@ -116,27 +117,20 @@ def hf_decode(model: Any, prompt: list[int], new_tokens: int) -> tuple[float, li
 
 
 def construction(model_config: ModelConfig, weights: Any, repeat: int) -> tuple[float, float, int]:
-    """Median seconds of Engine(...) with the default config, of zeroing its pool, and the pool's bytes."""
-    built, zeroed = [], []
-    pool_bytes = 0
+    """Median seconds of Engine(...) with the default config and of zeroing a pool of its size; the pool's bytes."""
+    built, zeroed, pool_bytes = [], [], 0
     for _ in range(repeat):
         start = time.perf_counter()
         engine = Engine(model_config, weights, EngineConfig())
         built.append(time.perf_counter() - start)
-        layers = len(engine.paged_layers)
-        cfg = engine.config
-        shape = (cfg.num_blocks, cfg.block_size, engine.model.num_kv_heads, engine.model.head_dim)
-        del engine
+        pools = [*engine.kv.k.values(), *engine.kv.v.values()]
         start = time.perf_counter()
-        pool = [torch.zeros(shape, dtype=model_config_dtype(weights)) for _ in range(2 * layers)]
+        for pool in pools:
+            pool.zero_()
         zeroed.append(time.perf_counter() - start)
-        pool_bytes = sum(t.numel() * t.element_size() for t in pool)
-        del pool
+        pool_bytes = sum(pool.numel() * pool.element_size() for pool in pools)
+        del engine, pools
     return statistics.median(built), statistics.median(zeroed), pool_bytes
-
-
-def model_config_dtype(weights: Any) -> torch.dtype:
-    return weights["model.norm.weight"].dtype
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,8 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     thread_counts = [int(t) for t in args.threads.split(",")]
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    console = Console()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    console = Console(width=120)
     decode = Table(title=f"Greedy decode after a {args.prompt}-token prompt, {args.new_tokens} tokens, "
                          f"median of {args.repeat}")
     for column in ("checkpoint", "threads", "engine threads", "wcache /token", "transformers /token",
@@ -188,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                     seconds, theirs.tokens = hf_decode(hf, prompt, args.new_tokens)
                     theirs.per_token.append(seconds)
                 same = sum(a == b for a, b in zip(ours.tokens, theirs.tokens, strict=False))
-                used = engine.threads_for_step() if hasattr(engine, "threads_for_step") else threads
+                used = step_threads(threads, 1, engine.model.layer_macs)
                 ratio = ours.median / theirs.median
                 decode.add_row(name, str(threads), str(used), fmt_seconds(ours.median), fmt_seconds(theirs.median),
                                f"{ratio:.2f}×", f"{same}/{args.new_tokens}")

@@ -32,7 +32,7 @@ def engine_view(arena: CpuArena | CudaArena) -> dict[str, torch.Tensor]:
     """What an engine holds: its own map of the memfd (CPU); on CUDA, tensors viewing the block (an IPC import
     in another process is the device check's part)."""
     if isinstance(arena, CpuArena):
-        return map_cpu_arena(os.dup(arena.fd), TOTAL, ENTRIES).tensors
+        return map_cpu_arena(os.dup(arena.fd), TOTAL, [e.to_wire() for e in ENTRIES]).tensors
     return arena.tensors(ENTRIES)
 
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 from wcache.engine import Engine, EngineConfig, ModelConfig
 from wcache.engine.block_manager import KVCacheFullError, chain_hashes
+from wcache.engine.threads import MACS_PER_THREAD
 from wcache.plan import PlanSpec
 from wcache.synth import Preset, make_tensors, write_tensors
 
@@ -314,12 +315,17 @@ def test_cached_blocks_stay_as_first_written(tiny_template: Path, replay: bool) 
     snapshot = {layer: (engine.kv.k[layer].clone(), engine.kv.v[layer].clone()) for layer in engine.kv.k}
     hit = engine.generate(SECOND, NEW_TOKENS)
     assert hit.adopted and hit.replayed_tokens == (WINDOW if replay else 0)
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        # Bit for bit: the pool is not zeroed, and a block never written may hold any bytes, NaNs included.
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
     for layer, (k, v) in snapshot.items():
-        assert torch.equal(engine.kv.k[layer][hit_blocks], k[hit_blocks]), f"layer {layer} keys rewritten"
-        assert torch.equal(engine.kv.v[layer][hit_blocks], v[hit_blocks]), f"layer {layer} values rewritten"
+        assert same(engine.kv.k[layer][hit_blocks], k[hit_blocks]), f"layer {layer} keys rewritten"
+        assert same(engine.kv.v[layer][hit_blocks], v[hit_blocks]), f"layer {layer} values rewritten"
         changed = {
             b for b in range(k.shape[0])
-            if not (torch.equal(engine.kv.k[layer][b], k[b]) and torch.equal(engine.kv.v[layer][b], v[b]))
+            if not (same(engine.kv.k[layer][b], k[b]) and same(engine.kv.v[layer][b], v[b]))
         }
         assert changed, "the new request's own blocks should have been written"
         assert changed.isdisjoint(cached_before), f"layer {layer}: cached blocks {changed & set(cached_before)}"
@@ -410,7 +416,51 @@ def test_generation_limits(tiny_template: Path) -> None:
         engine.generate([], 4)
 
 
-# -- (h) other families against Hugging Face -------------------------------------------------------------------
+# -- (h) what a request costs the machine ------------------------------------------------------------------------
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_kv_pool_takes_memory_only_for_the_blocks_requests_use(tiny_template: Path) -> None:
+    # 131,072 blocks of 16 KiB (k and v, 4 paged layers, 16 positions, 2 KV heads of 16 floats): a 2 GiB pool.
+    num_blocks = 2 * 2**30 // (2 * 4 * BLOCK * 2 * 16 * 4)
+    before = _resident_bytes()
+    engine = make_engine(tiny_template, replay=False, num_blocks=num_blocks)
+    assert engine.kv.bytes_per_block((0, 1, 2, 3)) * num_blocks == 2 * 2**30
+    grown = _resident_bytes() - before
+    assert grown < 256 * 2**20, f"constructing the engine made {grown / 2**20:.0f} MiB resident"
+    assert engine.generate(SECOND, NEW_TOKENS).token_ids == cold_run(tiny_template, SECOND, replay=False)[0]
+    assert _resident_bytes() - before < 256 * 2**20
+
+
+def test_steps_too_small_to_share_run_on_one_thread(tiny_template: Path) -> None:
+    engine = make_engine(tiny_template, replay=True)
+    seen: list[tuple[int, int]] = []  # (positions in the step, threads it ran on)
+    forward = engine.model.forward
+
+    def recording(token_ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        seen.append((token_ids.shape[0], torch.get_num_threads()))
+        return forward(token_ids, *args)
+
+    engine.model.forward = recording  # type: ignore[method-assign]
+    # Long enough that its prefill gives two threads their share; one decoded token at a time never does.
+    length = 2 * MACS_PER_THREAD // engine.model.layer_macs + 1
+    for threads, prefill_threads in ((2, 2), (1, 1)):
+        prompt = _prompt(70 + threads, length)
+        torch.set_num_threads(threads)
+        try:
+            seen.clear()
+            engine.generate(prompt, 4)
+            assert torch.get_num_threads() == threads, "the request left torch's thread count changed"
+        finally:
+            torch.set_num_threads(1)
+        assert seen == [(len(prompt), prefill_threads), (1, 1), (1, 1), (1, 1)]
+
+
+# -- (i) other families against Hugging Face -------------------------------------------------------------------
 
 
 def _family_config(model_type: str, **overrides: Any) -> dict[str, Any]:

@@ -7,8 +7,9 @@ from typing import Annotated, Any
 
 import typer
 import wcache
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
+from wcache_cli import coercion
 from wcache_cli.commands.attach import attach
 from wcache_cli.commands.demo import demo
 from wcache_cli.commands.diff import diff
@@ -25,7 +26,11 @@ def _set_verbose(ctx: Any, param: Any, value: bool) -> None:
         state.verbose = True
 
 
-class _WcacheGroup(TyperGroup):
+class _WcacheCommand(coercion.PlainValues, TyperCommand):
+    """Every subcommand: plain option values are converted without importing pydantic (see coercion)."""
+
+
+class _WcacheGroup(coercion.PlainValues, TyperGroup):
     """The root group; every subcommand also takes the global `--verbose`, since users add it at the end."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -70,12 +75,12 @@ def root(
     state.verbose = state.verbose or verbose
 
 
-app.command()(preload)
-app.command()(status)
-app.command()(stop)
-app.command()(attach)
-app.command()(key)
-app.command()(diff)
-app.command()(verify)
-app.command()(top)
-app.command()(demo)
+app.command(cls=_WcacheCommand)(preload)
+app.command(cls=_WcacheCommand)(status)
+app.command(cls=_WcacheCommand)(stop)
+app.command(cls=_WcacheCommand)(attach)
+app.command(cls=_WcacheCommand)(key)
+app.command(cls=_WcacheCommand)(diff)
+app.command(cls=_WcacheCommand)(verify)
+app.command(cls=_WcacheCommand)(top)
+app.command(cls=_WcacheCommand)(demo)

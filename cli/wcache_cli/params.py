@@ -51,7 +51,7 @@ class Mode(StrEnum):
 ModelArg = Annotated[
     Path,
     typer.Argument(help="Model directory, .safetensors file, or Hugging Face repo id (Org/Name[@revision]) in the "
-                   "local Hugging Face cache.", show_default=False),
+                   "local Hugging Face cache.", show_default=False, readable=False),
 ]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size.", min=1)]
 RankOpt = Annotated[int, typer.Option("--rank", help="Tensor-parallel rank (0 ≤ rank < tp).", min=0)]

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
-from wcache.fingerprint import FingerprintStats
-from wcache.key import KeyFile
-from wcache.key_diff import KeyDiff
-from wcache.manifest import TensorDigest
 
 from wcache_cli.output import printable
+
+if TYPE_CHECKING:  # renderings take what the key machinery made; they never need to import it
+    from wcache.fingerprint import FingerprintStats
+    from wcache.key import KeyFile
+    from wcache.key_diff import KeyDiff
+    from wcache.manifest import TensorDigest
 
 DIGEST_CHARS = 16
 

@@ -12,13 +12,15 @@ The public API, for engine authors, benchmarks and tests (everything else is int
     key = wcache.compute_key(Path("path/to/model"))
     group.stop()
 
-Names (and `__version__`) are loaded on first use, so `import wcache` does not import torch.
+Names are loaded on first use, so `import wcache` does not import torch.
 """
 
 from __future__ import annotations
 
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"  # the package's version (pyproject.toml reads it from here)
 
 _EXPORTS = {
     "attach": "wcache.attach",
@@ -54,7 +56,6 @@ __all__ = [
 assert set(__all__) == {"__version__", *_EXPORTS}
 
 if TYPE_CHECKING:
-    __version__: str
     from wcache.attach import AttachedWeights, AttachMissError, AttachReport, attach
     from wcache.attach_options import AttachOptions
     from wcache.daemons import DaemonGroup, PreloadFailedError, start_daemons, stop_daemon
@@ -66,20 +67,7 @@ if TYPE_CHECKING:
     from wcache.rundir import DaemonDescriptor, DaemonExistsError, census
 
 
-def _version() -> str:
-    # importlib.metadata costs more than the rest of `import wcache`; only key files and --version need it.
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("wcache")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "0.0.0+unknown"
-
-
 def __getattr__(name: str) -> Any:
-    if name == "__version__":
-        value = globals()[name] = _version()
-        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'wcache' has no attribute {name!r}")

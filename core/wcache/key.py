@@ -129,7 +129,8 @@ def compute_key(
     """The key of checkpoint `path` under `plan`; warm shards cost one stat each and no reads."""
     layout = locate(path)
     fingerprint = fingerprint_checkpoint(layout, store, rehash=rehash, progress=progress)
-    return make_key_file(path, layout, fingerprint.manifest, plan or PlanSpec(), fingerprint.stats)
+    return make_key_file(path, layout, fingerprint.manifest, plan or PlanSpec(), fingerprint.stats,
+                         root=fingerprint.root)
 
 
 def resolve_plan(layout: CheckpointLayout, manifest: tuple[TensorDigest, ...], plan: PlanSpec) -> PlanSpec:
@@ -143,11 +144,16 @@ def make_key_file(
     manifest: tuple[TensorDigest, ...],
     plan: PlanSpec,
     stats: FingerprintStats | None,
+    *,
+    root: str | None = None,
 ) -> KeyFile:
-    """Assemble the key of a fingerprinted checkpoint; "auto" dtype resolves to the checkpoint's own."""
+    """Assemble the key of a fingerprinted checkpoint; "auto" dtype resolves to the checkpoint's own.
+
+    `root` is the manifest's Merkle root where the caller already has it (a Fingerprint's): one root per key.
+    """
     resolved = resolve_plan(layout, manifest, plan)
     key = WeightCacheKey(
-        checkpoint=merkle_root(manifest),
+        checkpoint=root if root is not None else merkle_root(manifest),
         config=config_digest(layout.config),
         plan=resolved.digest(),
         format=FORMAT_VERSION,

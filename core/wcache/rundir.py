@@ -15,8 +15,6 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from wcache.errors import EXIT_OK, BadInputError, WcacheError
 
 log = logging.getLogger("wcache")
@@ -206,6 +204,8 @@ def remove_daemon_files(run_dir: Path, name: str) -> None:
 
 def process_created(pid: int) -> float | None:
     """The start time psutil reports for `pid`, or None when no such process runs."""
+    import psutil  # here, not at the top: listing an empty run dir should not pay for it
+
     try:
         return psutil.Process(pid).create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
@@ -217,6 +217,8 @@ def is_alive(descriptor: DaemonDescriptor) -> bool:
     created = process_created(descriptor.pid)
     if created is None:
         return False
+    import psutil
+
     try:
         if psutil.Process(descriptor.pid).status() == psutil.STATUS_ZOMBIE:
             return False

@@ -6,12 +6,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
-from wcache.digest_store import DigestStore
 from wcache.errors import BadInputError
-from wcache.model_path import resolve_model_path
 
-from wcache_cli.operands import check_tp_fits
 from wcache_cli.output import out
 from wcache_cli.params import (
     DaemonOpt,
@@ -35,7 +31,6 @@ from wcache_cli.params import (
     run_dir_or_default,
     warn_if_exposed,
 )
-from wcache_cli.render import human_bytes
 
 
 def attach(
@@ -77,12 +72,17 @@ def attach(
     """
     if prompt is not None and serve:
         raise BadInputError("use --prompt or --serve, not both.")
+    # Imported here so that building the help (every command's signature) loads no attach machinery.
+    from wcache.model_path import resolve_model_path
+
     model = resolve_model_path(model)
     where = run_dir_or_default(run_dir)
     options: dict[str, Any] = {"device": device, "mode": mode.value, "fallback": not no_fallback,
                                "trust_daemon": trust_daemon, "daemon": daemon, "wait_s": wait}
     if prompt is not None or serve:
         from wcache.engine import EngineConfig
+
+        from wcache_cli.operands import check_tp_fits
 
         engine_config = EngineConfig(swa_bounded_replay=not no_swa_bounded_replay)
         spec = plan_from_options(tp, 0, dtype, quantization, plan)
@@ -99,6 +99,7 @@ def attach(
 def _report_only(model: Path, spec: Any, options: dict[str, Any], where: Path, json: bool) -> None:
     from wcache.attach import AttachMissError
     from wcache.attach import attach as attach_weights
+    from wcache.digest_store import DigestStore
 
     try:
         with DigestStore.open() as store:
@@ -115,6 +116,10 @@ def _report_only(model: Path, spec: Any, options: dict[str, Any], where: Path, j
 
 
 def _print_report(report: Any) -> None:
+    from rich.table import Table
+
+    from wcache_cli.render import human_bytes
+
     if report.outcome == "hit":
         out.print(f"[green]HIT[/] {report.daemon} ({report.mode}): {report.num_tensors} tensors, "
                   f"{human_bytes(report.bytes_mapped)}")

@@ -4,26 +4,14 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
-from rich.table import Table
-from wcache.daemons import start_daemons, stop_daemon
-from wcache.digest_store import default_store_dir
 from wcache.errors import EXIT_DIFFERENCE, BadInputError
-from wcache.events import read_events
-from wcache.key_diff import diff_keys
-from wcache.plan import PlanSpec
-from wcache.rundir import census
 
-from wcache_cli.commands.demo_serving import leave_serving, stop_serving
-from wcache_cli.operands import key_of_checkpoint
 from wcache_cli.output import out
 from wcache_cli.params import RunDirOpt, run_dir_or_default
-from wcache_cli.render import diff_renderable, key_table
 
 # A demo directory holds this marker, so a rerun only ever deletes what an earlier demo wrote.
 MARKER = ".wcache-demo"
@@ -34,6 +22,9 @@ NEW_TOKENS = 50
 
 
 def _fresh_dir(directory: Path) -> None:
+    # The demo's machinery (daemons, psutil, rich tables) is imported where it is used, so `--help` stays light.
+    from wcache_cli.commands.demo_serving import stop_serving
+
     if directory.exists():
         if not (directory / MARKER).exists():
             raise BadInputError(f"{directory} exists and was not made by wcache demo; pass another --dir.")
@@ -60,7 +51,19 @@ def demo(
     At the end a daemon and a served engine keep running (unless --no-serve) so `wcache top` has something to
     show; `wcache demo --stop` stops them.
     """
+    import tempfile
+
+    from rich.table import Table
     from wcache import synth, vllm_compat
+    from wcache.daemons import stop_daemon
+    from wcache.digest_store import default_store_dir
+    from wcache.key_diff import diff_keys
+    from wcache.plan import PlanSpec
+    from wcache.rundir import census
+
+    from wcache_cli.commands.demo_serving import leave_serving, stop_serving
+    from wcache_cli.operands import key_of_checkpoint
+    from wcache_cli.render import diff_renderable, key_table
 
     workdir = directory or default_store_dir() / "demo"
     if stop:
@@ -135,6 +138,8 @@ def demo(
 
 
 def _preload(model: Path, run_dir: Path, supervisors: list[subprocess.Popen[str]]) -> str:
+    from wcache.daemons import start_daemons
+
     group = start_daemons(model, run_dir=run_dir)
     supervisor, ready = group.supervisor, group.ready
     supervisors.append(supervisor)
@@ -147,8 +152,11 @@ def _serve_attach_verify(
     original: Path, modified: Path, victim: str, run_dir: Path, supervisors: list[subprocess.Popen[str]]
 ) -> bool:
     """Steps 4–9: preload, a hit that generates, a miss that falls back, and verify passing then failing."""
+    from rich.markup import escape
     from wcache.digest_store import DigestStore
     from wcache.engine import Engine
+    from wcache.events import read_events
+    from wcache.plan import PlanSpec
     from wcache.verify import default_prompts, verify_content, verify_greedy
 
     from wcache_cli.commands.verify import print_content, print_greedy

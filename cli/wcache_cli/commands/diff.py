@@ -7,9 +7,7 @@ from typing import Annotated
 
 import typer
 from wcache.errors import EXIT_DIFFERENCE
-from wcache.key_diff import diff_keys
 
-from wcache_cli.operands import key_of_operand
 from wcache_cli.output import out
 from wcache_cli.params import (
     Dtype,
@@ -23,13 +21,12 @@ from wcache_cli.params import (
     RunDirOpt,
     TpOpt,
     plan_from_options,
-    run_dir_or_default,
 )
-from wcache_cli.render import diff_json, diff_renderable
 
 OperandArg = Annotated[
     Path,
-    typer.Argument(help="Checkpoint directory, .safetensors file, saved key file, or daemon id.", show_default=False),
+    typer.Argument(help="Checkpoint directory, .safetensors file, saved key file, or daemon id.", show_default=False,
+                   readable=False),
 ]
 
 
@@ -48,9 +45,14 @@ def diff(
 
     Plan options apply to checkpoint operands; a key file carries its own plan. Exits 1 when the keys differ.
     """
+    # Imported here so that building the help (every command's signature) never loads the key machinery.
+    from wcache.key_diff import diff_keys
+
+    from wcache_cli.operands import key_of_operand
+    from wcache_cli.render import diff_json, diff_renderable
+
     spec = plan_from_options(tp, rank, dtype, quantization, plan)
-    where = run_dir_or_default(run_dir)
-    key_a, key_b = key_of_operand(a, spec, where), key_of_operand(b, spec, where)
+    key_a, key_b = key_of_operand(a, spec, run_dir), key_of_operand(b, spec, run_dir)
     result = diff_keys(key_a, key_b)
     if json:
         out.json(diff_json(result, key_a, key_b))

@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from wcache_cli.operands import daemon_named, key_of_checkpoint, key_of_daemon
 from wcache_cli.output import out
 from wcache_cli.params import (
     Dtype,
@@ -21,14 +20,15 @@ from wcache_cli.params import (
     RunDirOpt,
     TpOpt,
     plan_from_options,
-    run_dir_or_default,
 )
-from wcache_cli.render import key_table, tensors_table
 
 
 def key(
     path: Annotated[
-        Path, typer.Argument(help="Model directory, .safetensors file, or running daemon id.", show_default=False)
+        # readable=False: Click's os.access check refuses a directory that is traversable but not listable,
+        # though every file in it opens by name; the checkpoint reader says precisely what it cannot read.
+        Path, typer.Argument(help="Model directory, .safetensors file, or running daemon id.", show_default=False,
+                             readable=False)
     ],
     tp: TpOpt = 1,
     rank: RankOpt = 0,
@@ -47,8 +47,12 @@ def key(
     `wcache key MODEL --json > model.key` saves a key file that `wcache diff model.key MODEL` can later
     compare against the checkpoint.
     """
+    # Imported here so that building the help (every command's signature) never loads the key machinery.
+    from wcache_cli.operands import daemon_named, key_of_checkpoint, key_of_daemon
+    from wcache_cli.render import key_table, tensors_table
+
     spec = plan_from_options(tp, rank, dtype, quantization, plan)
-    daemon = daemon_named(path, run_dir_or_default(run_dir))
+    daemon = daemon_named(path, run_dir)
     key_file = key_of_daemon(daemon) if daemon is not None else key_of_checkpoint(path, spec, rehash=rehash)
     if json:
         out.json(key_file.to_json())

@@ -6,18 +6,11 @@ import os
 import signal
 import subprocess
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from wcache.daemon.supervisor import rank_devices
-from wcache.daemons import DaemonGroup, replace_daemons, start_daemons
 from wcache.errors import BadInputError, UnavailableError
 from wcache.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL
-from wcache.model_path import resolve_model_path
-from wcache.rundir import DaemonExistsError, ensure_run_dir
-from wcache.sd_notify import Notifier
 
 from wcache_cli.output import out, printable
 from wcache_cli.params import (
@@ -39,7 +32,9 @@ from wcache_cli.params import (
     run_dir_or_default,
     warn_if_exposed,
 )
-from wcache_cli.render import human_bytes
+
+if TYPE_CHECKING:
+    from wcache.daemons import DaemonGroup
 
 
 def launch(
@@ -48,6 +43,9 @@ def launch(
     log_format: str = DEFAULT_LOG_FORMAT, share_stderr: bool = False,
 ) -> DaemonGroup:
     """Start the daemons with a progress bar on a terminal; raise with the failing rank's reason otherwise."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+    from wcache.daemons import start_daemons
+
     bar = Progress(TextColumn("loading, hashing, processing"), BarColumn(), DownloadColumn(binary_units=True),
                    TransferSpeedColumn(), TimeRemainingColumn(), console=out.stderr, transient=True,
                    disable=not out.stderr.is_terminal)
@@ -98,6 +96,13 @@ def preload(
     """
     if force and not replace:
         raise BadInputError("--force only applies with --replace.")
+    # Imported here so that building the help (every command's signature) loads no daemon machinery.
+    from wcache.daemon.supervisor import rank_devices
+    from wcache.daemons import replace_daemons
+    from wcache.model_path import resolve_model_path
+    from wcache.rundir import DaemonExistsError, ensure_run_dir
+    from wcache.sd_notify import Notifier
+
     model = resolve_model_path(model)
     where = ensure_run_dir(run_dir_or_default(run_dir))
     warn_if_exposed(health_host, "--health-host", "/health, /metrics and /stats")
@@ -166,6 +171,10 @@ def _stop_supervisor(supervisor: subprocess.Popen[str]) -> None:
 
 
 def _print_ready(ready: dict[str, Any], model: Path, device: str, json_output: bool) -> None:
+    from rich.markup import escape
+
+    from wcache_cli.render import human_bytes
+
     ranks = ready.get("ranks", [])
     if json_output:
         out.json(ready)

@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.markup import escape
-from rich.table import Table
-from wcache.client import DaemonError, request_once
-from wcache.daemons import stop_daemon, stop_loading, wait_exit
 from wcache.errors import BadInputError, UnavailableError
-from wcache.loading import LoadingRecord, read_loading
-from wcache.rundir import DaemonDescriptor, census, matches
 
 from wcache_cli.output import out, printable
 from wcache_cli.params import JsonOpt, RunDirOpt, run_dir_or_default
-from wcache_cli.render import human_bytes
+
+if TYPE_CHECKING:
+    from rich.table import Table
+    from wcache.loading import LoadingRecord
+    from wcache.rundir import DaemonDescriptor
 
 HEALTH_TIMEOUT_S = 2.0
 
@@ -27,6 +23,10 @@ HEALTH_TIMEOUT_S = 2.0
 def _health(url: str | None) -> int | None:
     if not url:
         return None
+    # Imported per use: the help and a run dir without daemons must not pay for urllib, sockets or psutil.
+    import urllib.error
+    import urllib.request
+
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=HEALTH_TIMEOUT_S) as response:
             return int(response.status)
@@ -37,6 +37,8 @@ def _health(url: str | None) -> int | None:
 
 
 def _row(descriptor: DaemonDescriptor) -> dict[str, Any]:
+    from wcache.client import DaemonError, request_once
+
     try:
         stats: dict[str, Any] = request_once(descriptor.socket, "stats").fields
     except DaemonError as exc:
@@ -90,6 +92,9 @@ def status(
     Daemons still loading are listed with their progress. Descriptors left by daemons that died are reported
     and removed. With --check, exit 0 only when at least one daemon runs and every daemon holds its weights.
     """
+    from wcache.loading import read_loading
+    from wcache.rundir import census
+
     where = run_dir_or_default(run_dir)
     found = census(where) if where.exists() else None
     rows = [_row(d) for d in found.live] if found else []
@@ -117,6 +122,11 @@ def status(
 
 
 def _table(where: Path, rows: list[dict[str, Any]]) -> Table:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from wcache_cli.render import human_bytes
+
     table = Table(title=f"daemons in {where}", title_justify="left")
     # `stop` needs the whole name: that column never shrinks, the others wrap first.
     widest = max(len(printable(r["name"] or "")) for r in rows)
@@ -134,6 +144,8 @@ def _table(where: Path, rows: list[dict[str, Any]]) -> Table:
                      else f"loading ({r['phase']})")
         elif not r["holds_weights"] and state == "ready":
             state = "ready, no weights"
+        if unverified := int((r["counters"] or {}).get("hits_unverified", 0)):
+            state += f", {unverified} unverified hit(s)"  # --trust-daemon engines never compared checkpoints
         name = escape(printable(r["name"])) if r["name"] else f"(pid {r['pid']})"
         table.add_row(name, r["device"], f"{r['tp_rank']}/{r['tp_size']}", model, r["key_id"] or "-", state,
                       human_bytes(int(r["weights_bytes"] or 0)), str(r["leases"]), uptime, health)
@@ -163,6 +175,10 @@ def stop(
     """
     if (ident is None) == (not all_daemons):
         raise BadInputError("name one daemon to stop, or pass --all (not both).")
+    from wcache.daemons import stop_daemon, stop_loading, wait_exit
+    from wcache.loading import read_loading
+    from wcache.rundir import census, matches
+
     where = run_dir_or_default(run_dir)
     live = census(where).live if where.exists() else ()
     targets = list(live) if all_daemons else [d for d in live if matches(d, ident or "")]
@@ -216,6 +232,8 @@ def stop(
 
 
 def _leases(descriptor: DaemonDescriptor) -> int:
+    from wcache.client import DaemonError, request_once
+
     try:
         return int(request_once(descriptor.socket, "stats").fields.get("leases") or 0)
     except DaemonError:

@@ -6,11 +6,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 from wcache.errors import EXIT_DIFFERENCE, BadInputError
-from wcache.model_path import resolve_model_path
 
-from wcache_cli.operands import check_tp_fits
 from wcache_cli.output import out
 from wcache_cli.params import (
     DaemonOpt,
@@ -88,6 +85,9 @@ def verify(
     """
     if not greedy and not content:
         raise BadInputError("choose what to verify: --greedy, --content, or both.")
+    # Imported here so that building the help (every command's signature) loads no verify machinery.
+    from wcache.model_path import resolve_model_path
+
     model = resolve_model_path(model)
     where = run_dir_or_default(run_dir)
     document: dict[str, Any] = {}
@@ -103,6 +103,8 @@ def verify(
             print_content(content_report)
     if greedy:
         from wcache.verify import default_prompts, verify_greedy
+
+        from wcache_cli.operands import check_tp_fits
 
         texts = _read_prompts(prompts) if prompts is not None else default_prompts(num_prompts)
         spec = plan_from_options(tp, 0 if tp > 1 else rank, dtype, quantization, plan)
@@ -135,6 +137,8 @@ def print_content(report: dict[str, Any]) -> None:
 
 
 def print_greedy(report: dict[str, Any]) -> None:
+    from rich.table import Table
+
     attach = report["attach"]
     engine = attach.get("engine", "reference")
     out.print(f"cached {engine} engine: {attach.get('outcome')} from {attach.get('daemon')} ({attach.get('mode')})")

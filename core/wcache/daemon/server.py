@@ -96,6 +96,8 @@ class DaemonServer:
 
     def __init__(self, loaded: LoadedRank, descriptor: DaemonDescriptor, run_dir: Path) -> None:
         self.loaded = loaded
+        # The map reply's entries never change: built once, not per attach (one list per tensor).
+        self._wire_entries = [e.to_wire() for e in loaded.entries]
         self.descriptor = descriptor
         self.run_dir = run_dir
         self.shared = DaemonState()
@@ -365,7 +367,7 @@ class DaemonServer:
         reply: dict[str, Any] = {
             "kind": "memfd" if isinstance(arena, CpuArena) else "cuda",
             "total_bytes": arena.total_bytes,
-            "entries": [e.to_wire() for e in self.loaded.entries],
+            "entries": self._wire_entries,
         }
         if not isinstance(arena, CpuArena):
             reply["cuda"] = arena.export_handle()

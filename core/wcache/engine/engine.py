@@ -15,7 +15,9 @@ from wcache.engine.config import EngineConfig, ModelConfig
 from wcache.engine.kv_cache import PagedKV, SequenceKV, StepAttention
 from wcache.engine.model import Transformer
 from wcache.engine.parallel import TensorParallel
+from wcache.engine.threads import restored_threads, step_threads, use_threads
 from wcache.engine.tokenizer import Tokenizer, load_tokenizer
+from wcache.errors import CheckpointError
 
 
 @dataclass
@@ -55,6 +57,7 @@ class _Request:
     tokens: list[int]
     kv: SequenceKV = field(default_factory=SequenceKV)
     computed: int = 0  # positions whose KV is stored (paged layers)
+    threads: int = 1  # the most threads a step may use: torch's setting when the request came in
 
 
 class Engine:
@@ -90,7 +93,7 @@ class Engine:
 
         layout = locate(checkpoint)
         if layout.config is None:
-            raise ValueError(f"{checkpoint} has no config.json; the engine needs the architecture.")
+            raise CheckpointError(f"{checkpoint} has no config.json; the engine needs the architecture it names.")
         return cls(ModelConfig.from_hf(layout.config), weights, engine_config, tp, load_tokenizer(layout.root))
 
     @classmethod
@@ -138,9 +141,10 @@ class Engine:
         block_size = self.config.block_size
         while len(request.kv.block_table) * block_size < end:
             request.kv.block_table.append(self.blocks.allocate())
+        use_threads(step_threads(request.threads, end - start, self.model.layer_macs))
         positions = torch.arange(start, end)
         tokens = torch.tensor(request.tokens[start:end], dtype=torch.int64)
-        attention = StepAttention(self.model_config, self.kv, request.kv, positions, self.paged_layers,
+        attention = StepAttention(self.model_config, self.kv, request.kv, start, end, self.paged_layers,
                                   write_floor, replay_start)
         hidden = self.model.forward(tokens, positions, attention)
         request.computed = end
@@ -155,8 +159,8 @@ class Engine:
 
     def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Cold logits of every prompt position (no prefix cache read or written): [len, vocab]."""
-        with self.lock, torch.inference_mode():
-            request = _Request(list(token_ids))
+        with self.lock, torch.inference_mode(), restored_threads() as threads:
+            request = _Request(list(token_ids), threads=threads)
             try:
                 return self.model.logits(self._step(request, 0, 0, 0))
             finally:
@@ -167,13 +171,13 @@ class Engine:
         """Greedy decoding with prefix caching (and bounded replay on sliding layers when enabled)."""
         if not token_ids:
             raise ValueError("the prompt is empty")
-        with self.lock, torch.inference_mode():
-            return self._generate(list(token_ids), max_new_tokens)
+        with self.lock, torch.inference_mode(), restored_threads() as threads:
+            return self._generate(list(token_ids), max_new_tokens, threads)
 
-    def _generate(self, prompt: list[int], max_new_tokens: int) -> Generation:
+    def _generate(self, prompt: list[int], max_new_tokens: int, threads: int) -> Generation:
         c = self.counters
         c.requests += 1
-        request = _Request(list(prompt))
+        request = _Request(list(prompt), SequenceKV(capacity=len(prompt) + max_new_tokens), threads=threads)
         hit_blocks = self._lookup(prompt)
         hit = len(hit_blocks) * self.config.block_size
         c.prefix_queries += len(prompt)

@@ -67,6 +67,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _projection_macs(layer: Layer) -> int:
+    return sum(p.weight.numel() for p in (*layer.qkv, layer.o, *layer.gate_up, layer.down))
+
+
 class Transformer:
     """Forward passes over one rank's weights; heads and MLP columns are this rank's share."""
 
@@ -85,6 +89,8 @@ class Transformer:
             "lm_head.weight"
         )
         self.layers = [self._layer(i) for i in range(config.num_layers)]
+        # Multiply-adds of one layer's projections per token (this rank's share): what sizes a step's threads.
+        self.layer_macs = _projection_macs(self.layers[0]) if self.layers else 0
         self.dtype = self.norm.dtype
         self.inv_freq = torch.tensor(config.inv_freq(), dtype=torch.float32)
         self.vocab_per_rank = self.embed.shape[0]
@@ -132,10 +138,15 @@ class Transformer:
         out = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.embed) * inside[:, None].to(self.embed.dtype)
         return self.tp.all_reduce(out)
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rope_angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the step's positions, [n, 1, d] (computed once per step: every layer uses the same)."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
+        return emb.cos()[:, None, :].to(dtype), emb.sin()[:, None, :].to(dtype)
+
+    @staticmethod
+    def rope(x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cos, sin = angles
         return x * cos + rotate_half(x) * sin
 
     def _project_qkv(self, layer: Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,12 +172,13 @@ class Transformer:
         """Hidden states after the final norm for the step's tokens: [n, hidden]."""
         eps = self.config.rms_norm_eps
         hidden = self.embed_tokens(token_ids)
+        angles = self.rope_angles(positions, hidden.dtype)
         for i, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, eps)
             q, k, v = self._project_qkv(layer, x)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
-            q, k = self.rope(q, positions), self.rope(k, positions)
+            q, k = self.rope(q, angles), self.rope(k, angles)
             attn = attention.attend(i, q, k, v).reshape(q.shape[0], self.num_heads * self.head_dim)
             out = self.tp.all_reduce(layer.o(attn))
             hidden = hidden + (out if layer.o_bias is None else out + layer.o_bias)

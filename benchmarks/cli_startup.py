@@ -1,0 +1,105 @@
+"""Wall time of short `wcache` commands next to the interpreter's own start-up (`python -c pass`, the floor).
+
+Each command runs as a real process through the installed `wcache` console script, output discarded (as in a
+script or a probe), `--runs` times, round-robin so machine noise spreads over all of them; the median is shown
+with its ratio to the floor's median. `key` is warm: the tiny checkpoint's receipts are in a scratch digest
+store before timing starts. `attach --no-fallback` finds no daemon and exits 3: the cost of a miss that needs no
+tensors. Target (issue 11): `--help`, `status` and warm `key` within 150 ms.
+
+Bytecode is cached as in any installed copy (compiled files go to a scratch PYTHONPYCACHEPREFIX, even where the
+environment sets PYTHONDONTWRITEBYTECODE); `--no-bytecode-cache` compiles every wcache module on every run.
+
+Run::
+
+    .venv/bin/python benchmarks/cli_startup.py
+    .venv/bin/python benchmarks/cli_startup.py --runs 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TARGET_MS = 150.0
+TARGETED = ("wcache --help", "wcache status", "wcache key (warm)")
+
+
+def _cpu_of_children() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _time_once(argv: list[str], env: dict[str, str], codes: tuple[int, ...]) -> tuple[float, float]:
+    """(wall, CPU) seconds of one run; CPU time moves less than wall time on a busy machine."""
+    cpu, began = _cpu_of_children(), time.perf_counter()
+    result = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, check=False)
+    wall, cpu = time.perf_counter() - began, _cpu_of_children() - cpu
+    if result.returncode not in codes:
+        raise SystemExit(f"{' '.join(argv)} exited {result.returncode}: {result.stderr.decode(errors='replace')}")
+    return wall, cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=7, help="timed runs of each command (default 7)")
+    parser.add_argument("--no-bytecode-cache", action="store_true",
+                        help="recompile wcache's modules on every run (as under PYTHONDONTWRITEBYTECODE=1)")
+    args = parser.parse_args()
+
+    from wcache import synth
+    from wcache.digest_store import RACY_WINDOW_NS
+
+    python = sys.executable
+    wcache = str(Path(python).with_name("wcache"))
+    with tempfile.TemporaryDirectory(prefix="wcache-cli-startup-") as tmp:
+        root = Path(tmp)
+        run_dir = root / "run"
+        run_dir.mkdir(mode=0o700)
+        model = root / "tiny"
+        synth.write_checkpoint("tiny", model)
+        env = {**os.environ, "WCACHE_CACHE_DIR": str(root / "cache"), "WCACHE_RUN_DIR": str(run_dir)}
+        if args.no_bytecode_cache:
+            env["PYTHONDONTWRITEBYTECODE"] = "1"
+        else:
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
+            env["PYTHONPYCACHEPREFIX"] = str(root / "pycache")  # compiled once by the warm-up, never in the tree
+        commands: dict[str, tuple[list[str], tuple[int, ...]]] = {
+            "python -c pass (floor)": ([python, "-c", "pass"], (0,)),
+            "wcache --help": ([wcache, "--help"], (0,)),
+            "wcache status": ([wcache, "status", "--run-dir", str(run_dir)], (0,)),
+            "wcache key (warm)": ([wcache, "key", str(model)], (0,)),
+            "wcache attach --no-fallback (miss)": ([wcache, "attach", str(model), "--no-fallback"], (3,)),
+        }
+        time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)  # receipts of files changed this recently are never trusted
+        for argv, codes in commands.values():  # warm-up: fills the digest store and the page cache
+            _time_once(argv, env, codes)
+        shown = subprocess.run(commands["wcache key (warm)"][0], env=env, capture_output=True, text=True, check=True)
+        if ", 0 hashed" not in shown.stdout:
+            raise SystemExit(f"`wcache key` still hashes after the warm-up:\n{shown.stdout}")
+        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+        for _ in range(args.runs):
+            for name, (argv, codes) in commands.items():
+                samples[name].append(_time_once(argv, env, codes))
+
+    walls = {name: statistics.median(w for w, _ in runs) * 1000 for name, runs in samples.items()}
+    cpus = {name: statistics.median(c for _, c in runs) * 1000 for name, runs in samples.items()}
+    floor = walls["python -c pass (floor)"]
+    cache = "recompiled every run" if args.no_bytecode_cache else "bytecode cached"
+    print(f"median of {args.runs} runs each ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, "
+          f"Python {sys.version.split()[0]}, {cache})")
+    print(f"{'command':<38} {'wall':>10} {'× floor':>8} {'CPU':>10}  target (wall)")
+    for name, ms in walls.items():
+        verdict = ("ok" if ms <= TARGET_MS else "OVER") + f" (≤ {TARGET_MS:.0f} ms)" if name in TARGETED else ""
+        print(f"{name:<38} {ms:>7.1f} ms {ms / floor:>7.1f}× {cpus[name]:>7.1f} ms  {verdict}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Short commands start fast because they import only what they use (issue 11).
+
+Each case runs the real CLI entry point (`wcache_cli.main:main`, what the console script calls) in a fresh
+interpreter and records `sys.modules` when that interpreter exits: `--help` and `status` must not load torch,
+the daemon or engine packages, Textual, prometheus-client or psutil, and `key` must not load torch. None of them may
+load pydantic, which Typer would import to convert option values (see wcache_cli.coercion); that converter is
+also checked against Typer's own, value by value. No timings are asserted here: benchmarks/cli_startup.py
+measures them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer.main
+from typer._coercion import build_runtime_param
+from wcache.synth import write_checkpoint
+from wcache_cli.app import app
+from wcache_cli.coercion import _PlainFirst
+
+# Records every imported module at exit (atexit runs after the SystemExit that Typer ends with).
+_PROBE = """
+import atexit, json, sys
+record = sys.argv[1]
+def dump():
+    with open(record, "w") as f:
+        json.dump(sorted(sys.modules), f)
+atexit.register(dump)
+sys.argv = ["wcache", *sys.argv[2:]]
+from wcache_cli.main import main
+main()
+"""
+
+NOT_FOR_HELP_OR_STATUS = (
+    "torch", "wcache.daemon", "wcache.engine", "textual", "prometheus_client", "pydantic", "psutil",
+)
+NOT_FOR_KEY = ("torch", "wcache.daemon", "wcache.engine", "pydantic")
+
+
+def _modules_after(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    record = tmp_path / "modules.json"
+    record.unlink(missing_ok=True)
+    result = subprocess.run([sys.executable, "-c", _PROBE, str(record), *args], capture_output=True, text=True,
+                            env={**os.environ, "NO_COLOR": "1"}, timeout=120)
+    assert record.exists(), result.stderr
+    return result, json.loads(record.read_text())
+
+
+def _loaded(modules: list[str], packages: tuple[str, ...]) -> list[str]:
+    return [m for m in modules if any(m == p or m.startswith(p + ".") for p in packages)]
+
+
+def test_help_imports_no_machinery(tmp_path: Path) -> None:
+    result, modules = _modules_after(tmp_path, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "status" in result.stdout
+    assert _loaded(modules, NOT_FOR_HELP_OR_STATUS) == []
+
+
+def test_status_of_an_empty_run_dir_imports_no_machinery(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    result, modules = _modules_after(tmp_path, "status", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert "No daemons" in result.stdout
+    assert _loaded(modules, NOT_FOR_HELP_OR_STATUS) == []
+
+
+def test_key_imports_no_torch(tmp_path: Path) -> None:
+    model = write_checkpoint("tiny", tmp_path / "tiny")
+    for _ in range(2):  # cold (hashes every shard), then from the digest store
+        result, modules = _modules_after(tmp_path, "key", str(model), "--tp", "1", "--dtype", "float32")
+        assert result.returncode == 0, result.stderr
+        assert "checkpoint" in result.stdout
+        assert _loaded(modules, NOT_FOR_KEY) == []
+
+
+# Values a user or a default may hand an option: plain ones and every kind Typer has to refuse or re-read.
+VALUES: tuple[Any, ...] = (
+    None, "", "0", "1", "2", "-1", "+1", " 1", "01", "1_0", "1.5", ".5", "5.", "1e3", "inf", "nan", "१", "abc",
+    "auto", "AUTO", "float16", "bfloat16", "zero_copy", "copy", "fused", "identity", "none", "int8", "info", "json",
+    "text", "vllm", "/", "/nonexistent/x", "~/x", "a\x00b", "0.1", "100000000000000000000", b"x", 0, 1, 2.5, True,
+    Path("p"),
+)
+
+
+def _outcome(converter: Any, value: Any, param: Any, ctx: Any) -> tuple[Any, ...]:
+    try:
+        converted = converter.coerce(value, param=param, ctx=ctx)
+    except Exception as exc:  # the comparison is the point: same exception, same words
+        return ("error", type(exc).__name__, str(getattr(exc, "message", exc)))
+    return ("value", type(converted), converted)
+
+
+@pytest.mark.parametrize("value", VALUES, ids=repr)
+def test_plain_value_converter_agrees_with_typer(value: Any) -> None:
+    group = typer.main.get_command(app)
+    ctx = group.make_context("wcache", ["status"], resilient_parsing=True)
+    commands = [group, *group.commands.values()]
+    params = [p for command in commands for p in command.params if hasattr(p, "type_descriptor")]
+    assert params and all(isinstance(p._runtime_param, _PlainFirst) for p in params)
+    for param in params:
+        ours = _outcome(param._runtime_param, value, param, ctx)
+        typers = _outcome(build_runtime_param(param.type_descriptor), value, param, ctx)
+        assert ours == typers, (param.name, value)
