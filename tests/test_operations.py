@@ -297,3 +297,19 @@ def test_a_trusted_hit_is_recorded_as_unverified_everywhere(rig: DaemonRig, tiny
     with urllib.request.urlopen(f"{health_url}/metrics", timeout=5) as response:
         metrics = response.read().decode()
     assert any(line.startswith("wcache_unverified_hits") and line.endswith(" 1.0") for line in metrics.splitlines())
+
+
+def test_auto_dtype_is_the_same_for_key_attach_and_verify(rig: DaemonRig) -> None:
+    # bfloat16 weights and a config.json that names no dtype: "auto" must mean bfloat16 everywhere.
+    model = write_checkpoint("small", rig.base / "small")
+    config = json.loads((model / "config.json").read_text())
+    for name in ("torch_dtype", "dtype"):
+        config.pop(name, None)
+    (model / "config.json").write_text(json.dumps(config))
+    [daemon] = rig.preload(model)
+    assert daemon.key_id in json.dumps(rig.cli("key", str(model), "--json", as_json=True))
+    with attach(model, run_dir=rig.run_dir, fallback=False) as weights:
+        assert weights.report.outcome == "hit"
+    verified = rig.cli("verify", str(model), "--content", "--run-dir", str(rig.run_dir))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert daemon.name in verified.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,6 +21,8 @@ from wcache.fingerprint import FingerprintStats, HashProgress, fingerprint_check
 from wcache.manifest import TensorDigest, merkle_root
 from wcache.model_config import canonical_config, config_digest, config_dtype
 from wcache.plan import PlanSpec
+from wcache.safetensors_header import TensorInfo
+from wcache.shard_hash import OpenShard
 
 # Bumped whenever processing code changes the bytes it produces for the same inputs.
 FORMAT_VERSION = 1
@@ -108,9 +111,9 @@ class KeyFile:
         return result
 
 
-def _dominant_dtype(manifest: tuple[TensorDigest, ...]) -> str:
+def _dominant_dtype(tensors: Iterable[TensorDigest | TensorInfo]) -> str:
     by_bytes: Counter[str] = Counter()
-    for entry in manifest:
+    for entry in tensors:
         by_bytes[entry.dtype] += entry.nbytes
     for dtype, _ in by_bytes.most_common():
         if dtype in SAFETENSORS_TO_PLAN:
@@ -134,8 +137,21 @@ def compute_key(
 
 
 def resolve_plan(layout: CheckpointLayout, manifest: tuple[TensorDigest, ...], plan: PlanSpec) -> PlanSpec:
-    """`plan` with an "auto" dtype made the checkpoint's own; needs the tensors' dtypes, not their digests."""
+    """`plan` with an "auto" dtype made the checkpoint's own: config.json's dtype, else the dtype that holds
+    most bytes. The one rule for "auto"; needs the tensors' dtypes, not their digests."""
     return plan.resolve(config_dtype(layout.config) or _dominant_dtype(manifest))
+
+
+def resolve_plan_from_headers(layout: CheckpointLayout, plan: PlanSpec) -> PlanSpec:
+    """`resolve_plan` for a caller without a manifest: reads the shard headers only when config.json does not
+    name a dtype (and the plan asks for "auto")."""
+    if plan.dtype != "auto" or config_dtype(layout.config) is not None:
+        return plan.resolve(config_dtype(layout.config) or plan.dtype)
+    tensors = []
+    for path in layout.shards:
+        with OpenShard(path) as shard:
+            tensors.extend(shard.header.tensors)
+    return plan.resolve(_dominant_dtype(tensors))
 
 
 def make_key_file(

@@ -249,10 +249,10 @@ class ContentReport:
 def pick_daemon(model: Path, plan: PlanSpec, run_dir: Path, device: str, daemon: str | None) -> DaemonDescriptor:
     """The daemon an engine for `model` under `plan` would use, judged by config and plan alone."""
     from wcache.checkpoint import locate
-    from wcache.model_config import config_dtype
+    from wcache.key import resolve_plan_from_headers
 
     layout = locate(model)
-    resolved = plan.resolve(config_dtype(layout.config) or (plan.dtype if plan.dtype != "auto" else "float32"))
+    resolved = resolve_plan_from_headers(layout, plan)  # "auto" as the key resolves it
     live = census(run_dir).live if run_dir.exists() else ()
     if daemon is not None:
         named = [d for d in live if matches(d, daemon)]
