@@ -88,7 +88,9 @@ def run_dir_or_default(run_dir: Path | None) -> Path:
     return default_run_dir()
 
 
-ModeOpt = Annotated[Mode, typer.Option("--mode", help="zero_copy maps the daemon's memory; copy takes a private copy.")]
+ModeOpt = Annotated[Mode, typer.Option(
+    "--mode", help="zero_copy maps the daemon's memory and holds a lease; copy gives the engine weights of its own "
+    "(on CPU a private copy-on-write map, no byte copied) and lets the daemon release them.")]
 TrustDaemonOpt = Annotated[
     bool, typer.Option("--trust-daemon", help="Skip the checkpoint stat pass; still compare config and plan.")
 ]

@@ -383,15 +383,15 @@ def _try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, ctx: _A
     report.timings_ms["map"] = (time.perf_counter() - t) * 1000
     if ctx.mode == "copy":
         t = time.perf_counter()
-        tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+        if mapping is None:  # CUDA: the engine's own device memory
+            tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+        # On CPU the map is already the engine's own copy without copying a byte: it is MAP_PRIVATE (a write
+        # lands in a private page) and keeps the memfd's pages alive after the daemon lets go of them, so the
+        # daemon can release and the weights stay in memory once, now the engine's.
         report.timings_ms["copy"] = (time.perf_counter() - t) * 1000
         with contextlib.suppress(DaemonError):
             connection.request("release")
         connection.close()
-        if mapping is not None:
-            mapping.tensors.clear()
-            with contextlib.suppress(BufferError):
-                mapping.mapping.close()
     report.timings_ms["total"] = (time.perf_counter() - ctx.began) * 1000
     report.outcome = "hit"
     report.reason = None
