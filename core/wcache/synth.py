@@ -104,6 +104,18 @@ PRESETS: dict[str, Preset] = {
         num_shards=66,
         write_lm_head=True,
     ),
+    # 2,000 shards of a few KB each (182 layers, 2,005 tensors, ~13 MB): whether a warm key's cost grows with
+    # the shard count behind a remote filesystem, with almost no bytes to hash.
+    "many-shards-2000": Preset(
+        config=_qwen3_config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=182, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=32, vocab_size=256, max_position_embeddings=4096,
+            bos_token_id=250, eos_token_id=251, tie_word_embeddings=False, torch_dtype="bfloat16",
+            max_window_layers=182,
+        ),
+        num_shards=2000,
+        write_lm_head=True,
+    ),
 }
 
 
