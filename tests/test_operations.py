@@ -313,3 +313,28 @@ def test_auto_dtype_is_the_same_for_key_attach_and_verify(rig: DaemonRig) -> Non
     verified = rig.cli("verify", str(model), "--content", "--run-dir", str(rig.run_dir))
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert daemon.name in verified.stdout
+
+
+def test_a_busy_served_engine_logs_a_stats_line_like_vllm(tmp_path: Path) -> None:
+    model = write_checkpoint("tiny", tmp_path / "tiny")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    env = {**os.environ, "WCACHE_CACHE_DIR": str(tmp_path / "cache"), "NO_COLOR": "1", "COLUMNS": "200"}
+    with subprocess.Popen(
+        [sys.executable, "-m", "wcache_cli.main", "attach", str(model), "--serve", "--port", "0",
+         "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    ) as server:
+        try:
+            assert server.stdout is not None and server.stderr is not None
+            line = server.stdout.readline()
+            assert line.startswith("SERVING "), line
+            url = line.split()[1]
+            request = urllib.request.Request(url, data=json.dumps({"prompt": "hello", "max_tokens": 4}).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=30) as response:
+                assert response.status == 200
+            time.sleep(6)  # one stats interval (5 s) with activity in it
+        finally:
+            server.send_signal(signal.SIGTERM)
+            _, stderr = server.communicate(timeout=30)
+    assert "Avg prompt throughput" in stderr and "Avg generation throughput" in stderr, stderr

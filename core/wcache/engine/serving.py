@@ -10,7 +10,9 @@ could be made to run anything. A header outside the protocol ends the rank inste
 
 from __future__ import annotations
 
+import logging
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -110,6 +112,20 @@ def follow_rank0(engine: Engine, tp: TensorParallel) -> None:
         _check_agreement(tp, failed=False)
 
 
+def _stats_lines_to_stderr() -> None:
+    """The served engine's periodic INFO stats line on stderr, as vLLM prints its own; warnings are left to the
+    handlers the process already has (the CLI's one-sentence warnings)."""
+    stats = logging.getLogger("wcache.engine")
+    if any(getattr(h, "wcache_stats", False) for h in stats.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s wcache engine: %(message)s"))
+    handler.addFilter(lambda record: record.levelno == logging.INFO)
+    handler.wcache_stats = True  # type: ignore[attr-defined]
+    stats.addHandler(handler)
+    stats.setLevel(logging.INFO)
+
+
 def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_config: EngineConfig,
                attach_options: dict[str, Any], host: str, port: int, run_dir: Path,
                on_ready: Callable[[str, Engine], None] | None = None) -> None:
@@ -121,6 +137,7 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
             follow_rank0(engine, tp)
             return
         driver = Driver(engine, tp) if tp.size > 1 else None
+        _stats_lines_to_stderr()
         served = ServedEngine(engine, model.name, driver.generate if driver is not None else engine.generate)
         server = make_server(served, host, port, ("--host", "--port"))
         url = http_url(host, server.server_address[1])
