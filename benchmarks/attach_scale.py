@@ -18,16 +18,13 @@ Run::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import gc
 import json
 import os
 import pstats
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,7 +32,7 @@ from pathlib import Path
 
 import psutil
 import torch
-from bench_common import workspace
+from bench_common import stop_preloaded, timed_preload, wcache_command, workspace
 from rich.console import Console
 from rich.table import Table
 from wcache.attach import attach
@@ -43,7 +40,6 @@ from wcache.digest_store import DigestStore
 from wcache.key import compute_key
 from wcache.loader import load_from_disk
 from wcache.plan import PlanSpec
-from wcache.rundir import read_descriptors
 from wcache.synth import PRESETS, Preset, make_tensors, write_tensors
 
 TARGET_US_PER_TENSOR = 3.0
@@ -86,49 +82,17 @@ def preset_with(layers: int) -> Preset:
     return Preset(config=base, num_shards=min(NUM_SHARDS, layers), write_lm_head=True)
 
 
-def wcache_command() -> list[str]:
-    beside = Path(sys.executable).with_name("wcache")
-    found = str(beside) if beside.exists() else shutil.which("wcache")
-    if found is None:
-        raise SystemExit("cannot find the `wcache` command; install the project (pip install -e .)")
-    return [found]
-
-
 def preload(cli: list[str], model: Path, run_dir: Path, store: Path, plan: str) -> list[psutil.Process]:
     """`wcache preload --detach` until READY; the supervisor and daemon processes it left running."""
     command = [*cli, "preload", str(model), "--detach", "--json", "--run-dir", str(run_dir), "--plan", plan]
-    env = {**os.environ, "WCACHE_CACHE_DIR": str(store)}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                               text=True, env=env)
-    try:
-        _, stderr = process.communicate(timeout=600)
-    except BaseException:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(STOP_GRACE_S)
-        raise
-    spawned = []
-    for descriptor in read_descriptors(run_dir):
-        for pid in (descriptor.pid, descriptor.supervisor_pid):
-            with contextlib.suppress(psutil.Error, TypeError):
-                spawned.append(psutil.Process(pid))
-    if process.returncode != 0:
-        raise RuntimeError(f"wcache preload failed (exit {process.returncode}): {stderr.strip()}")
+    spawned: list[psutil.Process] = []
+    timed_preload(command, {**os.environ, "WCACHE_CACHE_DIR": str(store)}, run_dir, spawned)
     return spawned
 
 
 def stop(cli: list[str], run_dir: Path, spawned: list[psutil.Process], problems: list[str]) -> None:
     """`wcache stop --all --force`, then end whatever of ours still runs (by pid)."""
-    if run_dir.exists():
-        subprocess.run([*cli, "stop", "--all", "--force", "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, check=False, timeout=60)
-    _, alive = psutil.wait_procs([p for p in spawned if p.is_running()], timeout=STOP_GRACE_S)
-    for process in alive:
-        problems.append(f"pid {process.pid} outlived `wcache stop`; killed")
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-    psutil.wait_procs(alive, timeout=STOP_GRACE_S)
+    problems += stop_preloaded(cli, run_dir, spawned)
 
 
 def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

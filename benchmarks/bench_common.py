@@ -7,6 +7,7 @@ import json
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -127,3 +128,12 @@ def stop_preloaded(cli: list[str], run_dir: Path, spawned: list[psutil.Process])
     psutil.wait_procs(alive, timeout=STOP_GRACE_S)
     spawned.clear()
     return killed
+
+
+def wcache_command() -> list[str]:
+    """The `wcache` console script next to this interpreter (the venv's), else the one on PATH."""
+    beside = Path(sys.executable).with_name("wcache")
+    found = str(beside) if beside.exists() else shutil.which("wcache")
+    if found is None:
+        raise SystemExit("cannot find the `wcache` command; install the project (pip install -e .)")
+    return [found]

@@ -40,8 +40,8 @@ from typing import Any
 import blake3
 import psutil
 import torch
-from bench_common import fmt_rate, fmt_seconds, read_all, stop_preloaded, timed_preload, workspace
-from restart import our_leftovers, resident_fraction, try_drop_caches, wcache_command
+from bench_common import fmt_rate, fmt_seconds, read_all, stop_preloaded, timed_preload, wcache_command, workspace
+from restart import our_leftovers, resident_fraction, try_drop_caches
 from rich.console import Console, JustifyMethod
 from rich.table import Table
 from wcache.arena import plan_layout

@@ -49,6 +49,7 @@ from bench_common import (
     read_all,
     stop_preloaded,
     timed_preload,
+    wcache_command,
     workspace,
 )
 from rich.console import Console, JustifyMethod
@@ -434,15 +435,6 @@ def results_table(bench: Bench, title: str, baseline: tuple[str, str], caption: 
 # -- main --------------------------------------------------------------------------------------------------
 
 
-
-
-def wcache_command() -> list[str]:
-    """The `wcache` console script next to this interpreter (the venv's), else the one on PATH."""
-    beside = Path(sys.executable).with_name("wcache")
-    found = str(beside) if beside.exists() else shutil.which("wcache")
-    if found is None:
-        raise SystemExit("cannot find the `wcache` command; install the project (pip install -e .)")
-    return [found]
 
 
 def main(argv: list[str] | None = None) -> int:
