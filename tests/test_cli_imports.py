@@ -109,3 +109,18 @@ def test_plain_value_converter_agrees_with_typer(value: Any) -> None:
         ours = _outcome(param._runtime_param, value, param, ctx)
         typers = _outcome(build_runtime_param(param.type_descriptor), value, param, ctx)
         assert ours == typers, (param.name, value)
+
+
+def test_attach_that_only_reports_imports_no_torch(tmp_path: Path) -> None:
+    from daemon_fixtures import daemon_rig
+
+    with daemon_rig() as rig:
+        model = write_checkpoint("tiny", rig.base / "tiny")
+        rig.preload(model)
+        for mode in ("zero_copy", "copy"):  # a hit maps nothing and makes no tensor when only the report is asked
+            result, modules = _modules_after(tmp_path, "attach", str(model), "--mode", mode, "--no-fallback",
+                                             "--json", "--run-dir", str(rig.run_dir))
+            assert result.returncode == 0, result.stderr
+            report = json.loads(result.stdout)
+            assert (report["outcome"], report["num_tensors"]) == ("hit", 35)
+            assert _loaded(modules, ("torch",)) == []

@@ -16,11 +16,8 @@ from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from wcache.arena import MappedArena, map_cpu_arena, open_cuda_handle, views_from_wire
 from wcache.attach_options import MODES
 from wcache.checkpoint import locate
 from wcache.client import DaemonConnection, DaemonError
@@ -30,12 +27,17 @@ from wcache.events import append_event
 from wcache.fingerprint import HashProgress
 from wcache.key import FORMAT_VERSION, KeyFile, compute_key
 from wcache.key_diff import KeyDiff, diff_keys
-from wcache.loader import load_from_disk
 from wcache.model_config import config_digest, config_dtype
 from wcache.plan import PlanSpec
-from wcache.processing import build_plan
 from wcache.remote_key import daemon_key_file
 from wcache.rundir import DaemonDescriptor, census, default_run_dir, ensure_run_dir, matches
+
+if TYPE_CHECKING:
+    # torch, and the modules that make tensors, are imported where tensors are made: an attach that only
+    # reports (`wcache attach` without --prompt/--serve) never loads torch.
+    import torch
+
+    from wcache.arena import MappedArena
 
 KEY_FIELDS = ("checkpoint", "config", "plan", "format")
 MAX_DIFF_TENSORS_IN_EVENT = 50
@@ -138,6 +140,8 @@ class AttachedWeights:
         Complete for TP 1 plans that do not quantize; for a TP shard only the replicated tensors appear.
         `outputs` (engine names) limits them to the sources of those tensors.
         """
+        from wcache.processing import build_plan
+
         plan = build_plan(self.key_file.plan, self.key_file.config, self.key_file.manifest)
         return plan.checkpoint_views(self.tensors, outputs)
 
@@ -209,13 +213,15 @@ def attach(
     dp_size: int = 1,
     wait_s: float = 0.0,
     engine: str = "wcache",
+    views: bool = True,
 ) -> AttachedWeights:
     """Get one rank's processed tensors from a daemon holding this checkpoint's key, or from disk.
 
     `daemon` names a daemon (its name or key id prefix) to use; `trust_daemon` skips the checkpoint stat
     pass for it and compares only config, plan and format. `wait_s` keeps looking for a daemon with this
     key that long (one still loading) before missing. `engine` names the attaching engine in the events.
-    DP size is recorded, never compared.
+    DP size is recorded, never compared. `views=False` only reports: a hit maps nothing and makes no tensor
+    (torch is not imported); a fallback still loads from disk.
     """
     if mode not in MODES:
         raise BadInputError(f"--mode must be zero_copy or copy, not {mode!r}.")
@@ -251,7 +257,7 @@ def attach(
 
     key_id = local.key.short_id if local is not None else None
     report = AttachReport(outcome="miss", mode=mode, device=device, key_id=key_id, timings_ms=timings)
-    context = _AttachContext(model, wanted, local, mode, report, run_dir, began, dp_size, engine)
+    context = _AttachContext(model, wanted, local, mode, report, run_dir, began, dp_size, engine, views)
     try:
         while True:
             matches = [
@@ -285,6 +291,8 @@ def attach(
         if not fallback:
             raise AttachMissError(f"{report.reason}; not falling back to disk (fallback disabled).", report)
         t = time.perf_counter()
+        from wcache.loader import load_from_disk
+
         tensors = load_from_disk(local, model)
         timings["disk_load"] = (time.perf_counter() - t) * 1000
         timings["total"] = (time.perf_counter() - began) * 1000
@@ -329,6 +337,7 @@ class _AttachContext:
     began: float
     dp_size: int
     engine: str
+    views: bool  # False: report only; nothing is mapped and no tensor made
 
 
 def _find_daemons(
@@ -371,13 +380,23 @@ def _try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, ctx: _A
     entries = reply.fields["entries"]  # wire lists, viewed as they are: no object per tensor in between
     total = int(reply.fields["total_bytes"])
     mapping: MappedArena | None = None
+    tensors: dict[str, torch.Tensor] = {}
     if reply.fields.get("kind") == "memfd":
         if len(reply.fds) != 1:
             connection.close()
             raise UnavailableError(f"daemon {descriptor.name} sent no arena descriptor.")
-        mapping = map_cpu_arena(reply.fds[0], total, entries)
-        tensors = mapping.tensors
-    else:
+        if ctx.views:
+            from wcache.arena import map_cpu_arena
+
+            mapping = map_cpu_arena(reply.fds[0], total, entries)
+            tensors = mapping.tensors
+        else:
+            _check_arena_size(reply.fds[0], total)
+    elif ctx.views:
+        import torch
+
+        from wcache.arena import open_cuda_handle, views_from_wire
+
         block = open_cuda_handle(reply.fields["cuda"], torch.device(descriptor.device).index or 0)
         tensors = views_from_wire(block, entries)
     report.timings_ms["map"] = (time.perf_counter() - t) * 1000
@@ -398,7 +417,7 @@ def _try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, ctx: _A
     report.daemon = descriptor.name
     report.daemon_key_id = descriptor.key_id
     report.bytes_mapped = total
-    report.num_tensors = len(tensors)
+    report.num_tensors = len(entries)
     # `verified`: the checkpoint's content key was compared with the daemon's (not so with --trust-daemon);
     # `source` is the engine's checkpoint, `daemon_source` what the daemon loaded (they differ for a copy).
     append_event(ctx.run_dir, "attach_hit", source=str(ctx.model.absolute()), daemon_source=descriptor.source,
@@ -406,9 +425,21 @@ def _try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, ctx: _A
                  daemon=descriptor.name, device=report.device, mode=ctx.mode, bytes=total, dp_size=ctx.dp_size,
                  engine=ctx.engine, timings_ms={k: round(v, 3) for k, v in report.timings_ms.items()})
     weights = AttachedWeights(tensors, report, ctx.run_dir, key_file)
-    if ctx.mode == "zero_copy":
+    if ctx.mode == "zero_copy" and ctx.views:
         weights._hold_lease(connection, mapping)
+    elif ctx.mode == "zero_copy":
+        connection.close()  # nothing was mapped, so there is nothing to lease
     return weights
+
+
+def _check_arena_size(fd: int, total_bytes: int) -> None:
+    """What mapping would check first, for an attach that only reports: the memfd holds what was announced."""
+    try:
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if size < total_bytes:
+        raise UnavailableError(f"the daemon's arena holds {size} bytes, fewer than the {total_bytes} it announced.")
 
 
 def _refusal_reason(descriptor: DaemonDescriptor, hello: dict[str, Any]) -> str:

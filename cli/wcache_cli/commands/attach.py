@@ -103,7 +103,8 @@ def _report_only(model: Path, spec: Any, options: dict[str, Any], where: Path, j
 
     try:
         with DigestStore.open() as store:
-            weights = attach_weights(model, spec, run_dir=where, store=store, **options)
+            # Only the report is wanted: no tensors, so no torch (a disk fallback still loads them).
+            weights = attach_weights(model, spec, run_dir=where, store=store, views=False, **options)
     except AttachMissError as miss:
         if json:
             out.json(miss.report.to_json())
