@@ -75,7 +75,7 @@ WARM = "warm"
 DROPPED = "dropped"
 
 ST_LOAD = "safetensors load_file + plan"
-WC_LOAD = "wcache disk load (maps + plan)"
+WC_LOAD = "wcache disk load (one read per tensor + plan)"
 ZERO_COPY = "zero-copy attach"
 ZERO_COPY_TOUCH = "zero-copy attach + 1 read/page"
 COPY = "copy attach"
@@ -372,7 +372,7 @@ def notes_for(row: str, cache: str, s: Samples, bench: Bench) -> str:
     if row == ST_LOAD:
         return f"load_file (lazy mmap) {_ms(s.part('load_file'))} ms + plan (reads) {_ms(s.part('plan'))} ms"
     if row == WC_LOAD:
-        return "views of read-only maps; the plan writes each output once"
+        return "each tensor read once with pread; the plan writes each output once"
     if row in (ZERO_COPY, ZERO_COPY_TOUCH, COPY):
         text = (f"key {_ms(s.part('key'))} ‖ connect {_ms(s.part('connect'))}, map {_ms(s.part('map'))}")
         if "copy" in s.parts_ms:
