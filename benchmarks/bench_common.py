@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import shutil
@@ -137,3 +138,13 @@ def wcache_command() -> list[str]:
     if found is None:
         raise SystemExit("cannot find the `wcache` command; install the project (pip install -e .)")
     return [found]
+
+
+def preload_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every preload benchmark takes: --preset, --repeat, --workdir, --plan."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--preset", default="qwen3-0.6b", help="wcache.synth preset (qwen3-0.6b)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is shown")
+    parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: temp dir)")
+    parser.add_argument("--plan", choices=("fused", "identity"), default="fused", help="processing plan (fused)")
+    return parser

@@ -25,7 +25,6 @@ Run::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -40,7 +39,16 @@ from typing import Any
 import blake3
 import psutil
 import torch
-from bench_common import fmt_rate, fmt_seconds, read_all, stop_preloaded, timed_preload, wcache_command, workspace
+from bench_common import (
+    fmt_rate,
+    fmt_seconds,
+    preload_arguments,
+    read_all,
+    stop_preloaded,
+    timed_preload,
+    wcache_command,
+    workspace,
+)
 from restart import our_leftovers, resident_fraction, try_drop_caches
 from rich.console import Console, JustifyMethod
 from rich.table import Table
@@ -265,11 +273,7 @@ def results_table(bench: Bench, title: str, caption: str) -> Table:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="qwen3-0.6b", help="wcache.synth preset (qwen3-0.6b)")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is shown")
-    parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: temp dir)")
-    parser.add_argument("--plan", choices=("fused", "identity"), default="fused", help="processing plan (fused)")
+    parser = preload_arguments(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")

@@ -25,7 +25,6 @@ Run::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import gc
@@ -46,6 +45,7 @@ from bench_common import (
     READ_CHUNK_BYTES,
     fmt_rate,
     fmt_seconds,
+    preload_arguments,
     read_all,
     stop_preloaded,
     timed_preload,
@@ -435,15 +435,9 @@ def results_table(bench: Bench, title: str, baseline: tuple[str, str], caption: 
 # -- main --------------------------------------------------------------------------------------------------
 
 
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run every measurement and print the table; exit 1 when the tensors of the paths differ."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="qwen3-0.6b", help="wcache.synth preset (qwen3-0.6b)")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is shown")
-    parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: temp dir)")
-    parser.add_argument("--plan", choices=("fused", "identity"), default="fused", help="processing plan (fused)")
+    parser = preload_arguments(__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size; rank 0 is measured (1)")
     parser.add_argument("--skip-drop", action="store_true",
                         help="measure with a warm page cache only (about half the run time)")

@@ -310,7 +310,7 @@ def read_until_closed(sock: socket.socket, timeout: float = 10.0, *, stop_at_dat
         except ConnectionResetError:
             break
         except TimeoutError:
-            raise AssertionError(f"the daemon kept the connection open for {timeout} s") from None
+            raise AssertionError(f"the peer kept the connection open for {timeout} s") from None
         if not data:
             break
         chunks.append(data)

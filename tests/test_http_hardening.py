@@ -30,6 +30,7 @@ from daemon_fixtures import (
     daemon_rig,
     http_status,
     nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
+    read_until_closed,
     wait_for,
 )
 from wcache.errors import BadInputError, ListenError
@@ -60,18 +61,7 @@ def exchange(port: int, data: bytes, host: str = "127.0.0.1", timeout: float = R
 
 
 def read_reply(sock: socket.socket, timeout: float) -> Reply | None:
-    sock.settimeout(timeout)
-    raw = b""
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            break
-        except TimeoutError:
-            raise AssertionError(f"the server kept the connection open for {timeout} s; got {raw[:200]!r}") from None
-        if not chunk:
-            break
-        raw += chunk
+    raw = read_until_closed(sock, timeout)
     if not raw:
         return None
     raw = raw.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")  # an interim reply to Expect: 100-continue

@@ -189,6 +189,14 @@ def wait_exit(pid: int, name: str) -> None:
     raise UnavailableError(f"daemon {name} (pid {pid}) did not exit within {STOP_TIMEOUT_S} s.")
 
 
+def lease_count(descriptor: DaemonDescriptor) -> int:
+    """Zero-copy engines holding a daemon's weights now; 0 when it cannot be asked (stopping it will say why)."""
+    try:
+        return int(request_once(descriptor.socket, "stats").fields.get("leases") or 0)
+    except DaemonError:
+        return 0
+
+
 def replace_daemons(source: Path, devices: list[str], run_dir: Path, *, force: bool = False) -> list[str]:
     """Stop every daemon of checkpoint `source` on `devices`, ready or still loading; returns their names.
 
@@ -198,14 +206,7 @@ def replace_daemons(source: Path, devices: list[str], run_dir: Path, *, force: b
     ready = [d for d in census(run_dir).live if d.source == wanted and d.device in devices]
     loading = [r for r in read_loading(run_dir) if r.source == wanted and r.device in devices]
     if not force:
-        held = []
-        for descriptor in ready:
-            try:
-                leases = int(request_once(descriptor.socket, "stats").fields.get("leases") or 0)
-            except DaemonError:
-                leases = 0
-            if leases:
-                held.append(f"{descriptor.name} ({leases} lease(s))")
+        held = [f"{d.name} ({n} lease(s))" for d in ready if (n := lease_count(d))]
         if held:
             raise UnavailableError(f"engines hold leases on {', '.join(held)}; detach them first, or replace "
                                    "with --force.")

@@ -175,7 +175,7 @@ def stop(
     """
     if (ident is None) == (not all_daemons):
         raise BadInputError("name one daemon to stop, or pass --all (not both).")
-    from wcache.daemons import stop_daemon, stop_loading, wait_exit
+    from wcache.daemons import lease_count, stop_daemon, stop_loading, wait_exit
     from wcache.loading import read_loading
     from wcache.rundir import census, matches
 
@@ -207,7 +207,7 @@ def stop(
             targets += [d for d in members if d.name not in chosen]
             chosen.update(d.name for d in members)
     # Leases are checked on every target first, so a refusal never leaves part of a group stopped.
-    held = {} if force else {d.name: n for d in targets if (n := _leases(d))}
+    held = {} if force else {d.name: n for d in targets if (n := lease_count(d))}
     if held:
         busy = ", ".join(f"{name} ({n} lease(s))" for name, n in held.items())
         raise BadInputError(f"engines still hold leases on {busy}; detach them first or use --force.")
@@ -229,12 +229,3 @@ def stop(
         raise BadInputError(
             f"engines still hold leases on {', '.join(refused)}; detach them first or use --force."
         )
-
-
-def _leases(descriptor: DaemonDescriptor) -> int:
-    from wcache.client import DaemonError, request_once
-
-    try:
-        return int(request_once(descriptor.socket, "stats").fields.get("leases") or 0)
-    except DaemonError:
-        return 0  # it cannot be asked; stop_daemon will say so
