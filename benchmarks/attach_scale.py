@@ -6,7 +6,7 @@ so 28 layers is Qwen3-0.6B's 311 tensors and 1,024 layers 11,267), preloads it w
 ``--repeat`` times against a warm digest store (the daemon's), and prints the median wall time, each stage of
 ``AttachReport.timings_ms``, the cost per tensor above the smallest size's, and the same for this process's CPU
 time (steadier than wall time on a shared machine). The attached tensors of every size are compared byte for
-byte with the disk path (``wcache.loader.load_from_disk``).
+byte with the disk path (``wcache.load.loader.load_from_disk``).
 
 Run::
 
@@ -36,11 +36,11 @@ from bench_common import stop_preloaded, timed_preload, wcache_command, workspac
 from rich.console import Console
 from rich.table import Table
 from wcache.attach import attach
-from wcache.digest_store import DigestStore
-from wcache.key import compute_key
-from wcache.loader import load_from_disk
-from wcache.plan import PlanSpec
-from wcache.synth import PRESETS, Preset, make_tensors, write_tensors
+from wcache.key.cache_key import compute_key
+from wcache.key.digest_store import DigestStore
+from wcache.load.loader import load_from_disk
+from wcache.plan.spec import PlanSpec
+from wcache_dev.synth import PRESETS, Preset, make_tensors, write_tensors
 
 TARGET_US_PER_TENSOR = 3.0
 TARGET_LARGEST_MS = 100.0

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from wcache.rundir import read_descriptors
+from wcache.ipc.rundir import read_descriptors
 
 READ_CHUNK_BYTES = 16 * 1024 * 1024
 
@@ -143,7 +143,7 @@ def wcache_command() -> list[str]:
 def preload_arguments(description: str) -> argparse.ArgumentParser:
     """The options every preload benchmark takes: --preset, --repeat, --workdir, --plan."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--preset", default="qwen3-0.6b", help="wcache.synth preset (qwen3-0.6b)")
+    parser.add_argument("--preset", default="qwen3-0.6b", help="wcache_dev.synth preset (qwen3-0.6b)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is shown")
     parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: temp dir)")
     parser.add_argument("--plan", choices=("fused", "identity"), default="fused", help="processing plan (fused)")

@@ -54,8 +54,8 @@ def main() -> None:
                         help="recompile wcache's modules on every run (as under PYTHONDONTWRITEBYTECODE=1)")
     args = parser.parse_args()
 
-    from wcache import synth
-    from wcache.digest_store import RACY_WINDOW_NS
+    from wcache.key.digest_store import RACY_WINDOW_NS
+    from wcache_dev import synth
 
     python = sys.executable
     wcache = str(Path(python).with_name("wcache"))

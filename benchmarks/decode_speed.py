@@ -41,8 +41,8 @@ from rich.table import Table
 from wcache.engine.config import EngineConfig, ModelConfig
 from wcache.engine.engine import Engine
 from wcache.engine.threads import step_threads
-from wcache.plan import PlanSpec
-from wcache.synth import PRESETS, Preset, make_tensors, write_tensors
+from wcache.plan.spec import PlanSpec
+from wcache_dev.synth import PRESETS, Preset, make_tensors, write_tensors
 
 # qwen3-0.6b's layer shapes (GQA 16/8, head_dim 128) with 8 layers and a 32k vocabulary: a third of its
 # per-token work, in a checkpoint that is quick to write.

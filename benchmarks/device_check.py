@@ -2,7 +2,7 @@
 
 Run through benchmarks/device_check.sh (it picks the interpreter and caps the time). Every step runs the real
 CLI or the real attach API in its own process against a private run dir and digest store, on a checkpoint
-written here (wcache.synth). `--device cpu` runs the same steps on CPU (a dry run of the script itself).
+written here (wcache_dev.synth). `--device cpu` runs the same steps on CPU (a dry run of the script itself).
 
 Exit 0 when every PASS/FAIL check passed, 1 when one failed, 2 when this machine cannot run the check.
 The kill -9 row is a finding, not a pass or a failure: does an engine's zero-copy mapping stay readable
@@ -353,7 +353,7 @@ def environment(device: str) -> str:
 
 
 def run(device: str, preset: str) -> int:
-    from wcache.synth import write_checkpoint
+    from wcache_dev.synth import write_checkpoint
 
     reason = preflight(device)
     if reason:
@@ -388,7 +388,7 @@ def run(device: str, preset: str) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--preset", default="tiny", help="a wcache.synth preset to write and preload")
+    parser.add_argument("--preset", default="tiny", help="a wcache_dev.synth preset to write and preload")
     parser.add_argument("--hold", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

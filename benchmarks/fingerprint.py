@@ -40,13 +40,13 @@ from pathlib import Path
 from bench_common import READ_CHUNK_BYTES, fmt_rate, fmt_seconds, read_all, speed_ratio, workspace
 from rich.console import Console, JustifyMethod
 from rich.table import Table
-from wcache.checkpoint import locate
-from wcache.digest_store import DigestStore
-from wcache.fingerprint import MAX_STAT_THREADS
-from wcache.key import compute_key
-from wcache.shard_hash import FileIdentity
-from wcache.synth import PRESETS, TRAINED_PRESET, write_checkpoint
-from wcache.vllm_compat import header_fingerprint
+from wcache.checkpoint.files import locate
+from wcache.key.cache_key import compute_key
+from wcache.key.digest_store import DigestStore
+from wcache.key.fingerprint import MAX_STAT_THREADS
+from wcache.key.shard_hash import FileIdentity
+from wcache_dev.synth import PRESETS, TRAINED_PRESET, write_checkpoint
+from wcache_dev.vllm_compat import header_fingerprint
 
 # The store ignores receipts for files changed within 2 s of being hashed (racy-git rule).
 RACY_WINDOW_S = 2.0
@@ -281,7 +281,7 @@ def results_table(title: str, storages: dict[str, dict[str, Samples]], stat_s: d
 def main(argv: list[str] | None = None) -> int:
     """Run every measurement and print the tables; exit 1 when keys disagree across storages."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="many-shards", help="wcache.synth preset (many-shards)")
+    parser.add_argument("--preset", default="many-shards", help="wcache_dev.synth preset (many-shards)")
     parser.add_argument("--latency-ms", type=float, default=20.0, help="latencyfs sleep per request (20)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is shown")
     parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: temp dir)")

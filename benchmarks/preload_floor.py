@@ -52,12 +52,12 @@ from bench_common import (
 from restart import our_leftovers, resident_fraction, try_drop_caches
 from rich.console import Console, JustifyMethod
 from rich.table import Table
-from wcache.arena import plan_layout
-from wcache.checkpoint import locate
-from wcache.key import compute_key
-from wcache.plan import PlanSpec
-from wcache.processing import build_plan
-from wcache.synth import write_checkpoint
+from wcache.checkpoint.files import locate
+from wcache.ipc.arena import plan_layout
+from wcache.key.cache_key import compute_key
+from wcache.plan.processing import build_plan
+from wcache.plan.spec import PlanSpec
+from wcache_dev.synth import write_checkpoint
 
 # The store ignores receipts for files changed within 2 s of being hashed (racy-git rule).
 RACY_WINDOW_S = 2.0

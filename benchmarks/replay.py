@@ -45,8 +45,8 @@ from rich.console import Console, JustifyMethod
 from rich.table import Table
 from wcache.engine.config import EngineConfig
 from wcache.engine.engine import Engine, Generation
-from wcache.plan import PlanSpec
-from wcache.synth import PRESETS, Preset, make_tensors, write_tensors
+from wcache.plan.spec import PlanSpec
+from wcache_dev.synth import PRESETS, Preset, make_tensors, write_tensors
 
 BLOCK_SIZE = 16
 OFF = "replay off"

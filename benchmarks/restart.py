@@ -4,7 +4,7 @@ One run measures, side by side (interleaved, median of ``--repeat``), for rank 0
 
 * restart: what an engine pays to get its processed tensors back
   (a) ``safetensors.torch.load_file`` of every shard, then the processing plan (what an engine does today),
-  (b) ``wcache.loader.load_from_disk``: the same plan over read-only maps of the shards (wcache's disk path),
+  (b) ``wcache.load.loader.load_from_disk``: the same plan over read-only maps of the shards (wcache's disk path),
   (c) zero-copy attach to a preloaded daemon (warm key from the digest store + connect + map),
   (d) zero-copy attach, then one read per page (what the first use of every weight adds),
   (e) copy attach (attach, copy every tensor, release: the daemon lets go of its weights);
@@ -56,13 +56,13 @@ from rich.console import Console, JustifyMethod
 from rich.table import Table
 from safetensors.torch import load_file
 from wcache.attach import attach
-from wcache.checkpoint import locate
-from wcache.digest_store import DigestStore
-from wcache.key import KeyFile, compute_key
-from wcache.loader import load_from_disk
-from wcache.plan import PlanSpec
-from wcache.processing import build_plan, process_all
-from wcache.synth import write_checkpoint
+from wcache.checkpoint.files import locate
+from wcache.key.cache_key import KeyFile, compute_key
+from wcache.key.digest_store import DigestStore
+from wcache.load.loader import load_from_disk
+from wcache.plan.processing import build_plan, process_all
+from wcache.plan.spec import PlanSpec
+from wcache_dev.synth import write_checkpoint
 
 # The store ignores receipts for files changed within 2 s of being hashed (racy-git rule).
 RACY_WINDOW_S = 2.0

@@ -48,8 +48,8 @@ from typing import Any
 import psutil
 from rich.console import Console
 from rich.table import Table
-from wcache.http_base import PROMETHEUS_TEXT, QuietHandler, make_http_server
-from wcache.synth import write_checkpoint
+from wcache.ipc.http_server import PROMETHEUS_TEXT, QuietHandler, make_http_server
+from wcache_dev.synth import write_checkpoint
 
 TARGET_PERCENT = 5.0
 HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",

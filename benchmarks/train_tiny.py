@@ -1,4 +1,4 @@
-"""Train the "tiny-trained" checkpoint (wcache.trained) into a new directory and show what came out.
+"""Train the "tiny-trained" checkpoint (wcache_dev.trained) into a new directory and show what came out.
 
 Prints the time training took, the BLAKE3 digest of every tensor, the checkpoint's content key (the
 constant tests/test_trained_checkpoint.py commits), and greedy generations from phrases of the corpus.
@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from wcache.engine import Engine
-from wcache.key import compute_key
-from wcache.synth import read_tensors
-from wcache.trained import BASE_PRESET, STEPS, write_trained_checkpoint
+from wcache.key.cache_key import compute_key
+from wcache_dev.synth import read_tensors
+from wcache_dev.trained import BASE_PRESET, STEPS, write_trained_checkpoint
 
 PROMPTS = ("the daemon keeps", "the weights cache daemon", "a header only key")
 

@@ -31,9 +31,9 @@ from pathlib import Path
 from bench_common import fmt_seconds, speed_ratio, workspace
 from rich.console import Console
 from rich.table import Table
-from wcache.daemons import start_daemons
+from wcache.daemon.launch import start_daemons
 from wcache.integrations.vllm_runner import VllmRun, greedy_tokens
-from wcache.synth import PRESETS, overwrite_tensor_bytes, write_byte_tokenizer, write_checkpoint
+from wcache_dev.synth import PRESETS, overwrite_tensor_bytes, write_byte_tokenizer, write_checkpoint
 
 _LOAD_MS = re.compile(r"wcache: .*\(([\d.]+) ms, post-processing included\)")
 

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from wcache.digest_store import RACY_WINDOW_NS
-from wcache.synth import write_checkpoint
+from wcache.key.digest_store import RACY_WINDOW_NS
+from wcache_dev.synth import write_checkpoint
 
 
 @pytest.fixture(autouse=True)

@@ -30,9 +30,9 @@ from typing import Any
 import msgpack
 import psutil
 import pytest
-from wcache.client import request_once
-from wcache.events import read_events
-from wcache.rundir import DESCRIPTOR_SUFFIX, DaemonDescriptor, read_descriptors
+from wcache.ipc.client import request_once
+from wcache.ipc.rundir import DESCRIPTOR_SUFFIX, DaemonDescriptor, read_descriptors
+from wcache.monitor.events import read_events
 
 CLI_TIMEOUT_S = 120.0
 KILL_WAIT_S = 15.0

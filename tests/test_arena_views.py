@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from wcache.arena import CpuArena, map_cpu_arena, plan_layout, views_from_wire
 from wcache.errors import UnavailableError
+from wcache.ipc.arena import CpuArena, map_cpu_arena, plan_layout, views_from_wire
 
 WEIGHTS = {
     "w": torch.arange(24, dtype=torch.float32).reshape(2, 3, 4),

@@ -15,7 +15,7 @@ from daemon_fixtures import (
 from wcache.attach import AttachedWeights, attach
 from wcache.attach_options import AttachOptions
 from wcache.errors import BadInputError
-from wcache.synth import write_checkpoint
+from wcache_dev.synth import write_checkpoint
 
 
 @pytest.fixture

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import typer.main
 from typer._coercion import build_runtime_param
-from wcache.synth import write_checkpoint
 from wcache_cli.app import app
 from wcache_cli.coercion import _PlainFirst
+from wcache_dev.synth import write_checkpoint
 
 # Records every imported module at exit (atexit runs after the SystemExit that Typer ends with).
 _PROBE = """

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli, run_python, wait_past_racy_window
-from wcache.digest_store import DigestStore
-from wcache.key import KeyFile, compute_key
-from wcache.key_diff import diff_keys
-from wcache.plan import PlanSpec
-from wcache.safetensors_header import read_header
-from wcache.synth import overwrite_tensor_bytes, read_tensors, write_tensors
-from wcache.vllm_compat import header_fingerprint
+from wcache.checkpoint.safetensors_header import read_header
+from wcache.key.cache_key import KeyFile, compute_key
+from wcache.key.diff import diff_keys
+from wcache.key.digest_store import DigestStore
+from wcache.plan.spec import PlanSpec
+from wcache_dev.synth import overwrite_tensor_bytes, read_tensors, write_tensors
+from wcache_dev.vllm_compat import header_fingerprint
 
 
 def _copy(template: Path, dest: Path) -> Path:

@@ -18,8 +18,8 @@ from daemon_fixtures import (
     wait_for,
 )
 from wcache.attach import AttachedWeights, attach
-from wcache.client import DaemonConnection
-from wcache.rundir import DaemonDescriptor
+from wcache.ipc.client import DaemonConnection
+from wcache.ipc.rundir import DaemonDescriptor
 
 RELEASED = "released its weights to a copy-mode engine"
 

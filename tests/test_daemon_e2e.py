@@ -34,12 +34,12 @@ from daemon_fixtures import (
     wait_for,
 )
 from wcache.attach import AttachedWeights, attach
-from wcache.client import request_once
-from wcache.key import compute_key
-from wcache.loader import load_from_disk, processed_digest
-from wcache.plan import PlanSpec
-from wcache.rundir import DaemonDescriptor
-from wcache.synth import overwrite_tensor_bytes, write_checkpoint, write_tensors
+from wcache.ipc.client import request_once
+from wcache.ipc.rundir import DaemonDescriptor
+from wcache.key.cache_key import compute_key
+from wcache.load.loader import load_from_disk, processed_digest
+from wcache.plan.spec import PlanSpec
+from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint, write_tensors
 
 # Which checkpoint bytes each zeroed copy overwrites, and the processed tensor that must differ on rank 0.
 ZEROED = {
@@ -202,9 +202,9 @@ import gc, json, sys
 from pathlib import Path
 import psutil
 from wcache.attach import attach
-from wcache.digest_store import DigestStore
-from wcache.loader import processed_digest
-from wcache.plan import PlanSpec
+from wcache.key.digest_store import DigestStore
+from wcache.load.loader import processed_digest
+from wcache.plan.spec import PlanSpec
 
 base = Path(sys.argv[1])
 me = psutil.Process()

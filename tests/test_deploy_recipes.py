@@ -30,7 +30,7 @@ import yaml
 from daemon_fixtures import daemon_rig, http_status, nothing_survives, wait_for  # noqa: F401
 from wcache.attach_options import AttachOptions
 from wcache.daemon.health import RankTable, serve_health
-from wcache.sd_notify import Notifier
+from wcache.daemon.sd_notify import Notifier
 from wcache_cli.app import app
 
 REPO = Path(__file__).resolve().parent.parent

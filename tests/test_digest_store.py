@@ -21,10 +21,10 @@ from pathlib import Path
 import msgpack
 import pytest
 from as_nobody import NOBODY, nobody_tree, open_to_all, run_as_nobody
-from wcache.digest_store import DB_NAME, LOOKUP_BATCH, RACY_WINDOW_NS, SCHEMA_VERSION, DigestStore, is_trusted
-from wcache.key import KeyFile, compute_key
-from wcache.shard_hash import FileIdentity
-from wcache.synth import overwrite_tensor_bytes, write_checkpoint
+from wcache.key.cache_key import KeyFile, compute_key
+from wcache.key.digest_store import DB_NAME, LOOKUP_BATCH, RACY_WINDOW_NS, SCHEMA_VERSION, DigestStore, is_trusted
+from wcache.key.shard_hash import FileIdentity
+from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint
 
 NUM_SHARDS = 2  # the "tiny" preset
 CONCURRENT = 4
@@ -493,7 +493,7 @@ def test_write_during_hashing_on_a_one_second_filesystem_is_never_trusted(
     # A filesystem with 1-second timestamps (NFSv3, ext3): a same-size write in the second the file was
     # last written leaves its identity unchanged, so only the racy rule, counted from when hashing began,
     # keeps the mixed receipt from being trusted once hashing has taken longer than the window.
-    import wcache.shard_hash as shard_hash
+    import wcache.key.shard_hash as shard_hash
 
     def coarse(cls: type[FileIdentity], st: os.stat_result) -> FileIdentity:
         second = 10**9

@@ -25,8 +25,8 @@ import torch
 from wcache.engine import Engine, EngineConfig, ModelConfig
 from wcache.engine.block_manager import KVCacheFullError, chain_hashes
 from wcache.engine.threads import MACS_PER_THREAD
-from wcache.plan import PlanSpec
-from wcache.synth import Preset, make_tensors, write_tensors
+from wcache.plan.spec import PlanSpec
+from wcache_dev.synth import Preset, make_tensors, write_tensors
 
 WINDOW = 32
 BLOCK = 16

@@ -32,7 +32,7 @@ from wcache.engine.parallel import TensorParallel
 from wcache.engine.serving import Driver, follow_rank0, serve_rank
 from wcache.engine.tp_launch import TensorParallelError, run_tensor_parallel
 from wcache.errors import EXIT_BAD_INPUT, EXIT_UNAVAILABLE, CheckpointError, UnavailableError
-from wcache.plan import PlanSpec
+from wcache.plan.spec import PlanSpec
 
 WINDOW = 32
 NEW_TOKENS = 24

@@ -30,8 +30,8 @@ from hf_reference import (
     truncate_at_eos,
 )
 from wcache.engine import Engine, EngineConfig
-from wcache.plan import PlanSpec
-from wcache.synth import PRESETS, read_tensors, write_tensors
+from wcache.plan.spec import PlanSpec
+from wcache_dev.synth import PRESETS, read_tensors, write_tensors
 
 WINDOW = 32
 EOS = 257

@@ -34,7 +34,7 @@ from daemon_fixtures import (
     wait_for,
 )
 from wcache.errors import BadInputError, ListenError
-from wcache.http_base import QuietHandler, make_http_server
+from wcache.ipc.http_server import QuietHandler, make_http_server
 
 KV_TOKENS = 128  # 8 blocks of 16: a short prompt already overflows it
 SHORT_DEADLINE_S = 0.6
@@ -121,7 +121,7 @@ def deadline(server: ThreadingHTTPServer, seconds: float) -> Iterator[None]:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from wcache.engine import Engine, EngineConfig
-    from wcache.synth import write_checkpoint
+    from wcache_dev.synth import write_checkpoint
 
     base = tmp_path_factory.mktemp("hardening")
     model = write_checkpoint("tiny", base / "tiny")
@@ -423,7 +423,7 @@ def metric(url: str, name: str) -> float:
 
 def test_a_released_daemon_is_alive_but_not_ready(tiny_template: Path) -> None:
     from wcache.attach import attach
-    from wcache.plan import PlanSpec
+    from wcache.plan.spec import PlanSpec
 
     # Over IPv6 where the kernel has it: the supervisor's --health-host ::1 and the URL it publishes.
     host = "::1" if ipv6_loopback() is None else "127.0.0.1"
@@ -485,8 +485,8 @@ def test_idle_engines_write_no_counter_lines_and_busy_ones_log_stats(
     engine_server: tuple[ThreadingHTTPServer, int], served: Any, tmp_path: Path
 ) -> None:
     from wcache.engine.server import CounterEvents
-    from wcache.events import read_events
-    from wcache.rundir import ensure_run_dir
+    from wcache.ipc.rundir import ensure_run_dir
+    from wcache.monitor.events import read_events
 
     run_dir = ensure_run_dir(tmp_path / "run")
     logger = logging.getLogger("wcache.engine")

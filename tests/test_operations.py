@@ -23,10 +23,10 @@ from daemon_fixtures import (
     wait_for,
 )
 from wcache.attach import attach
-from wcache.events import append_event, read_events, rotated_path
-from wcache.loading import LOADING_DIR, read_loading
+from wcache.ipc.loading import LOADING_DIR, read_loading
 from wcache.monitor.collector import EventTail
-from wcache.synth import write_checkpoint
+from wcache.monitor.events import append_event, read_events, rotated_path
+from wcache_dev.synth import write_checkpoint
 
 
 @pytest.fixture

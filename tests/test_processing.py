@@ -15,21 +15,21 @@ from typing import Any
 import blake3
 import pytest
 import torch
-from wcache.checkpoint import locate
+from wcache.checkpoint.files import locate
+from wcache.checkpoint.manifest import TensorDigest
+from wcache.checkpoint.safetensors_header import read_header
 from wcache.errors import BadInputError, CheckpointError
-from wcache.fingerprint import fingerprint_checkpoint
-from wcache.manifest import TensorDigest
-from wcache.plan import PlanSpec
-from wcache.processing import (
+from wcache.key.fingerprint import fingerprint_checkpoint
+from wcache.plan.processing import (
     OutputSpec,
     ProcessingPlan,
     UnsupportedPlanError,
     build_plan,
     process_all,
 )
-from wcache.quantize import dequantize_rows
-from wcache.safetensors_header import read_header
-from wcache.synth import PRESETS, Preset, make_tensors, read_tensors, tensor_shapes, write_tensors
+from wcache.plan.quantize import dequantize_rows
+from wcache.plan.spec import PlanSpec
+from wcache_dev.synth import PRESETS, Preset, make_tensors, read_tensors, tensor_shapes, write_tensors
 
 TINY = PRESETS["tiny"].config
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
@@ -418,11 +418,11 @@ def digest_outputs(plan: ProcessingPlan, source: Callable[[str], torch.Tensor]) 
 DIGEST_SCRIPT = """
 import sys, blake3, torch
 from pathlib import Path
-from wcache.checkpoint import locate
-from wcache.fingerprint import fingerprint_checkpoint
-from wcache.plan import PlanSpec
-from wcache.processing import build_plan
-from wcache.synth import PRESETS, read_tensors
+from wcache.checkpoint.files import locate
+from wcache.key.fingerprint import fingerprint_checkpoint
+from wcache.plan.spec import PlanSpec
+from wcache.plan.processing import build_plan
+from wcache_dev.synth import PRESETS, read_tensors
 path = Path(sys.argv[1])
 tensors = read_tensors(path)
 for method in ("int8", "fp8"):

@@ -38,10 +38,10 @@ from daemon_fixtures import (
     wait_for,
 )
 from wcache.attach import attach
-from wcache.client import DaemonConnection, DaemonError, request_once
 from wcache.daemon.server import MAX_CLIENTS
-from wcache.protocol import MAX_FDS, REQUEST_LIMITS
-from wcache.rundir import DaemonDescriptor
+from wcache.ipc.client import DaemonConnection, DaemonError, request_once
+from wcache.ipc.protocol import MAX_FDS, REQUEST_LIMITS
+from wcache.ipc.rundir import DaemonDescriptor
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from daemon_fixtures import (
     wait_for,
 )
 from prometheus_client.parser import text_string_to_metric_families
-from wcache.rundir import DaemonDescriptor
+from wcache.ipc.rundir import DaemonDescriptor
 
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0

@@ -14,16 +14,23 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import wait_past_racy_window
-from wcache.checkpoint import locate
-from wcache.digest_store import RACY_WINDOW_NS, DigestStore
+from wcache.checkpoint.files import locate
+from wcache.checkpoint.safetensors_header import read_header
 from wcache.errors import CheckpointError, UnavailableError
-from wcache.key import KeyFile, compute_key
-from wcache.loader import load_from_disk, load_rank, processed_digest
-from wcache.plan import PlanSpec
-from wcache.processing import build_plan, process_all
-from wcache.safetensors_header import read_header
-from wcache.shard_hash import FileIdentity, ShardRecord
-from wcache.synth import PRESETS, make_tensors, overwrite_tensor_bytes, read_tensors, write_checkpoint, write_tensors
+from wcache.key.cache_key import KeyFile, compute_key
+from wcache.key.digest_store import RACY_WINDOW_NS, DigestStore
+from wcache.key.shard_hash import FileIdentity, ShardRecord
+from wcache.load.loader import load_from_disk, load_rank, processed_digest
+from wcache.plan.processing import build_plan, process_all
+from wcache.plan.spec import PlanSpec
+from wcache_dev.synth import (
+    PRESETS,
+    make_tensors,
+    overwrite_tensor_bytes,
+    read_tensors,
+    write_checkpoint,
+    write_tensors,
+)
 
 BIG = "big.weight"
 BIG_ELEMENTS = 16 * 1024 * 1024  # 64 MiB of float32: many reads, so the truncation lands in the middle
@@ -96,8 +103,8 @@ _LOAD_TRUNCATED = """
 import os, sys
 from pathlib import Path
 from wcache.errors import WcacheError
-from wcache.loader import load_rank
-from wcache.plan import PlanSpec
+from wcache.load.loader import load_rank
+from wcache.plan.spec import PlanSpec
 shard, keep, model = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
 class Truncating:
     def start(self, total_bytes, num_files):
@@ -135,9 +142,9 @@ def refusing(fileno, *args, **kwargs):
 mmap.mmap = refusing
 
 import torch
-from wcache.key import compute_key
-from wcache.loader import load_from_disk, load_rank
-from wcache.plan import PlanSpec
+from wcache.key.cache_key import compute_key
+from wcache.load.loader import load_from_disk, load_rank
+from wcache.plan.spec import PlanSpec
 
 class NoMaps:
     checks = 0
@@ -170,7 +177,7 @@ def test_every_checkpoint_read_works_where_mmap_is_refused(tiny_template: Path) 
 def _receipts(store_dir: Path) -> int:
     import sqlite3
 
-    from wcache.digest_store import DB_NAME
+    from wcache.key.digest_store import DB_NAME
 
     with sqlite3.connect(store_dir / DB_NAME) as conn:
         return int(conn.execute("SELECT count(*) FROM shards").fetchone()[0])

@@ -31,7 +31,7 @@ from daemon_fixtures import (
     daemon_rig,
     nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
 )
-from wcache.synth import overwrite_tensor_bytes
+from wcache_dev.synth import overwrite_tensor_bytes
 
 SERVE_TIMEOUT_S = 120.0
 # A shared prefix of 220 bytes (the tiny checkpoint's tokenizer is bytes): several blocks and well past the

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import run_cli, run_python
-from wcache.http_base import PROMETHEUS_TEXT, QuietHandler, make_http_server
+from wcache.ipc.http_server import PROMETHEUS_TEXT, QuietHandler, make_http_server
 from wcache.monitor.collector import Collector
 from wcache.monitor.snapshot import SCHEMA
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from wcache_cli.top.app import TopApp
-from wcache_cli.top.sample import FROZEN_NOW, RUN_DIR, SampleSource
+from wcache_dev.top_sample import FROZEN_NOW, RUN_DIR, SampleSource
 
 SIZE = (120, 40)
 

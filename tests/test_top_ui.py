@@ -14,7 +14,7 @@ from textual.binding import Binding
 from textual.widgets import DataTable, Input, Static
 from wcache.monitor.snapshot import Snapshot
 from wcache_cli.top.app import HELP, HelpScreen, TopApp
-from wcache_cli.top.sample import FROZEN_NOW, MISS_REASON, SampleSource, sample_snapshot
+from wcache_dev.top_sample import FROZEN_NOW, MISS_REASON, SampleSource, sample_snapshot
 
 pytestmark = pytest.mark.asyncio
 SIZE = (120, 40)

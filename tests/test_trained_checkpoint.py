@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 from wcache.engine import Engine
-from wcache.key import compute_key
-from wcache.synth import PRESETS, TRAINED_PRESET, overwrite_tensor_bytes, tensor_shapes, write_checkpoint
-from wcache.trained import CORPUS, write_trained_checkpoint
+from wcache.key.cache_key import compute_key
+from wcache_dev.synth import PRESETS, TRAINED_PRESET, overwrite_tensor_bytes, tensor_shapes, write_checkpoint
+from wcache_dev.trained import CORPUS, write_trained_checkpoint
 
 # The Merkle root over every tensor's bytes. It changes whenever the corpus, the recipe or the initial weights
 # do: rerun `benchmarks/train_tiny.py DIR`, check its generations still read as words, and paste its key here.

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from wcache.attach import AttachMissError
 from wcache.errors import BadInputError
 from wcache.integrations.transformers import from_pretrained
-from wcache.synth import PRESETS, make_tensors, overwrite_tensor_bytes, write_checkpoint, write_tensors
+from wcache_dev.synth import PRESETS, make_tensors, overwrite_tensor_bytes, write_checkpoint, write_tensors
 
 PROMPT = list(b"the weights cache keeps")
 
@@ -120,9 +120,9 @@ def test_bad_options_are_one_sentence(rig: DaemonRig) -> None:
 
 
 def test_model_path_is_what_vllm_accepts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from wcache.checkpoint import locate
+    from wcache.checkpoint.files import locate
+    from wcache.checkpoint.model_path import resolve_model_path
     from wcache.errors import CheckpointError
-    from wcache.model_path import resolve_model_path
 
     model_dir = write_checkpoint("small", tmp_path / "small")
     # A Hugging Face cache layout: refs/main names a snapshot directory.

@@ -26,10 +26,10 @@ from daemon_fixtures import (
     daemon_rig,
     nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
 )
-from wcache.client import DaemonConnection
 from wcache.errors import EXIT_BAD_INPUT, EXIT_DIFFERENCE, EXIT_OK, EXIT_UNAVAILABLE
-from wcache.rundir import DaemonDescriptor
-from wcache.synth import overwrite_tensor_bytes
+from wcache.ipc.client import DaemonConnection
+from wcache.ipc.rundir import DaemonDescriptor
+from wcache_dev.synth import overwrite_tensor_bytes
 
 EMBED = "model.embed_tokens.weight"
 NORM = "model.norm.weight"

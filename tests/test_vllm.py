@@ -31,8 +31,8 @@ from daemon_fixtures import (
 )
 from wcache.errors import BadInputError
 from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_tokens
-from wcache.rundir import DaemonDescriptor
-from wcache.synth import overwrite_tensor_bytes, write_checkpoint
+from wcache.ipc.rundir import DaemonDescriptor
+from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint
 
 PROMPTS = ["the weights cache keeps", "a daemon holds the shard and"]
 MAX_NEW_TOKENS = 8

@@ -12,8 +12,8 @@ PROBE = """
 import json, sys
 from collections import Counter
 from pathlib import Path
-from wcache.digest_store import DigestStore
-from wcache.key import compute_key
+from wcache.key.digest_store import DigestStore
+from wcache.key.cache_key import compute_key
 
 checkpoint = Path({checkpoint!r})
 opened = Counter()

@@ -10,16 +10,16 @@ from wcache.errors import BadInputError
 from wcache_cli.params import run_dir_or_default
 
 if TYPE_CHECKING:
-    from wcache.key import KeyFile
-    from wcache.plan import PlanSpec
-    from wcache.rundir import DaemonDescriptor
+    from wcache.ipc.rundir import DaemonDescriptor
+    from wcache.key.cache_key import KeyFile
+    from wcache.plan.spec import PlanSpec
 
 
 def key_of_checkpoint(path: Path, plan: PlanSpec, *, rehash: bool = False) -> KeyFile:
     """Compute a checkpoint's key through the default digest store, with a progress bar."""
     # Each operand kind imports only its own machinery: a checkpoint's key needs no sockets or psutil.
-    from wcache.digest_store import DigestStore
-    from wcache.key import compute_key
+    from wcache.key.cache_key import compute_key
+    from wcache.key.digest_store import DigestStore
 
     from wcache_cli.progress import hash_bar
 
@@ -30,23 +30,23 @@ def key_of_checkpoint(path: Path, plan: PlanSpec, *, rehash: bool = False) -> Ke
 def check_tp_fits(model: Path, spec: PlanSpec) -> None:
     """Refuse a --tp the model cannot be split by before a process per rank starts (reads config.json only)."""
     if spec.tp_size > 1:
-        from wcache.checkpoint import locate
-        from wcache.processing import check_tp_split
+        from wcache.checkpoint.files import locate
+        from wcache.plan.processing import check_tp_split
 
         check_tp_split(spec, locate(model).config)
 
 
 def find_daemons(run_dir: Path, ident: str) -> list[DaemonDescriptor]:
     """Live daemons whose name or key id starts with `ident`."""
-    from wcache.rundir import census, matches
+    from wcache.ipc.rundir import census, matches
 
     live = census(run_dir).live if run_dir.exists() else ()
     return [d for d in live if matches(d, ident)]
 
 
 def key_of_daemon(descriptor: DaemonDescriptor) -> KeyFile:
-    from wcache.client import request_once
-    from wcache.remote_key import daemon_key_file
+    from wcache.ipc.client import request_once
+    from wcache.key.remote import daemon_key_file
 
     reply = request_once(descriptor.socket, "manifest")
     return daemon_key_file(descriptor, reply.fields["tensors"])
@@ -68,8 +68,8 @@ def daemon_named(operand: Path, run_dir: Path | None) -> DaemonDescriptor | None
 
 def key_of_operand(operand: Path, plan: PlanSpec, run_dir: Path | None, *, rehash: bool = False) -> KeyFile:
     """A saved key file is read as is, a daemon id asks that daemon, anything else is a checkpoint."""
-    from wcache.key import is_key_file, load_key_file
-    from wcache.model_path import resolve_model_path
+    from wcache.checkpoint.model_path import resolve_model_path
+    from wcache.key.cache_key import is_key_file, load_key_file
 
     if is_key_file(operand):
         return load_key_file(operand)

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from wcache.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
+from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 
 if TYPE_CHECKING:
-    from wcache.plan import PlanSpec
+    from wcache.plan.spec import PlanSpec
 
 
 class Dtype(StrEnum):
@@ -74,7 +74,7 @@ RunDirOpt = Annotated[
 def plan_from_options(tp: int, rank: int, dtype: Dtype, quantization: Quantization, layout: Layout) -> PlanSpec:
     """A validated plan; bad combinations raise BadInputError with the flag to fix."""
     # Here, not at the top: every command imports this module while Typer builds the help.
-    from wcache.plan import PlanSpec
+    from wcache.plan.spec import PlanSpec
 
     return PlanSpec(tp_size=tp, tp_rank=rank, dtype=dtype.value, quantization=quantization.value,
                     layout=layout.value)
@@ -83,7 +83,7 @@ def plan_from_options(tp: int, rank: int, dtype: Dtype, quantization: Quantizati
 def run_dir_or_default(run_dir: Path | None) -> Path:
     if run_dir is not None:
         return run_dir
-    from wcache.rundir import default_run_dir  # it imports psutil, which only commands that look at daemons need
+    from wcache.ipc.rundir import default_run_dir  # it imports psutil, which only commands that look at daemons need
 
     return default_run_dir()
 

@@ -12,10 +12,10 @@ from rich.text import Text
 from wcache_cli.output import printable
 
 if TYPE_CHECKING:  # renderings take what the key machinery made; they never need to import it
-    from wcache.fingerprint import FingerprintStats
-    from wcache.key import KeyFile
-    from wcache.key_diff import KeyDiff
-    from wcache.manifest import TensorDigest
+    from wcache.checkpoint.manifest import TensorDigest
+    from wcache.key.cache_key import KeyFile
+    from wcache.key.diff import KeyDiff
+    from wcache.key.fingerprint import FingerprintStats
 
 DIGEST_CHARS = 16
 

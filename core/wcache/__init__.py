@@ -17,8 +17,9 @@ Names are loaded on first use, so `import wcache` does not import torch.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from wcache.lazy_exports import lazy_exports
 
 __version__ = "0.1.0"  # the package's version (pyproject.toml reads it from here)
 
@@ -28,20 +29,20 @@ _EXPORTS = {
     "AttachMissError": "wcache.attach",
     "AttachReport": "wcache.attach",
     "AttachOptions": "wcache.attach_options",
-    "compute_key": "wcache.key",
-    "KeyFile": "wcache.key",
-    "WeightCacheKey": "wcache.key",
-    "diff_keys": "wcache.key_diff",
-    "KeyDiff": "wcache.key_diff",
-    "PlanSpec": "wcache.plan",
-    "start_daemons": "wcache.daemons",
-    "stop_daemon": "wcache.daemons",
-    "DaemonGroup": "wcache.daemons",
-    "PreloadFailedError": "wcache.daemons",
-    "DaemonDescriptor": "wcache.rundir",
-    "DaemonExistsError": "wcache.rundir",
-    "census": "wcache.rundir",
-    "resolve_model_path": "wcache.model_path",
+    "compute_key": "wcache.key.cache_key",
+    "KeyFile": "wcache.key.cache_key",
+    "WeightCacheKey": "wcache.key.cache_key",
+    "diff_keys": "wcache.key.diff",
+    "KeyDiff": "wcache.key.diff",
+    "PlanSpec": "wcache.plan.spec",
+    "start_daemons": "wcache.daemon.launch",
+    "stop_daemon": "wcache.daemon.launch",
+    "DaemonGroup": "wcache.daemon.launch",
+    "PreloadFailedError": "wcache.daemon.launch",
+    "DaemonDescriptor": "wcache.ipc.rundir",
+    "DaemonExistsError": "wcache.ipc.rundir",
+    "census": "wcache.ipc.rundir",
+    "resolve_model_path": "wcache.checkpoint.model_path",
     "WcacheError": "wcache.errors",
     "BadInputError": "wcache.errors",
     "UnavailableError": "wcache.errors",
@@ -58,23 +59,13 @@ assert set(__all__) == {"__version__", *_EXPORTS}
 if TYPE_CHECKING:
     from wcache.attach import AttachedWeights, AttachMissError, AttachReport, attach
     from wcache.attach_options import AttachOptions
-    from wcache.daemons import DaemonGroup, PreloadFailedError, start_daemons, stop_daemon
+    from wcache.checkpoint.model_path import resolve_model_path
+    from wcache.daemon.launch import DaemonGroup, PreloadFailedError, start_daemons, stop_daemon
     from wcache.errors import BadInputError, UnavailableError, WcacheError
-    from wcache.key import KeyFile, WeightCacheKey, compute_key
-    from wcache.key_diff import KeyDiff, diff_keys
-    from wcache.model_path import resolve_model_path
-    from wcache.plan import PlanSpec
-    from wcache.rundir import DaemonDescriptor, DaemonExistsError, census
+    from wcache.ipc.rundir import DaemonDescriptor, DaemonExistsError, census
+    from wcache.key.cache_key import KeyFile, WeightCacheKey, compute_key
+    from wcache.key.diff import KeyDiff, diff_keys
+    from wcache.plan.spec import PlanSpec
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'wcache' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

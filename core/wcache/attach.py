@@ -19,25 +19,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wcache.attach_options import MODES
-from wcache.checkpoint import locate
-from wcache.client import DaemonConnection, DaemonError
-from wcache.digest_store import DigestStore
+from wcache.checkpoint.files import locate
+from wcache.checkpoint.model_config import config_digest, config_dtype
 from wcache.errors import BadInputError, UnavailableError
-from wcache.events import append_event
-from wcache.fingerprint import HashProgress
-from wcache.key import FORMAT_VERSION, KeyFile, compute_key
-from wcache.key_diff import KeyDiff, diff_keys
-from wcache.model_config import config_digest, config_dtype
-from wcache.plan import PlanSpec
-from wcache.remote_key import daemon_key_file
-from wcache.rundir import DaemonDescriptor, census, default_run_dir, ensure_run_dir, matches
+from wcache.ipc.client import DaemonConnection, DaemonError
+from wcache.ipc.rundir import DaemonDescriptor, census, default_run_dir, ensure_run_dir, matches
+from wcache.key.cache_key import FORMAT_VERSION, KeyFile, compute_key
+from wcache.key.diff import KeyDiff, diff_keys
+from wcache.key.digest_store import DigestStore
+from wcache.key.fingerprint import HashProgress
+from wcache.key.remote import daemon_key_file
+from wcache.monitor.events import append_event
+from wcache.plan.spec import PlanSpec
 
 if TYPE_CHECKING:
     # torch, and the modules that make tensors, are imported where tensors are made: an attach that only
     # reports (`wcache attach` without --prompt/--serve) never loads torch.
     import torch
 
-    from wcache.arena import MappedArena
+    from wcache.ipc.arena import MappedArena
 
 KEY_FIELDS = ("checkpoint", "config", "plan", "format")
 MAX_DIFF_TENSORS_IN_EVENT = 50
@@ -140,7 +140,7 @@ class AttachedWeights:
         Complete for TP 1 plans that do not quantize; for a TP shard only the replicated tensors appear.
         `outputs` (engine names) limits them to the sources of those tensors.
         """
-        from wcache.processing import build_plan
+        from wcache.plan.processing import build_plan
 
         plan = build_plan(self.key_file.plan, self.key_file.config, self.key_file.manifest)
         return plan.checkpoint_views(self.tensors, outputs)
@@ -291,7 +291,7 @@ def attach(
         if not fallback:
             raise AttachMissError(f"{report.reason}; not falling back to disk (fallback disabled).", report)
         t = time.perf_counter()
-        from wcache.loader import load_from_disk
+        from wcache.load.loader import load_from_disk
 
         tensors = load_from_disk(local, model)
         timings["disk_load"] = (time.perf_counter() - t) * 1000
@@ -386,7 +386,7 @@ def _try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, ctx: _A
             connection.close()
             raise UnavailableError(f"daemon {descriptor.name} sent no arena descriptor.")
         if ctx.views:
-            from wcache.arena import map_cpu_arena
+            from wcache.ipc.arena import map_cpu_arena
 
             mapping = map_cpu_arena(reply.fds[0], total, entries)
             tensors = mapping.tensors
@@ -395,7 +395,7 @@ def _try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, ctx: _A
     elif ctx.views:
         import torch
 
-        from wcache.arena import open_cuda_handle, views_from_wire
+        from wcache.ipc.arena import open_cuda_handle, views_from_wire
 
         block = open_cuda_handle(reply.fields["cuda"], torch.device(descriptor.device).index or 0)
         tensors = views_from_wire(block, entries)

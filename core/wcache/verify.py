@@ -13,14 +13,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wcache.client import DaemonConnection, DaemonError
+from wcache.checkpoint.model_config import config_digest
 from wcache.errors import BadInputError, UnavailableError
-from wcache.key import compute_key
-from wcache.key_diff import KeyDiff, diff_keys
-from wcache.model_config import config_digest
-from wcache.plan import PlanSpec
-from wcache.remote_key import daemon_key_file
-from wcache.rundir import DaemonDescriptor, census, matches
+from wcache.ipc.client import DaemonConnection, DaemonError
+from wcache.ipc.rundir import DaemonDescriptor, census, matches
+from wcache.key.cache_key import compute_key
+from wcache.key.diff import KeyDiff, diff_keys
+from wcache.key.remote import daemon_key_file
+from wcache.plan.spec import PlanSpec
 
 _WORDS = (
     "weights", "cache", "daemon", "engine", "restart", "shard", "tensor", "prefix", "window", "replay", "token",
@@ -113,7 +113,7 @@ def _attach_only(attach_options: dict[str, Any]) -> dict[str, Any]:
 
 def _hit_event(run_dir: Path, engine: str, since: float) -> dict[str, Any]:
     """The attach report of an engine that ran in other processes: its latest hit in the run dir's events."""
-    from wcache.events import read_events
+    from wcache.monitor.events import read_events
 
     hits = [e for e in read_events(run_dir) if e["kind"] == "attach_hit" and e.get("engine") == engine
             and float(e.get("ts", 0)) >= since]
@@ -130,7 +130,7 @@ def _verify_vllm(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens
 
     from wcache.attach_options import AttachOptions
     from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_tokens
-    from wcache.rundir import default_run_dir
+    from wcache.ipc.rundir import default_run_dir
 
     if plan.quantization != "none" or plan.layout != "fused":
         raise BadInputError("--engine vllm takes its plan from vLLM; drop --quantization and --plan.")
@@ -248,8 +248,8 @@ class ContentReport:
 
 def pick_daemon(model: Path, plan: PlanSpec, run_dir: Path, device: str, daemon: str | None) -> DaemonDescriptor:
     """The daemon an engine for `model` under `plan` would use, judged by config and plan alone."""
-    from wcache.checkpoint import locate
-    from wcache.key import resolve_plan_from_headers
+    from wcache.checkpoint.files import locate
+    from wcache.key.cache_key import resolve_plan_from_headers
 
     layout = locate(model)
     resolved = resolve_plan_from_headers(layout, plan)  # "auto" as the key resolves it

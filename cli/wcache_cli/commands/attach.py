@@ -73,7 +73,7 @@ def attach(
     if prompt is not None and serve:
         raise BadInputError("use --prompt or --serve, not both.")
     # Imported here so that building the help (every command's signature) loads no attach machinery.
-    from wcache.model_path import resolve_model_path
+    from wcache.checkpoint.model_path import resolve_model_path
 
     model = resolve_model_path(model)
     where = run_dir_or_default(run_dir)
@@ -99,7 +99,7 @@ def attach(
 def _report_only(model: Path, spec: Any, options: dict[str, Any], where: Path, json: bool) -> None:
     from wcache.attach import AttachMissError
     from wcache.attach import attach as attach_weights
-    from wcache.digest_store import DigestStore
+    from wcache.key.digest_store import DigestStore
 
     try:
         with DigestStore.open() as store:
@@ -141,7 +141,7 @@ def generate_rank(tp: Any, model: Path, plan: dict[str, Any], engine_config: Any
     import time
 
     from wcache.engine import Engine
-    from wcache.plan import PlanSpec
+    from wcache.plan.spec import PlanSpec
 
     spec = PlanSpec.from_json({**plan, "tp_rank": tp.rank})
     engine = Engine.from_attach(model, spec, engine_config, tp, run_dir=where, **options)

@@ -54,12 +54,12 @@ def demo(
     import tempfile
 
     from rich.table import Table
-    from wcache import synth, vllm_compat
-    from wcache.daemons import stop_daemon
-    from wcache.digest_store import default_store_dir
-    from wcache.key_diff import diff_keys
-    from wcache.plan import PlanSpec
-    from wcache.rundir import census
+    from wcache.daemon.launch import stop_daemon
+    from wcache.ipc.rundir import census
+    from wcache.key.diff import diff_keys
+    from wcache.key.digest_store import default_store_dir
+    from wcache.plan.spec import PlanSpec
+    from wcache_dev import synth, vllm_compat
 
     from wcache_cli.commands.demo_serving import leave_serving, stop_serving
     from wcache_cli.operands import key_of_checkpoint
@@ -138,7 +138,7 @@ def demo(
 
 
 def _preload(model: Path, run_dir: Path, supervisors: list[subprocess.Popen[str]]) -> str:
-    from wcache.daemons import start_daemons
+    from wcache.daemon.launch import start_daemons
 
     group = start_daemons(model, run_dir=run_dir)
     supervisor, ready = group.supervisor, group.ready
@@ -153,10 +153,10 @@ def _serve_attach_verify(
 ) -> bool:
     """Steps 4–9: preload, a hit that generates, a miss that falls back, and verify passing then failing."""
     from rich.markup import escape
-    from wcache.digest_store import DigestStore
     from wcache.engine import Engine
-    from wcache.events import read_events
-    from wcache.plan import PlanSpec
+    from wcache.key.digest_store import DigestStore
+    from wcache.monitor.events import read_events
+    from wcache.plan.spec import PlanSpec
     from wcache.verify import default_prompts, verify_content, verify_greedy
 
     from wcache_cli.commands.verify import print_content, print_greedy

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from wcache.daemons import start_daemons, stop_daemon
-from wcache.rundir import ENGINES_DIR, census, ensure_run_dir
+from wcache.daemon.launch import start_daemons, stop_daemon
+from wcache.ipc.rundir import ENGINES_DIR, census, ensure_run_dir
 
 from wcache_cli.output import out
 
@@ -51,7 +51,7 @@ def _complete(url: str, prompt: str) -> dict[str, Any]:
 def leave_serving(original: Path, modified: Path, workdir: Path, run_dir: Path) -> None:
     """Preload `original`, serve it, run a shared-prefix workload and one forced fallback; record the pids."""
     from wcache.attach import attach
-    from wcache.plan import PlanSpec
+    from wcache.plan.spec import PlanSpec
 
     ensure_run_dir(run_dir)
     group = start_daemons(original, run_dir=run_dir)

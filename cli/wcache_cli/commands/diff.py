@@ -46,7 +46,7 @@ def diff(
     Plan options apply to checkpoint operands; a key file carries its own plan. Exits 1 when the keys differ.
     """
     # Imported here so that building the help (every command's signature) never loads the key machinery.
-    from wcache.key_diff import diff_keys
+    from wcache.key.diff import diff_keys
 
     from wcache_cli.operands import key_of_operand
     from wcache_cli.render import diff_json, diff_renderable

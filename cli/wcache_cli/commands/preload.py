@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from wcache.errors import BadInputError, UnavailableError
-from wcache.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL
+from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL
 
 from wcache_cli.output import out, printable
 from wcache_cli.params import (
@@ -34,7 +34,7 @@ from wcache_cli.params import (
 )
 
 if TYPE_CHECKING:
-    from wcache.daemons import DaemonGroup
+    from wcache.daemon.launch import DaemonGroup
 
 
 def launch(
@@ -44,7 +44,7 @@ def launch(
 ) -> DaemonGroup:
     """Start the daemons with a progress bar on a terminal; raise with the failing rank's reason otherwise."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-    from wcache.daemons import start_daemons
+    from wcache.daemon.launch import start_daemons
 
     bar = Progress(TextColumn("loading, hashing, processing"), BarColumn(), DownloadColumn(binary_units=True),
                    TransferSpeedColumn(), TimeRemainingColumn(), console=out.stderr, transient=True,
@@ -97,11 +97,11 @@ def preload(
     if force and not replace:
         raise BadInputError("--force only applies with --replace.")
     # Imported here so that building the help (every command's signature) loads no daemon machinery.
+    from wcache.checkpoint.model_path import resolve_model_path
+    from wcache.daemon.launch import replace_daemons
+    from wcache.daemon.sd_notify import Notifier
     from wcache.daemon.supervisor import rank_devices
-    from wcache.daemons import replace_daemons
-    from wcache.model_path import resolve_model_path
-    from wcache.rundir import DaemonExistsError, ensure_run_dir
-    from wcache.sd_notify import Notifier
+    from wcache.ipc.rundir import DaemonExistsError, ensure_run_dir
 
     model = resolve_model_path(model)
     where = ensure_run_dir(run_dir_or_default(run_dir))

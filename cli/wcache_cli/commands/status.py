@@ -14,8 +14,8 @@ from wcache_cli.params import JsonOpt, RunDirOpt, run_dir_or_default
 
 if TYPE_CHECKING:
     from rich.table import Table
-    from wcache.loading import LoadingRecord
-    from wcache.rundir import DaemonDescriptor
+    from wcache.ipc.loading import LoadingRecord
+    from wcache.ipc.rundir import DaemonDescriptor
 
 HEALTH_TIMEOUT_S = 2.0
 
@@ -37,7 +37,7 @@ def _health(url: str | None) -> int | None:
 
 
 def _row(descriptor: DaemonDescriptor) -> dict[str, Any]:
-    from wcache.client import DaemonError, request_once
+    from wcache.ipc.client import DaemonError, request_once
 
     try:
         stats: dict[str, Any] = request_once(descriptor.socket, "stats").fields
@@ -92,8 +92,8 @@ def status(
     Daemons still loading are listed with their progress. Descriptors left by daemons that died are reported
     and removed. With --check, exit 0 only when at least one daemon runs and every daemon holds its weights.
     """
-    from wcache.loading import read_loading
-    from wcache.rundir import census
+    from wcache.ipc.loading import read_loading
+    from wcache.ipc.rundir import census
 
     where = run_dir_or_default(run_dir)
     found = census(where) if where.exists() else None
@@ -175,9 +175,9 @@ def stop(
     """
     if (ident is None) == (not all_daemons):
         raise BadInputError("name one daemon to stop, or pass --all (not both).")
-    from wcache.daemons import lease_count, stop_daemon, stop_loading, wait_exit
-    from wcache.loading import read_loading
-    from wcache.rundir import census, matches
+    from wcache.daemon.launch import lease_count, stop_daemon, stop_loading, wait_exit
+    from wcache.ipc.loading import read_loading
+    from wcache.ipc.rundir import census, matches
 
     where = run_dir_or_default(run_dir)
     live = census(where).live if where.exists() else ()

@@ -86,7 +86,7 @@ def verify(
     if not greedy and not content:
         raise BadInputError("choose what to verify: --greedy, --content, or both.")
     # Imported here so that building the help (every command's signature) loads no verify machinery.
-    from wcache.model_path import resolve_model_path
+    from wcache.checkpoint.model_path import resolve_model_path
 
     model = resolve_model_path(model)
     where = run_dir_or_default(run_dir)

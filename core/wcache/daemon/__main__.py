@@ -13,18 +13,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from wcache.daemon.server import DaemonServer
-from wcache.daemon.status_pipe import ProgressReporter, StatusWriter
-from wcache.digest_store import DigestStore
 from wcache.errors import EXIT_UNAVAILABLE, WcacheError
-from wcache.events import append_event
-from wcache.fingerprint import HashProgress
-from wcache.key import KeyFile
-from wcache.loader import load_rank
-from wcache.loading import LoadingBoard, LoadingRecord
-from wcache.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
-from wcache.logs import configure as configure_logging
-from wcache.plan import PlanSpec
-from wcache.rundir import (
+from wcache.ipc.loading import LoadingBoard, LoadingRecord
+from wcache.ipc.rundir import (
     DaemonDescriptor,
     DaemonExistsError,
     daemon_name,
@@ -34,6 +25,15 @@ from wcache.rundir import (
     socket_path,
     write_descriptor,
 )
+from wcache.ipc.status_pipe import ProgressReporter, StatusWriter
+from wcache.key.cache_key import KeyFile
+from wcache.key.digest_store import DigestStore
+from wcache.key.fingerprint import HashProgress
+from wcache.load.loader import load_rank
+from wcache.monitor.events import append_event
+from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
+from wcache.monitor.logs import configure as configure_logging
+from wcache.plan.spec import PlanSpec
 
 log = logging.getLogger("wcache.daemon")
 

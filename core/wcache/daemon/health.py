@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from wcache.client import DaemonError, request_once
-from wcache.http_base import HTTPRequestError, QuietHandler, make_http_server
+from wcache.ipc.client import DaemonError, request_once
+from wcache.ipc.http_server import HTTPRequestError, QuietHandler, make_http_server
 
 STATS_TIMEOUT_S = 2.0
 DEAD_STATES = frozenset({"exited", "unreachable"})

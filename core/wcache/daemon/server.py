@@ -21,10 +21,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from wcache.arena import CpuArena
-from wcache.events import append_event
-from wcache.loader import LoadedRank
-from wcache.protocol import (
+from wcache.ipc.arena import CpuArena
+from wcache.ipc.protocol import (
     REPLY_LIMITS,
     REQUEST_LIMITS,
     Frame,
@@ -36,7 +34,9 @@ from wcache.protocol import (
     require,
     send_encoded,
 )
-from wcache.rundir import DaemonDescriptor, remove_daemon_files
+from wcache.ipc.rundir import DaemonDescriptor, remove_daemon_files
+from wcache.load.loader import LoadedRank
+from wcache.monitor.events import append_event
 
 log = logging.getLogger("wcache.daemon")
 
@@ -398,7 +398,7 @@ class DaemonServer:
 
     def _handle_check_arena(self, client: _Client, fields: dict[str, Any]) -> Reply:
         """Re-hash every processed tensor in the arena against the digest recorded when it was built."""
-        from wcache.loader import processed_digest
+        from wcache.load.loader import processed_digest
 
         with self.shared.lock:
             ready = self.shared.state == "ready"

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from wcache.daemon.health import RankTable, serve_health
-from wcache.daemon.status_pipe import StatusWriter, parse_line
 from wcache.errors import EXIT_UNAVAILABLE, WcacheError
-from wcache.events import append_event
-from wcache.http_base import http_url
-from wcache.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
-from wcache.logs import configure as configure_logging
-from wcache.rundir import census, ensure_run_dir
+from wcache.ipc.http_server import http_url
+from wcache.ipc.rundir import census, ensure_run_dir
+from wcache.ipc.status_pipe import StatusWriter, parse_line
+from wcache.monitor.events import append_event
+from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
+from wcache.monitor.logs import configure as configure_logging
 
 TERM_GRACE_S = 10.0
 

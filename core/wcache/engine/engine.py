@@ -89,7 +89,7 @@ class Engine:
     @classmethod
     def from_weights(cls, checkpoint: Path, weights: Mapping[str, torch.Tensor],
                      engine_config: EngineConfig | None = None, tp: TensorParallel | None = None) -> Engine:
-        from wcache.checkpoint import locate
+        from wcache.checkpoint.files import locate
 
         layout = locate(checkpoint)
         if layout.config is None:
@@ -100,10 +100,10 @@ class Engine:
     def from_disk(cls, checkpoint: Path, plan: Any = None, engine_config: EngineConfig | None = None,
                   tp: TensorParallel | None = None) -> Engine:
         """Load through the processing plan from disk (the path every engine without wcache takes)."""
-        from wcache.digest_store import DigestStore
-        from wcache.key import compute_key
-        from wcache.loader import load_from_disk
-        from wcache.plan import PlanSpec
+        from wcache.key.cache_key import compute_key
+        from wcache.key.digest_store import DigestStore
+        from wcache.load.loader import load_from_disk
+        from wcache.plan.spec import PlanSpec
 
         spec = plan or PlanSpec(tp_size=(tp or TensorParallel()).size, tp_rank=(tp or TensorParallel()).rank)
         with DigestStore.open() as store:
@@ -115,8 +115,8 @@ class Engine:
                     tp: TensorParallel | None = None, **attach_options: Any) -> Engine:
         """Take weights through wcache (zero-copy, copy, or the disk fallback); the report is `attach_report`."""
         from wcache.attach import attach
-        from wcache.digest_store import DigestStore
-        from wcache.plan import PlanSpec
+        from wcache.key.digest_store import DigestStore
+        from wcache.plan.spec import PlanSpec
 
         spec = plan or PlanSpec(tp_size=(tp or TensorParallel()).size, tp_rank=(tp or TensorParallel()).rank)
         with DigestStore.open() as store:

@@ -24,9 +24,9 @@ from prometheus_client.registry import Collector
 
 from wcache.engine.block_manager import KVCacheFullError
 from wcache.engine.engine import Engine, Generation
-from wcache.events import append_event
-from wcache.http_base import HTTPRequestError, QuietHandler, make_http_server
-from wcache.rundir import ENGINES_DIR
+from wcache.ipc.http_server import HTTPRequestError, QuietHandler, make_http_server
+from wcache.ipc.rundir import ENGINES_DIR
+from wcache.monitor.events import append_event
 
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_LIMIT = 4096

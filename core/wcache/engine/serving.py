@@ -31,9 +31,9 @@ from wcache.engine.server import (
     make_server,
     write_engine_descriptor,
 )
-from wcache.http_base import http_url
-from wcache.plan import PlanSpec
-from wcache.rundir import ensure_run_dir
+from wcache.ipc.http_server import http_url
+from wcache.ipc.rundir import ensure_run_dir
+from wcache.plan.spec import PlanSpec
 
 # Every request starts with the header [opcode, prompt length, max new tokens].
 _GENERATE, _STOP = 1, 2

@@ -19,11 +19,11 @@ import torch
 
 from wcache.attach import AttachedWeights, AttachMissError, attach
 from wcache.attach_options import AttachOptions
-from wcache.digest_store import DigestStore
-from wcache.dtypes import PLAN_DTYPES
+from wcache.checkpoint.dtypes import PLAN_DTYPES
+from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import BadInputError
-from wcache.model_path import resolve_model_path
-from wcache.plan import PlanSpec, layout_for
+from wcache.key.digest_store import DigestStore
+from wcache.plan.spec import PlanSpec, layout_for
 
 log = logging.getLogger("wcache")
 

@@ -34,13 +34,13 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from wcache.attach import AttachedWeights, AttachMissError, attach
 from wcache.attach_options import AttachOptions
-from wcache.digest_store import DigestStore
+from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import CheckpointError, UnavailableError, WcacheError
-from wcache.events import append_event
-from wcache.model_path import resolve_model_path
-from wcache.plan import PlanSpec, layout_for
-from wcache.processing import UnsupportedPlanError
-from wcache.rundir import default_run_dir, ensure_run_dir
+from wcache.ipc.rundir import default_run_dir, ensure_run_dir
+from wcache.key.digest_store import DigestStore
+from wcache.monitor.events import append_event
+from wcache.plan.processing import UnsupportedPlanError
+from wcache.plan.spec import PlanSpec, layout_for
 
 # Under "vllm." so that vLLM's own logging configuration (format, level, VLLM_LOGGING_LEVEL) applies.
 logger = init_logger("vllm.wcache")

@@ -23,13 +23,13 @@ from typing import Any
 
 import psutil
 
-from wcache.client import DaemonError, request_once
-from wcache.events import events_path, rotated_path
-from wcache.loading import LoadingRecord, read_loading
+from wcache.ipc.client import DaemonError, request_once
+from wcache.ipc.loading import LoadingRecord, read_loading
+from wcache.ipc.rundir import ENGINES_DIR, DaemonDescriptor, read_descriptors
+from wcache.monitor.events import events_path, rotated_path
 from wcache.monitor.prometheus import Samples, label_value, parse_metrics, total
 from wcache.monitor.rates import CounterDeltas, ratio
 from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
-from wcache.rundir import ENGINES_DIR, DaemonDescriptor, read_descriptors
 
 TIMEOUT_S = 1.0
 HISTORY = 60

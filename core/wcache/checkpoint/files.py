@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from wcache.checkpoint.safetensors_header import ShardHeader
 from wcache.errors import CheckpointError
-from wcache.safetensors_header import ShardHeader
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from wcache.errors import UnavailableError
-from wcache.protocol import REPLY_LIMITS, REQUEST_LIMITS, Frame, ProtocolError, peer_uid, receive, send
+from wcache.ipc.protocol import REPLY_LIMITS, REQUEST_LIMITS, Frame, ProtocolError, peer_uid, receive, send
 
 CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 30.0

@@ -14,17 +14,17 @@ from pathlib import Path
 
 import torch
 
-from wcache.arena import ArenaEntry, CpuArena, CudaArena, plan_layout
-from wcache.checkpoint import CheckpointLayout, locate
-from wcache.digest_store import DigestStore
+from wcache.checkpoint.files import CheckpointLayout, locate
+from wcache.checkpoint.manifest import TensorDigest
 from wcache.errors import CheckpointError
-from wcache.fingerprint import FingerprintStats, HashProgress, manifest_of
-from wcache.key import KeyFile, make_key_file, resolve_plan
-from wcache.manifest import TensorDigest
-from wcache.plan import PlanSpec
-from wcache.processing import ProcessingPlan, build_plan
-from wcache.shard_hash import OpenShard, ShardRecord, tensor_hasher
-from wcache.single_pass import fill_in_one_pass, read_outputs
+from wcache.ipc.arena import ArenaEntry, CpuArena, CudaArena, plan_layout
+from wcache.key.cache_key import KeyFile, make_key_file, resolve_plan
+from wcache.key.digest_store import DigestStore
+from wcache.key.fingerprint import FingerprintStats, HashProgress, manifest_of
+from wcache.key.shard_hash import OpenShard, ShardRecord, tensor_hasher
+from wcache.load.single_pass import fill_in_one_pass, read_outputs
+from wcache.plan.processing import ProcessingPlan, build_plan
+from wcache.plan.spec import PlanSpec
 
 
 class CheckpointReader:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wcache.synth import PRESETS, make_tensors, tensor_shapes, write_tensors
+from wcache_dev.synth import PRESETS, make_tensors, tensor_shapes, write_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -77,7 +77,6 @@ def _deterministic() -> Iterator[None]:
 
 def _rope_tables(config: Mapping[str, object], length: int) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
-
     from wcache.engine.config import ModelConfig
 
     inv_freq = torch.tensor(ModelConfig.from_hf(config).inv_freq(), dtype=torch.float32)
@@ -89,7 +88,6 @@ def _rope_tables(config: Mapping[str, object], length: int) -> tuple[torch.Tenso
 def _masks(config: Mapping[str, object], length: int) -> list[torch.Tensor]:
     """Per layer, which keys each query may see: causal, and within the window on sliding layers."""
     import torch
-
     from wcache.engine.config import SLIDING, ModelConfig
 
     model = ModelConfig.from_hf(config)
@@ -102,7 +100,6 @@ def _masks(config: Mapping[str, object], length: int) -> list[torch.Tensor]:
 def forward(params: Mapping[str, torch.Tensor], config: Mapping[str, object], tokens: torch.Tensor) -> torch.Tensor:
     """Logits [B, T, vocab] of a Qwen3 decoder over Hugging Face-named weights: the engine's math, batched."""
     import torch.nn.functional as F
-
     from wcache.engine.model import rms_norm, rotate_half
 
     eps = float(config["rms_norm_eps"])  # type: ignore[arg-type]

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import blake3
 
+from wcache.checkpoint.safetensors_header import ShardHeader, TensorInfo, read_header
 from wcache.errors import CheckpointError
-from wcache.safetensors_header import ShardHeader, TensorInfo, read_header
 
 # Reads are this size, and progress is reported per read, so a single multi-GB tensor still moves the bar; a
 # chunk this small stays in the CPU's cache between the read that copies it and the hash that consumes it.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from wcache.dtypes import ITEMSIZE
+from wcache.checkpoint.dtypes import ITEMSIZE
 from wcache.errors import CheckpointError
 
 PREFIX_BYTES = 8

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from wcache.rundir import process_created
+from wcache.ipc.rundir import process_created
 
 log = logging.getLogger("wcache")
 

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import blake3
-
-from wcache.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, locate
+from wcache.checkpoint.files import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, locate
+from wcache.checkpoint.safetensors_header import read_header
 from wcache.errors import BadInputError, CheckpointError
-from wcache.safetensors_header import read_header
 
 if TYPE_CHECKING:
     import torch
@@ -119,7 +118,7 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-# Not a Preset: the "tiny" architecture with weights trained (in seconds, deterministically) by wcache.trained,
+# Not a Preset: the "tiny" architecture with weights trained (in seconds, deterministically) by wcache_dev.trained,
 # shipped in the package (`benchmarks/train_tiny.py DIR` trains them again) so that nobody waits for training.
 TRAINED_PRESET = "tiny-trained"
 TRAINED_DATA = Path(__file__).parent / "data" / TRAINED_PRESET

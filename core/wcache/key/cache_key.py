@@ -13,20 +13,20 @@ from typing import Any
 
 import wcache
 from wcache.canonical import digest_of
-from wcache.checkpoint import CheckpointLayout, locate
-from wcache.digest_store import DigestStore
-from wcache.dtypes import SAFETENSORS_TO_PLAN
+from wcache.checkpoint.dtypes import SAFETENSORS_TO_PLAN
+from wcache.checkpoint.files import CheckpointLayout, locate
+from wcache.checkpoint.manifest import TensorDigest, merkle_root
+from wcache.checkpoint.model_config import canonical_config, config_digest, config_dtype
+from wcache.checkpoint.safetensors_header import TensorInfo
 from wcache.errors import BadInputError, KeyFileError
-from wcache.fingerprint import FingerprintStats, HashProgress, fingerprint_checkpoint
-from wcache.manifest import TensorDigest, merkle_root
-from wcache.model_config import canonical_config, config_digest, config_dtype
-from wcache.plan import PlanSpec
-from wcache.safetensors_header import TensorInfo
-from wcache.shard_hash import OpenShard
+from wcache.key.digest_store import DigestStore
+from wcache.key.fingerprint import FingerprintStats, HashProgress, fingerprint_checkpoint
+from wcache.key.shard_hash import OpenShard
+from wcache.plan.spec import PlanSpec
 
 # Bumped whenever processing code changes the bytes it produces for the same inputs.
 FORMAT_VERSION = 1
-KEY_SCHEMA = "wcache.key/1"
+KEY_SCHEMA = "wcache.key.cache_key/1"
 SHORT_ID_HEX = 12
 
 

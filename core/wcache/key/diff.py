@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from wcache.key import KeyFile
-from wcache.manifest import TensorDigest
+from wcache.checkpoint.manifest import TensorDigest
+from wcache.key.cache_key import KeyFile
 
 _MISSING = object()
 

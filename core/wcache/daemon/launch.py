@@ -21,12 +21,10 @@ from typing import IO, Any
 
 import psutil
 
-from wcache.client import DaemonError, request_once
-from wcache.daemon.status_pipe import parse_line
 from wcache.errors import EXIT_UNAVAILABLE, UnavailableError, WcacheError
-from wcache.loading import LoadingRecord, read_loading
-from wcache.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL
-from wcache.rundir import (
+from wcache.ipc.client import DaemonError, request_once
+from wcache.ipc.loading import LoadingRecord, read_loading
+from wcache.ipc.rundir import (
     DaemonDescriptor,
     DaemonExistsError,
     census,
@@ -35,6 +33,8 @@ from wcache.rundir import (
     process_created,
     read_descriptors,
 )
+from wcache.ipc.status_pipe import parse_line
+from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL
 
 STOP_TIMEOUT_S = 15.0
 
@@ -118,7 +118,7 @@ def start_daemons(
     started nothing that stays; PreloadFailedError with the failing rank's reason (and its exit code)
     otherwise. Ctrl-C (or any exception while waiting) stops the ranks before it propagates.
     """
-    from wcache.model_path import resolve_model_path
+    from wcache.checkpoint.model_path import resolve_model_path
 
     path = resolve_model_path(model)
     where = ensure_run_dir(run_dir or default_run_dir())

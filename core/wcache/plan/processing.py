@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from wcache.checkpoint.manifest import TensorDigest
 from wcache.errors import BadInputError, CheckpointError
-from wcache.manifest import TensorDigest
-from wcache.plan import PlanSpec
-from wcache.quantize import QUANTIZED_DTYPES, channel_scales, is_linear_weight, quantize_rows, scale_name
+from wcache.plan.quantize import QUANTIZED_DTYPES, channel_scales, is_linear_weight, quantize_rows, scale_name
+from wcache.plan.spec import PlanSpec
 
 # safetensors dtype names → torch dtype names. Names missing from the installed torch are rejected when a plan
 # is built, not at import, so an older torch still serves every checkpoint that does not use them.

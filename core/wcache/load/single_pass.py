@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from wcache.dtypes import ITEMSIZE
-from wcache.fingerprint import HashProgress
-from wcache.processing import OutputSpec, ProcessingPlan
-from wcache.safetensors_header import TensorInfo
-from wcache.shard_hash import CHUNK_BYTES, OpenShard, tensor_hasher
+from wcache.checkpoint.dtypes import ITEMSIZE
+from wcache.checkpoint.safetensors_header import TensorInfo
+from wcache.key.fingerprint import HashProgress
+from wcache.key.shard_hash import CHUNK_BYTES, OpenShard, tensor_hasher
+from wcache.plan.processing import OutputSpec, ProcessingPlan
 
 # safetensors dtype names to torch dtypes, for viewing checkpoint bytes.
 TORCH_DTYPES: dict[str, torch.dtype] = {

@@ -17,8 +17,8 @@ from typing import Any
 import msgpack
 import platformdirs
 
-from wcache.safetensors_header import PREFIX_BYTES, ShardHeader, TensorInfo
-from wcache.shard_hash import FileIdentity, ShardRecord
+from wcache.checkpoint.safetensors_header import PREFIX_BYTES, ShardHeader, TensorInfo
+from wcache.key.shard_hash import FileIdentity, ShardRecord
 
 log = logging.getLogger("wcache")
 

@@ -11,7 +11,7 @@ import json
 import struct
 from pathlib import Path
 
-from wcache.checkpoint import INDEX_NAME
+from wcache.checkpoint.files import INDEX_NAME
 
 SAMPLE_BYTES = 1024
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from wcache.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointLayout, check_index
-from wcache.digest_store import DigestStore
+from wcache.checkpoint.files import INDEX_NAME, SINGLE_NAME, CheckpointLayout, check_index
+from wcache.checkpoint.manifest import TensorDigest, merkle_root
 from wcache.errors import CheckpointError
-from wcache.manifest import TensorDigest, merkle_root
-from wcache.shard_hash import FileIdentity, ShardRecord, hash_shard
+from wcache.key.digest_store import DigestStore
+from wcache.key.shard_hash import FileIdentity, ShardRecord, hash_shard
 
 # Stats are round trips on remote storage and each blocks a thread: 256 in flight answer most checkpoints in
 # one round trip. At 2,000 shards a wider fan-out helped only a filesystem that answers any number at once

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from wcache.canonical import digest_of
-from wcache.dtypes import PLAN_DTYPES
+from wcache.checkpoint.dtypes import PLAN_DTYPES
 from wcache.errors import BadInputError
 
 LAYOUTS = ("fused", "identity")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from wcache.canonical import digest_of
-from wcache.dtypes import PLAN_DTYPES
+from wcache.checkpoint.dtypes import PLAN_DTYPES
 
 # Fields that name or describe where a config came from, or steer generation, and never change the bytes
 # a rank holds. The stored dtype is not here because the plan carries the resolved dtype instead.

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from wcache.key import KeyFile, WeightCacheKey
-from wcache.manifest import TensorDigest
-from wcache.plan import PlanSpec
-from wcache.rundir import DaemonDescriptor
+from wcache.checkpoint.manifest import TensorDigest
+from wcache.ipc.rundir import DaemonDescriptor
+from wcache.key.cache_key import KeyFile, WeightCacheKey
+from wcache.plan.spec import PlanSpec
 
 
 def daemon_key_file(descriptor: DaemonDescriptor, tensors: list[dict[str, Any]]) -> KeyFile:

@@ -1,0 +1,1 @@
+"""The content key: shard hashing, the digest store, fingerprints, key files, key diffs and daemons' keys."""

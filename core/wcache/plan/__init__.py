@@ -1,0 +1,2 @@
+"""The processing plan: what turns checkpoint tensors into one rank's engine tensors (spec, processing,
+quantization)."""
