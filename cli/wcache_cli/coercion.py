@@ -46,7 +46,9 @@ def _number(value: Any, kind: type, info: Any) -> Any:
         whole, dot, fraction = value.partition(".")
         plain = whole.isdigit() and (not dot or (kind is float and fraction.isdigit()))
         value = kind(value) if plain else value
-    if not (type(value) is kind or (kind is float and type(value) is int)):
+    # Exact types (a bool is not an int here); kept in a name so the checker does not narrow `value` to object.
+    exact = type(value) is kind or (kind is float and type(value) is int)
+    if not exact:
         return _UNSURE
     inside = (info.min is None or value >= info.min) and (info.max is None or value <= info.max)
     return kind(value) if inside else _UNSURE
@@ -74,7 +76,7 @@ def _plain(kind: type, info: Any, value: Any, param: Any, ctx: Context) -> Any:
 if RuntimeParam is not None:
 
     @dataclass(frozen=True)
-    class _PlainFirst(RuntimeParam):  # type: ignore[misc,valid-type]
+    class _PlainFirst(RuntimeParam):
         """Converts plain values itself and hands the rest to the converter Typer would have built."""
 
         descriptor: TypeDescriptor

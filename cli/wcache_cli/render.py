@@ -107,8 +107,8 @@ def diff_renderable(diff: KeyDiff, a: KeyFile, b: KeyFile) -> RenderableType:
         table.add_column("what")
         table.add_column("A dtype/shape")
         table.add_column("B dtype/shape")
-        for c in diff.changed:
-            table.add_row(escape(c.name), c.what, f"{c.a.dtype} {list(c.a.shape)}", f"{c.b.dtype} {list(c.b.shape)}")
+        for t in diff.changed:
+            table.add_row(escape(t.name), t.what, f"{t.a.dtype} {list(t.a.shape)}", f"{t.b.dtype} {list(t.b.shape)}")
         parts.append(table)
     if diff.added:
         parts.append(tensors_table(diff.added, f"tensors only in B ({len(diff.added)})"))

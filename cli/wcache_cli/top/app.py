@@ -291,7 +291,7 @@ class TopApp(App[None]):
                 table.add_row(*cells, key=row.key)
                 keys.append(row.key)
             if panel.id == "events" and not self._event_pinned and rows:
-                newest = max(range(len(rows)), key=lambda i: rows[i].row.ts)  # type: ignore[attr-defined]
+                newest = max(range(len(rows)), key=lambda i: rows[i].row.ts)
                 self._followed_event = keys[newest]
                 table.move_cursor(row=newest, animate=False)
             elif selected in keys:
