@@ -101,7 +101,7 @@ def _completion(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
             raise RequestError("this engine has no tokenizer; send token ids")
         try:
             token_ids = tokenizer.encode(prompt)
-        except UnicodeError as exc:  # JSON can carry lone surrogates ("\ud800"), which no text encoding holds
+        except UnicodeEncodeError as exc:  # JSON can carry lone surrogates ("\ud800"), which no text encoding holds
             raise RequestError(f"the prompt is not valid Unicode text ({exc.reason})") from None
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         token_ids = list(prompt)

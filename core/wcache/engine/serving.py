@@ -149,7 +149,12 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
         # SIGTERM and SIGINT end serve_forever from another thread (it cannot be interrupted in place).
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
-        threading.Thread(target=lambda: (stop.wait(), server.shutdown()), daemon=True).start()
+
+        def shut_down_on_signal() -> None:
+            stop.wait()
+            server.shutdown()
+
+        threading.Thread(target=shut_down_on_signal, daemon=True).start()
         if on_ready is not None:
             on_ready(url, engine)
         try:

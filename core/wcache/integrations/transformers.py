@@ -72,7 +72,8 @@ def from_pretrained(model: str | os.PathLike[str], *, revision: str | None = Non
         log.warning("wcache: weight cache miss for %s: %s; loading from disk with transformers.", path,
                     exc.report.reason)
         loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        loaded.wcache_report = exc.report
+        # Module.__setattr__ is typed for tensors and modules, but a plain attribute is set like any other.
+        loaded.wcache_report = exc.report  # type: ignore[assignment]
         return loaded.eval()
     return _build(AutoModelForCausalLM, config, weights, kwargs)
 

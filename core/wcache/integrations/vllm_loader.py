@@ -80,7 +80,7 @@ def plan_for(vllm_config: VllmConfig, model_config: ModelConfig) -> PlanSpec:
 
 def device_name(vllm_config: VllmConfig) -> str:
     """The daemon device this rank attaches to: "cpu", or "cuda:N" for the rank's current device."""
-    device = torch.device(vllm_config.device_config.device)
+    device = torch.device(vllm_config.device_config.device_type)  # `device` is None on some platforms (TPU)
     if device.type == "cuda":
         return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
     return device.type
@@ -204,9 +204,9 @@ class WcacheModelLoader(BaseModelLoader):
 
     def _build(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
                weights: AttachedWeights) -> tuple[nn.Module, Placement]:
-        load_device = vllm_config.device_config.device if self.load_config.device is None else self.load_config.device
-        target_device = torch.device(load_device)
-        with set_default_torch_dtype(model_config.dtype):
+        target_device = torch.device(self.load_config.device or vllm_config.device_config.device_type)
+        # ModelConfig declares dtype as a name or a torch.dtype; its __post_init__ always leaves a torch.dtype.
+        with set_default_torch_dtype(model_config.dtype):  # type: ignore[arg-type]
             # Built on the device, as vLLM's own loaders do: the parameters' memory is allocated but never
             # touched before the daemon's tensors replace it.
             with target_device:

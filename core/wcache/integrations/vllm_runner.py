@@ -103,7 +103,9 @@ def _child(spec_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=run.model, load_format=run.load_format, model_loader_extra_config=run.extra_config,
-              tensor_parallel_size=run.tensor_parallel_size, dtype=run.dtype, max_model_len=run.max_model_len,
+              # vLLM types dtype as its Literal of names but checks any string itself; a plan's dtype is one.
+              tensor_parallel_size=run.tensor_parallel_size, dtype=run.dtype,  # type: ignore[arg-type]
+              max_model_len=run.max_model_len,
               enforce_eager=True, seed=0)
     outputs = llm.generate(run.prompts, SamplingParams(temperature=0.0, max_tokens=run.max_new_tokens),
                            use_tqdm=False)

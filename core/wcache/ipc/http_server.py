@@ -100,7 +100,7 @@ class QuietHandler(BaseHTTPRequestHandler):
         # closed silently at the deadline, a half-received request gets a 408.
         self.deadline = time.monotonic() + self.request_deadline_s
         self.received, self._replying = 0, False
-        self.command, self.requestline, self.request_version = None, "", self.default_request_version
+        self.command, self.requestline, self.request_version = "", "", self.default_request_version
         try:
             self.raw_requestline = self.rfile.readline(65537)
             if len(self.raw_requestline) > 65536:

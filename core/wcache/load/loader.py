@@ -90,7 +90,7 @@ def processed_digest(tensor: torch.Tensor) -> str:
     data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
     hasher = tensor_hasher(data.numel())
     if data.numel():
-        hasher.update(data.numpy())
+        hasher.update(data.numpy().data)
     return hasher.hexdigest()
 
 
