@@ -111,7 +111,7 @@ class CpuArena:
         through a map takes a page fault per 4 KiB page (microseconds each on a VM).
         """
         self._live_map()  # a closed arena refuses writes as it refuses every other use
-        view = memoryview(data.detach().numpy()).cast("B")
+        view = data.detach().numpy().data.cast("B")
         done = 0
         while done < len(view):
             try:

@@ -105,7 +105,7 @@ class _FrameReader:
         remaining = n
         while remaining:
             started = self.deadline is not None
-            if started:
+            if self.deadline is not None:
                 left = self.deadline - time.monotonic()
                 if left <= 0:
                     raise self._too_slow()

@@ -109,7 +109,8 @@ class DaemonDescriptor:
         if set(data) != names:
             missing, extra = sorted(names - set(data)), sorted(set(data) - names)
             raise ValueError(f"fields missing {missing}, unexpected {extra}")
-        for name, kinds in _field_kinds(cls).items():
+        # A class is hashable; mypy reads a dataclass's instance __hash__ as the class's (python/mypy#11470).
+        for name, kinds in _field_kinds(cls).items():  # type: ignore[arg-type]
             value = data[name]
             # bool is an int, and a pid of True is no pid.
             if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):

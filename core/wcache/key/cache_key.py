@@ -147,7 +147,7 @@ def resolve_plan_from_headers(layout: CheckpointLayout, plan: PlanSpec) -> PlanS
     name a dtype (and the plan asks for "auto")."""
     if plan.dtype != "auto" or config_dtype(layout.config) is not None:
         return plan.resolve(config_dtype(layout.config) or plan.dtype)
-    tensors = []
+    tensors: list[TensorInfo] = []
     for path in layout.shards:
         with OpenShard(path) as shard:
             tensors.extend(shard.header.tensors)

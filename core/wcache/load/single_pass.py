@@ -148,7 +148,7 @@ class BufferPool:
 
 def as_buffer(data: torch.Tensor) -> memoryview:
     """A writable view of a contiguous CPU uint8 tensor's bytes, for preadv and BLAKE3."""
-    return memoryview(data.numpy())
+    return data.numpy().data
 
 
 @dataclass(frozen=True, slots=True)
