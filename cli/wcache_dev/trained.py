@@ -100,11 +100,11 @@ def _masks(config: Mapping[str, object], length: int) -> list[torch.Tensor]:
 def forward(params: Mapping[str, torch.Tensor], config: Mapping[str, object], tokens: torch.Tensor) -> torch.Tensor:
     """Logits [B, T, vocab] of a Qwen3 decoder over Hugging Face-named weights: the engine's math, batched."""
     import torch.nn.functional as F
+    from wcache.engine.config import ModelConfig
     from wcache.engine.model import rms_norm, rotate_half
 
-    eps = float(config["rms_norm_eps"])  # type: ignore[arg-type]
-    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])  # type: ignore[call-overload]
-    head_dim = int(config["head_dim"])  # type: ignore[call-overload]
+    model = ModelConfig.from_hf(config)
+    eps, heads, kv_heads, head_dim = model.rms_norm_eps, model.num_heads, model.num_kv_heads, model.head_dim
     batch, length = tokens.shape
     cos, sin = _rope_tables(config, length)
     masks = _masks(config, length)

@@ -281,12 +281,12 @@ class TopApp(App[None]):
         try:
             table.clear(columns=True)
             for i, column in enumerate(panel.columns):
-                table.add_column(Text(labels[i], justify=column.justify), key=str(i))  # type: ignore[arg-type]
+                table.add_column(Text(labels[i], justify=column.justify), key=str(i))
             keys = []
             for row in rows:
                 cells = []
                 for column, cell in zip(panel.columns, row.cells, strict=True):
-                    cell.justify = column.justify  # type: ignore[assignment]
+                    cell.justify = column.justify
                     cells.append(cell)
                 table.add_row(*cells, key=row.key)
                 keys.append(row.key)

@@ -27,7 +27,7 @@ def _table(panel: Panel[object], snapshot: Snapshot, now: float, limit: int | No
     title = panel.title if len(shown) == len(rows) else f"{panel.title} (latest {len(shown)} of {len(rows)})"
     table = Table(title=title, title_justify="left", title_style="bold")
     for column in panel.columns:
-        table.add_column(column.label, justify=column.justify)  # type: ignore[arg-type]
+        table.add_column(column.label, justify=column.justify)
     for row in shown:
         table.add_row(*row.cells)
     if not rows:

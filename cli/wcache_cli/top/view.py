@@ -12,13 +12,16 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rich.text import Text
 from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
 
 from wcache_cli.output import printable
 from wcache_cli.render import human_bytes
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
 
 OFF = "off"
 NOT_YET = "–"  # the series exists but this interval has no value (first sample, or nothing was queried)
@@ -142,7 +145,7 @@ class Column(Generic[R]):
     label: str
     cell: Callable[[R, float], Text]
     key: Callable[[R], Any]
-    justify: str = "left"
+    justify: JustifyMethod = "left"
 
 
 def _has_prefix(e: EngineRow) -> bool:
