@@ -115,6 +115,7 @@ class PlainValues:
             plain_first(param)
 
     def get_help_option(self, ctx: Context) -> Any:
+        # A mixin: the command class after it in the MRO has get_help_option; mypy sees only `object`.
         option = super().get_help_option(ctx)  # type: ignore[misc]
         plain_first(option)
         return option

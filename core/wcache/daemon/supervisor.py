@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from wcache.daemon.health import RankTable, serve_health
 from wcache.errors import EXIT_UNAVAILABLE, WcacheError
@@ -137,7 +137,8 @@ class Supervisor:
         return state
 
     def _follow(self, state: _Rank) -> None:
-        stream: IO[str] = state.process.stdout  # type: ignore[assignment]
+        stream = state.process.stdout
+        assert stream is not None  # started with stdout=PIPE
         for line in stream:
             message = parse_line(line)
             if message is None:

@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -112,16 +112,19 @@ def follow_rank0(engine: Engine, tp: TensorParallel) -> None:
         _check_agreement(tp, failed=False)
 
 
+class _StatsLines(logging.StreamHandler[TextIO]):
+    """The handler that prints the engine's stats lines; one per process."""
+
+
 def _stats_lines_to_stderr() -> None:
     """The served engine's periodic INFO stats line on stderr, as vLLM prints its own; warnings are left to the
     handlers the process already has (the CLI's one-sentence warnings)."""
     stats = logging.getLogger("wcache.engine")
-    if any(getattr(h, "wcache_stats", False) for h in stats.handlers):
+    if any(isinstance(h, _StatsLines) for h in stats.handlers):
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StatsLines(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s wcache engine: %(message)s"))
     handler.addFilter(lambda record: record.levelno == logging.INFO)
-    handler.wcache_stats = True  # type: ignore[attr-defined]
     stats.addHandler(handler)
     stats.setLevel(logging.INFO)
 

@@ -106,6 +106,7 @@ def place(model: nn.Module, weights: AttachedWeights, plan: PlanSpec) -> Placeme
             "reloaded under checkpoint names"
         )
     unused = [name for name in weights.tensors if name not in assigned]
+    # Every vLLM model class has load_weights, but no vLLM type declares it: nn.Module's __getattr__ answers.
     loaded = model.load_weights(weights.checkpoint_tensors(unused).items())  # type: ignore[operator]
     missing = [name for name in rest if loaded is not None and name not in loaded]
     if missing:
@@ -164,6 +165,7 @@ class WcacheModelLoader(BaseModelLoader):
             self._disk_loader().load_weights(model, model_config)
             return
         with weights:
+            # load_weights is on every vLLM model class but on no vLLM type (see place).
             model.load_weights(weights.checkpoint_tensors().items())  # type: ignore[operator]
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
@@ -215,7 +217,8 @@ class WcacheModelLoader(BaseModelLoader):
             began = time.perf_counter()
             process_weights_after_loading(model, model_config, target_device)
             placement = dataclasses.replace(placement, post_processing_s=time.perf_counter() - began)
-        # The model keeps the lease (and the arena's map) for as long as vLLM keeps the model.
+        # The model keeps the lease (and the arena's map) for as long as vLLM keeps the model. Module.__setattr__
+        # is typed for tensors and modules, but a plain attribute is set like any other.
         model._wcache_weights = weights  # type: ignore[assignment]
         return model.eval(), placement
 
