@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         descriptor = DaemonDescriptor(
             name=name, pid=os.getpid(), pid_created=process_created(os.getpid()) or 0.0, device=args.device,
             tp_size=args.tp, tp_rank=args.rank, key_id=key_file.key.short_id,
-            key={"checkpoint": key_file.key.checkpoint, "config": key_file.key.config,
-                 "plan": key_file.key.plan, "format": key_file.key.format},
+            key=key_file.key.to_json(),
             plan=key_file.plan.to_json(), config=key_file.config, source=key_file.source,
             socket=str(socket_path(run_dir, name)), health_url=args.health_url,
             supervisor_pid=args.supervisor_pid, started=datetime.now(UTC).isoformat(timespec="seconds"),
