@@ -14,22 +14,11 @@ from typing import Any
 
 import torch
 
+from wcache.checkpoint.dtypes import CASTABLE, TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.errors import BadInputError, CheckpointError
 from wcache.plan.quantize import QUANTIZED_DTYPES, channel_scales, is_linear_weight, quantize_rows, scale_name
 from wcache.plan.spec import PlanSpec
-
-# safetensors dtype names → torch dtype names. Names missing from the installed torch are rejected when a plan
-# is built, not at import, so an older torch still serves every checkpoint that does not use them.
-_TORCH_NAMES: dict[str, str] = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
-    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
-    "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
-}
-
-# Only these are cast to the plan's dtype. float8 tensors are floating point too, but in a checkpoint they
-# are already-quantized codes whose meaning depends on separate scales: casting them would silently change it.
-_CASTABLE = frozenset({"F16", "BF16", "F32", "F64"})
 
 _ROTARY_BUFFER = ".rotary_emb.inv_freq"
 
@@ -204,7 +193,7 @@ class _Builder:
     def add(self, name: str, pieces: tuple[Piece, ...], shape: tuple[int, ...], sources: tuple[str, ...] = ()) -> None:
         sources = sources or tuple(dict.fromkeys(p.source for p in pieces))
         entries = [self.manifest[s] for s in sources]
-        castable = all(e.dtype in _CASTABLE for e in entries)
+        castable = all(e.dtype in CASTABLE for e in entries)
         method = self.spec.quantization
         if method != "none" and is_linear_weight(name, shape):
             if not castable:
@@ -275,7 +264,7 @@ def check_tp_split(spec: PlanSpec, config: Mapping[str, Any] | None) -> None:
 
 
 def _torch_name(entry: TensorDigest) -> str:
-    name = _TORCH_NAMES.get(entry.dtype)
+    name = TORCH_NAMES.get(entry.dtype)
     if name is None or not hasattr(torch, name):
         raise UnsupportedPlanError(f"tensor {entry.name!r} has dtype {entry.dtype}, which this torch cannot hold.")
     return name
