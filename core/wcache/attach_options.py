@@ -14,6 +14,8 @@ from typing import Any
 from wcache.errors import BadInputError
 
 MODES = ("zero_copy", "copy")
+# The engines that attach (wcache's reference engine first: the default), as `verify --engine` names them.
+ENGINES = ("reference", "vllm", "transformers")
 
 
 @dataclass(frozen=True, slots=True)

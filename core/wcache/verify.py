@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from wcache.attach_options import ENGINES
 from wcache.errors import BadInputError, UnavailableError
 from wcache.ipc.client import DaemonConnection, DaemonError
 from wcache.ipc.rundir import DaemonDescriptor, census, matches
@@ -90,9 +91,6 @@ def _run_prompts(tp: Any, model: Path, plan: dict[str, Any], prompts: list[str],
         return GreedyReport(results, report.to_json() if report is not None else {})
     finally:
         cached.close()
-
-
-ENGINES = ("reference", "vllm", "transformers")
 
 
 def _compare(prompts: list[str], cached: list[list[int]], disk: list[list[int]]) -> list[PromptResult]:

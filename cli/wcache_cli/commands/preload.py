@@ -14,8 +14,11 @@ from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL
 
 from wcache_cli.output import out, printable
 from wcache_cli.params import (
+    DEFAULT_DTYPE,
     DEFAULT_FORMAT,
+    DEFAULT_LAYOUT,
     DEFAULT_LEVEL,
+    DEFAULT_QUANTIZATION,
     DeviceOpt,
     Dtype,
     DtypeOpt,
@@ -63,9 +66,9 @@ def preload(
     model: ModelArg,
     device: DeviceOpt = "cpu",
     tp: TpOpt = 1,
-    dtype: DtypeOpt = Dtype.auto,
-    quantization: QuantizationOpt = Quantization.none,
-    plan: PlanOpt = Layout.fused,
+    dtype: DtypeOpt = DEFAULT_DTYPE,
+    quantization: QuantizationOpt = DEFAULT_QUANTIZATION,
+    plan: PlanOpt = DEFAULT_LAYOUT,
     run_dir: RunDirOpt = None,
     health_port: Annotated[
         int, typer.Option("--health-port", help="Port for /health, /metrics and /stats (0 picks a free one).")

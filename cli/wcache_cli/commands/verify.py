@@ -10,19 +10,20 @@ from wcache.errors import EXIT_DIFFERENCE, BadInputError
 
 from wcache_cli.output import out
 from wcache_cli.params import (
+    DEFAULT_DTYPE,
+    DEFAULT_ENGINE,
+    DEFAULT_LAYOUT,
+    DEFAULT_MODE,
+    DEFAULT_QUANTIZATION,
     DaemonOpt,
     DeviceOpt,
-    Dtype,
     DtypeOpt,
     Engine,
     JsonOpt,
-    Layout,
     MaxNewTokensOpt,
-    Mode,
     ModelArg,
     ModeOpt,
     PlanOpt,
-    Quantization,
     QuantizationOpt,
     RankOpt,
     RunDirOpt,
@@ -59,11 +60,11 @@ def verify(
     max_new_tokens: MaxNewTokensOpt = 16,
     tp: TpOpt = 1,
     rank: RankOpt = 0,
-    dtype: DtypeOpt = Dtype.auto,
-    quantization: QuantizationOpt = Quantization.none,
-    plan: PlanOpt = Layout.fused,
+    dtype: DtypeOpt = DEFAULT_DTYPE,
+    quantization: QuantizationOpt = DEFAULT_QUANTIZATION,
+    plan: PlanOpt = DEFAULT_LAYOUT,
     device: DeviceOpt = "cpu",
-    mode: ModeOpt = Mode.zero_copy,
+    mode: ModeOpt = DEFAULT_MODE,
     trust_daemon: TrustDaemonOpt = False,
     daemon: DaemonOpt = None,
     run_dir: RunDirOpt = None,
@@ -73,7 +74,7 @@ def verify(
                      "(load format wcache vs its default loader) or transformers (through wcache vs its own "
                      "from_pretrained). Engines are compared only with themselves: vLLM CPU 0.32 ignores Qwen3 "
                      "sliding windows, so its tokens may differ from the others' without any cache miss."),
-    ] = Engine.reference,
+    ] = DEFAULT_ENGINE,
     json: JsonOpt = False,
 ) -> None:
     """Check that a daemon serves this checkpoint's weights; exit 1 on any difference.
