@@ -21,6 +21,7 @@ from typing import IO, Any
 
 import psutil
 
+from wcache.daemon.argv import LoadArgs
 from wcache.errors import EXIT_UNAVAILABLE, UnavailableError, WcacheError
 from wcache.ipc.client import DaemonError, request_once
 from wcache.ipc.loading import LoadingRecord, read_loading
@@ -34,7 +35,6 @@ from wcache.ipc.rundir import (
     read_descriptors,
 )
 from wcache.ipc.status_pipe import parse_line
-from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL
 
 STOP_TIMEOUT_S = 15.0
 
@@ -77,16 +77,10 @@ class DaemonGroup:
         self.detach()
 
 
-def _supervisor_command(
-    model: Path, device: str, tp: int, dtype: str, quantization: str, layout: str, run_dir: Path,
-    health_host: str, health_port: int, log_level: str, log_format: str, log_path: Path, share_stderr: bool,
-) -> list[str]:
+def _supervisor_command(load: LoadArgs, health_host: str, health_port: int, share_stderr: bool) -> list[str]:
     return [
-        sys.executable, "-m", "wcache.daemon.supervisor", "--model", str(model.absolute()), "--device", device,
-        "--tp", str(tp), "--dtype", dtype, "--quantization", quantization, "--plan", layout,
-        "--run-dir", str(run_dir), "--health-host", health_host, "--health-port", str(health_port),
-        "--log-level", log_level, "--log-format", log_format, "--log-file", str(log_path),
-        *(["--foreground"] if share_stderr else []),
+        sys.executable, "-m", "wcache.daemon.supervisor", *load.to_argv(), "--health-host", health_host,
+        "--health-port", str(health_port), *(["--foreground"] if share_stderr else []),
     ]
 
 
@@ -104,10 +98,11 @@ def _follow(stream: IO[str], on_progress: ProgressCallback | None) -> dict[str, 
 
 
 def start_daemons(
-    model: str | os.PathLike[str], *, device: str = "cpu", tp: int = 1, dtype: str = "auto",
-    quantization: str = "none", layout: str = "fused", run_dir: Path | None = None,
-    health_host: str = "127.0.0.1", health_port: int = 0, on_progress: ProgressCallback | None = None,
-    log_level: str = DEFAULT_LOG_LEVEL, log_format: str = DEFAULT_LOG_FORMAT, share_stderr: bool = False,
+    model: str | os.PathLike[str], *, device: str = LoadArgs.device, tp: int = LoadArgs.tp,
+    dtype: str = LoadArgs.dtype, quantization: str = LoadArgs.quantization, layout: str = LoadArgs.plan,
+    run_dir: Path | None = None, health_host: str = "127.0.0.1", health_port: int = 0,
+    on_progress: ProgressCallback | None = None, log_level: str = LoadArgs.log_level,
+    log_format: str = LoadArgs.log_format, share_stderr: bool = False,
 ) -> DaemonGroup:
     """Start a supervisor with one daemon per TP rank and return once every rank is ready.
 
@@ -125,8 +120,10 @@ def start_daemons(
     logs = where / "logs"
     logs.mkdir(mode=0o700, exist_ok=True)
     log_path = logs / f"supervisor-{os.getpid()}.log"
-    command = _supervisor_command(path, device, tp, dtype, quantization, layout, where, health_host, health_port,
-                                  log_level, log_format, log_path, share_stderr)
+    load = LoadArgs(model=path.absolute(), run_dir=where, device=device, tp=tp, dtype=dtype,
+                    quantization=quantization, plan=layout, log_level=log_level, log_format=log_format,
+                    log_file=log_path)
+    command = _supervisor_command(load, health_host, health_port, share_stderr)
     with log_path.open("a") as log_file:
         # A session of its own: Ctrl-C here reaches the supervisor only through us, so it can stop cleanly.
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=None if share_stderr else log_file,
