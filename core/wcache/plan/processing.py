@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from wcache.checkpoint import hf_names
 from wcache.checkpoint.dtypes import CASTABLE, TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.errors import BadInputError, CheckpointError
@@ -361,10 +362,9 @@ def _build_fused(b: _Builder, d: _Dims, manifest: Mapping[str, TensorDigest]) ->
     def cols(name: str, start: int, length: int) -> Piece:
         return b.piece(name, 1, start, length)
 
-    _vocab_parallel(b, "model.embed_tokens.weight", d)
+    _vocab_parallel(b, hf_names.EMBED, d)
     for i in range(d.layers):
-        p = f"model.layers.{i}"
-        a, m = f"{p}.self_attn", f"{p}.mlp"
+        p, a, m = hf_names.layer(i), hf_names.attention(i), hf_names.mlp(i)
         b.whole(f"{p}.input_layernorm.weight")
         qkv = (rows(f"{a}.q_proj.weight", rank * q_rows, q_rows), rows(f"{a}.k_proj.weight", kv_start, kv_rows),
                rows(f"{a}.v_proj.weight", kv_start, kv_rows))
@@ -387,11 +387,11 @@ def _build_fused(b: _Builder, d: _Dims, manifest: Mapping[str, TensorDigest]) ->
         gate_up = (rows(f"{m}.gate_proj.weight", rank * inter, inter), rows(f"{m}.up_proj.weight", rank * inter, inter))
         b.add(f"{m}.gate_up_proj.weight", gate_up, (2 * inter, d.hidden))
         b.add(f"{m}.down_proj.weight", (cols(f"{m}.down_proj.weight", rank * inter, inter),), (d.hidden, inter))
-    b.whole("model.norm.weight")
+    b.whole(hf_names.FINAL_NORM)
     # Tied embeddings: the engine reuses embed_tokens, so lm_head exists only if the checkpoint stores one
     # (Qwen3-0.6B does, tied or not); the engine then uses the stored bytes, exactly as transformers does.
-    if "lm_head.weight" in manifest:
-        _vocab_parallel(b, "lm_head.weight", d)
+    if hf_names.LM_HEAD in manifest:
+        _vocab_parallel(b, hf_names.LM_HEAD, d)
 
 
 def _vocab_parallel(b: _Builder, name: str, d: _Dims) -> None:
@@ -409,16 +409,15 @@ def _expected_shapes(d: _Dims) -> tuple[dict[str, tuple[int, ...]], list[str]]:
     """Every tensor name the fused plan understands with its shape, and those it cannot do without."""
     q_out, kv_out = d.heads * d.head_dim, d.kv_heads * d.head_dim
     expected: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (d.vocab, d.hidden),
-        "model.norm.weight": (d.hidden,),
-        "lm_head.weight": (d.vocab, d.hidden),
+        hf_names.EMBED: (d.vocab, d.hidden),
+        hf_names.FINAL_NORM: (d.hidden,),
+        hf_names.LM_HEAD: (d.vocab, d.hidden),
     }
-    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    required = [hf_names.EMBED, hf_names.FINAL_NORM]
     if not d.tie:
-        required.append("lm_head.weight")
+        required.append(hf_names.LM_HEAD)
     for i in range(d.layers):
-        p = f"model.layers.{i}"
-        a, m = f"{p}.self_attn", f"{p}.mlp"
+        p, a, m = hf_names.layer(i), hf_names.attention(i), hf_names.mlp(i)
         layer = {
             f"{p}.input_layernorm.weight": (d.hidden,),
             f"{a}.q_proj.weight": (q_out, d.hidden),
