@@ -2,7 +2,7 @@
 
 For each ``--layers`` count, writes a Qwen3-shaped checkpoint with tiny dimensions (11 tensors per layer plus 3,
 so 28 layers is Qwen3-0.6B's 311 tensors and 1,024 layers 11,267), preloads it with a real daemon
-(``wcache preload --detach``), then times ``wcache.attach.attach(..., mode="zero_copy", fallback=False)``
+(``wcache.start_daemons``), then times ``wcache.attach.attach(..., mode="zero_copy", fallback=False)``
 ``--repeat`` times against a warm digest store (the daemon's), and prints the median wall time, each stage of
 ``AttachReport.timings_ms``, the cost per tensor above the smallest size's, and the same for this process's CPU
 time (steadier than wall time on a shared machine). The attached tensors of every size are compared byte for
@@ -30,12 +30,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import torch
-from bench_common import stop_preloaded, timed_preload, wcache_command, workspace
+from bench_common import workspace
 from rich.console import Console
 from rich.table import Table
 from wcache.attach import attach
+from wcache.daemon.launch import DaemonGroup, start_daemons
 from wcache.key.cache_key import compute_key
 from wcache.key.digest_store import DigestStore
 from wcache.load.loader import load_from_disk
@@ -82,17 +82,20 @@ def preset_with(layers: int) -> Preset:
     return Preset(config=base, num_shards=min(NUM_SHARDS, layers), write_lm_head=True)
 
 
-def preload(cli: list[str], model: Path, run_dir: Path, store: Path, plan: str) -> list[psutil.Process]:
-    """`wcache preload --detach` until READY; the supervisor and daemon processes it left running."""
-    command = [*cli, "preload", str(model), "--detach", "--json", "--run-dir", str(run_dir), "--plan", plan]
-    spawned: list[psutil.Process] = []
-    timed_preload(command, {**os.environ, "WCACHE_CACHE_DIR": str(store)}, run_dir, spawned)
-    return spawned
+def preload(model: Path, run_dir: Path, store: Path, plan: str) -> DaemonGroup:
+    """Start a daemon for `model` (on a digest store of its own) and return once it is ready."""
+    return start_daemons(model, run_dir=run_dir, layout=plan, env={**os.environ, "WCACHE_CACHE_DIR": str(store)})
 
 
-def stop(cli: list[str], run_dir: Path, spawned: list[psutil.Process], problems: list[str]) -> None:
-    """`wcache stop --all --force`, then end whatever of ours still runs (by pid)."""
-    problems += stop_preloaded(cli, run_dir, spawned)
+def stop(group: DaemonGroup | None, problems: list[str]) -> None:
+    """Stop the daemon; if it will not stop cleanly, say so and end its supervisor (which ends the ranks)."""
+    if group is None:
+        return
+    try:
+        group.stop(force=True)
+    except Exception as exc:  # a benchmark reports what went wrong and still cleans up
+        problems.append(f"the daemons did not stop cleanly ({exc}); terminated their supervisor")
+        group.terminate()
 
 
 def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -135,8 +138,7 @@ def measure(result: SizeResult, model: Path, spec: PlanSpec, run_dir: Path, stor
             del weights
 
 
-def run_size(layers: int, args: argparse.Namespace, work: Path, cli: list[str], problems: list[str],
-             err: Console) -> SizeResult:
+def run_size(layers: int, args: argparse.Namespace, work: Path, problems: list[str], err: Console) -> SizeResult:
     result = SizeResult(layers)
     model, run_dir, store = work / f"ckpt-{layers}", work / f"run-{layers}", work / f"store-{layers}"
     for owned in (model, run_dir, store):
@@ -149,16 +151,16 @@ def run_size(layers: int, args: argparse.Namespace, work: Path, cli: list[str], 
     if wait_s > 0:
         time.sleep(wait_s)  # receipts for younger files are not trusted, so the warm key would rehash
     err.print(f"{layers} layers: preloading ...")
-    spawned: list[psutil.Process] = []
+    group: DaemonGroup | None = None
     try:
-        spawned = preload(cli, model, run_dir, store, args.plan)
+        group = preload(model, run_dir, store, args.plan)
         err.print(f"{layers} layers: {args.repeat} zero-copy attaches ...")
         profile_to = work / f"attach-{layers}.prof" if args.profile == layers else None
         measure(result, model, PlanSpec(layout=args.plan), run_dir, store, args.repeat, profile_to)
         if profile_to is not None:
             pstats.Stats(str(profile_to)).sort_stats("cumulative").print_stats(args.profile_lines)
     finally:
-        stop(cli, run_dir, spawned, problems)
+        stop(group, problems)
         if args.workdir is None:
             shutil.rmtree(model, ignore_errors=True)
     return result
@@ -205,13 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     layers = sorted(set(args.layers))
     console = Console() if sys.stdout.isatty() else Console(width=160)
     err = Console(stderr=True, soft_wrap=True)
-    cli = wcache_command()
     problems: list[str] = []
     results = []
     with workspace(args.workdir) as work:
         os.environ["WCACHE_CACHE_DIR"] = str(work / "engine-store")  # nothing may touch the user's own store
         for n in layers:
-            results.append(run_size(n, args, work, cli, problems, err))
+            results.append(run_size(n, args, work, problems, err))
     console.print(table(results, args.plan, args.repeat))
     for problem in problems:
         console.print(f"[yellow]note:[/] {problem}")

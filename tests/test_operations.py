@@ -310,6 +310,9 @@ def test_auto_dtype_is_the_same_for_key_attach_and_verify(rig: DaemonRig) -> Non
     assert daemon.key_id in json.dumps(rig.cli("key", str(model), "--json", as_json=True))
     with attach(model, run_dir=rig.run_dir, fallback=False) as weights:
         assert weights.report.outcome == "hit"
+    # --trust-daemon compares config, plan and format only, with "auto" resolved by the same rule.
+    with attach(model, run_dir=rig.run_dir, fallback=False, trust_daemon=True) as trusted:
+        assert trusted.report.outcome == "hit"
     verified = rig.cli("verify", str(model), "--content", "--run-dir", str(rig.run_dir))
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert daemon.name in verified.stdout

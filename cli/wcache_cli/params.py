@@ -4,48 +4,29 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
+from wcache.attach_options import ENGINES, MODES, AttachOptions
 from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
+from wcache.plan.spec import DTYPES, LAYOUTS, QUANTIZATIONS, PlanSpec
 
-if TYPE_CHECKING:
-    from wcache.plan.spec import PlanSpec
-
-
-class Dtype(StrEnum):
-    auto = "auto"
-    float32 = "float32"
-    float16 = "float16"
-    bfloat16 = "bfloat16"
-
-
-class Quantization(StrEnum):
-    none = "none"
-    int8 = "int8"
-    fp8 = "fp8"
-
-
-class Layout(StrEnum):
-    fused = "fused"
-    identity = "identity"
-
-
+# Typer choices built from core's vocabulary (and its defaults), never restated here.
+Dtype = StrEnum("Dtype", {name: name for name in DTYPES})  # type: ignore[misc]
+Quantization = StrEnum("Quantization", {name: name for name in QUANTIZATIONS})  # type: ignore[misc]
+Layout = StrEnum("Layout", {name: name for name in LAYOUTS})  # type: ignore[misc]
 LogLevel = StrEnum("LogLevel", {name: name for name in LOG_LEVELS})  # type: ignore[misc]
 LogFormat = StrEnum("LogFormat", {name: name for name in LOG_FORMATS})  # type: ignore[misc]
+Engine = StrEnum("Engine", {name: name for name in ENGINES})  # type: ignore[misc]
+Mode = StrEnum("Mode", {name: name for name in MODES})  # type: ignore[misc]
+_PLAN = PlanSpec()
+DEFAULT_DTYPE = Dtype(_PLAN.dtype)
+DEFAULT_QUANTIZATION = Quantization(_PLAN.quantization)
+DEFAULT_LAYOUT = Layout(_PLAN.layout)
 DEFAULT_LEVEL = LogLevel(DEFAULT_LOG_LEVEL)
 DEFAULT_FORMAT = LogFormat(DEFAULT_LOG_FORMAT)
-
-
-class Engine(StrEnum):
-    reference = "reference"
-    vllm = "vllm"
-    transformers = "transformers"
-
-
-class Mode(StrEnum):
-    zero_copy = "zero_copy"
-    copy = "copy"
+DEFAULT_ENGINE = Engine(ENGINES[0])
+DEFAULT_MODE = Mode(AttachOptions().mode)
 
 
 ModelArg = Annotated[
@@ -73,9 +54,6 @@ RunDirOpt = Annotated[
 
 def plan_from_options(tp: int, rank: int, dtype: Dtype, quantization: Quantization, layout: Layout) -> PlanSpec:
     """A validated plan; bad combinations raise BadInputError with the flag to fix."""
-    # Here, not at the top: every command imports this module while Typer builds the help.
-    from wcache.plan.spec import PlanSpec
-
     return PlanSpec(tp_size=tp, tp_rank=rank, dtype=dtype.value, quantization=quantization.value,
                     layout=layout.value)
 

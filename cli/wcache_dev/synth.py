@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import blake3
+from wcache.checkpoint import hf_names
 from wcache.checkpoint.files import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, locate
 from wcache.checkpoint.safetensors_header import read_header
 from wcache.errors import BadInputError, CheckpointError
@@ -141,9 +142,9 @@ def tensor_shapes(config: Mapping[str, Any], write_lm_head: bool) -> Iterator[tu
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_out = config["num_attention_heads"] * head_dim
     kv_out = config["num_key_value_heads"] * head_dim
-    yield "model.embed_tokens.weight", (config["vocab_size"], hidden)
+    yield hf_names.EMBED, (config["vocab_size"], hidden)
     for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}"
+        p = hf_names.layer(i)
         yield f"{p}.input_layernorm.weight", (hidden,)
         yield f"{p}.self_attn.q_proj.weight", (q_out, hidden)
         yield f"{p}.self_attn.k_proj.weight", (kv_out, hidden)
@@ -156,9 +157,9 @@ def tensor_shapes(config: Mapping[str, Any], write_lm_head: bool) -> Iterator[tu
         yield f"{p}.mlp.gate_proj.weight", (inter, hidden)
         yield f"{p}.mlp.up_proj.weight", (inter, hidden)
         yield f"{p}.mlp.down_proj.weight", (hidden, inter)
-    yield "model.norm.weight", (hidden,)
+    yield hf_names.FINAL_NORM, (hidden,)
     if write_lm_head or not config.get("tie_word_embeddings", False):
-        yield "lm_head.weight", (config["vocab_size"], hidden)
+        yield hf_names.LM_HEAD, (config["vocab_size"], hidden)
 
 
 def _tensor_seed(seed: int, name: str) -> int:

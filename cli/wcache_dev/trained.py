@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from wcache.checkpoint import hf_names
+
 from wcache_dev.synth import PRESETS, make_tensors, tensor_shapes, write_tensors
 
 if TYPE_CHECKING:
@@ -108,9 +110,9 @@ def forward(params: Mapping[str, torch.Tensor], config: Mapping[str, object], to
     batch, length = tokens.shape
     cos, sin = _rope_tables(config, length)
     masks = _masks(config, length)
-    hidden = F.embedding(tokens, params["model.embed_tokens.weight"])
+    hidden = F.embedding(tokens, params[hf_names.EMBED])
     for i, mask in enumerate(masks):
-        p = f"model.layers.{i}"
+        p = hf_names.layer(i)
         x = rms_norm(hidden, params[f"{p}.input_layernorm.weight"], eps)
         q = F.linear(x, params[f"{p}.self_attn.q_proj.weight"]).reshape(batch, length, heads, head_dim)
         k = F.linear(x, params[f"{p}.self_attn.k_proj.weight"]).reshape(batch, length, kv_heads, head_dim)
@@ -128,7 +130,7 @@ def forward(params: Mapping[str, torch.Tensor], config: Mapping[str, object], to
         gate = F.linear(x, params[f"{p}.mlp.gate_proj.weight"])
         up = F.linear(x, params[f"{p}.mlp.up_proj.weight"])
         hidden = hidden + F.linear(F.silu(gate) * up, params[f"{p}.mlp.down_proj.weight"])
-    return F.linear(rms_norm(hidden, params["model.norm.weight"], eps), params["lm_head.weight"])
+    return F.linear(rms_norm(hidden, params[hf_names.FINAL_NORM], eps), params[hf_names.LM_HEAD])
 
 
 def train_tensors(steps: int = STEPS) -> dict[str, torch.Tensor]:

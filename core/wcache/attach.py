@@ -19,12 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wcache.attach_options import MODES
-from wcache.checkpoint.files import locate
-from wcache.checkpoint.model_config import config_digest, config_dtype
 from wcache.errors import BadInputError, UnavailableError
 from wcache.ipc.client import DaemonConnection, DaemonError
 from wcache.ipc.rundir import DaemonDescriptor, census, default_run_dir, ensure_run_dir, matches
-from wcache.key.cache_key import FORMAT_VERSION, KeyFile, compute_key
+from wcache.key.cache_key import KEY_FIELDS, KeyFile, compute_key, trusted_key
 from wcache.key.diff import KeyDiff, diff_keys
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import HashProgress
@@ -39,7 +37,6 @@ if TYPE_CHECKING:
 
     from wcache.ipc.arena import MappedArena
 
-KEY_FIELDS = ("checkpoint", "config", "plan", "format")
 MAX_DIFF_TENSORS_IN_EVENT = 50
 WAIT_POLL_S = 0.25
 
@@ -178,16 +175,6 @@ def _watch_lease(
                  tensors_valid=report.device == "cpu", unexpected_data=bool(data))
 
 
-def _partial_key(path: Path, plan: PlanSpec) -> dict[str, Any]:
-    """Config, plan and format only: what a trusted daemon is still checked against (no shard is touched)."""
-    layout = locate(path)
-    dtype = config_dtype(layout.config)
-    if plan.dtype == "auto" and dtype is None:
-        raise BadInputError(f"{path} declares no torch_dtype in config.json; pass --dtype with --trust-daemon.")
-    resolved = plan.resolve(dtype or plan.dtype)
-    return {"config": config_digest(layout.config), "plan": resolved.digest(), "format": FORMAT_VERSION}
-
-
 def _connect_all(descriptors: list[DaemonDescriptor]) -> dict[str, DaemonConnection | DaemonError]:
     results: dict[str, DaemonConnection | DaemonError] = {}
     for d in descriptors:
@@ -224,7 +211,7 @@ def attach(
     (torch is not imported); a fallback still loads from disk.
     """
     if mode not in MODES:
-        raise BadInputError(f"--mode must be zero_copy or copy, not {mode!r}.")
+        raise BadInputError(f"--mode must be {' or '.join(MODES)}, not {mode!r}.")
     if wait_s < 0:
         raise BadInputError(f"the wait must be zero or more seconds, not {wait_s}.")
     plan = plan or PlanSpec()
@@ -244,7 +231,7 @@ def attach(
     with _collector_paused(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="wcache-key") as pool:
         if trust_daemon:
             t = time.perf_counter()
-            wanted = _partial_key(model, plan)
+            wanted = trusted_key(model, plan)
             timings["key"] = (time.perf_counter() - t) * 1000
         else:
             key_future = pool.submit(full_key)
@@ -253,7 +240,7 @@ def attach(
         timings["connect"] = (time.perf_counter() - t) * 1000
         if not trust_daemon:
             local = key_future.result()
-            wanted = {f: getattr(local.key, f) for f in KEY_FIELDS}
+            wanted = local.key.to_json()
 
     key_id = local.key.short_id if local is not None else None
     report = AttachReport(outcome="miss", mode=mode, device=device, key_id=key_id, timings_ms=timings)
@@ -481,7 +468,7 @@ def _explain_miss(
     if isinstance(connection, DaemonConnection):
         with contextlib.suppress(DaemonError):
             # Saying hello lets the daemon count the miss and its reason in its own metrics.
-            connection.request("hello", key={f: getattr(local.key, f) for f in KEY_FIELDS}, pid=os.getpid())
+            connection.request("hello", key=local.key.to_json(), pid=os.getpid())
             manifest = connection.request("manifest")
             report.diff = diff_keys(daemon_key_file(nearest, manifest.fields["tensors"]), local)
     what = describe_diff(report.diff) if report.diff is not None else "differs in " + ", ".join(report.mismatched)

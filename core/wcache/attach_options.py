@@ -14,6 +14,8 @@ from typing import Any
 from wcache.errors import BadInputError
 
 MODES = ("zero_copy", "copy")
+# The engines that attach (wcache's reference engine first: the default), as `verify --engine` names them.
+ENGINES = ("reference", "vllm", "transformers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +31,7 @@ class AttachOptions:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise BadInputError(f"wcache option mode must be zero_copy or copy, not {self.mode!r}.")
+            raise BadInputError(f"wcache option mode must be {' or '.join(MODES)}, not {self.mode!r}.")
         if self.wait_s < 0:
             raise BadInputError(f"wcache option wait_s must be zero or more seconds, not {self.wait_s}.")
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wcache.checkpoint.model_config import config_digest
+from wcache.attach_options import ENGINES
 from wcache.errors import BadInputError, UnavailableError
 from wcache.ipc.client import DaemonConnection, DaemonError
 from wcache.ipc.rundir import DaemonDescriptor, census, matches
@@ -91,9 +91,6 @@ def _run_prompts(tp: Any, model: Path, plan: dict[str, Any], prompts: list[str],
         return GreedyReport(results, report.to_json() if report is not None else {})
     finally:
         cached.close()
-
-
-ENGINES = ("reference", "vllm", "transformers")
 
 
 def _compare(prompts: list[str], cached: list[list[int]], disk: list[list[int]]) -> list[PromptResult]:
@@ -248,20 +245,16 @@ class ContentReport:
 
 def pick_daemon(model: Path, plan: PlanSpec, run_dir: Path, device: str, daemon: str | None) -> DaemonDescriptor:
     """The daemon an engine for `model` under `plan` would use, judged by config and plan alone."""
-    from wcache.checkpoint.files import locate
-    from wcache.key.cache_key import resolve_plan_from_headers
+    from wcache.key.cache_key import trusted_key
 
-    layout = locate(model)
-    resolved = resolve_plan_from_headers(layout, plan)  # "auto" as the key resolves it
+    wanted = trusted_key(model, plan)  # what `attach --trust-daemon` compares, "auto" resolved as the key does
     live = census(run_dir).live if run_dir.exists() else ()
     if daemon is not None:
         named = [d for d in live if matches(d, daemon)]
         if len(named) != 1:
             raise UnavailableError(f"{len(named)} running daemons match {daemon!r} in {run_dir}; name exactly one.")
         return named[0]
-    wanted_config, wanted_plan = config_digest(layout.config), resolved.digest()
-    fitting = [d for d in live if d.device == device and d.key["config"] == wanted_config
-               and d.key["plan"] == wanted_plan]
+    fitting = [d for d in live if d.device == device and all(d.key[f] == v for f, v in wanted.items())]
     if not fitting:
         raise UnavailableError(f"no daemon on {device} in {run_dir} holds {model} under this plan.")
     if len(fitting) > 1:

@@ -10,18 +10,18 @@ from wcache.errors import BadInputError
 
 from wcache_cli.output import out
 from wcache_cli.params import (
+    DEFAULT_DTYPE,
+    DEFAULT_LAYOUT,
+    DEFAULT_MODE,
+    DEFAULT_QUANTIZATION,
     DaemonOpt,
     DeviceOpt,
-    Dtype,
     DtypeOpt,
     JsonOpt,
-    Layout,
     MaxNewTokensOpt,
-    Mode,
     ModelArg,
     ModeOpt,
     PlanOpt,
-    Quantization,
     QuantizationOpt,
     RankOpt,
     RunDirOpt,
@@ -37,11 +37,11 @@ def attach(
     model: ModelArg,
     tp: TpOpt = 1,
     rank: RankOpt = 0,
-    dtype: DtypeOpt = Dtype.auto,
-    quantization: QuantizationOpt = Quantization.none,
-    plan: PlanOpt = Layout.fused,
+    dtype: DtypeOpt = DEFAULT_DTYPE,
+    quantization: QuantizationOpt = DEFAULT_QUANTIZATION,
+    plan: PlanOpt = DEFAULT_LAYOUT,
     device: DeviceOpt = "cpu",
-    mode: ModeOpt = Mode.zero_copy,
+    mode: ModeOpt = DEFAULT_MODE,
     no_fallback: Annotated[
         bool, typer.Option("--no-fallback", help="Fail (exit 3) on a miss instead of loading from disk.")
     ] = False,

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from wcache.errors import EXIT_DIFFERENCE, BadInputError
 
 from wcache_cli.output import out
 from wcache_cli.params import RunDirOpt, run_dir_or_default
+
+if TYPE_CHECKING:
+    from wcache.daemon.launch import DaemonGroup
 
 # A demo directory holds this marker, so a rerun only ever deletes what an earlier demo wrote.
 MARKER = ".wcache-demo"
@@ -23,7 +25,7 @@ NEW_TOKENS = 50
 
 def _fresh_dir(directory: Path) -> None:
     # The demo's machinery (daemons, psutil, rich tables) is imported where it is used, so `--help` stays light.
-    from wcache_cli.commands.demo_serving import stop_serving
+    from wcache_cli.demo_serving import stop_serving
 
     if directory.exists():
         if not (directory / MARKER).exists():
@@ -54,14 +56,12 @@ def demo(
     import tempfile
 
     from rich.table import Table
-    from wcache.daemon.launch import stop_daemon
-    from wcache.ipc.rundir import census
     from wcache.key.diff import diff_keys
     from wcache.key.digest_store import default_store_dir
     from wcache.plan.spec import PlanSpec
     from wcache_dev import synth, vllm_compat
 
-    from wcache_cli.commands.demo_serving import leave_serving, stop_serving
+    from wcache_cli.demo_serving import leave_serving, stop_serving
     from wcache_cli.operands import key_of_checkpoint
     from wcache_cli.render import diff_renderable, key_table
 
@@ -113,14 +113,12 @@ def demo(
 
     # Steps 4–8 use a scratch run dir of their own, so nothing they start can meet the user's daemons.
     scratch = Path(tempfile.mkdtemp(prefix="wcache-demo-", dir="/tmp"))
-    supervisors: list[subprocess.Popen[str]] = []
+    groups: list[DaemonGroup] = []
     try:
-        served_ok = _serve_attach_verify(original, modified, victim.name, scratch, supervisors)
+        served_ok = _serve_attach_verify(original, modified, victim.name, scratch, groups)
     finally:
-        for descriptor in census(scratch).live:
-            stop_daemon(descriptor, force=True)
-        for supervisor in supervisors:
-            supervisor.wait(timeout=30)  # each exits once its ranks have
+        for group in groups:
+            group.stop(force=True)  # every rank, then its supervisor
         shutil.rmtree(scratch, ignore_errors=True)
     if not served_ok:
         raise typer.Exit(EXIT_DIFFERENCE)
@@ -137,19 +135,19 @@ def demo(
               f"[bold]wcache attach {original} --tp 2 --prompt '{PROMPT}'[/] in another.")
 
 
-def _preload(model: Path, run_dir: Path, supervisors: list[subprocess.Popen[str]]) -> str:
+def _preload(model: Path, run_dir: Path, groups: list[DaemonGroup]) -> str:
     from wcache.daemon.launch import start_daemons
 
     group = start_daemons(model, run_dir=run_dir)
-    supervisor, ready = group.supervisor, group.ready
-    supervisors.append(supervisor)
+    groups.append(group)
+    ready = group.ready
     key_id = ready["ranks"][0]["key_id"]
     out.print(f"READY in {ready['seconds']:.2f} s: key {key_id}; health {ready['health_url']}/health")
     return str(key_id)
 
 
 def _serve_attach_verify(
-    original: Path, modified: Path, victim: str, run_dir: Path, supervisors: list[subprocess.Popen[str]]
+    original: Path, modified: Path, victim: str, run_dir: Path, groups: list[DaemonGroup]
 ) -> bool:
     """Steps 4–9: preload, a hit that generates, a miss that falls back, and verify passing then failing."""
     from rich.markup import escape
@@ -159,10 +157,10 @@ def _serve_attach_verify(
     from wcache.plan.spec import PlanSpec
     from wcache.verify import default_prompts, verify_content, verify_greedy
 
-    from wcache_cli.commands.verify import print_content, print_greedy
+    from wcache_cli.verify_report import print_content, print_greedy
 
     out.print(f"\n[bold]4.[/] wcache preload {original} (a daemon holding the processed weights; run dir {run_dir})")
-    _preload(original, run_dir, supervisors)
+    _preload(original, run_dir, groups)
 
     out.print(f"\n[bold]5.[/] An engine attaches {original} (zero-copy) and generates")
     engine = Engine.from_attach(original, PlanSpec(), run_dir=run_dir)
@@ -194,7 +192,7 @@ def _serve_attach_verify(
     print_greedy(passing)
 
     out.print(f"\n[bold]8.[/] wcache preload {modified}, then verify {original} through it with --trust-daemon")
-    copy_key = _preload(modified, run_dir, supervisors)
+    copy_key = _preload(modified, run_dir, groups)
     failing = verify_greedy(original, PlanSpec(), prompts, 12, run_dir=run_dir, trust_daemon=True,
                             daemon=copy_key).to_json()
     print_greedy(failing)

@@ -10,12 +10,12 @@ from wcache.errors import EXIT_DIFFERENCE
 
 from wcache_cli.output import out
 from wcache_cli.params import (
-    Dtype,
+    DEFAULT_DTYPE,
+    DEFAULT_LAYOUT,
+    DEFAULT_QUANTIZATION,
     DtypeOpt,
     JsonOpt,
-    Layout,
     PlanOpt,
-    Quantization,
     QuantizationOpt,
     RankOpt,
     RunDirOpt,
@@ -35,9 +35,9 @@ def diff(
     b: OperandArg,
     tp: TpOpt = 1,
     rank: RankOpt = 0,
-    dtype: DtypeOpt = Dtype.auto,
-    quantization: QuantizationOpt = Quantization.none,
-    plan: PlanOpt = Layout.fused,
+    dtype: DtypeOpt = DEFAULT_DTYPE,
+    quantization: QuantizationOpt = DEFAULT_QUANTIZATION,
+    plan: PlanOpt = DEFAULT_LAYOUT,
     run_dir: RunDirOpt = None,
     json: JsonOpt = False,
 ) -> None:

@@ -9,12 +9,12 @@ import typer
 
 from wcache_cli.output import out
 from wcache_cli.params import (
-    Dtype,
+    DEFAULT_DTYPE,
+    DEFAULT_LAYOUT,
+    DEFAULT_QUANTIZATION,
     DtypeOpt,
     JsonOpt,
-    Layout,
     PlanOpt,
-    Quantization,
     QuantizationOpt,
     RankOpt,
     RunDirOpt,
@@ -32,9 +32,9 @@ def key(
     ],
     tp: TpOpt = 1,
     rank: RankOpt = 0,
-    dtype: DtypeOpt = Dtype.auto,
-    quantization: QuantizationOpt = Quantization.none,
-    plan: PlanOpt = Layout.fused,
+    dtype: DtypeOpt = DEFAULT_DTYPE,
+    quantization: QuantizationOpt = DEFAULT_QUANTIZATION,
+    plan: PlanOpt = DEFAULT_LAYOUT,
     tensors: Annotated[bool, typer.Option("--tensors", help="Also list every tensor and its digest.")] = False,
     rehash: Annotated[
         bool, typer.Option("--rehash", help="Hash every byte again instead of trusting the digest store.")

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from wcache.errors import BadInputError, UnavailableError
-from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL
 
 from wcache_cli.output import out, printable
 from wcache_cli.params import (
+    DEFAULT_DTYPE,
     DEFAULT_FORMAT,
+    DEFAULT_LAYOUT,
     DEFAULT_LEVEL,
+    DEFAULT_QUANTIZATION,
     DeviceOpt,
     Dtype,
     DtypeOpt,
@@ -37,10 +38,9 @@ if TYPE_CHECKING:
     from wcache.daemon.launch import DaemonGroup
 
 
-def launch(
+def _launch(
     model: Path, device: str, tp: int, dtype: Dtype, quantization: Quantization, plan: Layout, run_dir: Path,
-    health_host: str = "127.0.0.1", health_port: int = 0, log_level: str = DEFAULT_LOG_LEVEL,
-    log_format: str = DEFAULT_LOG_FORMAT, share_stderr: bool = False,
+    health_host: str, health_port: int, log_level: str, log_format: str, share_stderr: bool,
 ) -> DaemonGroup:
     """Start the daemons with a progress bar on a terminal; raise with the failing rank's reason otherwise."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
@@ -63,9 +63,9 @@ def preload(
     model: ModelArg,
     device: DeviceOpt = "cpu",
     tp: TpOpt = 1,
-    dtype: DtypeOpt = Dtype.auto,
-    quantization: QuantizationOpt = Quantization.none,
-    plan: PlanOpt = Layout.fused,
+    dtype: DtypeOpt = DEFAULT_DTYPE,
+    quantization: QuantizationOpt = DEFAULT_QUANTIZATION,
+    plan: PlanOpt = DEFAULT_LAYOUT,
     run_dir: RunDirOpt = None,
     health_port: Annotated[
         int, typer.Option("--health-port", help="Port for /health, /metrics and /stats (0 picks a free one).")
@@ -116,7 +116,7 @@ def preload(
     group: DaemonGroup | None = None  # once set (ready), a stop must reach its supervisor
     try:
         try:
-            group = launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port,
+            group = _launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port,
                            log_level.value, log_format.value, share_stderr=not detach and not out.stderr.is_terminal)
         except DaemonExistsError as exc:
             if json_output:
@@ -133,7 +133,7 @@ def preload(
         notifier.ready(f"{len(group.ready.get('ranks', []))} rank(s) of {printable(str(model))} ready on {device}; "
                        f"health {group.ready.get('health_url')}")
         out.hint("Serving; press Ctrl-C to stop the daemons.")
-        code = group.supervisor.wait()
+        code = group.wait()
         notifier.stopping("every rank has exited")
         if code != 0:
             raise UnavailableError(f"a daemon of {model} exited on its own (its supervisor exited with code {code}); "
@@ -144,7 +144,7 @@ def preload(
             signal.signal(signum, signal.SIG_IGN)
         if group is not None:
             notifier.stopping()
-            _stop_supervisor(group.supervisor)
+            group.terminate()
             out.hint("Stopped.")
         if isinstance(stop, KeyboardInterrupt):
             raise typer.Exit(130) from None
@@ -163,11 +163,6 @@ class _StopSignal(BaseException):
 
 def _raise_stop(signum: int, frame: object) -> None:
     raise _StopSignal(signum)
-
-
-def _stop_supervisor(supervisor: subprocess.Popen[str]) -> None:
-    supervisor.send_signal(signal.SIGTERM)  # it stops every rank, and each removes its files
-    supervisor.wait()
 
 
 def _print_ready(ready: dict[str, Any], model: Path, device: str, json_output: bool) -> None:

@@ -152,13 +152,6 @@ def _table(where: Path, rows: list[dict[str, Any]]) -> Table:
     return table
 
 
-def _group_of(descriptor: DaemonDescriptor, live: tuple[DaemonDescriptor, ...]) -> list[DaemonDescriptor]:
-    """The ranks one preload started together; a TP group only serves whole."""
-    if descriptor.tp_size == 1 or descriptor.supervisor_pid is None:
-        return [descriptor]
-    return sorted((d for d in live if d.supervisor_pid == descriptor.supervisor_pid), key=lambda d: d.tp_rank)
-
-
 def stop(
     ident: Annotated[str | None, typer.Argument(help="Daemon name or key id prefix.", show_default=False)] = None,
     all_daemons: Annotated[bool, typer.Option("--all", help="Stop every daemon in the run dir.")] = False,
@@ -175,13 +168,11 @@ def stop(
     """
     if (ident is None) == (not all_daemons):
         raise BadInputError("name one daemon to stop, or pass --all (not both).")
-    from wcache.daemon.launch import lease_count, stop_daemon, stop_loading, wait_exit
+    from wcache.daemon.launch import stop_daemons, stop_loading, stop_targets
     from wcache.ipc.loading import read_loading
-    from wcache.ipc.rundir import census, matches
 
     where = run_dir_or_default(run_dir)
-    live = census(where).live if where.exists() else ()
-    targets = list(live) if all_daemons else [d for d in live if matches(d, ident or "")]
+    targets = stop_targets(where, None if all_daemons else ident, group=group)
     loading = read_loading(where) if all_daemons and where.exists() else []
     for record in loading:
         stop_loading(record)
@@ -193,39 +184,4 @@ def stop(
             out.print(f"No daemons in {where}.")
             return
         raise UnavailableError(f"no running daemon matches {ident!r} in {where}; `wcache status` lists them.")
-    if not all_daemons:
-        chosen = {d.name for d in targets}
-        for descriptor in targets:
-            members = _group_of(descriptor, live)
-            missing = [d.name for d in members if d.name not in chosen]
-            if missing and not group:
-                raise BadInputError(
-                    f"daemon {descriptor.name} is rank {descriptor.tp_rank} of a tensor-parallel group of "
-                    f"{descriptor.tp_size} ({', '.join(d.name for d in members)}); stop the whole group with "
-                    "--group."
-                )
-            targets += [d for d in members if d.name not in chosen]
-            chosen.update(d.name for d in members)
-    # Leases are checked on every target first, so a refusal never leaves part of a group stopped.
-    held = {} if force else {d.name: n for d in targets if (n := lease_count(d))}
-    if held:
-        busy = ", ".join(f"{name} ({n} lease(s))" for name, n in held.items())
-        raise BadInputError(f"engines still hold leases on {busy}; detach them first or use --force.")
-    refused = []
-    for descriptor in targets:
-        try:
-            leases = stop_daemon(descriptor, force=force)
-        except UnavailableError:
-            if descriptor.tp_size == 1:
-                raise
-            # Its supervisor is already stopping it with the rest of its group: that is what we asked for.
-            wait_exit(descriptor.pid, descriptor.name)
-            leases = 0
-        if leases:
-            refused.append(f"{descriptor.name} ({leases} lease(s))")
-        else:
-            out.print(f"stopped {descriptor.name}")
-    if refused:
-        raise BadInputError(
-            f"engines still hold leases on {', '.join(refused)}; detach them first or use --force."
-        )
+    stop_daemons(targets, force=force, on_stopped=lambda name: out.print(f"stopped {name}"))

@@ -10,19 +10,20 @@ from wcache.errors import EXIT_DIFFERENCE, BadInputError
 
 from wcache_cli.output import out
 from wcache_cli.params import (
+    DEFAULT_DTYPE,
+    DEFAULT_ENGINE,
+    DEFAULT_LAYOUT,
+    DEFAULT_MODE,
+    DEFAULT_QUANTIZATION,
     DaemonOpt,
     DeviceOpt,
-    Dtype,
     DtypeOpt,
     Engine,
     JsonOpt,
-    Layout,
     MaxNewTokensOpt,
-    Mode,
     ModelArg,
     ModeOpt,
     PlanOpt,
-    Quantization,
     QuantizationOpt,
     RankOpt,
     RunDirOpt,
@@ -59,11 +60,11 @@ def verify(
     max_new_tokens: MaxNewTokensOpt = 16,
     tp: TpOpt = 1,
     rank: RankOpt = 0,
-    dtype: DtypeOpt = Dtype.auto,
-    quantization: QuantizationOpt = Quantization.none,
-    plan: PlanOpt = Layout.fused,
+    dtype: DtypeOpt = DEFAULT_DTYPE,
+    quantization: QuantizationOpt = DEFAULT_QUANTIZATION,
+    plan: PlanOpt = DEFAULT_LAYOUT,
     device: DeviceOpt = "cpu",
-    mode: ModeOpt = Mode.zero_copy,
+    mode: ModeOpt = DEFAULT_MODE,
     trust_daemon: TrustDaemonOpt = False,
     daemon: DaemonOpt = None,
     run_dir: RunDirOpt = None,
@@ -73,7 +74,7 @@ def verify(
                      "(load format wcache vs its default loader) or transformers (through wcache vs its own "
                      "from_pretrained). Engines are compared only with themselves: vLLM CPU 0.32 ignores Qwen3 "
                      "sliding windows, so its tokens may differ from the others' without any cache miss."),
-    ] = Engine.reference,
+    ] = DEFAULT_ENGINE,
     json: JsonOpt = False,
 ) -> None:
     """Check that a daemon serves this checkpoint's weights; exit 1 on any difference.
@@ -100,6 +101,8 @@ def verify(
         document["content"] = content_report
         failed |= not content_report["ok"]
         if not json:
+            from wcache_cli.verify_report import print_content
+
             print_content(content_report)
     if greedy:
         from wcache.verify import default_prompts, verify_greedy
@@ -115,43 +118,10 @@ def verify(
         document["greedy"] = greedy_report
         failed |= not greedy_report["all_match"]
         if not json:
+            from wcache_cli.verify_report import print_greedy
+
             print_greedy(greedy_report)
     if json:
         out.json({"ok": not failed, **document})
     if failed:
         raise typer.Exit(EXIT_DIFFERENCE)
-
-
-def print_content(report: dict[str, Any]) -> None:
-    source, arena = report["source"], report["arena"]
-    if source["changed"] or source["added"] or source["removed"]:
-        out.print(f"[red]SOURCE DIFFERS[/] daemon {report['daemon']} was built from other bytes than the checkpoint "
-                  f"on disk: changed {source['changed']}, added {source['added']}, removed {source['removed']}")
-    else:
-        out.print(f"[green]SOURCE OK[/] daemon {report['daemon']} recorded the same tensor digests as a fresh hash")
-    if arena["changed"]:
-        out.print(f"[red]ARENA MODIFIED[/] {len(arena['changed'])} of {arena['checked']} processed tensors no "
-                  f"longer match what was built: {', '.join(arena['changed'])}")
-    else:
-        out.print(f"[green]ARENA OK[/] all {arena['checked']} processed tensors match their build digests")
-
-
-def print_greedy(report: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    attach = report["attach"]
-    engine = attach.get("engine", "reference")
-    out.print(f"cached {engine} engine: {attach.get('outcome')} from {attach.get('daemon')} ({attach.get('mode')})")
-    table = Table(title="greedy tokens, cached vs disk", title_justify="left")
-    table.add_column("#", justify="right")
-    table.add_column("prompt")
-    table.add_column("result")
-    for r in report["prompts"]:
-        verdict = "[green]match[/]" if r["match"] else f"[red]diverges at token {r['first_divergence']}[/]"
-        preview = r["prompt"] if len(r["prompt"]) <= 48 else r["prompt"][:45] + "…"
-        table.add_row(str(r["index"]), preview, verdict)
-    out.print(table)
-    if report["all_match"]:
-        out.print("[green]VERIFIED[/] cached and disk weights give the same greedy tokens")
-    else:
-        out.print("[red]MISMATCH[/] the cached weights are not this checkpoint's weights")

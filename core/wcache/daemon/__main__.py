@@ -10,8 +10,8 @@ import signal
 import sys
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 
+from wcache.daemon.argv import LoadArgs
 from wcache.daemon.server import DaemonServer
 from wcache.errors import EXIT_UNAVAILABLE, WcacheError
 from wcache.ipc.loading import LoadingBoard, LoadingRecord
@@ -31,28 +31,17 @@ from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import HashProgress
 from wcache.load.loader import load_rank
 from wcache.monitor.events import append_event
-from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from wcache.monitor.logs import configure as configure_logging
-from wcache.plan.spec import PlanSpec
 
 log = logging.getLogger("wcache.daemon")
 
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m wcache.daemon")
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--tp", type=int, default=1)
+    LoadArgs.add_to(parser)
     parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default="none")
-    parser.add_argument("--plan", default="fused")
-    parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--health-url", default=None)
     parser.add_argument("--supervisor-pid", type=int, default=None)
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default=DEFAULT_LOG_LEVEL)
-    parser.add_argument("--log-format", choices=LOG_FORMATS, default=DEFAULT_LOG_FORMAT)
-    parser.add_argument("--log-file", type=Path, default=None)
     return parser.parse_args(argv)
 
 
@@ -89,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_term)
     try:
         run_dir = ensure_run_dir(args.run_dir)
-        spec = PlanSpec(tp_size=args.tp, tp_rank=args.rank, dtype=args.dtype, quantization=args.quantization,
-                        layout=args.plan)
+        spec = LoadArgs.from_namespace(args).plan_spec(args.rank)
         board = LoadingBoard(run_dir, LoadingRecord(
             pid=os.getpid(), pid_created=process_created(os.getpid()) or 0.0, source=str(args.model.absolute()),
             device=args.device, tp_size=args.tp, tp_rank=args.rank, supervisor_pid=args.supervisor_pid,
@@ -113,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         descriptor = DaemonDescriptor(
             name=name, pid=os.getpid(), pid_created=process_created(os.getpid()) or 0.0, device=args.device,
             tp_size=args.tp, tp_rank=args.rank, key_id=key_file.key.short_id,
-            key={"checkpoint": key_file.key.checkpoint, "config": key_file.key.config,
-                 "plan": key_file.key.plan, "format": key_file.key.format},
+            key=key_file.key.to_json(),
             plan=key_file.plan.to_json(), config=key_file.config, source=key_file.source,
             socket=str(socket_path(run_dir, name)), health_url=args.health_url,
             supervisor_pid=args.supervisor_pid, started=datetime.now(UTC).isoformat(timespec="seconds"),

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from wcache.attach_options import MODES
 from wcache.ipc.client import DaemonError, request_once
 from wcache.ipc.http_server import HTTPRequestError, QuietHandler, make_http_server
 
@@ -103,7 +104,7 @@ class _StatsCollector(Collector):
             live.add_metric(values, 1.0 if rank_alive(r) else 0.0)
             weights.add_metric(values, float(r.get("weights_bytes", 0)))
             leases.add_metric(values, float(r.get("leases", 0)))
-            for mode in ("zero_copy", "copy"):
+            for mode in MODES:
                 attaches.add_metric([*values, mode], float(counters.get(f"attaches_{mode}", 0)))
             hits.add_metric(values, float(counters.get("hits", 0)))
             unverified.add_metric(values, float(counters.get("hits_unverified", 0)))

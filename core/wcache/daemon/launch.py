@@ -14,14 +14,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import psutil
 
-from wcache.errors import EXIT_UNAVAILABLE, UnavailableError, WcacheError
+from wcache.daemon.argv import LoadArgs
+from wcache.errors import EXIT_UNAVAILABLE, BadInputError, UnavailableError, WcacheError
 from wcache.ipc.client import DaemonError, request_once
 from wcache.ipc.loading import LoadingRecord, read_loading
 from wcache.ipc.rundir import (
@@ -30,11 +31,11 @@ from wcache.ipc.rundir import (
     census,
     default_run_dir,
     ensure_run_dir,
+    matches,
     process_created,
     read_descriptors,
 )
 from wcache.ipc.status_pipe import parse_line
-from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL
 
 STOP_TIMEOUT_S = 15.0
 
@@ -76,17 +77,21 @@ class DaemonGroup:
         self.supervisor.wait(timeout=STOP_TIMEOUT_S * 2)
         self.detach()
 
+    def terminate(self) -> None:
+        """Stop the group through its supervisor (what a stop signal does): it stops every rank, each
+        removing its files, and exits; returns once it has. Leases are not asked about."""
+        self.supervisor.send_signal(signal.SIGTERM)
+        self.supervisor.wait()
 
-def _supervisor_command(
-    model: Path, device: str, tp: int, dtype: str, quantization: str, layout: str, run_dir: Path,
-    health_host: str, health_port: int, log_level: str, log_format: str, log_path: Path, share_stderr: bool,
-) -> list[str]:
+    def wait(self) -> int:
+        """Block until the supervisor exits (every rank has); its exit code, non-zero when a rank died."""
+        return self.supervisor.wait()
+
+
+def _supervisor_command(load: LoadArgs, health_host: str, health_port: int, share_stderr: bool) -> list[str]:
     return [
-        sys.executable, "-m", "wcache.daemon.supervisor", "--model", str(model.absolute()), "--device", device,
-        "--tp", str(tp), "--dtype", dtype, "--quantization", quantization, "--plan", layout,
-        "--run-dir", str(run_dir), "--health-host", health_host, "--health-port", str(health_port),
-        "--log-level", log_level, "--log-format", log_format, "--log-file", str(log_path),
-        *(["--foreground"] if share_stderr else []),
+        sys.executable, "-m", "wcache.daemon.supervisor", *load.to_argv(), "--health-host", health_host,
+        "--health-port", str(health_port), *(["--foreground"] if share_stderr else []),
     ]
 
 
@@ -104,15 +109,17 @@ def _follow(stream: IO[str], on_progress: ProgressCallback | None) -> dict[str, 
 
 
 def start_daemons(
-    model: str | os.PathLike[str], *, device: str = "cpu", tp: int = 1, dtype: str = "auto",
-    quantization: str = "none", layout: str = "fused", run_dir: Path | None = None,
-    health_host: str = "127.0.0.1", health_port: int = 0, on_progress: ProgressCallback | None = None,
-    log_level: str = DEFAULT_LOG_LEVEL, log_format: str = DEFAULT_LOG_FORMAT, share_stderr: bool = False,
+    model: str | os.PathLike[str], *, device: str = LoadArgs.device, tp: int = LoadArgs.tp,
+    dtype: str = LoadArgs.dtype, quantization: str = LoadArgs.quantization, layout: str = LoadArgs.plan,
+    run_dir: Path | None = None, health_host: str = "127.0.0.1", health_port: int = 0,
+    on_progress: ProgressCallback | None = None, log_level: str = LoadArgs.log_level,
+    log_format: str = LoadArgs.log_format, share_stderr: bool = False, env: Mapping[str, str] | None = None,
 ) -> DaemonGroup:
     """Start a supervisor with one daemon per TP rank and return once every rank is ready.
 
     The supervisor and the ranks log to files under `<run dir>/logs`; with `share_stderr` also to this
-    process's stderr (a foreground service whose stderr is a journal or a container log).
+    process's stderr (a foreground service whose stderr is a journal or a container log). `env` is their
+    environment (default: this process's), e.g. a `WCACHE_CACHE_DIR` of their own.
 
     Raises DaemonExistsError (exit code 0) when a daemon already holds (or is loading) a rank's key, having
     started nothing that stays; PreloadFailedError with the failing rank's reason (and its exit code)
@@ -125,12 +132,15 @@ def start_daemons(
     logs = where / "logs"
     logs.mkdir(mode=0o700, exist_ok=True)
     log_path = logs / f"supervisor-{os.getpid()}.log"
-    command = _supervisor_command(path, device, tp, dtype, quantization, layout, where, health_host, health_port,
-                                  log_level, log_format, log_path, share_stderr)
+    load = LoadArgs(model=path.absolute(), run_dir=where, device=device, tp=tp, dtype=dtype,
+                    quantization=quantization, plan=layout, log_level=log_level, log_format=log_format,
+                    log_file=log_path)
+    command = _supervisor_command(load, health_host, health_port, share_stderr)
     with log_path.open("a") as log_file:
         # A session of its own: Ctrl-C here reaches the supervisor only through us, so it can stop cleanly.
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=None if share_stderr else log_file,
-                                   stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True)
+                                   stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True,
+                                   env=None if env is None else dict(env))
     assert process.stdout is not None
     try:
         outcome = _follow(process.stdout, on_progress)
@@ -215,3 +225,80 @@ def replace_daemons(source: Path, devices: list[str], run_dir: Path, *, force: b
     for record in loading:
         stop_loading(record)
     return [d.name for d in ready] + [r.name or f"pid {r.pid}" for r in loading]
+
+
+def group_of(descriptor: DaemonDescriptor, live: Sequence[DaemonDescriptor]) -> list[DaemonDescriptor]:
+    """The ranks one preload started together; a TP group only serves whole."""
+    if descriptor.tp_size == 1 or descriptor.supervisor_pid is None:
+        return [descriptor]
+    return sorted((d for d in live if d.supervisor_pid == descriptor.supervisor_pid), key=lambda d: d.tp_rank)
+
+
+def stop_targets(run_dir: Path, ident: str | None, *, group: bool = False) -> list[DaemonDescriptor]:
+    """The running daemons `ident` (a name or key id prefix; None: every one) names, with their whole TP groups.
+
+    One rank of a group is never stopped alone (the rest could not serve): unless `group`, naming part of a
+    group is a BadInputError. An empty list when nothing matches.
+    """
+    live = census(run_dir).live if run_dir.exists() else ()
+    if ident is None:
+        return list(live)
+    targets = [d for d in live if matches(d, ident)]
+    chosen = {d.name for d in targets}
+    for descriptor in list(targets):
+        members = group_of(descriptor, live)
+        missing = [d.name for d in members if d.name not in chosen]
+        if missing and not group:
+            raise BadInputError(
+                f"daemon {descriptor.name} is rank {descriptor.tp_rank} of a tensor-parallel group of "
+                f"{descriptor.tp_size} ({', '.join(d.name for d in members)}); stop the whole group with "
+                "--group."
+            )
+        targets += [d for d in members if d.name not in chosen]
+        chosen.update(d.name for d in members)
+    return targets
+
+
+def stop_daemons(
+    targets: Sequence[DaemonDescriptor], *, force: bool = False, on_stopped: Callable[[str], None] | None = None
+) -> None:
+    """Stop `targets`, each waited for; `on_stopped(name)` after each.
+
+    Leases are checked on every target first, so a refusal (BadInputError, unless `force`) never leaves part
+    of a group stopped.
+    """
+    held = {} if force else {d.name: n for d in targets if (n := lease_count(d))}
+    if held:
+        busy = ", ".join(f"{name} ({n} lease(s))" for name, n in held.items())
+        raise BadInputError(f"engines still hold leases on {busy}; detach them first or use --force.")
+    refused = []
+    for descriptor in targets:
+        try:
+            leases = stop_daemon(descriptor, force=force)
+        except UnavailableError:
+            if descriptor.tp_size == 1:
+                raise
+            # Its supervisor is already stopping it with the rest of its group: that is what we asked for.
+            wait_exit(descriptor.pid, descriptor.name)
+            leases = 0
+        if leases:
+            refused.append(f"{descriptor.name} ({leases} lease(s))")
+        elif on_stopped is not None:
+            on_stopped(descriptor.name)
+    if refused:
+        raise BadInputError(f"engines still hold leases on {', '.join(refused)}; detach them first or use --force.")
+
+
+def terminate_started(pid: int, marker: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM a process this program started (checked by `marker` in its command line, so a reused pid is
+    left alone), and SIGKILL it if it has not exited within `timeout_s`."""
+    try:
+        process = psutil.Process(pid)
+        if marker not in " ".join(process.cmdline()):
+            return
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout_s)
+    except psutil.TimeoutExpired:
+        process.kill()
+    except psutil.Error:
+        pass

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from wcache.attach_options import MODES
 from wcache.ipc.arena import CpuArena
 from wcache.ipc.protocol import (
     REPLY_LIMITS,
@@ -35,6 +36,7 @@ from wcache.ipc.protocol import (
     send_encoded,
 )
 from wcache.ipc.rundir import DaemonDescriptor, remove_daemon_files
+from wcache.key.cache_key import KEY_FIELDS, TRUSTED_FIELDS
 from wcache.load.loader import LoadedRank
 from wcache.monitor.events import append_event
 
@@ -48,7 +50,6 @@ CLIENT_TIMEOUT_S = 60.0
 # Connections served at once, lease holders included: one thread each, so a flood cannot exhaust threads
 # or memory; beyond it a connection gets one error frame and is closed.
 MAX_CLIENTS = 512
-KEY_FIELDS = ("checkpoint", "config", "plan", "format")
 
 
 @dataclass
@@ -314,8 +315,8 @@ class DaemonServer:
         client.pid = fields.get("pid") if isinstance(fields.get("pid"), int) else None
         # A client that trusts us may leave out `checkpoint`; every field it sends must match.
         compared = [f for f in KEY_FIELDS if f in wanted]
-        if "plan" not in compared or "config" not in compared or "format" not in compared:
-            raise ProtocolError("hello must carry at least the config, plan and format fields")
+        if not set(TRUSTED_FIELDS) <= set(compared):
+            raise ProtocolError(f"hello must carry at least the {', '.join(TRUSTED_FIELDS)} fields")
         mismatched = [f for f in compared if wanted[f] != self.descriptor.key[f]]
         with self.shared.lock:
             released = self.shared.state != "ready"
@@ -343,8 +344,8 @@ class DaemonServer:
 
     def _handle_map(self, client: _Client, fields: dict[str, Any]) -> Reply:
         mode = require(fields, "mode", str)
-        if mode not in ("zero_copy", "copy"):
-            raise ProtocolError(f"mode must be zero_copy or copy, not {mode!r}")
+        if mode not in MODES:
+            raise ProtocolError(f"mode must be {' or '.join(MODES)}, not {mode!r}")
         if not client.matched:
             return "error", {"message": "say hello with a matching key before asking for a map"}, ()
         arena = self.loaded.arena

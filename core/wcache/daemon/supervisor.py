@@ -15,16 +15,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from wcache.daemon.argv import LoadArgs
 from wcache.daemon.health import RankTable, serve_health
 from wcache.errors import EXIT_UNAVAILABLE, WcacheError
 from wcache.ipc.http_server import http_url
 from wcache.ipc.rundir import census, ensure_run_dir
 from wcache.ipc.status_pipe import StatusWriter, parse_line
 from wcache.monitor.events import append_event
-from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from wcache.monitor.logs import configure as configure_logging
 
 TERM_GRACE_S = 10.0
@@ -119,11 +118,8 @@ class Supervisor:
         logs.mkdir(mode=0o700, exist_ok=True)
         log_path = logs / f"preload-{os.getpid()}-rank{rank}.log"
         command = [
-            sys.executable, "-m", "wcache.daemon", "--model", str(a.model), "--device", device,
-            "--tp", str(a.tp), "--rank", str(rank), "--dtype", a.dtype, "--quantization", a.quantization,
-            "--plan", a.plan, "--run-dir", str(self.run_dir), "--health-url", health_url,
-            "--supervisor-pid", str(os.getpid()), "--log-level", a.log_level, "--log-format", a.log_format,
-            "--log-file", str(log_path),
+            sys.executable, "-m", "wcache.daemon", *LoadArgs.from_namespace(a).for_rank(device, self.run_dir, log_path)
+            .to_argv(), "--rank", str(rank), "--health-url", health_url, "--supervisor-pid", str(os.getpid()),
         ]
         # In the foreground the ranks share our stderr (journald, `docker logs`); their log file is kept too.
         log_file = None if a.foreground else log_path.open("a")
@@ -216,18 +212,9 @@ class Supervisor:
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m wcache.daemon.supervisor")
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default="none")
-    parser.add_argument("--plan", default="fused")
-    parser.add_argument("--run-dir", type=Path, required=True)
+    LoadArgs.add_to(parser)
     parser.add_argument("--health-host", default="127.0.0.1")
     parser.add_argument("--health-port", type=int, default=0)
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default=DEFAULT_LOG_LEVEL)
-    parser.add_argument("--log-format", choices=LOG_FORMATS, default=DEFAULT_LOG_FORMAT)
-    parser.add_argument("--log-file", type=Path, default=None)
     parser.add_argument("--foreground", action="store_true", help="ranks log to our stderr as well as their files")
     return parser.parse_args(argv)
 

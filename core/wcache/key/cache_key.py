@@ -50,6 +50,15 @@ class WeightCacheKey:
     def mismatched_fields(self, other: WeightCacheKey) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
 
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# The compared fields by name, in order: what a hello carries and a descriptor records.
+KEY_FIELDS = tuple(f.name for f in fields(WeightCacheKey))
+# What an engine that trusts the daemon still compares: every field but the checkpoint's digest.
+TRUSTED_FIELDS = tuple(f for f in KEY_FIELDS if f != "checkpoint")
+
 
 @dataclass(frozen=True, slots=True)
 class KeyFile:
@@ -73,7 +82,7 @@ class KeyFile:
         return {
             "schema": KEY_SCHEMA,
             "id": self.key.short_id,
-            "key": asdict(self.key),
+            "key": self.key.to_json(),
             "plan": self.plan.to_json(),
             "config": self.config,
             "info": {
@@ -152,6 +161,13 @@ def resolve_plan_from_headers(layout: CheckpointLayout, plan: PlanSpec) -> PlanS
         with OpenShard(path) as shard:
             tensors.extend(shard.header.tensors)
     return plan.resolve(_dominant_dtype(tensors))
+
+
+def trusted_key(path: Path, plan: PlanSpec) -> dict[str, Any]:
+    """The `TRUSTED_FIELDS` of `path`'s key under `plan`, without hashing a shard ("auto" as the key resolves it)."""
+    layout = locate(path)
+    resolved = resolve_plan_from_headers(layout, plan)
+    return {"config": config_digest(layout.config), "plan": resolved.digest(), "format": FORMAT_VERSION}
 
 
 def make_key_file(

@@ -23,20 +23,15 @@ from typing import Any
 
 import torch
 
-from wcache.checkpoint.dtypes import ITEMSIZE
+from wcache.checkpoint.dtypes import TORCH_NAMES
 from wcache.checkpoint.safetensors_header import TensorInfo
 from wcache.key.fingerprint import HashProgress
 from wcache.key.shard_hash import CHUNK_BYTES, OpenShard, tensor_hasher
 from wcache.plan.processing import OutputSpec, ProcessingPlan
 
-# safetensors dtype names to torch dtypes, for viewing checkpoint bytes.
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-    "F64": torch.float64, "F8_E5M2": torch.float8_e5m2, "F8_E4M3": torch.float8_e4m3fn,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "F8_E8M0": torch.float8_e8m0fnu,
-}
-assert set(TORCH_DTYPES) == set(ITEMSIZE)
+# safetensors dtype names to torch dtypes, for viewing checkpoint bytes (those this torch has: a plan refuses
+# the others before anything is read).
+TORCH_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in TORCH_NAMES.items() if hasattr(torch, v)}
 
 # Buffers (chunks, whole tensors, computed outputs) in use before the reader waits for the workers to catch up;
 # also about what the pool keeps for reuse.

@@ -26,7 +26,7 @@ import psutil
 from wcache.ipc.client import DaemonError, request_once
 from wcache.ipc.loading import LoadingRecord, read_loading
 from wcache.ipc.rundir import ENGINES_DIR, DaemonDescriptor, read_descriptors
-from wcache.monitor.events import events_path, rotated_path
+from wcache.monitor.events import events_path, parse_event, rotated_path
 from wcache.monitor.prometheus import Samples, label_value, parse_metrics, total
 from wcache.monitor.rates import CounterDeltas, ratio
 from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
@@ -82,11 +82,7 @@ class EventTail:
         self._partial = lines.pop()  # an unfinished last line waits for its newline
         events = []
         for line in lines:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict) and isinstance(event.get("kind"), str):
+            if (event := parse_event(line)) is not None:
                 events.append(event)
         return events
 

@@ -95,6 +95,15 @@ def read_events(run_dir: Path) -> Iterator[dict[str, Any]]:
     yield from _read_log(path)
 
 
+def parse_event(line: bytes | str) -> dict[str, Any] | None:
+    """One line of the log as an event, or None for a torn or foreign line (not JSON, or without a kind)."""
+    try:
+        event = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return event if isinstance(event, dict) and isinstance(event.get("kind"), str) else None
+
+
 def _read_log(path: Path) -> Iterator[dict[str, Any]]:
     """One file's well-formed events; a torn or foreign line is skipped."""
     try:
@@ -107,11 +116,7 @@ def _read_log(path: Path) -> Iterator[dict[str, Any]]:
     try:
         with os.fdopen(fd, "rb") as f:
             for raw in f:
-                try:
-                    event = json.loads(raw)
-                except ValueError:
-                    continue
-                if isinstance(event, dict) and "kind" in event:
+                if (event := parse_event(raw)) is not None:
                     yield event
     except FileNotFoundError:
         return

@@ -14,22 +14,12 @@ from typing import Any
 
 import torch
 
+from wcache.checkpoint import hf_names
+from wcache.checkpoint.dtypes import CASTABLE, TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.errors import BadInputError, CheckpointError
 from wcache.plan.quantize import QUANTIZED_DTYPES, channel_scales, is_linear_weight, quantize_rows, scale_name
 from wcache.plan.spec import PlanSpec
-
-# safetensors dtype names → torch dtype names. Names missing from the installed torch are rejected when a plan
-# is built, not at import, so an older torch still serves every checkpoint that does not use them.
-_TORCH_NAMES: dict[str, str] = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
-    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
-    "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
-}
-
-# Only these are cast to the plan's dtype. float8 tensors are floating point too, but in a checkpoint they
-# are already-quantized codes whose meaning depends on separate scales: casting them would silently change it.
-_CASTABLE = frozenset({"F16", "BF16", "F32", "F64"})
 
 _ROTARY_BUFFER = ".rotary_emb.inv_freq"
 
@@ -204,7 +194,7 @@ class _Builder:
     def add(self, name: str, pieces: tuple[Piece, ...], shape: tuple[int, ...], sources: tuple[str, ...] = ()) -> None:
         sources = sources or tuple(dict.fromkeys(p.source for p in pieces))
         entries = [self.manifest[s] for s in sources]
-        castable = all(e.dtype in _CASTABLE for e in entries)
+        castable = all(e.dtype in CASTABLE for e in entries)
         method = self.spec.quantization
         if method != "none" and is_linear_weight(name, shape):
             if not castable:
@@ -275,7 +265,7 @@ def check_tp_split(spec: PlanSpec, config: Mapping[str, Any] | None) -> None:
 
 
 def _torch_name(entry: TensorDigest) -> str:
-    name = _TORCH_NAMES.get(entry.dtype)
+    name = TORCH_NAMES.get(entry.dtype)
     if name is None or not hasattr(torch, name):
         raise UnsupportedPlanError(f"tensor {entry.name!r} has dtype {entry.dtype}, which this torch cannot hold.")
     return name
@@ -372,10 +362,9 @@ def _build_fused(b: _Builder, d: _Dims, manifest: Mapping[str, TensorDigest]) ->
     def cols(name: str, start: int, length: int) -> Piece:
         return b.piece(name, 1, start, length)
 
-    _vocab_parallel(b, "model.embed_tokens.weight", d)
+    _vocab_parallel(b, hf_names.EMBED, d)
     for i in range(d.layers):
-        p = f"model.layers.{i}"
-        a, m = f"{p}.self_attn", f"{p}.mlp"
+        p, a, m = hf_names.layer(i), hf_names.attention(i), hf_names.mlp(i)
         b.whole(f"{p}.input_layernorm.weight")
         qkv = (rows(f"{a}.q_proj.weight", rank * q_rows, q_rows), rows(f"{a}.k_proj.weight", kv_start, kv_rows),
                rows(f"{a}.v_proj.weight", kv_start, kv_rows))
@@ -398,11 +387,11 @@ def _build_fused(b: _Builder, d: _Dims, manifest: Mapping[str, TensorDigest]) ->
         gate_up = (rows(f"{m}.gate_proj.weight", rank * inter, inter), rows(f"{m}.up_proj.weight", rank * inter, inter))
         b.add(f"{m}.gate_up_proj.weight", gate_up, (2 * inter, d.hidden))
         b.add(f"{m}.down_proj.weight", (cols(f"{m}.down_proj.weight", rank * inter, inter),), (d.hidden, inter))
-    b.whole("model.norm.weight")
+    b.whole(hf_names.FINAL_NORM)
     # Tied embeddings: the engine reuses embed_tokens, so lm_head exists only if the checkpoint stores one
     # (Qwen3-0.6B does, tied or not); the engine then uses the stored bytes, exactly as transformers does.
-    if "lm_head.weight" in manifest:
-        _vocab_parallel(b, "lm_head.weight", d)
+    if hf_names.LM_HEAD in manifest:
+        _vocab_parallel(b, hf_names.LM_HEAD, d)
 
 
 def _vocab_parallel(b: _Builder, name: str, d: _Dims) -> None:
@@ -420,16 +409,15 @@ def _expected_shapes(d: _Dims) -> tuple[dict[str, tuple[int, ...]], list[str]]:
     """Every tensor name the fused plan understands with its shape, and those it cannot do without."""
     q_out, kv_out = d.heads * d.head_dim, d.kv_heads * d.head_dim
     expected: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (d.vocab, d.hidden),
-        "model.norm.weight": (d.hidden,),
-        "lm_head.weight": (d.vocab, d.hidden),
+        hf_names.EMBED: (d.vocab, d.hidden),
+        hf_names.FINAL_NORM: (d.hidden,),
+        hf_names.LM_HEAD: (d.vocab, d.hidden),
     }
-    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    required = [hf_names.EMBED, hf_names.FINAL_NORM]
     if not d.tie:
-        required.append("lm_head.weight")
+        required.append(hf_names.LM_HEAD)
     for i in range(d.layers):
-        p = f"model.layers.{i}"
-        a, m = f"{p}.self_attn", f"{p}.mlp"
+        p, a, m = hf_names.layer(i), hf_names.attention(i), hf_names.mlp(i)
         layer = {
             f"{p}.input_layernorm.weight": (d.hidden,),
             f"{a}.q_proj.weight": (q_out, d.hidden),

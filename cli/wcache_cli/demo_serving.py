@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -11,8 +10,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import psutil
-from wcache.daemon.launch import start_daemons, stop_daemon
+from wcache.daemon.launch import start_daemons, stop_daemon, terminate_started
 from wcache.ipc.rundir import ENGINES_DIR, census, ensure_run_dir
 
 from wcache_cli.output import out
@@ -55,11 +53,8 @@ def leave_serving(original: Path, modified: Path, workdir: Path, run_dir: Path) 
 
     ensure_run_dir(run_dir)
     group = start_daemons(original, run_dir=run_dir)
-    supervisor, ready = group.supervisor, group.ready
-    assert supervisor.stdout is not None
-    supervisor.stdout.close()  # detached: the daemon outlives this command
-    state: dict[str, Any] = {"run_dir": str(run_dir), "daemons": [r["name"] for r in ready["ranks"]],
-                             "supervisor_pid": supervisor.pid}
+    group.detach()  # the daemon outlives this command
+    state: dict[str, Any] = {"run_dir": str(run_dir), "daemons": group.names, "supervisor_pid": group.supervisor.pid}
     (workdir / STATE_NAME).write_text(json.dumps(state))
     with (workdir / "engine.log").open("ab") as log:
         engine = subprocess.Popen(
@@ -91,7 +86,7 @@ def stop_serving(workdir: Path) -> bool:
     state = json.loads(path.read_text())
     engine_pid = state.get("engine_pid")
     if isinstance(engine_pid, int):
-        _terminate(engine_pid, marker="--serve")
+        terminate_started(engine_pid, marker="--serve", timeout_s=STOP_TIMEOUT_S)
     run_dir = Path(state["run_dir"])
     if run_dir.exists():
         for descriptor in census(run_dir).live:
@@ -99,20 +94,6 @@ def stop_serving(workdir: Path) -> bool:
                 stop_daemon(descriptor, force=True)
     supervisor_pid = state.get("supervisor_pid")
     if isinstance(supervisor_pid, int):
-        _terminate(supervisor_pid, marker="wcache.daemon.supervisor")
+        terminate_started(supervisor_pid, marker="wcache.daemon.supervisor", timeout_s=STOP_TIMEOUT_S)
     path.unlink()
     return True
-
-
-def _terminate(pid: int, marker: str) -> None:
-    """SIGTERM a process we started (checked by its command line, so a reused pid is left alone)."""
-    try:
-        process = psutil.Process(pid)
-        if marker not in " ".join(process.cmdline()):
-            return
-        process.send_signal(signal.SIGTERM)
-        process.wait(STOP_TIMEOUT_S)
-    except psutil.TimeoutExpired:
-        process.kill()
-    except psutil.Error:
-        pass

@@ -1,0 +1,66 @@
+"""The command lines of the supervisor and the rank daemons: written and read by one owner.
+
+`start_daemons` writes the supervisor's, the supervisor writes each rank's from what it parsed, and each
+side parses with the same flags and defaults, so a flag added here reaches every process it must.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
+from wcache.plan.spec import PlanSpec
+
+_PLAN = PlanSpec()
+
+
+@dataclass(frozen=True)  # no slots: the class attributes are the parsers' defaults
+class LoadArgs:
+    """What both the supervisor and a rank take: the checkpoint, its plan (but the rank), where, and logging."""
+
+    model: Path
+    run_dir: Path
+    device: str = "cpu"
+    tp: int = _PLAN.tp_size
+    dtype: str = _PLAN.dtype
+    quantization: str = _PLAN.quantization
+    plan: str = _PLAN.layout
+    log_level: str = DEFAULT_LOG_LEVEL
+    log_format: str = DEFAULT_LOG_FORMAT
+    log_file: Path | None = None
+
+    def to_argv(self) -> list[str]:
+        return [
+            "--model", str(self.model), "--run-dir", str(self.run_dir), "--device", self.device,
+            "--tp", str(self.tp), "--dtype", self.dtype, "--quantization", self.quantization, "--plan", self.plan,
+            "--log-level", self.log_level, "--log-format", self.log_format,
+            *(["--log-file", str(self.log_file)] if self.log_file is not None else []),
+        ]
+
+    def for_rank(self, device: str, run_dir: Path, log_file: Path) -> LoadArgs:
+        """What the supervisor passes on to a rank: its own device and log file."""
+        return replace(self, device=device, run_dir=run_dir, log_file=log_file)
+
+    def plan_spec(self, rank: int) -> PlanSpec:
+        return PlanSpec(tp_size=self.tp, tp_rank=rank, dtype=self.dtype, quantization=self.quantization,
+                        layout=self.plan)
+
+    @staticmethod
+    def add_to(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--model", type=Path, required=True)
+        parser.add_argument("--run-dir", type=Path, required=True)
+        parser.add_argument("--device", default=LoadArgs.device)
+        parser.add_argument("--tp", type=int, default=LoadArgs.tp)
+        # No choices: a bad plan value fails in PlanSpec, whose sentence the rank reports to the supervisor.
+        parser.add_argument("--dtype", default=LoadArgs.dtype)
+        parser.add_argument("--quantization", default=LoadArgs.quantization)
+        parser.add_argument("--plan", default=LoadArgs.plan)
+        parser.add_argument("--log-level", choices=LOG_LEVELS, default=LoadArgs.log_level)
+        parser.add_argument("--log-format", choices=LOG_FORMATS, default=LoadArgs.log_format)
+        parser.add_argument("--log-file", type=Path, default=None)
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> LoadArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
