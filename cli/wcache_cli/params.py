@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from wcache.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 
+from wcache_cli.completers import daemon_ids
+
 if TYPE_CHECKING:
     from wcache.plan import PlanSpec
 
@@ -95,7 +97,9 @@ TrustDaemonOpt = Annotated[
     bool, typer.Option("--trust-daemon", help="Skip the checkpoint stat pass; still compare config and plan.")
 ]
 DaemonOpt = Annotated[
-    str | None, typer.Option("--daemon", help="Use this daemon (name or key id prefix).", show_default=False)
+    str | None,
+    typer.Option("--daemon", help="Use this daemon (name or key id prefix).", show_default=False,
+                 autocompletion=daemon_ids),
 ]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Tokens to generate per prompt.", min=1)]
 
