@@ -31,7 +31,15 @@ import msgpack
 import psutil
 import pytest
 from wcache.ipc.client import request_once
-from wcache.ipc.rundir import DESCRIPTOR_SUFFIX, DaemonDescriptor, read_descriptors
+from wcache.ipc.rundir import (
+    DESCRIPTOR_SUFFIX,
+    DaemonDescriptor,
+    daemon_name,
+    process_created,
+    read_descriptors,
+    socket_path,
+    write_descriptor,
+)
 from wcache.monitor.events import read_events
 
 CLI_TIMEOUT_S = 120.0
@@ -189,6 +197,25 @@ class DaemonRig:
         found = [by_name[n] for n in names]
         self.supervisor_pids.update(d.supervisor_pid for d in found if d.supervisor_pid)
         return found
+
+    def publish_stand_in(self, device: str = "cpu", key_id: str = "3fa9c0de12ab") -> DaemonDescriptor:
+        """A descriptor published as a ready daemon publishes it (`write_descriptor`), for a process that sleeps.
+
+        `census` counts it live (its pid runs and started when the descriptor says), so it serves whatever only
+        lists daemons; nothing listens on its socket. The process carries the base path, so cleanup kills it.
+        """
+        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", str(self.base)],
+                                   stdin=subprocess.DEVNULL)
+        created = wait_for(lambda: process_created(process.pid), what="the stand-in to start")
+        name = daemon_name(device, key_id)
+        descriptor = DaemonDescriptor(
+            name=name, pid=process.pid, pid_created=created, device=device, tp_size=1, tp_rank=0, key_id=key_id,
+            key={"checkpoint": key_id, "config": key_id, "plan": key_id, "format": 1}, plan={}, config=None,
+            source=str(self.base / "tiny"), socket=str(socket_path(self.run_dir, name)), health_url=None,
+            supervisor_pid=None, started="2025-01-01T00:00:00+00:00", weights_bytes=0,
+        )
+        write_descriptor(self.run_dir, descriptor)
+        return descriptor
 
     def _remember_supervisors(self) -> None:
         marker = f"--run-dir {self.run_dir}"

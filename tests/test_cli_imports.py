@@ -41,13 +41,17 @@ NOT_FOR_HELP_OR_STATUS = (
     "torch", "wcache.daemon", "wcache.engine", "textual", "prometheus_client", "pydantic", "psutil",
 )
 NOT_FOR_KEY = ("torch", "wcache.daemon", "wcache.engine", "pydantic")
+# A shell completing a daemon id runs `wcache` on every TAB: the run dir census (psutil), nothing more.
+NOT_FOR_COMPLETION = ("torch", "wcache.daemon", "wcache.engine", "textual", "prometheus_client", "pydantic")
 
 
-def _modules_after(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+def _modules_after(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     record = tmp_path / "modules.json"
     record.unlink(missing_ok=True)
     result = subprocess.run([sys.executable, "-c", _PROBE, str(record), *args], capture_output=True, text=True,
-                            env={**os.environ, "NO_COLOR": "1"}, timeout=120)
+                            env={**os.environ, "NO_COLOR": "1", **(env or {})}, timeout=120)
     assert record.exists(), result.stderr
     return result, json.loads(record.read_text())
 
@@ -70,6 +74,18 @@ def test_status_of_an_empty_run_dir_imports_no_machinery(tmp_path: Path) -> None
     assert result.returncode == 0, result.stderr
     assert "No daemons" in result.stdout
     assert _loaded(modules, NOT_FOR_HELP_OR_STATUS) == []
+
+
+def test_completing_a_daemon_id_imports_no_torch(tmp_path: Path) -> None:
+    from daemon_fixtures import daemon_rig
+
+    with daemon_rig() as rig:
+        daemon = rig.publish_stand_in()
+        shell = {"_WCACHE_COMPLETE": "complete_bash", "COMP_WORDS": "wcache stop ", "COMP_CWORD": "2"}
+        result, modules = _modules_after(tmp_path, env={**rig.env, **shell})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [daemon.name]
+    assert _loaded(modules, NOT_FOR_COMPLETION) == []
 
 
 def test_key_imports_no_torch(tmp_path: Path) -> None:

@@ -7,10 +7,12 @@ from typing import Annotated, Any
 
 import typer
 import wcache
+from typer.completion import completion_init
 from typer.core import TyperCommand, TyperGroup
 
 from wcache_cli import coercion
 from wcache_cli.commands.attach import attach
+from wcache_cli.commands.completion import completion
 from wcache_cli.commands.demo import demo
 from wcache_cli.commands.diff import diff
 from wcache_cli.commands.key import key
@@ -48,11 +50,13 @@ app = typer.Typer(
     name="wcache",
     help="Keep processed LLM weights alive across engine restarts, and prove every reuse is the right checkpoint.",
     no_args_is_help=True,
-    add_completion=False,  # completions are generated into completions/ and shipped as files
+    add_completion=False,  # one way to get the scripts: `wcache completion SHELL` (also shipped in completions/)
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
+# Typer registers how it answers bash, zsh and fish only for add_completion=True; the scripts need those answers.
+completion_init()
 
 
 def _print_version(value: bool) -> None:
@@ -84,3 +88,4 @@ app.command(cls=_WcacheCommand)(diff)
 app.command(cls=_WcacheCommand)(verify)
 app.command(cls=_WcacheCommand)(top)
 app.command(cls=_WcacheCommand)(demo)
+app.command(cls=_WcacheCommand)(completion)

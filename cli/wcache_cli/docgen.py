@@ -1,20 +1,20 @@
-"""Generate man pages and static shell completions from the Typer app, and check the committed copies.
+"""Generate man pages and the shell completion scripts from the Typer app, and check the committed copies.
 
 `python -m wcache_cli.docgen` writes `man/` and `completions/` at the repository root;
 `python -m wcache_cli.docgen --check` writes nothing and exits 1 naming every stale, missing or extra file.
-Everything is derived from `typer.main.get_command(app)` alone, so a new command or option that was not
+Man pages are derived from `typer.main.get_command(app)` alone, so a new command or option that was not
 regenerated makes the check fail. Only attributes of the returned command objects are read: Typer ≥0.26
-vendors Click privately, so this module never imports it.
+vendors Click privately, so this module never imports it. The completion scripts are what
+`wcache completion SHELL` prints: they ask `wcache` for candidates, so they change only with Typer.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import shlex
 import sys
 import textwrap
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path, PurePath
@@ -23,9 +23,9 @@ from typing import Any, get_args
 import typer
 from wcache.errors import EXIT_BAD_INPUT, EXIT_DIFFERENCE, EXIT_OK, EXIT_UNAVAILABLE
 
+from wcache_cli.commands.completion import PROG, SHELLS, completion_script
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The shell runtimes below spell this name out (function names, `complete` lines); command_model checks the app.
-PROG = "wcache"
 MAN_DIR = "man"
 COMPLETIONS_DIR = "completions"
 REGENERATE = "python -m wcache_cli.docgen"
@@ -42,11 +42,10 @@ EXIT_INTERRUPTED = 130
 
 @dataclass(frozen=True)
 class Value:
-    """What an option value or an argument accepts, as far as completion and docs care."""
+    """What an option value or an argument accepts, as far as the pages say."""
 
-    kind: str  # "text", "path", "file", "dir" or "choice"
     metavar: str
-    choices: tuple[str, ...] = ()
+    choices: tuple[str, ...] = ()  # empty unless only these words are accepted
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,6 @@ class Option:
     secondary_opts: tuple[str, ...]
     help: str
     value: Value | None  # None for flags
-    nargs: int
     multiple: bool
     required: bool
     default: str | None  # already formatted for people; None when nothing is worth showing
@@ -108,10 +106,6 @@ class Command:
         for sub in self.subcommands:
             yield from sub.walk()
 
-    def value_options(self) -> list[Option]:
-        """Options that consume the following word(s)."""
-        return [opt for opt in self.options if opt.value is not None]
-
 
 def _help_text(raw: str | None) -> str:
     # Click's convention: text after a form feed is for developers only.
@@ -151,16 +145,15 @@ def _choice_text(choice: Any) -> str:
     return str(choice.value) if isinstance(choice, Enum) else str(choice)
 
 
-def _element(annotation: Any, descriptor: Any) -> tuple[str, str]:
-    """The completion kind and metavar of one value of `annotation`."""
+def _element(annotation: Any, descriptor: Any) -> str:
+    """The metavar of one value of `annotation`."""
     if descriptor.is_file:
-        return "file", "FILE"
+        return "FILE"
     is_path = isinstance(annotation, type) and issubclass(annotation, PurePath)
     if is_path or (annotation is descriptor.annotation and descriptor.is_path):
-        kind = {"dir": "dir", "file": "file"}.get(descriptor.path_type, "path")
-        return kind, kind.upper()
+        return {"dir": "DIR", "file": "FILE"}.get(descriptor.path_type, "PATH")
     names = {int: "INT", float: "FLOAT"}
-    return "text", names.get(annotation, "TEXT") if isinstance(annotation, type) else "TEXT"
+    return names.get(annotation, "TEXT") if isinstance(annotation, type) else "TEXT"
 
 
 def _value_of(param: Any) -> Value:
@@ -173,23 +166,23 @@ def _value_of(param: Any) -> Value:
             values = tuple(_choice_text(c) for c in choices)
             if not descriptor.case_sensitive:
                 values = tuple(v.casefold() for v in values)
-            return Value("choice", explicit_metavar or "{" + "|".join(values) + "}", values)
+            return Value(explicit_metavar or "{" + "|".join(values) + "}", values)
         annotation = descriptor.annotation
         # list[X] repeats X; tuple[X, Y] takes one of each in turn (a tuple option has nargs > 1).
         collection = descriptor.is_list or descriptor.is_tuple
         members = [a for a in get_args(annotation) if a is not Ellipsis] if collection else [annotation]
         elements = [_element(member, descriptor) for member in members or [str]]
-        metavar = " ".join(m for _, m in elements) if descriptor.is_tuple else elements[0][1]
-        return Value(elements[0][0], explicit_metavar or metavar)
+        metavar = " ".join(elements) if descriptor.is_tuple else elements[0]
+        return Value(explicit_metavar or metavar)
     legacy = getattr(param, "type", None)
     legacy_choices = getattr(legacy, "choices", None)
     if legacy_choices:
         values = tuple(_choice_text(c) for c in legacy_choices)
-        return Value("choice", explicit_metavar or "{" + "|".join(values) + "}", values)
+        return Value(explicit_metavar or "{" + "|".join(values) + "}", values)
     type_name = type(legacy).__name__ if legacy is not None else ""
     if type_name in ("Path", "File"):
-        return Value("path", explicit_metavar or "PATH")
-    return Value("text", explicit_metavar or str(getattr(legacy, "name", "text")).upper())
+        return Value(explicit_metavar or "PATH")
+    return Value(explicit_metavar or str(getattr(legacy, "name", "text")).upper())
 
 
 def _default_text(param: Any, value: Value | None) -> str | None:
@@ -249,7 +242,6 @@ def _build(command: Any, path: tuple[str, ...], help_names: tuple[str, ...]) -> 
                     secondary_opts=tuple(getattr(param, "secondary_opts", ()) or ()),
                     help=_help_text(getattr(param, "help", None)),
                     value=value,
-                    nargs=max(1, int(getattr(param, "nargs", 1) or 1)) if value is not None else 0,
                     multiple=bool(getattr(param, "multiple", False)) or bool(getattr(param, "count", False)),
                     required=bool(getattr(param, "required", False)),
                     default=_default_text(param, value),
@@ -271,7 +263,7 @@ def _build(command: Any, path: tuple[str, ...], help_names: tuple[str, ...]) -> 
     taken = {name for opt in options for name in opt.names}
     visible_help = tuple(name for name in help_names if name not in taken)
     if getattr(command, "add_help_option", True) and visible_help:
-        options.append(Option(visible_help, (), HELP_TEXT, None, 0, False, False, None, None))
+        options.append(Option(visible_help, (), HELP_TEXT, None, False, False, None, None))
     subcommands = tuple(
         _build(sub, (*path, name), help_names)
         for name, sub in sorted((getattr(command, "commands", None) or {}).items())
@@ -384,7 +376,7 @@ def _option_entry(opt: Option) -> list[str]:
     if opt.value is not None:
         head += " " + _i(opt.value.metavar)
     notes = [opt.help.rstrip()] if opt.help else []
-    if opt.value is not None and opt.value.kind == "choice" and opt.value.metavar.startswith("{"):
+    if opt.value is not None and opt.value.choices and opt.value.metavar.startswith("{"):
         notes.append("One of: " + ", ".join(f"`{c}`" for c in opt.value.choices) + ".")
     if opt.value_range:
         notes.append(f"Range: {opt.value_range}.")
@@ -410,7 +402,7 @@ def _arguments_section(command: Command) -> list[str]:
     lines = [".SH ARGUMENTS"]
     for arg in command.arguments:
         notes = [arg.help] if arg.help else []
-        if arg.value.kind == "choice":
+        if arg.value.choices:
             notes.append("One of: " + ", ".join(f"`{c}`" for c in arg.value.choices) + ".")
         if not arg.required:
             notes.append("Optional.")
@@ -488,526 +480,19 @@ def man_page(command: Command, model: Command) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Shared completion helpers
-
-
-def _key(path: Sequence[str], *words: str) -> str:
-    """The lookup key the shell scripts use: command path and word joined by spaces (root path is empty)."""
-    return " ".join((*path, *words))
-
-
-def _positions(command: Command) -> tuple[list[Value], Value | None]:
-    """Per-position argument values, and the value that repeats from the variadic argument on."""
-    fixed: list[Value] = []
-    for arg in command.arguments:
-        if arg.nargs == -1:
-            return fixed, arg.value
-        fixed += [arg.value] * max(arg.nargs, 1)
-    return fixed, None
-
-
-def _arity_groups(commands: Iterable[Command]) -> list[tuple[list[str], int]]:
-    """Lookup keys of value-taking options, one group per command and word count, in listing order."""
-    groups: list[tuple[list[str], int]] = []
-    for command in commands:
-        by_nargs: dict[int, list[str]] = {}
-        for opt in command.value_options():
-            by_nargs.setdefault(opt.nargs, []).extend(_key(command.path, name) for name in opt.opts)
-        groups += [(keys, nargs) for nargs, keys in sorted(by_nargs.items())]
-    return groups
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.replace("`", "").split())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# bash
-
-
-_BASH_RUNTIME = r"""
-# Appends the lines read from stdin to COMPREPLY; bash 3.2 (macOS) has no mapfile.
-_wcache_reply() {
-    local line
-    while IFS= read -r line; do
-        COMPREPLY+=("$line")
-    done
-}
-
-# Offers the words of $1 that start with $2.
-_wcache_words() {
-    _wcache_reply < <(compgen -W "$1" -- "$2")
-}
-
-# Offers file names ($1 = path or file) or directory names ($1 = dir) that start with $2.
-_wcache_paths() {
-    # Let readline quote the names and mark directories with a slash, as for any file argument.
-    compopt -o filenames 2>/dev/null
-    if [[ $1 == dir ]]; then
-        _wcache_reply < <(compgen -d -- "$2")
-    else
-        _wcache_reply < <(compgen -f -- "$2")
-    fi
-}
-
-_wcache() {
-    COMPREPLY=()
-    local cur="${COMP_WORDS[COMP_CWORD]}"
-    local cmd="" opt="" pos=0 after_dashes=0 i w _wcache_n=0
-    # Walk the words before the cursor: find the (sub)command, skip option values, count positionals.
-    for ((i = 1; i < COMP_CWORD; i++)); do
-        w="${COMP_WORDS[i]}"
-        if ((after_dashes)); then
-            pos=$((pos + 1))
-            continue
-        fi
-        case "$w" in
-            --) after_dashes=1 ;;
-            -) pos=$((pos + 1)) ;;
-            -*=*) ;;
-            -*)
-                _wcache_arity "$cmd" "$w"
-                ((_wcache_n == 0)) && continue
-                # With "=" in COMP_WORDBREAKS, `--tp=2` arrives as the three words `--tp`, `=`, `2`.
-                [[ ${COMP_WORDS[i + 1]} == "=" ]] && i=$((i + 1))
-                if ((i + _wcache_n >= COMP_CWORD)); then
-                    opt="$w"
-                fi
-                i=$((i + _wcache_n))
-                ;;
-            *)
-                if ((pos == 0)) && _wcache_is_subcommand "$cmd" "$w"; then
-                    cmd="${cmd:+$cmd }$w"
-                else
-                    pos=$((pos + 1))
-                fi
-                ;;
-        esac
-    done
-
-    [[ $cur == "=" && -n $opt ]] && cur=""
-    if [[ -n $opt ]]; then
-        _wcache_option_value "$cmd" "$opt" "$cur"
-        return 0
-    fi
-    if ((!after_dashes)) && [[ $cur == -*=* ]]; then
-        # "=" is not a word break here, so the option and its partial value share one word.
-        local prefix="${cur%%=*}="
-        _wcache_arity "$cmd" "${cur%%=*}"
-        if ((_wcache_n > 0)); then
-            _wcache_option_value "$cmd" "${cur%%=*}" "${cur#*=}"
-            COMPREPLY=("${COMPREPLY[@]/#/$prefix}")
-        fi
-        return 0
-    fi
-    if ((!after_dashes)) && [[ $cur == -* ]]; then
-        _wcache_words "$(_wcache_options "$cmd")" "$cur"
-        return 0
-    fi
-    local subcommands
-    subcommands="$(_wcache_subcommands "$cmd")"
-    if [[ -n $subcommands ]] && ((pos == 0)); then
-        _wcache_words "$subcommands" "$cur"
-        return 0
-    fi
-    # Where no positional argument fits, only options can follow.
-    if ! _wcache_argument "$cmd" "$pos" "$cur" && ((!after_dashes)); then
-        _wcache_words "$(_wcache_options "$cmd")" "$cur"
-    fi
-    return 0
-}
-
-complete -F _wcache wcache
-"""
-
-
-def _bash_words(words: Iterable[str]) -> str:
-    # compgen -W expands its word list once more, so shell-active characters need one more level of quoting.
-    return " ".join(re.sub(r"([\\$`\"'])", r"\\\1", w) for w in words)
-
-
-def _bash_action(value: Value) -> str:
-    if value.kind == "choice":
-        return f'_wcache_words {shlex.quote(_bash_words(value.choices))} "$3"'
-    if value.kind in ("path", "file", "dir"):
-        return f'_wcache_paths {value.kind} "$3"'
-    return ":"  # free text: nothing to offer
-
-
-def _bash_case(function: str, doc: str, arms: list[tuple[list[str], str]], subject: str, fallback: str) -> list[str]:
-    lines = [f"# {doc}", f"{function}() {{"]
-    if arms:
-        lines.append(f'    case "{subject}" in')
-        for patterns, body in arms:
-            lines.append(f"        {'|'.join(shlex.quote(p) for p in patterns)}) {body} ;;")
-        lines.append("    esac")
-    lines += [f"    {fallback}", "}", ""]
-    return lines
-
-
-def bash_completion(model: Command) -> str:
-    """A static bash completion script for the whole command tree."""
-    commands = list(model.walk())
-    subject = "${1:+$1 }$2"
-    lines = [
-        f"# bash completion for {PROG}.  -*- shell-script -*-",
-        f"# {GENERATED_BY}",
-        "# Install: `source` this file from ~/.bashrc, or copy it to",
-        f"# ~/.local/share/bash-completion/completions/{PROG}.",
-        "",
-    ]
-    lines += _bash_case(
-        "_wcache_is_subcommand",
-        "Succeeds when $2 names a subcommand of the command path $1.",
-        [([_key(c.path, s.path[-1]) for s in c.subcommands], "return 0") for c in commands if c.subcommands],
-        subject,
-        "return 1",
-    )
-    lines += _bash_case(
-        "_wcache_subcommands",
-        "Prints the subcommands of the command path $1.",
-        [
-            ([_key(c.path)], f"echo {shlex.quote(' '.join(s.path[-1] for s in c.subcommands))}")
-            for c in commands
-            if c.subcommands
-        ],
-        "$1",
-        ":",
-    )
-    lines += _bash_case(
-        "_wcache_options",
-        "Prints every option spelling of the command path $1.",
-        [
-            ([_key(c.path)], f"echo {shlex.quote(' '.join(n for o in c.options for n in o.names))}")
-            for c in commands
-            if c.options
-        ],
-        "$1",
-        ":",
-    )
-    lines += _bash_case(
-        "_wcache_arity",
-        "Sets _wcache_n to how many words option $2 of the command path $1 consumes.",
-        [(patterns, f"_wcache_n={n}; return") for patterns, n in _arity_groups(commands)],
-        subject,
-        "_wcache_n=0",
-    )
-    lines += _bash_case(
-        "_wcache_option_value",
-        "Completes $3 as the value of option $2 of the command path $1.",
-        [
-            ([_key(c.path, name) for name in opt.opts], _bash_action(opt.value))
-            for c in commands
-            for opt in c.value_options()
-            if opt.value is not None and opt.value.kind != "text"
-        ],
-        subject,
-        ":",
-    )
-    argument_lines = [
-        "# Completes $3 as positional argument $2 (counting from 0) of the command path $1;",
-        "# fails when the command takes no argument there.",
-        "_wcache_argument() {",
-        '    case "$1" in',
-    ]
-    for c in commands:
-        fixed, rest = _positions(c)
-        if not fixed and rest is None:
-            continue
-        argument_lines.append(f"        {shlex.quote(_key(c.path))})")
-        argument_lines.append('            case "$2" in')
-        for index, value in enumerate(fixed):
-            argument_lines.append(f"                {index}) {_bash_action(value)} ;;")
-        argument_lines.append(f"                *) {_bash_action(rest) if rest else 'return 1'} ;;")
-        argument_lines.append("            esac")
-        argument_lines.append("            return 0")
-        argument_lines.append("            ;;")
-    argument_lines += ["    esac", "    return 1", "}"]
-    lines += argument_lines
-    return "\n".join(lines) + "\n" + _BASH_RUNTIME
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# zsh
-
-
-def _zsh_quote(text: str) -> str:
-    return "'" + text.replace("'", "'\\''") + "'"
-
-
-def _zsh_bracket(text: str) -> str:
-    # Inside an _arguments spec's [description], brackets and backslashes must be escaped.
-    return re.sub(r"([\\\[\]])", r"\\\1", _one_line(text))
-
-
-def _zsh_message(text: str) -> str:
-    # A message sits between colons in an _arguments spec.
-    return re.sub(r"([\\:])", r"\\\1", _one_line(text)) or " "
-
-
-def _zsh_describe(command: Command) -> str:
-    # _describe splits "name:description" at the first unescaped colon.
-    return command.path[-1].replace(":", "\\:") + ":" + _one_line(command.short_help)
-
-
-def _zsh_action(value: Value) -> str:
-    if value.kind == "choice":
-        return "(" + " ".join(re.sub(r"([^A-Za-z0-9_.+@%,/=-])", r"\\\1", c) for c in value.choices) + ")"
-    if value.kind == "dir":
-        return "_files -/"
-    if value.kind in ("path", "file"):
-        return "_files"
-    return ""
-
-
-def _zsh_function(command: Command) -> str:
-    return "_" + "_".join(re.sub(r"[^A-Za-z0-9]", "_", part) for part in (PROG, *command.path))
-
-
-def _zsh_option_specs(opt: Option) -> list[str]:
-    exclusive = "(" + " ".join(opt.names) + ")" if len(opt.names) > 1 and not opt.multiple else ""
-    repeat = "*" if opt.multiple else ""
-    description = f"[{_zsh_bracket(opt.help)}]" if opt.help else ""
-    specs = []
-    for name in opt.names:
-        spec = f"{exclusive}{repeat}{name}"
-        if opt.value is not None:
-            # `--opt=` accepts the value as the next word or after an equals sign; short options take the next word.
-            spec += "=" if name.startswith("--") else ""
-            spec += description
-            slots = opt.value.metavar.split() if len(opt.value.metavar.split()) == opt.nargs else []
-            for slot in range(opt.nargs):
-                message = slots[slot] if slots else opt.value.metavar
-                spec += f":{_zsh_message(message)}:{_zsh_action(opt.value)}"
-        else:
-            spec += description
-        specs.append(_zsh_quote(spec))
-    return specs
-
-
-def _zsh_argument_specs(command: Command) -> list[str]:
-    specs = []
-    position = 1
-    for arg in command.arguments:
-        message = _zsh_message(arg.help or arg.metavar)
-        action = _zsh_action(arg.value)
-        if arg.nargs == -1:
-            specs.append(_zsh_quote(f"*:{message}:{action}"))
-            break
-        for _ in range(max(arg.nargs, 1)):
-            optional = "" if arg.required else ":"
-            specs.append(_zsh_quote(f"{position}:{optional}{message}:{action}"))
-            position += 1
-    return specs
-
-
-def _zsh_command_function(command: Command) -> list[str]:
-    name = _zsh_function(command)
-    specs = [s for opt in command.options for s in _zsh_option_specs(opt)]
-    lines = [f"{name}() {{"]
-    if not command.subcommands:
-        specs += _zsh_argument_specs(command)
-        lines.append("  _arguments -s -S \\" if specs else "  _arguments -s -S")
-        lines += [f"    {spec} \\" for spec in specs[:-1]] + ([f"    {specs[-1]}"] if specs else [])
-        lines += ["}", ""]
-        return lines
-    lines += [
-        '  local curcontext="$curcontext" state state_descr line ret=1',
-        "  typeset -A opt_args",
-        "  _arguments -C -s -S \\",
-        *[f"    {spec} \\" for spec in specs],
-        "    '1: :->command' \\",
-        "    '*:: :->args' && ret=0",
-        "  case $state in",
-        "    command)",
-        "      local -a commands",
-        "      commands=(",
-        *[f"        {_zsh_quote(_zsh_describe(sub))}" for sub in command.subcommands],
-        "      )",
-        f"      _describe -t commands {_zsh_quote(command.invocation + ' command')} commands && ret=0",
-        "      ;;",
-        "    args)",
-        '      curcontext="${curcontext%:*:*}:' + command.page + '-$words[1]:"',
-        "      case $words[1] in",
-        *[f"        {_zsh_quote(sub.path[-1])}) {_zsh_function(sub)} && ret=0 ;;" for sub in command.subcommands],
-        "      esac",
-        "      ;;",
-        "  esac",
-        "  return ret",
-        "}",
-        "",
-    ]
-    return lines
-
-
-def zsh_completion(model: Command) -> str:
-    """A static zsh completion function (`_wcache`) for the whole command tree."""
-    lines = [
-        f"#compdef {PROG}",
-        f"# zsh completion for {PROG}. {GENERATED_BY}",
-        f"# Install: copy this file as _{PROG} into a directory on $fpath (e.g. ~/.zfunc), then run compinit.",
-        "",
-    ]
-    # Children first, so that reading the file top to bottom defines what each group dispatches to.
-    for command in reversed(list(model.walk())):
-        lines += _zsh_command_function(command)
-    root = _zsh_function(model)
-    lines += [
-        f'if [[ "$funcstack[1]" == "{root}" ]]; then',
-        "  # Autoloaded from $fpath by compinit: complete now.",
-        f'  {root} "$@"',
-        "elif (( $+functions[compdef] )); then",
-        "  # Sourced by hand after compinit: register.",
-        f"  compdef {root} {PROG}",
-        "fi",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# fish
-
-
-def _fish_quote(text: str) -> str:
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def _fish_names(opt: Option) -> str:
-    parts = []
-    for name in opt.names:
-        if name.startswith("--"):
-            parts.append(f"-l {_fish_quote(name[2:])}")
-        elif len(name) == 2:
-            parts.append(f"-s {_fish_quote(name[1:])}")
-        else:
-            parts.append(f"-o {_fish_quote(name[1:])}")
-    return " ".join(parts)
-
-
-def _fish_value(value: Value | None) -> str:
-    if value is None:
-        return ""
-    if value.kind == "choice":
-        return " -x -a " + _fish_quote(" ".join(value.choices))
-    if value.kind == "dir":
-        return " -x -a '(__fish_complete_directories)'"
-    if value.kind in ("path", "file"):
-        return " -r -F"
-    return " -x"
-
-
-_FISH_RUNTIME = r"""
-# Prints the command path the command line has reached ("" at the top level, then e.g. "key").
-function __wcache_path
-    set -l words (commandline -opc)
-    set -e words[1]
-    set -l path ""
-    set -l skip 0
-    set -l positionals 0
-    for w in $words
-        if test $skip -gt 0
-            set skip (math $skip - 1)
-            continue
-        end
-        switch $w
-            case --
-                break
-            case '-*=*'
-            case '-*'
-                set skip (__wcache_arity "$path" $w)
-            case '*'
-                if test $positionals -eq 0; and __wcache_is_subcommand "$path" $w
-                    set path (string trim -- "$path $w")
-                else
-                    set positionals (math $positionals + 1)
-                end
-        end
-    end
-    echo $path
-end
-
-# Succeeds when the command line is at command path $argv[1].
-function __wcache_at
-    set -l path (__wcache_path)
-    test "$path" = "$argv[1]"
-end
-
-complete -c wcache -f
-"""
-
-
-def _fish_switch(function: str, doc: str, arms: list[tuple[list[str], str]], fallback: str) -> list[str]:
-    lines = [f"# {doc}", f"function {function}", '    switch (string trim -- "$argv[1] $argv[2]")']
-    for patterns, body in arms:
-        lines += [f"        case {' '.join(_fish_quote(p) for p in patterns)}", f"            {body}"]
-    lines += ["    end", f"    {fallback}", "end", ""]
-    return lines
-
-
-def fish_completion(model: Command) -> str:
-    """A static fish completion script for the whole command tree."""
-    commands = list(model.walk())
-    lines = [
-        f"# fish completion for {PROG}. {GENERATED_BY}",
-        f"# Install: copy this file to ~/.config/fish/completions/{PROG}.fish.",
-        "",
-    ]
-    lines += _fish_switch(
-        "__wcache_is_subcommand",
-        "Succeeds when $argv[2] names a subcommand of the command path $argv[1].",
-        [([_key(c.path, s.path[-1]) for c in commands for s in c.subcommands], "return 0")]
-        if any(c.subcommands for c in commands)
-        else [],
-        "return 1",
-    )
-    lines += _fish_switch(
-        "__wcache_arity",
-        "Prints how many words option $argv[2] of the command path $argv[1] consumes.",
-        [(patterns, f"echo {n}; return") for patterns, n in _arity_groups(commands)],
-        "echo 0",
-    )
-    lines.append(_FISH_RUNTIME.strip("\n"))
-    for c in commands:
-        # The root's path is the empty string, which reads best as "".
-        path_word = shlex.quote(_key(c.path)) if c.path else '""'
-        condition = f"-n {_fish_quote('__wcache_at ' + path_word)}"
-        lines.append("")
-        lines.append(f"# {c.invocation}")
-        for sub in c.subcommands:
-            description = _fish_quote(_one_line(sub.short_help))
-            lines.append(f"complete -c {PROG} {condition} -a {_fish_quote(sub.path[-1])} -d {description}")
-        for opt in c.options:
-            description = f" -d {_fish_quote(_one_line(opt.help))}" if opt.help else ""
-            lines.append(f"complete -c {PROG} {condition} {_fish_names(opt)}{_fish_value(opt.value)}{description}")
-        fixed, rest = _positions(c)
-        argument_values = [*fixed, *([rest] if rest else [])]
-        if any(v.kind in ("path", "file") for v in argument_values):
-            lines.append(f"complete -c {PROG} {condition} -F")
-        if any(v.kind == "dir" for v in argument_values):
-            lines.append(f"complete -c {PROG} {condition} -a '(__fish_complete_directories)'")
-        choices = sorted({choice for v in argument_values if v.kind == "choice" for choice in v.choices})
-        if choices:
-            lines.append(f"complete -c {PROG} {condition} -a {_fish_quote(' '.join(choices))}")
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Files, check and command line
 
 
 GENERATED_PATTERNS = {MAN_DIR: (f"{PROG}.1", f"{PROG}-*.1"), COMPLETIONS_DIR: (f"{PROG}.*", f"_{PROG}")}
+# The names each shell's completion loader looks for (zsh's compinit: `_` and the command).
+COMPLETION_FILES = {"bash": f"{PROG}.bash", "zsh": f"_{PROG}", "fish": f"{PROG}.fish"}
 
 
 def render(app: typer.Typer) -> dict[str, str]:
     """Every generated file, by path relative to the repository root."""
     model = command_model(app)
     files = {f"{MAN_DIR}/{c.page}.1": man_page(c, model) for c in model.walk()}
-    writers: dict[str, Callable[[Command], str]] = {
-        f"{PROG}.bash": bash_completion,
-        f"_{PROG}": zsh_completion,
-        f"{PROG}.fish": fish_completion,
-    }
-    files.update({f"{COMPLETIONS_DIR}/{name}": write(model) for name, write in writers.items()})
+    files.update({f"{COMPLETIONS_DIR}/{COMPLETION_FILES[shell]}": completion_script(shell) for shell in SHELLS})
     return dict(sorted(files.items()))
 
 

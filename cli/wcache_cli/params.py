@@ -11,6 +11,8 @@ from wcache.attach_options import ENGINES, MODES, AttachOptions
 from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from wcache.plan.spec import DTYPES, LAYOUTS, QUANTIZATIONS, PlanSpec
 
+from wcache_cli.completers import daemon_ids
+
 # Typer choices built from core's vocabulary (and its defaults), never restated here.
 Dtype = StrEnum("Dtype", {name: name for name in DTYPES})  # type: ignore[misc]
 Quantization = StrEnum("Quantization", {name: name for name in QUANTIZATIONS})  # type: ignore[misc]
@@ -73,7 +75,9 @@ TrustDaemonOpt = Annotated[
     bool, typer.Option("--trust-daemon", help="Skip the checkpoint stat pass; still compare config and plan.")
 ]
 DaemonOpt = Annotated[
-    str | None, typer.Option("--daemon", help="Use this daemon (name or key id prefix).", show_default=False)
+    str | None,
+    typer.Option("--daemon", help="Use this daemon (name or key id prefix).", show_default=False,
+                 autocompletion=daemon_ids),
 ]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Tokens to generate per prompt.", min=1)]
 

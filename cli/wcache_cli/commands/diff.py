@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 from wcache.errors import EXIT_DIFFERENCE
 
+from wcache_cli.completers import daemon_ids_or_paths
 from wcache_cli.output import out
 from wcache_cli.params import (
     DEFAULT_DTYPE,
@@ -26,7 +27,7 @@ from wcache_cli.params import (
 OperandArg = Annotated[
     Path,
     typer.Argument(help="Checkpoint directory, .safetensors file, saved key file, or daemon id.", show_default=False,
-                   readable=False),
+                   readable=False, autocompletion=daemon_ids_or_paths),
 ]
 
 

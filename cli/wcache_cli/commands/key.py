@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from wcache_cli.completers import daemon_ids_or_paths
 from wcache_cli.output import out
 from wcache_cli.params import (
     DEFAULT_DTYPE,
@@ -28,7 +29,7 @@ def key(
         # readable=False: Click's os.access check refuses a directory that is traversable but not listable,
         # though every file in it opens by name; the checkpoint reader says precisely what it cannot read.
         Path, typer.Argument(help="Model directory, .safetensors file, or running daemon id.", show_default=False,
-                             readable=False)
+                             readable=False, autocompletion=daemon_ids_or_paths)
     ],
     tp: TpOpt = 1,
     rank: RankOpt = 0,

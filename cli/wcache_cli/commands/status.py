@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from wcache.errors import BadInputError, UnavailableError
 
+from wcache_cli.completers import daemon_ids
 from wcache_cli.output import out, printable
 from wcache_cli.params import JsonOpt, RunDirOpt, run_dir_or_default
 
@@ -153,7 +154,9 @@ def _table(where: Path, rows: list[dict[str, Any]]) -> Table:
 
 
 def stop(
-    ident: Annotated[str | None, typer.Argument(help="Daemon name or key id prefix.", show_default=False)] = None,
+    ident: Annotated[
+        str | None, typer.Argument(help="Daemon name or key id prefix.", show_default=False, autocompletion=daemon_ids)
+    ] = None,
     all_daemons: Annotated[bool, typer.Option("--all", help="Stop every daemon in the run dir.")] = False,
     group: Annotated[
         bool, typer.Option("--group", help="Stop every rank of the tensor-parallel group the daemon belongs to.")
