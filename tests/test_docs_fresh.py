@@ -30,7 +30,7 @@ from wcache_cli.commands.completion import SHELLS
 from wcache_cli.params import Dtype, Mode
 
 REPO = Path(__file__).resolve().parents[1]
-REGENERATE_HINT = "run `python -m wcache_cli.docgen` and commit man/ and completions/"
+REGENERATE_HINT = "run `python -m wcache_dev.docgen` and commit man/ and completions/"
 
 
 def tool(name: str) -> str:
@@ -45,7 +45,7 @@ def tool(name: str) -> str:
 
 def run_docgen(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "wcache_cli.docgen", *args], capture_output=True, text=True, cwd=REPO, timeout=120
+        [sys.executable, "-m", "wcache_dev.docgen", *args], capture_output=True, text=True, cwd=REPO, timeout=120
     )
 
 
@@ -98,7 +98,7 @@ def test_check_names_stale_missing_and_extra_files_and_writes_nothing(tmp_path: 
     assert "missing: completions/wcache.fish" in result.stderr
     assert "extra:   man/wcache-removed.1" in result.stderr
     assert "README" not in result.stderr
-    assert "python -m wcache_cli.docgen" in result.stderr
+    assert "python -m wcache_dev.docgen" in result.stderr
     assert tree(tmp_path) == before
 
     assert run_docgen("--root", str(tmp_path)).returncode == 0
