@@ -35,6 +35,7 @@ from daemon_fixtures import (
 )
 from wcache.attach import AttachedWeights, attach
 from wcache.ipc.client import request_once
+from wcache.ipc.messages import Stats
 from wcache.ipc.rundir import DaemonDescriptor
 from wcache.key.cache_key import compute_key
 from wcache.load.loader import load_from_disk, processed_digest
@@ -244,7 +245,7 @@ print(json.dumps(result))
         # The control: a real private copy of (about) every byte shows up in this measurement.
         assert clone["uss_increase"] > 0.90 * weights_bytes, clone
         # Our lease kept the daemon's weights: the copy engine's release did not pull them from under us.
-        assert request_once(daemon.socket, "stats").fields["state"] == "ready"
+        assert request_once(daemon.socket, Stats()).state == "ready"
         assert digests(first.tensors) == expected
 
 

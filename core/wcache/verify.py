@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wcache.checkpoint.model_config import config_digest
+from wcache.daemon_choice import pick_daemon
 from wcache.errors import BadInputError, UnavailableError
 from wcache.ipc.client import DaemonConnection, DaemonError
-from wcache.ipc.rundir import DaemonDescriptor, census, matches
+from wcache.ipc.messages import CheckArena, Manifest
 from wcache.key.cache_key import compute_key
 from wcache.key.diff import KeyDiff, diff_keys
 from wcache.key.remote import daemon_key_file
@@ -246,29 +246,6 @@ class ContentReport:
         }
 
 
-def pick_daemon(model: Path, plan: PlanSpec, run_dir: Path, device: str, daemon: str | None) -> DaemonDescriptor:
-    """The daemon an engine for `model` under `plan` would use, judged by config and plan alone."""
-    from wcache.checkpoint.files import locate
-    from wcache.key.cache_key import resolve_plan_from_headers
-
-    layout = locate(model)
-    resolved = resolve_plan_from_headers(layout, plan)  # "auto" as the key resolves it
-    live = census(run_dir).live if run_dir.exists() else ()
-    if daemon is not None:
-        named = [d for d in live if matches(d, daemon)]
-        if len(named) != 1:
-            raise UnavailableError(f"{len(named)} running daemons match {daemon!r} in {run_dir}; name exactly one.")
-        return named[0]
-    wanted_config, wanted_plan = config_digest(layout.config), resolved.digest()
-    fitting = [d for d in live if d.device == device and d.key["config"] == wanted_config
-               and d.key["plan"] == wanted_plan]
-    if not fitting:
-        raise UnavailableError(f"no daemon on {device} in {run_dir} holds {model} under this plan.")
-    if len(fitting) > 1:
-        raise UnavailableError(f"{len(fitting)} daemons on {device} fit this plan; name one with --daemon.")
-    return fitting[0]
-
-
 def verify_content(model: Path, plan: PlanSpec, run_dir: Path, device: str = "cpu",
                    daemon: str | None = None) -> ContentReport:
     """Fresh full hash of the checkpoint (no digest store) against the daemon's record, and its arena."""
@@ -276,9 +253,9 @@ def verify_content(model: Path, plan: PlanSpec, run_dir: Path, device: str = "cp
     fresh = compute_key(model, plan, store=None, rehash=True)
     try:
         with DaemonConnection(descriptor.socket) as connection:
-            manifest = connection.request("manifest").fields["tensors"]
-            arena = connection.request("check_arena").fields
+            manifest = connection.request(Manifest()).tensors
+            arena = connection.request(CheckArena())
     except DaemonError as exc:
         raise UnavailableError(f"daemon {descriptor.name} could not be checked ({exc})") from None
     source = diff_keys(daemon_key_file(descriptor, manifest), fresh)
-    return ContentReport(descriptor.name, source, list(arena.get("changed", [])), int(arena.get("checked", 0)))
+    return ContentReport(descriptor.name, source, list(arena.changed), arena.checked)

@@ -143,8 +143,8 @@ def _preload(model: Path, run_dir: Path, supervisors: list[subprocess.Popen[str]
     group = start_daemons(model, run_dir=run_dir)
     supervisor, ready = group.supervisor, group.ready
     supervisors.append(supervisor)
-    key_id = ready["ranks"][0]["key_id"]
-    out.print(f"READY in {ready['seconds']:.2f} s: key {key_id}; health {ready['health_url']}/health")
+    key_id = ready.by_rank()[0].key_id
+    out.print(f"READY in {ready.seconds:.2f} s: key {key_id}; health {ready.health_url}/health")
     return str(key_id)
 
 

@@ -58,7 +58,7 @@ def leave_serving(original: Path, modified: Path, workdir: Path, run_dir: Path) 
     supervisor, ready = group.supervisor, group.ready
     assert supervisor.stdout is not None
     supervisor.stdout.close()  # detached: the daemon outlives this command
-    state: dict[str, Any] = {"run_dir": str(run_dir), "daemons": [r["name"] for r in ready["ranks"]],
+    state: dict[str, Any] = {"run_dir": str(run_dir), "daemons": [r.name for r in ready.ranks],
                              "supervisor_pid": supervisor.pid}
     (workdir / STATE_NAME).write_text(json.dumps(state))
     with (workdir / "engine.log").open("ab") as log:

@@ -138,7 +138,7 @@ class WcacheModelLoader(BaseModelLoader):
         """
         if self.options.mode != "zero_copy" or not device_name(vllm_config).startswith("cuda"):
             return 0
-        from wcache.verify import pick_daemon
+        from wcache.daemon_choice import pick_daemon
 
         model_config = vllm_config.model_config
         try:

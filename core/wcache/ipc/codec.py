@@ -1,0 +1,159 @@
+"""Frozen dataclasses to plain maps (msgpack or JSON) and back, every field checked on the way in.
+
+`Wire` gives a dataclass `to_wire()` and `from_wire()`. The field annotations are the schema: str, int, float,
+bool, bytes, None, Literal[...], X | None, tuple[X, ...] (a list on the wire), dict[str, X], and nested
+dataclasses (a map); Any passes as it is; a field with `metadata={"wire": False}` is not on the wire. A field
+with a default may be left out; anything missing, extra or of another type raises ProtocolError naming the
+field. Checkers are built once per class, not per message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal, Self
+
+from wcache.errors import WcacheError
+from wcache.ipc.protocol import ProtocolError
+
+Check = Callable[[Any, str], Any]
+
+
+class Wire:
+    """Mixin for frozen dataclasses that cross a process boundary as a map."""
+
+    __slots__ = ()
+    # Fields left out of the map while they are None (the peer reads their absence as None).
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset()
+
+    def to_wire(self) -> dict[str, Any]:
+        return _dump(self)
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Self:
+        result: Self = _checker(cls)(data, cls.__name__)
+        return result
+
+
+def _dump(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        omit = value.OMIT_NONE if isinstance(value, Wire) else frozenset()
+        return {f.name: _dump(v) for f in _wire_fields(type(value))
+                if not ((v := getattr(value, f.name)) is None and f.name in omit)}
+    if isinstance(value, tuple):
+        return [_dump(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _dump(v) for k, v in value.items()}
+    return value
+
+
+@functools.cache
+def _wire_fields(cls: type) -> tuple[dataclasses.Field[Any], ...]:
+    return tuple(f for f in dataclasses.fields(cls) if f.init and f.metadata.get("wire", True))
+
+
+def _fail(where: str, what: str) -> ProtocolError:
+    return ProtocolError(f"{where} {what}")
+
+
+def _exact(kind: type) -> Check:
+    def check(value: Any, where: str) -> Any:
+        # type() and not isinstance(): True is an int in Python, and no field here means a flag by a number.
+        if type(value) is not kind:
+            raise _fail(where, f"is {type(value).__name__}, not {kind.__name__}")
+        return value
+    return check
+
+
+def _float(value: Any, where: str) -> float:
+    if type(value) not in (int, float):
+        raise _fail(where, f"is {type(value).__name__}, not a number")
+    return float(value)
+
+
+def _any(value: Any, where: str) -> Any:
+    return value
+
+
+def _options(choices: tuple[Any, ...]) -> Check:
+    def check(value: Any, where: str) -> Any:
+        if type(value) not in {type(c) for c in choices} or value not in choices:
+            raise _fail(where, f"must be one of {', '.join(map(repr, choices))}, not {value!r}")
+        return value
+    return check
+
+
+def _optional(inner: Check) -> Check:
+    def check(value: Any, where: str) -> Any:
+        return None if value is None else inner(value, where)
+    return check
+
+
+def _sequence(inner: Check) -> Check:
+    def check(value: Any, where: str) -> tuple[Any, ...]:
+        if type(value) not in (list, tuple):
+            raise _fail(where, f"is {type(value).__name__}, not a list")
+        return tuple(inner(v, where) for v in value)
+    return check
+
+
+def _mapping(inner: Check) -> Check:
+    def check(value: Any, where: str) -> dict[str, Any]:
+        if type(value) is not dict or not all(type(k) is str for k in value):
+            raise _fail(where, "is not a map of strings")
+        return value if inner is _any else {k: inner(v, f"{where}.{k}") for k, v in value.items()}
+    return check
+
+
+def _for(hint: Any) -> Check:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return _any
+    if hint is float:
+        return _float
+    if hint in (str, int, bool, bytes):
+        return _exact(hint)
+    if origin is Literal:
+        return _options(args)
+    if origin in (types.UnionType, typing.Union):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1 or len(args) != 2:
+            raise TypeError(f"no wire form for {hint}")
+        return _optional(_for(rest[0]))
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return _sequence(_for(args[0]))
+    if origin is list and args == (Any,):
+        return _exact(list)  # passed through as it came: a long list of wire lists, no object per item
+    if origin is dict and args[0] is str:
+        return _mapping(_for(args[1]))
+    if dataclasses.is_dataclass(hint):
+        return _checker(hint)
+    raise TypeError(f"no wire form for {hint}")
+
+
+@functools.cache
+def _checker(cls: type) -> Check:
+    hints = typing.get_type_hints(cls)
+    known = _wire_fields(cls)
+    checks = {f.name: _for(hints[f.name]) for f in known}
+    required = frozenset(f.name for f in known
+                         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    names = frozenset(checks)
+
+    def check(value: Any, where: str) -> Any:
+        if type(value) is not dict:
+            raise _fail(where, f"is {type(value).__name__}, not a map")
+        present = value.keys()
+        if not (required <= present <= names):
+            missing, extra = sorted(required - present), sorted(k for k in present if k not in names)
+            raise _fail(where, f"has fields missing {missing}, unexpected {extra}")
+        values = {name: checks[name](item, f"{where}.{name}") for name, item in value.items()}
+        try:
+            return cls(**values)
+        except (TypeError, ValueError, WcacheError) as exc:  # the class's own checks (a plan's, say)
+            raise _fail(where, f"is not valid ({exc})") from None
+
+    return check
