@@ -10,7 +10,6 @@ field. Checkers are built once per class, not per message.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import types
 import typing
 from collections.abc import Callable
@@ -43,7 +42,6 @@ PLAIN = (str, int, bool, bytes)
 Dump = Callable[[Any], Any]
 
 
-@functools.cache
 def _wire_fields(cls: type) -> tuple[dataclasses.Field[Any], ...]:
     return tuple(f for f in dataclasses.fields(cls) if f.init and f.metadata.get("wire", True))
 
@@ -55,20 +53,49 @@ def _dump_for(hint: Any) -> Dump | None:
         return None
     if origin in (types.UnionType, typing.Union):
         inner = _dump_for(next(a for a in args if a is not type(None)))
-        return None if inner is None else (lambda v: None if v is None else inner(v))
+        return None if inner is None else _or_none(inner)
     if origin is tuple:
         item = _dump_for(args[0])
-        return list if item is None else (lambda v: [item(x) for x in v])
+        return list if item is None else _each(item)
     if origin is dict:
         item = _dump_for(args[1])
-        return dict if item is None else (lambda v: {k: item(x) for k, x in v.items()})
-    if dataclasses.is_dataclass(hint):
+        return dict if item is None else _each_value(item)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _dumper(hint)
     raise TypeError(f"no wire form for {hint}")
 
 
-@functools.cache
+def _or_none(inner: Dump) -> Dump:
+    return lambda v: None if v is None else inner(v)
+
+
+def _each(item: Dump) -> Dump:
+    return lambda v: [item(x) for x in v]
+
+
+def _each_value(item: Dump) -> Dump:
+    return lambda v: {k: item(x) for k, x in v.items()}
+
+
+_DUMPERS: dict[type, Dump] = {}
+_CHECKERS: dict[type, Check] = {}
+
+
 def _dumper(cls: type) -> Dump:
+    found = _DUMPERS.get(cls)
+    if found is None:
+        found = _DUMPERS[cls] = _build_dumper(cls)
+    return found
+
+
+def _checker(cls: type) -> Check:
+    found = _CHECKERS.get(cls)
+    if found is None:
+        found = _CHECKERS[cls] = _build_checker(cls)
+    return found
+
+
+def _build_dumper(cls: type) -> Dump:
     hints = typing.get_type_hints(cls)
     wire = _wire_fields(cls)
     omit = cls.OMIT_NONE if issubclass(cls, Wire) else frozenset()
@@ -172,13 +199,12 @@ def _for(hint: Any) -> Check:
         return _exact(list)  # passed through as it came: a long list of wire lists, no object per item
     if origin is dict and args[0] is str:
         return _mapping(_for(args[1]))
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _checker(hint)
     raise TypeError(f"no wire form for {hint}")
 
 
-@functools.cache
-def _checker(cls: type) -> Check:
+def _build_checker(cls: type) -> Check:
     hints = typing.get_type_hints(cls)
     known = _wire_fields(cls)
     # Fields of one exact type are checked inline (a manifest has five per tensor, 100k tensors); the rest by
