@@ -31,6 +31,7 @@ import msgpack
 import psutil
 import pytest
 from wcache.ipc.client import request_once
+from wcache.ipc.messages import Stats
 from wcache.ipc.rundir import (
     DESCRIPTOR_SUFFIX,
     DaemonDescriptor,
@@ -233,7 +234,7 @@ class DaemonRig:
 
     @staticmethod
     def stats(descriptor: DaemonDescriptor) -> dict[str, Any]:
-        return dict(request_once(descriptor.socket, "stats").fields)
+        return request_once(descriptor.socket, Stats()).to_wire()
 
     def status(self) -> dict[str, Any]:
         return self.cli("status", "--json", "--run-dir", str(self.run_dir), as_json=True)

@@ -19,6 +19,7 @@ from daemon_fixtures import (
 )
 from wcache.attach import AttachedWeights, attach
 from wcache.ipc.client import DaemonConnection
+from wcache.ipc.messages import Hello, MapRequest, Release, ReleaseReply, WantedKey
 from wcache.ipc.rundir import DaemonDescriptor
 
 RELEASED = "released its weights to a copy-mode engine"
@@ -34,8 +35,8 @@ def served(tiny_template: Path) -> Iterator[tuple[DaemonRig, Path, DaemonDescrip
 
 
 def map_and_close_fds(connection: DaemonConnection, mode: str) -> None:
-    reply = connection.request("map", mode=mode)
-    assert reply.fields["total_bytes"] > 0
+    reply = connection.request(MapRequest(mode))
+    assert reply.total_bytes > 0
     for fd in reply.fds:
         os.close(fd)
 
@@ -53,7 +54,7 @@ def test_a_copy_release_waits_for_attaches_in_flight_and_leases(
     silent = DaemonConnection(daemon.socket)  # an engine that connected and is still computing its key
     greeted = DaemonConnection(daemon.socket)  # an engine that said hello and has not mapped yet
     try:
-        assert greeted.request("hello", key=daemon.key, pid=os.getpid()).fields["status"] == "hit"
+        assert greeted.request(Hello.mine(WantedKey.of(daemon.key))).status == "hit"
         with attach(model, mode="copy", run_dir=rig.run_dir) as copied:
             assert copied.report.outcome == "hit"
             for name, tensor in copied.tensors.items():
@@ -65,8 +66,8 @@ def test_a_copy_release_waits_for_attaches_in_flight_and_leases(
 
         # Every engine in flight still gets its map, in either mode.
         map_and_close_fds(greeted, "copy")
-        assert greeted.request("release").fields == {"state": "ready", "release_queued": True}
-        assert silent.request("hello", key=daemon.key, pid=os.getpid()).fields["status"] == "hit"
+        assert greeted.request(Release()) == ReleaseReply(state="ready", release_queued=True)
+        assert silent.request(Hello.mine(WantedKey.of(daemon.key))).status == "hit"
         map_and_close_fds(silent, "zero_copy")
         silent.close()
         greeted.close()

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import psutil
@@ -35,6 +36,7 @@ from daemon_fixtures import (
 )
 from wcache.attach import AttachedWeights, attach
 from wcache.ipc.client import request_once
+from wcache.ipc.messages import Stats
 from wcache.ipc.rundir import DaemonDescriptor
 from wcache.key.cache_key import compute_key
 from wcache.load.loader import load_from_disk, processed_digest
@@ -244,7 +246,7 @@ print(json.dumps(result))
         # The control: a real private copy of (about) every byte shows up in this measurement.
         assert clone["uss_increase"] > 0.90 * weights_bytes, clone
         # Our lease kept the daemon's weights: the copy engine's release did not pull them from under us.
-        assert request_once(daemon.socket, "stats").fields["state"] == "ready"
+        assert request_once(daemon.socket, Stats()).state == "ready"
         assert digests(first.tensors) == expected
 
 
@@ -301,7 +303,7 @@ def test_key_and_diff_take_a_daemon_operand(
     rank0 = daemons[0]
     key = rig.cli("key", rank0.name, "--json", "--run-dir", str(rig.run_dir), as_json=True)
     assert key["id"] == rank0.key_id
-    assert key["key"] == rank0.key
+    assert key["key"] == asdict(rank0.key)
     assert (key["plan"]["tp_size"], key["plan"]["tp_rank"]) == (2, 0)
 
     diff = rig.cli("diff", rank0.name, str(zeroed["norm"]), "--tp", "2", "--rank", "0", "--json",
@@ -493,7 +495,7 @@ def test_two_checkpoints_do_not_collide_and_dp_size_hits_the_same_daemon(
     a = daemons[0]
     assert b.name not in {d.name for d in daemons} and b.socket not in {d.socket for d in daemons}
     assert a.device == b.device == "cpu"
-    assert b.key["checkpoint"] != a.key["checkpoint"]
+    assert "checkpoint" in b.key.mismatched_fields(a.key)
     assert b.supervisor_pid != a.supervisor_pid, "each preload has its own supervisor"
     assert {d.name for d in rig.descriptors()} >= {a.name, daemons[1].name, b.name}
     for d in (*daemons, b):

@@ -40,6 +40,7 @@ from daemon_fixtures import (
 from wcache.attach import attach
 from wcache.daemon.server import MAX_CLIENTS
 from wcache.ipc.client import DaemonConnection, DaemonError, request_once
+from wcache.ipc.messages import Hello, MapRequest, Stats, WantedKey
 from wcache.ipc.protocol import MAX_FDS, REQUEST_LIMITS
 from wcache.ipc.rundir import DaemonDescriptor
 
@@ -53,13 +54,13 @@ def live(tiny_template: Path) -> Iterator[tuple[DaemonRig, DaemonDescriptor]]:
 
 
 def counters(daemon: DaemonDescriptor) -> dict[str, int]:
-    return dict(request_once(daemon.socket, "stats").fields["counters"])
+    return dict(request_once(daemon.socket, Stats()).counters)
 
 
 def assert_still_serving(daemon: DaemonDescriptor) -> dict[str, int]:
     """A fresh client gets a normal `stats` reply and the daemon's pid is the same live process."""
     assert psutil.Process(daemon.pid).is_running(), "the daemon died"
-    stats = request_once(daemon.socket, "stats").fields
+    stats = request_once(daemon.socket, Stats()).to_wire()
     assert stats["pid"] == daemon.pid and stats["state"] == "ready"
     return dict(stats["counters"])
 
@@ -327,8 +328,8 @@ def test_a_slow_drip_is_dropped_at_the_frame_deadline_while_an_idle_lease_lives_
     deadline = REQUEST_LIMITS.deadline_s
     before = counters(daemon).get("bad_frames", 0)
     with DaemonConnection(daemon.socket) as lease:
-        assert lease.request("hello", key=daemon.key, pid=os.getpid()).fields["status"] == "hit"
-        for fd in lease.request("map", mode="zero_copy").fds:
+        assert lease.request(Hello.mine(WantedKey.of(daemon.key))).status == "hit"
+        for fd in lease.request(MapRequest("zero_copy")).fds:
             os.close(fd)
         frame = request_frame("stats", pad=b"\0" * 200)  # would take minutes to arrive at this pace
         with raw_connect(daemon.socket) as drip:
@@ -346,12 +347,13 @@ def test_a_slow_drip_is_dropped_at_the_frame_deadline_while_an_idle_lease_lives_
         assert deadline - 0.5 <= dropped_after <= deadline + 5, dropped_after
         wait_counter(daemon, "bad_frames", before + 1)
         # The lease has now been silent for longer than a frame may take, and serves on.
-        assert lease.request("stats").fields["leases"] >= 1
+        assert lease.request(Stats()).leases >= 1
 
 
 def _largest_request() -> bytes:
-    """A legal request that decodes to about as many objects as the limits allow: every list but the frame's
-    own map as long as allowed, of short strings (3 bytes each on the wire, ~50 as Python objects)."""
+    """A frame within the limits that decodes to about as many objects as they allow: every list but the frame's
+    own map as long as allowed, of short strings (3 bytes each on the wire, ~50 as Python objects). The daemon
+    decodes it whole, then refuses it with an error reply: a stats request has no such fields."""
     assert REQUEST_LIMITS.containers is not None
     lists = min(REQUEST_LIMITS.containers - 1, REQUEST_LIMITS.map_len - 2)
     fields = {f"x{i}": [f"{j:02d}" for j in range(REQUEST_LIMITS.array_len)] for i in range(lists)}
@@ -403,7 +405,7 @@ def test_hostile_frames_cost_the_daemon_bounded_memory(live: tuple[DaemonRig, Da
             sock.close()
     growth = peak_rss_since_reset(daemon.pid) - before
     assert growth < MEMORY_BOUND_BYTES, f"the daemon's RSS grew by {growth / 2**20:.0f} MiB"
-    assert answers == ["closed"] * 4 + ["stats"] * 60
+    assert answers == ["closed"] * 4 + ["error"] * 60
     assert_still_serving(daemon)
 
 
@@ -416,7 +418,7 @@ def test_200_simultaneous_connects_are_all_served(live: tuple[DaemonRig, DaemonD
     def client() -> None:
         start.wait()
         try:
-            request_once(daemon.socket, "stats")
+            request_once(daemon.socket, Stats())
         except DaemonError as exc:
             failures.append(str(exc))
 
@@ -474,14 +476,14 @@ def test_connections_beyond_the_limit_get_a_clear_refusal(live: tuple[DaemonRig,
         for _ in range(MAX_CLIENTS):
             idle.append(raw_connect(daemon.socket))
         with pytest.raises(DaemonError, match=f"refused stats: this daemon already serves {MAX_CLIENTS} connections"):
-            request_once(daemon.socket, "stats")
+            request_once(daemon.socket, Stats())
     finally:
         for sock in idle:
             sock.close()
 
     def served() -> bool:
         with contextlib.suppress(DaemonError):
-            return request_once(daemon.socket, "stats").type == "stats"
+            return request_once(daemon.socket, Stats()).TYPE == "stats"
         return False
 
     wait_for(served, what="the daemon to serve again once the idle connections closed")

@@ -28,6 +28,7 @@ from daemon_fixtures import (
 )
 from wcache.errors import EXIT_BAD_INPUT, EXIT_DIFFERENCE, EXIT_OK, EXIT_UNAVAILABLE
 from wcache.ipc.client import DaemonConnection
+from wcache.ipc.messages import Hello, MapRequest, WantedKey
 from wcache.ipc.rundir import DaemonDescriptor
 from wcache_dev.synth import overwrite_tensor_bytes
 
@@ -194,12 +195,12 @@ def test_tp2_verify_greedy_passes(hit: tuple[DaemonRig, Path, DaemonDescriptor])
 def arena_entries(daemon: DaemonDescriptor) -> dict[str, tuple[int, int]]:
     """name -> (offset, nbytes) of each processed tensor in the daemon's arena, from its map reply."""
     with DaemonConnection(daemon.socket) as connection:
-        hello = connection.request("hello", key=dict(daemon.key), pid=os.getpid())
-        assert hello.fields["status"] == "hit"
-        reply = connection.request("map", mode="zero_copy")
+        hello = connection.request(Hello.mine(WantedKey.of(daemon.key)))
+        assert hello.status == "hit"
+        reply = connection.request(MapRequest("zero_copy"))
         for fd in reply.fds:
             os.close(fd)
-    return {name: (offset, nbytes) for name, _dtype, _shape, offset, nbytes in reply.fields["entries"]}
+    return {name: (offset, nbytes) for name, _dtype, _shape, offset, nbytes in reply.entries}
 
 
 def overwrite_arena(daemon: DaemonDescriptor, offset: int, data: bytes) -> None:

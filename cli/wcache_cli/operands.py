@@ -46,10 +46,10 @@ def find_daemons(run_dir: Path, ident: str) -> list[DaemonDescriptor]:
 
 def key_of_daemon(descriptor: DaemonDescriptor) -> KeyFile:
     from wcache.ipc.client import request_once
+    from wcache.ipc.messages import Manifest
     from wcache.key.remote import daemon_key_file
 
-    reply = request_once(descriptor.socket, "manifest")
-    return daemon_key_file(descriptor, reply.fields["tensors"])
+    return daemon_key_file(descriptor, request_once(descriptor.socket, Manifest()).tensors)
 
 
 def daemon_named(operand: Path, run_dir: Path | None) -> DaemonDescriptor | None:

@@ -14,15 +14,17 @@ import threading
 import time
 from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from wcache.attach_options import MODES
+from wcache.attach_options import MODES, AttachOptions
+from wcache.daemon_choice import holding, nearest, on_device
 from wcache.errors import BadInputError, UnavailableError
 from wcache.ipc.client import DaemonConnection, DaemonError
-from wcache.ipc.rundir import DaemonDescriptor, census, default_run_dir, ensure_run_dir, matches
-from wcache.key.cache_key import KEY_FIELDS, KeyFile, compute_key, trusted_key
+from wcache.ipc.messages import Hello, HelloReply, Manifest, MapMode, MapRequest, Release, WantedKey
+from wcache.ipc.rundir import DaemonDescriptor, default_run_dir, ensure_run_dir
+from wcache.key.cache_key import KeyFile, compute_key, trusted_key
 from wcache.key.diff import KeyDiff, diff_keys
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import HashProgress
@@ -49,9 +51,12 @@ class AttachMissError(UnavailableError):
         self.report = report
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class AttachReport:
-    """What happened: hit, miss or fallback, why, against which daemon, and how long each step took."""
+    """What happened: hit, miss or fallback, why, against which daemon, and how long each step took.
+
+    Built once, when the attach is over; only `daemon_lost` changes after (the lease's watcher sets `lost`).
+    """
 
     outcome: str
     mode: str
@@ -65,7 +70,12 @@ class AttachReport:
     timings_ms: dict[str, float] = field(default_factory=dict)
     bytes_mapped: int = 0
     num_tensors: int = 0
-    daemon_lost: bool = False
+    lost: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+
+    @property
+    def daemon_lost(self) -> bool:
+        """The daemon backing zero-copy tensors went away after the attach."""
+        return self.lost.is_set()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -119,7 +129,7 @@ class AttachedWeights:
         self._connection: DaemonConnection | None = None
         self._mapping: MappedArena | None = None
         self._closing = threading.Event()
-        self.lost = threading.Event()
+        self.lost = report.lost
 
     def _hold_lease(self, connection: DaemonConnection, mapping: MappedArena | None) -> None:
         self._connection = connection
@@ -127,7 +137,7 @@ class AttachedWeights:
         # The watcher gets only what it needs: a thread that held the tensors could end up freeing them
         # during interpreter shutdown, which torch does not survive.
         threading.Thread(
-            target=_watch_lease, args=(connection.sock, self._closing, self.lost, self.report, self._run_dir),
+            target=_watch_lease, args=(connection.sock, self._closing, self.report, self._run_dir),
             name="wcache-lease-watch", daemon=True,
         ).start()
 
@@ -158,9 +168,7 @@ class AttachedWeights:
         self.close()
 
 
-def _watch_lease(
-    sock: socket.socket, closing: threading.Event, lost: threading.Event, report: AttachReport, run_dir: Path
-) -> None:
+def _watch_lease(sock: socket.socket, closing: threading.Event, report: AttachReport, run_dir: Path) -> None:
     try:
         sock.settimeout(None)
         data = sock.recv(1)
@@ -169,8 +177,7 @@ def _watch_lease(
     if closing.is_set():
         return
     # The daemon never speaks unprompted: any wake-up here means the connection is gone.
-    report.daemon_lost = True
-    lost.set()
+    report.lost.set()
     append_event(run_dir, "daemon_lost", daemon=report.daemon, key_id=report.key_id, device=report.device,
                  tensors_valid=report.device == "cpu", unexpected_data=bool(data))
 
@@ -214,83 +221,51 @@ def attach(
         raise BadInputError(f"--mode must be {' or '.join(MODES)}, not {mode!r}.")
     if wait_s < 0:
         raise BadInputError(f"the wait must be zero or more seconds, not {wait_s}.")
-    plan = plan or PlanSpec()
+    options = AttachOptions(fallback=fallback, mode=mode, trust_daemon=trust_daemon, daemon=daemon,
+                            run_dir=str(run_dir) if run_dir is not None else None, wait_s=wait_s)
+    return attach_with(model, plan or PlanSpec(), options, device=device, store=store, progress=progress,
+                       dp_size=dp_size, engine=engine, views=views)
+
+
+def attach_with(
+    model: Path, plan: PlanSpec, options: AttachOptions, *, device: str = "cpu", store: DigestStore | None = None,
+    progress: HashProgress | None = None, dp_size: int = 1, engine: str = "wcache", views: bool = True,
+) -> AttachedWeights:
+    """`attach` with its options typed: choose a daemon, map, or explain the miss and fall back."""
     # Created (0700, owner-checked) even when no daemon runs: misses and fallbacks are logged there too.
-    run_dir = ensure_run_dir(run_dir or default_run_dir())
+    run_dir = ensure_run_dir(Path(options.run_dir) if options.run_dir else default_run_dir())
     began = time.perf_counter()
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + options.wait_s
     timings: dict[str, float] = {}
-
-    def full_key() -> KeyFile:
-        t = time.perf_counter()
-        result = compute_key(model, plan, store=store, progress=progress)
-        timings["key"] = (time.perf_counter() - t) * 1000
-        return result
-
-    local: KeyFile | None = None
-    with _collector_paused(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="wcache-key") as pool:
-        if trust_daemon:
-            t = time.perf_counter()
-            wanted = trusted_key(model, plan)
-            timings["key"] = (time.perf_counter() - t) * 1000
-        else:
-            key_future = pool.submit(full_key)
-        t = time.perf_counter()
-        candidates, connections = _find_daemons(run_dir, device, daemon)
-        timings["connect"] = (time.perf_counter() - t) * 1000
-        if not trust_daemon:
-            local = key_future.result()
-            wanted = local.key.to_json()
-
-    key_id = local.key.short_id if local is not None else None
-    report = AttachReport(outcome="miss", mode=mode, device=device, key_id=key_id, timings_ms=timings)
-    context = _AttachContext(model, wanted, local, mode, report, run_dir, began, dp_size, engine, views)
+    context = _AttachContext(model, plan, options, device, store, progress, run_dir, began, dp_size, engine, views)
+    wanted, local, found = _key_while_connecting(context, timings)
+    refusal: _Refusal | None = None
     try:
         while True:
-            matches = [
-                d for d in candidates
-                if all(d.key[f] == wanted[f] for f in wanted) and isinstance(connections[d.name], DaemonConnection)
-            ]
-            if trust_daemon and daemon is None and len(matches) > 1:
+            fitting = [d for d in holding(found.candidates, wanted)
+                       if isinstance(found.connections[d.name], DaemonConnection)]
+            if options.trust_daemon and options.daemon is None and len(fitting) > 1:
                 raise BadInputError(
-                    f"{len(matches)} daemons on {device} match this config and plan; name one with --daemon."
+                    f"{len(fitting)} daemons on {device} match this config and plan; name one with --daemon."
                 )
-            for descriptor in matches:
-                connection = connections.pop(descriptor.name)
+            for descriptor in fitting:
+                connection = found.connections.pop(descriptor.name)
                 assert isinstance(connection, DaemonConnection)
                 with _collector_paused():
-                    weights = _try_map(connection, descriptor, context)
-                if weights is not None:
-                    return weights
+                    outcome = _try_map(connection, descriptor, wanted, local, context)
+                if isinstance(outcome, _Mapped):
+                    return _hit(outcome, descriptor, connection, local, context, timings)
+                refusal = outcome
             if time.monotonic() >= deadline:
                 break
-            _close_all(connections)
+            found.close()
             time.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
-            candidates, connections = _find_daemons(run_dir, device, daemon)
-        # A miss: explain it against the nearest daemon, then fall back or refuse.
+            found = _Found.look(run_dir, device, options.daemon)
         if local is None:
             local = compute_key(model, plan, store=store, progress=progress)
-            report.key_id = local.key.short_id
-        _explain_miss(report, local, candidates, connections, device)
-        append_event(run_dir, "attach_miss", source=str(model), key_id=report.key_id, device=device,
-                     reason=report.reason, daemon=report.daemon, mismatched=report.mismatched,
-                     diff=diff_summary(report.diff) if report.diff else None, dp_size=dp_size, engine=engine)
-        if not fallback:
-            raise AttachMissError(f"{report.reason}; not falling back to disk (fallback disabled).", report)
-        t = time.perf_counter()
-        from wcache.load.loader import load_from_disk
-
-        tensors = load_from_disk(local, model)
-        timings["disk_load"] = (time.perf_counter() - t) * 1000
-        timings["total"] = (time.perf_counter() - began) * 1000
-        report.outcome = "fallback"
-        report.num_tensors = len(tensors)
-        append_event(run_dir, "fallback", source=str(model), key_id=report.key_id, device=device,
-                     reason=report.reason, seconds=round(timings["disk_load"] / 1000, 3), dp_size=dp_size,
-                     engine=engine)
-        return AttachedWeights(tensors, report, run_dir, local)
+        return _miss(local, found, refusal, context, timings)
     finally:
-        _close_all(connections)
+        found.close()
 
 
 @contextlib.contextmanager
@@ -313,13 +288,14 @@ def _collector_paused() -> Iterator[None]:
 
 @dataclass(frozen=True, slots=True)
 class _AttachContext:
-    """What every mapping attempt of one attach shares."""
+    """What every step of one attach shares."""
 
     model: Path
-    wanted: dict[str, Any]
-    local: KeyFile | None  # None with --trust-daemon: the daemon's own manifest stands in for it
-    mode: str
-    report: AttachReport
+    plan: PlanSpec
+    options: AttachOptions
+    device: str
+    store: DigestStore | None
+    progress: HashProgress | None
     run_dir: Path
     began: float
     dp_size: int
@@ -327,96 +303,177 @@ class _AttachContext:
     views: bool  # False: report only; nothing is mapped and no tensor made
 
 
-def _find_daemons(
-    run_dir: Path, device: str, daemon: str | None
-) -> tuple[list[DaemonDescriptor], dict[str, DaemonConnection | DaemonError]]:
-    live = census(run_dir).live
-    candidates = [d for d in live if d.device == device and _named(d, daemon)]
-    return candidates, _connect_all(candidates)
+@dataclass(slots=True)
+class _Found:
+    """The daemons that may serve this attach (live, on its device, named if one is), and a connection to each."""
+
+    candidates: list[DaemonDescriptor]
+    connections: dict[str, DaemonConnection | DaemonError]
+
+    @classmethod
+    def look(cls, run_dir: Path, device: str, daemon: str | None) -> _Found:
+        candidates = on_device(run_dir, device, daemon)
+        return cls(candidates, _connect_all(candidates))
+
+    def close(self) -> None:
+        for leftover in self.connections.values():
+            if isinstance(leftover, DaemonConnection):
+                leftover.close()
+        self.connections.clear()
 
 
-def _close_all(connections: dict[str, DaemonConnection | DaemonError]) -> None:
-    for leftover in connections.values():
-        if isinstance(leftover, DaemonConnection):
-            leftover.close()
-    connections.clear()
+def _key_while_connecting(ctx: _AttachContext, timings: dict[str, float]) -> tuple[WantedKey, KeyFile | None, _Found]:
+    """The key to ask for (and the local KeyFile, unless the daemon is trusted), found while connecting."""
+
+    def full_key() -> KeyFile:
+        t = time.perf_counter()
+        result = compute_key(ctx.model, ctx.plan, store=ctx.store, progress=ctx.progress)
+        timings["key"] = (time.perf_counter() - t) * 1000
+        return result
+
+    with _collector_paused(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="wcache-key") as pool:
+        if ctx.options.trust_daemon:
+            t = time.perf_counter()
+            wanted = WantedKey(**trusted_key(ctx.model, ctx.plan))
+            timings["key"] = (time.perf_counter() - t) * 1000
+        else:
+            key_future = pool.submit(full_key)
+        t = time.perf_counter()
+        found = _Found.look(ctx.run_dir, ctx.device, ctx.options.daemon)
+        timings["connect"] = (time.perf_counter() - t) * 1000
+        if ctx.options.trust_daemon:
+            return wanted, None, found
+        try:
+            local = key_future.result()
+        except BaseException:
+            found.close()
+            raise
+        return WantedKey.of(local.key), local, found
 
 
-def _named(descriptor: DaemonDescriptor, daemon: str | None) -> bool:
-    return daemon is None or matches(descriptor, daemon)
+@dataclass(frozen=True, slots=True)
+class _Mapped:
+    """A daemon's tensors in this process, and what they were made from."""
+
+    tensors: dict[str, torch.Tensor]
+    mapping: MappedArena | None
+    key_file: KeyFile
+    total_bytes: int
+    num_tensors: int
+    timings_ms: dict[str, float]
 
 
-def _try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, ctx: _AttachContext) -> AttachedWeights | None:
-    report = ctx.report
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """Why a daemon that holds our key did not serve it."""
+
+    reason: str
+    mismatched: tuple[str, ...] = ()
+
+
+def _try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, wanted: WantedKey,
+             local: KeyFile | None, ctx: _AttachContext) -> _Mapped | _Refusal:
+    """Hello, then map (or copy) this daemon's arena; a refusal closes the connection."""
+    mode = cast(MapMode, ctx.options.mode)
     t = time.perf_counter()
     try:
-        hello = connection.request("hello", key=ctx.wanted, pid=os.getpid(), dp_size=ctx.dp_size)
-        if hello.fields.get("status") != "hit":
-            report.mismatched = list(hello.fields.get("mismatched", []))
-            report.reason = _refusal_reason(descriptor, hello.fields)
+        hello = connection.request(Hello.mine(wanted, ctx.dp_size))
+        if hello.status != "hit":
             connection.close()
-            return None
-        key_file = ctx.local
-        if key_file is None:
-            key_file = daemon_key_file(descriptor, connection.request("manifest").fields["tensors"])
-        reply = connection.request("map", mode=ctx.mode)
+            return _Refusal(_refusal_reason(descriptor, hello), hello.mismatched)
+        key_file = local if local is not None else daemon_key_file(descriptor, connection.request(Manifest()).tensors)
+        reply = connection.request(MapRequest(mode))
     except DaemonError as exc:
-        report.reason = str(exc).rstrip(".")
         connection.close()
-        return None
-    entries = reply.fields["entries"]  # wire lists, viewed as they are: no object per tensor in between
-    total = int(reply.fields["total_bytes"])
+        return _Refusal(str(exc).rstrip("."))
+    entries = reply.entries  # wire lists, viewed as they are: no object per tensor in between
+    timings: dict[str, float] = {}
     mapping: MappedArena | None = None
     tensors: dict[str, torch.Tensor] = {}
-    if reply.fields.get("kind") == "memfd":
+    if reply.kind == "memfd":
         if len(reply.fds) != 1:
             connection.close()
             raise UnavailableError(f"daemon {descriptor.name} sent no arena descriptor.")
         if ctx.views:
             from wcache.ipc.arena import map_cpu_arena
 
-            mapping = map_cpu_arena(reply.fds[0], total, entries)
+            mapping = map_cpu_arena(reply.fds[0], reply.total_bytes, entries)
             tensors = mapping.tensors
         else:
-            _check_arena_size(reply.fds[0], total)
+            _check_arena_size(reply.fds[0], reply.total_bytes)
     elif ctx.views:
         import torch
 
         from wcache.ipc.arena import open_cuda_handle, views_from_wire
 
-        block = open_cuda_handle(reply.fields["cuda"], torch.device(descriptor.device).index or 0)
+        if reply.cuda is None:
+            connection.close()
+            raise UnavailableError(f"daemon {descriptor.name} sent no CUDA handle.")
+        block = open_cuda_handle(reply.cuda.to_wire(), torch.device(descriptor.device).index or 0)
         tensors = views_from_wire(block, entries)
-    report.timings_ms["map"] = (time.perf_counter() - t) * 1000
-    if ctx.mode == "copy":
+    timings["map"] = (time.perf_counter() - t) * 1000
+    if mode == "copy":
         t = time.perf_counter()
         if mapping is None:  # CUDA: the engine's own device memory
             tensors = {name: tensor.clone() for name, tensor in tensors.items()}
         # On CPU the map is already the engine's own copy without copying a byte: it is MAP_PRIVATE (a write
         # lands in a private page) and keeps the memfd's pages alive after the daemon lets go of them, so the
         # daemon can release and the weights stay in memory once, now the engine's.
-        report.timings_ms["copy"] = (time.perf_counter() - t) * 1000
+        timings["copy"] = (time.perf_counter() - t) * 1000
         with contextlib.suppress(DaemonError):
-            connection.request("release")
+            connection.request(Release())
         connection.close()
-    report.timings_ms["total"] = (time.perf_counter() - ctx.began) * 1000
-    report.outcome = "hit"
-    report.reason = None
-    report.daemon = descriptor.name
-    report.daemon_key_id = descriptor.key_id
-    report.bytes_mapped = total
-    report.num_tensors = len(entries)
+    return _Mapped(tensors, mapping, key_file, reply.total_bytes, len(entries), timings)
+
+
+def _hit(mapped: _Mapped, descriptor: DaemonDescriptor, connection: DaemonConnection, local: KeyFile | None,
+         ctx: _AttachContext, timings: dict[str, float]) -> AttachedWeights:
+    """The report of a hit, its event, and the lease a zero-copy map keeps open."""
+    timings = {**timings, **mapped.timings_ms, "total": (time.perf_counter() - ctx.began) * 1000}
+    mode = ctx.options.mode
+    report = AttachReport(
+        outcome="hit", mode=mode, device=ctx.device, key_id=local.key.short_id if local is not None else None,
+        daemon=descriptor.name, daemon_key_id=descriptor.key_id, timings_ms=timings,
+        bytes_mapped=mapped.total_bytes, num_tensors=mapped.num_tensors,
+    )
     # `verified`: the checkpoint's content key was compared with the daemon's (not so with --trust-daemon);
     # `source` is the engine's checkpoint, `daemon_source` what the daemon loaded (they differ for a copy).
     append_event(ctx.run_dir, "attach_hit", source=str(ctx.model.absolute()), daemon_source=descriptor.source,
-                 verified=ctx.local is not None, key_id=descriptor.key_id,
-                 daemon=descriptor.name, device=report.device, mode=ctx.mode, bytes=total, dp_size=ctx.dp_size,
-                 engine=ctx.engine, timings_ms={k: round(v, 3) for k, v in report.timings_ms.items()})
-    weights = AttachedWeights(tensors, report, ctx.run_dir, key_file)
-    if ctx.mode == "zero_copy" and ctx.views:
-        weights._hold_lease(connection, mapping)
-    elif ctx.mode == "zero_copy":
+                 verified=local is not None, key_id=descriptor.key_id,
+                 daemon=descriptor.name, device=ctx.device, mode=mode, bytes=mapped.total_bytes,
+                 dp_size=ctx.dp_size, engine=ctx.engine, timings_ms={k: round(v, 3) for k, v in timings.items()})
+    weights = AttachedWeights(mapped.tensors, report, ctx.run_dir, mapped.key_file)
+    if mode == "zero_copy" and ctx.views:
+        weights._hold_lease(connection, mapped.mapping)
+    elif mode == "zero_copy":
         connection.close()  # nothing was mapped, so there is nothing to lease
     return weights
+
+
+def _miss(local: KeyFile, found: _Found, refusal: _Refusal | None, ctx: _AttachContext,
+          timings: dict[str, float]) -> AttachedWeights:
+    """Explain the miss against the nearest daemon, log it, then fall back to disk or refuse."""
+    explained = _explain_miss(local, found, refusal, ctx.device)
+    key_id = local.key.short_id
+    report = AttachReport(outcome="miss", mode=ctx.options.mode, device=ctx.device, key_id=key_id,
+                          daemon=explained.daemon, daemon_key_id=explained.daemon_key_id, reason=explained.reason,
+                          mismatched=list(explained.mismatched), diff=explained.diff, timings_ms=timings)
+    append_event(ctx.run_dir, "attach_miss", source=str(ctx.model), key_id=key_id, device=ctx.device,
+                 reason=explained.reason, daemon=explained.daemon, mismatched=report.mismatched,
+                 diff=diff_summary(explained.diff) if explained.diff else None, dp_size=ctx.dp_size,
+                 engine=ctx.engine)
+    if not ctx.options.fallback:
+        raise AttachMissError(f"{explained.reason}; not falling back to disk (fallback disabled).", report)
+    t = time.perf_counter()
+    from wcache.load.loader import load_from_disk
+
+    tensors = load_from_disk(local, ctx.model)
+    disk_ms = (time.perf_counter() - t) * 1000
+    timings = {**timings, "disk_load": disk_ms, "total": (time.perf_counter() - ctx.began) * 1000}
+    append_event(ctx.run_dir, "fallback", source=str(ctx.model), key_id=key_id, device=ctx.device,
+                 reason=explained.reason, seconds=round(disk_ms / 1000, 3), dp_size=ctx.dp_size, engine=ctx.engine)
+    return AttachedWeights(tensors, replace(report, outcome="fallback", timings_ms=timings,
+                                            num_tensors=len(tensors)), ctx.run_dir, local)
 
 
 def _check_arena_size(fd: int, total_bytes: int) -> None:
@@ -429,48 +486,48 @@ def _check_arena_size(fd: int, total_bytes: int) -> None:
         raise UnavailableError(f"the daemon's arena holds {size} bytes, fewer than the {total_bytes} it announced.")
 
 
-def _refusal_reason(descriptor: DaemonDescriptor, hello: dict[str, Any]) -> str:
+def _refusal_reason(descriptor: DaemonDescriptor, hello: HelloReply) -> str:
     """Why a daemon with our key answered hello with something other than a hit."""
-    status = hello.get("status")
-    summary = hello.get("daemon")
-    released = summary.get("released") if isinstance(summary, dict) else None
-    if status == "released" and isinstance(released, dict):
+    released = hello.daemon.released
+    if hello.status == "released" and released is not None:
         return (f"the daemon {descriptor.name} released its weights to a copy-mode engine "
-                f"(pid {released.get('client_pid')}) at {released.get('at')}")
-    return f"the daemon {descriptor.name} answered {status}"
+                f"(pid {released.client_pid}) at {released.at}")
+    return f"the daemon {descriptor.name} answered {hello.status}"
 
 
-def _explain_miss(
-    report: AttachReport, local: KeyFile, candidates: list[DaemonDescriptor],
-    connections: dict[str, DaemonConnection | DaemonError], device: str,
-) -> None:
-    serve_failure = report.reason  # set when a daemon with our key could not serve (released, gone)
-    if not candidates:
-        report.reason = f"no daemon runs on {device}"
-        return
-    # The nearest daemon is the one with the fewest differing key fields.
-    def distance(d: DaemonDescriptor) -> int:
-        return sum(d.key[f] != getattr(local.key, f) for f in KEY_FIELDS)
+@dataclass(frozen=True, slots=True)
+class _Explained:
+    """A miss: why, against which daemon, and what differs."""
 
-    nearest = min(candidates, key=distance)
-    report.daemon = nearest.name
-    report.daemon_key_id = nearest.key_id
-    report.mismatched = [f for f in KEY_FIELDS if nearest.key[f] != getattr(local.key, f)]
-    others = len(candidates) - 1
+    reason: str
+    daemon: str | None = None
+    daemon_key_id: str | None = None
+    mismatched: tuple[str, ...] = ()
+    diff: KeyDiff | None = None
+
+
+def _explain_miss(local: KeyFile, found: _Found, refusal: _Refusal | None, device: str) -> _Explained:
+    if not found.candidates:
+        return _Explained(f"no daemon runs on {device}", mismatched=refusal.mismatched if refusal else ())
+    wanted = WantedKey.of(local.key)
+    closest = nearest(found.candidates, wanted)
+    mismatched = tuple(wanted.mismatched_fields(closest.key))
+    others = len(found.candidates) - 1
     also = f" (and {others} other daemon(s) on {device})" if others else ""
-    connection = connections.get(nearest.name)
-    if not report.mismatched:
+    connection = found.connections.get(closest.name)
+    if not mismatched:
         # The nearest daemon holds this very key: say why it did not serve, never "holds key X, not X".
+        serve_failure = refusal.reason if refusal else None
         if serve_failure is None and isinstance(connection, DaemonError):
             serve_failure = str(connection).rstrip(".")
-        report.reason = (serve_failure or f"the daemon {nearest.name} holds this key but did not serve it") + also
-        return
+        reason = (serve_failure or f"the daemon {closest.name} holds this key but did not serve it") + also
+        return _Explained(reason, closest.name, closest.key_id, mismatched)
+    diff: KeyDiff | None = None
     if isinstance(connection, DaemonConnection):
         with contextlib.suppress(DaemonError):
             # Saying hello lets the daemon count the miss and its reason in its own metrics.
-            connection.request("hello", key=local.key.to_json(), pid=os.getpid())
-            manifest = connection.request("manifest")
-            report.diff = diff_keys(daemon_key_file(nearest, manifest.fields["tensors"]), local)
-    what = describe_diff(report.diff) if report.diff is not None else "differs in " + ", ".join(report.mismatched)
-    report.reason = (f"the daemon on {device} holds key {nearest.key_id}, not {local.key.short_id}: it {what}"
-                     f"{also}")
+            connection.request(Hello.mine(wanted))
+            diff = diff_keys(daemon_key_file(closest, connection.request(Manifest()).tensors), local)
+    what = describe_diff(diff) if diff is not None else "differs in " + ", ".join(mismatched)
+    reason = f"the daemon on {device} holds key {closest.key_id}, not {local.key.short_id}: it {what}{also}"
+    return _Explained(reason, closest.name, closest.key_id, mismatched, diff)

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from wcache.attach_options import ENGINES
+from wcache.daemon_choice import pick_daemon
 from wcache.errors import BadInputError, UnavailableError
 from wcache.ipc.client import DaemonConnection, DaemonError
-from wcache.ipc.rundir import DaemonDescriptor, census, matches
+from wcache.ipc.messages import CheckArena, Manifest
 from wcache.key.cache_key import compute_key
 from wcache.key.diff import KeyDiff, diff_keys
 from wcache.key.remote import daemon_key_file
@@ -243,25 +244,6 @@ class ContentReport:
         }
 
 
-def pick_daemon(model: Path, plan: PlanSpec, run_dir: Path, device: str, daemon: str | None) -> DaemonDescriptor:
-    """The daemon an engine for `model` under `plan` would use, judged by config and plan alone."""
-    from wcache.key.cache_key import trusted_key
-
-    wanted = trusted_key(model, plan)  # what `attach --trust-daemon` compares, "auto" resolved as the key does
-    live = census(run_dir).live if run_dir.exists() else ()
-    if daemon is not None:
-        named = [d for d in live if matches(d, daemon)]
-        if len(named) != 1:
-            raise UnavailableError(f"{len(named)} running daemons match {daemon!r} in {run_dir}; name exactly one.")
-        return named[0]
-    fitting = [d for d in live if d.device == device and all(d.key[f] == v for f, v in wanted.items())]
-    if not fitting:
-        raise UnavailableError(f"no daemon on {device} in {run_dir} holds {model} under this plan.")
-    if len(fitting) > 1:
-        raise UnavailableError(f"{len(fitting)} daemons on {device} fit this plan; name one with --daemon.")
-    return fitting[0]
-
-
 def verify_content(model: Path, plan: PlanSpec, run_dir: Path, device: str = "cpu",
                    daemon: str | None = None) -> ContentReport:
     """Fresh full hash of the checkpoint (no digest store) against the daemon's record, and its arena."""
@@ -269,9 +251,9 @@ def verify_content(model: Path, plan: PlanSpec, run_dir: Path, device: str = "cp
     fresh = compute_key(model, plan, store=None, rehash=True)
     try:
         with DaemonConnection(descriptor.socket) as connection:
-            manifest = connection.request("manifest").fields["tensors"]
-            arena = connection.request("check_arena").fields
+            manifest = connection.request(Manifest()).tensors
+            arena = connection.request(CheckArena())
     except DaemonError as exc:
         raise UnavailableError(f"daemon {descriptor.name} could not be checked ({exc})") from None
     source = diff_keys(daemon_key_file(descriptor, manifest), fresh)
-    return ContentReport(descriptor.name, source, list(arena.get("changed", [])), int(arena.get("checked", 0)))
+    return ContentReport(descriptor.name, source, list(arena.changed), arena.checked)

@@ -141,8 +141,8 @@ def _preload(model: Path, run_dir: Path, groups: list[DaemonGroup]) -> str:
     group = start_daemons(model, run_dir=run_dir)
     groups.append(group)
     ready = group.ready
-    key_id = ready["ranks"][0]["key_id"]
-    out.print(f"READY in {ready['seconds']:.2f} s: key {key_id}; health {ready['health_url']}/health")
+    key_id = ready.by_rank()[0].key_id
+    out.print(f"READY in {ready.seconds:.2f} s: key {key_id}; health {ready.health_url}/health")
     return str(key_id)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from wcache.errors import BadInputError, UnavailableError
@@ -36,6 +36,7 @@ from wcache_cli.params import (
 
 if TYPE_CHECKING:
     from wcache.daemon.launch import DaemonGroup
+    from wcache.ipc.status_pipe import GroupReady
 
 
 def _launch(
@@ -130,8 +131,8 @@ def preload(
             group = None
             out.hint(f"Daemons keep running; stop them with: wcache stop --all --run-dir {where}")
             return
-        notifier.ready(f"{len(group.ready.get('ranks', []))} rank(s) of {printable(str(model))} ready on {device}; "
-                       f"health {group.ready.get('health_url')}")
+        notifier.ready(f"{len(group.ready.ranks)} rank(s) of {printable(str(model))} ready on {device}; "
+                       f"health {group.ready.health_url}")
         out.hint("Serving; press Ctrl-C to stop the daemons.")
         code = group.wait()
         notifier.stopping("every rank has exited")
@@ -165,19 +166,19 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _StopSignal(signum)
 
 
-def _print_ready(ready: dict[str, Any], model: Path, device: str, json_output: bool) -> None:
+def _print_ready(ready: GroupReady, model: Path, device: str, json_output: bool) -> None:
     from rich.markup import escape
 
     from wcache_cli.render import human_bytes
 
-    ranks = ready.get("ranks", [])
+    ranks = ready.ranks
     if json_output:
-        out.json(ready)
+        out.json(ready.to_json())
         return
-    total = sum(int(r.get("weights_bytes", 0)) for r in ranks)
-    keys = " ".join(r.get("key_id", "?") for r in ranks)
+    total = sum(r.weights_bytes for r in ranks)
+    keys = " ".join(r.key_id for r in ranks)
     shown = escape(printable(str(model)))  # a path may hold brackets (markup) or escape sequences
     out.print(
         f"READY: {len(ranks)} rank(s) of {shown} on {device}, key(s) {keys}, {human_bytes(total)} "
-        f"in {ready.get('seconds', 0):.2f} s; health {ready.get('health_url')}/health"
+        f"in {ready.seconds:.2f} s; health {ready.health_url}/health"
     )

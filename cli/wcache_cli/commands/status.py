@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from rich.table import Table
     from wcache.ipc.loading import LoadingRecord
     from wcache.ipc.rundir import DaemonDescriptor
+    from wcache.monitor.daemon_status import DaemonStatus
 
 HEALTH_TIMEOUT_S = 2.0
 
@@ -37,20 +38,15 @@ def _health(url: str | None) -> int | None:
         return None
 
 
-def _row(descriptor: DaemonDescriptor) -> dict[str, Any]:
-    from wcache.ipc.client import DaemonError, request_once
-
-    try:
-        stats: dict[str, Any] = request_once(descriptor.socket, "stats").fields
-    except DaemonError as exc:
-        stats = {"state": "unreachable", "error": str(exc)}
+def _row(descriptor: DaemonDescriptor, answer: DaemonStatus) -> dict[str, Any]:
+    stats = answer.stats
     return {
         "name": descriptor.name, "pid": descriptor.pid, "device": descriptor.device,
         "tp_size": descriptor.tp_size, "tp_rank": descriptor.tp_rank, "source": descriptor.source,
-        "key_id": descriptor.key_id, "state": stats.get("state"), "holds_weights": bool(stats.get("holds_weights")),
-        "weights_bytes": stats.get("weights_bytes", 0), "leases": stats.get("leases", 0),
-        "uptime_s": stats.get("uptime_s"), "health_url": descriptor.health_url,
-        "health_status": _health(descriptor.health_url), "counters": stats.get("counters", {}),
+        "key_id": descriptor.key_id, "state": answer.state, "holds_weights": stats is not None and stats.holds_weights,
+        "weights_bytes": stats.weights_bytes if stats else 0, "leases": stats.leases if stats else 0,
+        "uptime_s": stats.uptime_s if stats else None, "health_url": descriptor.health_url,
+        "health_status": _health(descriptor.health_url), "counters": stats.counters if stats else {},
     }
 
 
@@ -95,10 +91,12 @@ def status(
     """
     from wcache.ipc.loading import read_loading
     from wcache.ipc.rundir import census
+    from wcache.monitor.daemon_status import collect
 
     where = run_dir_or_default(run_dir)
     found = census(where) if where.exists() else None
-    rows = [_row(d) for d in found.live] if found else []
+    live = found.live if found else ()
+    rows = [_row(d, answer) for d, answer in zip(live, collect([d.socket for d in live]), strict=True)]
     rows += [_loading_row(r) for r in read_loading(where)] if where.exists() else []
     stale = [{"name": d.name, "pid": d.pid, "source": d.source} for d in found.stale] if found else []
     problems = [p for p in map(_unhealthy, rows) if p is not None]

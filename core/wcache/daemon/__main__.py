@@ -25,7 +25,7 @@ from wcache.ipc.rundir import (
     socket_path,
     write_descriptor,
 )
-from wcache.ipc.status_pipe import ProgressReporter, StatusWriter
+from wcache.ipc.status_pipe import Exists, Failed, ProgressReporter, RankReady, StatusWriter
 from wcache.key.cache_key import KeyFile
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import HashProgress
@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         descriptor = DaemonDescriptor(
             name=name, pid=os.getpid(), pid_created=process_created(os.getpid()) or 0.0, device=args.device,
             tp_size=args.tp, tp_rank=args.rank, key_id=key_file.key.short_id,
-            key=key_file.key.to_json(),
-            plan=key_file.plan.to_json(), config=key_file.config, source=key_file.source,
+            key=key_file.key, plan=key_file.plan, config=key_file.config, source=key_file.source,
             socket=str(socket_path(run_dir, name)), health_url=args.health_url,
             supervisor_pid=args.supervisor_pid, started=datetime.now(UTC).isoformat(timespec="seconds"),
             weights_bytes=loaded.arena.total_bytes,
@@ -112,31 +111,31 @@ def main(argv: list[str] | None = None) -> int:
         write_descriptor(run_dir, descriptor)
     except KeyboardInterrupt:
         log.info("stopped before it was ready")
-        status.emit("failed", rank=args.rank, reason="stopped before it was ready.", exit_code=1)
+        status.emit(Failed(rank=args.rank, reason="stopped before it was ready.", exit_code=1))
         return 1
     except DaemonExistsError as exc:
         log.info("%s", exc)
-        status.emit("exists", rank=args.rank, reason=str(exc))
+        status.emit(Exists(rank=args.rank, reason=str(exc)))
         return 0
     except WcacheError as exc:
         log.error("load failed: %s", exc)
-        status.emit("failed", rank=args.rank, reason=str(exc), exit_code=exc.exit_code)
+        status.emit(Failed(rank=args.rank, reason=str(exc), exit_code=exc.exit_code))
         return exc.exit_code
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             log.exception("rank %d failed while loading", args.rank)
-            status.emit("failed", rank=args.rank, reason=f"{type(exc).__name__}: {exc}", exit_code=1)
+            status.emit(Failed(rank=args.rank, reason=f"{type(exc).__name__}: {exc}", exit_code=1))
             return 1
         # Checkpoint reads raise CheckpointError; what runs out of space here is the run dir (lock, socket,
         # descriptor) or the arena's memory.
         reason = (f"no space left to publish the daemon in {args.run_dir} or to hold its weights "
                   f"({exc.strerror}); free some space or choose another --run-dir")
         log.error("load failed: %s", reason)
-        status.emit("failed", rank=args.rank, reason=reason, exit_code=EXIT_UNAVAILABLE)
+        status.emit(Failed(rank=args.rank, reason=reason, exit_code=EXIT_UNAVAILABLE))
         return EXIT_UNAVAILABLE
     except Exception as exc:  # the supervisor must hear why, whatever it was
         log.exception("rank %d failed while loading", args.rank)
-        status.emit("failed", rank=args.rank, reason=f"{type(exc).__name__}: {exc}", exit_code=1)
+        status.emit(Failed(rank=args.rank, reason=f"{type(exc).__name__}: {exc}", exit_code=1))
         return 1
     finally:
         if board is not None:
@@ -144,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     append_event(run_dir, "ready", daemon=descriptor.name, key_id=descriptor.key_id, rank=args.rank,
                  device=args.device, source=descriptor.source, weights_bytes=descriptor.weights_bytes,
                  load_s=round(loaded.load_seconds, 3))
-    status.emit("ready", rank=args.rank, name=descriptor.name, key_id=descriptor.key_id,
-                socket=descriptor.socket, weights_bytes=descriptor.weights_bytes,
-                load_s=round(loaded.load_seconds, 3))
+    status.emit(RankReady(rank=args.rank, name=descriptor.name, key_id=descriptor.key_id,
+                          socket=descriptor.socket, weights_bytes=descriptor.weights_bytes,
+                          load_s=round(loaded.load_seconds, 3)))
     log.info("ready: daemon %s serves key %s, %d bytes, loaded in %.2f s", descriptor.name, descriptor.key_id,
              descriptor.weights_bytes, loaded.load_seconds)
     status.close()

@@ -18,10 +18,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from wcache.attach_options import MODES
-from wcache.ipc.client import DaemonError, request_once
 from wcache.ipc.http_server import HTTPRequestError, QuietHandler, make_http_server
+from wcache.monitor.daemon_status import collect
 
-STATS_TIMEOUT_S = 2.0
 DEAD_STATES = frozenset({"exited", "unreachable"})
 
 
@@ -46,18 +45,18 @@ class RankTable:
         """Each expected rank's stats, or its state when it cannot answer."""
         with self._lock:
             sockets, gone = dict(self._sockets), set(self._gone)
+        asked = [rank for rank in range(self.expected) if rank not in gone and rank in sockets]
+        answers = dict(zip(asked, collect([sockets[rank] for rank in asked]), strict=True))
         ranks = []
         for rank in range(self.expected):
-            if rank in gone:
-                ranks.append({"tp_rank": rank, "state": "exited", "holds_weights": False})
-            elif rank not in sockets:
-                ranks.append({"tp_rank": rank, "state": "loading", "holds_weights": False})
+            answer = answers.get(rank)
+            if answer is not None and answer.stats is not None:
+                ranks.append(answer.stats.to_wire())
+            elif answer is not None:
+                ranks.append({"tp_rank": rank, "state": answer.state, "holds_weights": False, "error": answer.error})
             else:
-                try:
-                    ranks.append(request_once(sockets[rank], "stats", timeout=STATS_TIMEOUT_S).fields)
-                except DaemonError as exc:
-                    ranks.append({"tp_rank": rank, "state": "unreachable", "holds_weights": False,
-                                  "error": str(exc)})
+                ranks.append({"tp_rank": rank, "state": "exited" if rank in gone else "loading",
+                              "holds_weights": False})
         return ranks
 
 

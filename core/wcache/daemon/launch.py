@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import psutil
 
@@ -25,6 +25,8 @@ from wcache.daemon.argv import LoadArgs
 from wcache.errors import EXIT_UNAVAILABLE, BadInputError, UnavailableError, WcacheError
 from wcache.ipc.client import DaemonError, request_once
 from wcache.ipc.loading import LoadingRecord, read_loading
+from wcache.ipc.messages import Shutdown, Stats
+from wcache.ipc.protocol import ProtocolError
 from wcache.ipc.rundir import (
     DaemonDescriptor,
     DaemonExistsError,
@@ -35,7 +37,7 @@ from wcache.ipc.rundir import (
     process_created,
     read_descriptors,
 )
-from wcache.ipc.status_pipe import parse_line
+from wcache.ipc.status_pipe import FROM_SUPERVISOR, Exists, Failed, GroupReady, Progress, parse_line
 
 STOP_TIMEOUT_S = 15.0
 
@@ -53,12 +55,12 @@ class DaemonGroup:
 
     model: Path  # the checkpoint as resolved (a Hugging Face id becomes its cached snapshot)
     supervisor: subprocess.Popen[str]
-    ready: dict[str, Any]
+    ready: GroupReady
     run_dir: Path
 
     @property
     def names(self) -> list[str]:
-        return [str(r["name"]) for r in sorted(self.ready.get("ranks", []), key=lambda r: r["rank"])]
+        return [r.name for r in self.ready.by_rank()]
 
     def descriptors(self) -> list[DaemonDescriptor]:
         by_name = {d.name: d for d in read_descriptors(self.run_dir)}
@@ -95,15 +97,17 @@ def _supervisor_command(load: LoadArgs, health_host: str, health_port: int, shar
     ]
 
 
-def _follow(stream: IO[str], on_progress: ProgressCallback | None) -> dict[str, Any] | None:
+def _follow(stream: IO[str], on_progress: ProgressCallback | None) -> GroupReady | Exists | Failed | None:
     """Read the supervisor's status lines until it says ready or failed; None if it exits saying neither."""
     for line in stream:
-        message = parse_line(line)
-        if message is None:
-            continue
-        if message["event"] == "progress" and on_progress is not None:
-            on_progress(int(message.get("done", 0)), int(message.get("total") or 0))
-        elif message["event"] in ("ready", "failed", "exists"):
+        try:
+            message = parse_line(line, FROM_SUPERVISOR)
+        except ProtocolError as exc:
+            raise PreloadFailedError(f"the supervisor's status line is malformed ({exc}).") from None
+        if isinstance(message, Progress):
+            if on_progress is not None:
+                on_progress(message.done, message.total)
+        elif isinstance(message, GroupReady | Exists | Failed):
             return message
     return None
 
@@ -148,14 +152,14 @@ def start_daemons(
         process.send_signal(signal.SIGTERM)
         process.wait()
         raise
-    if outcome is not None and outcome["event"] == "exists":
+    if isinstance(outcome, Exists):
         process.wait()
-        raise DaemonExistsError(str(outcome.get("reason", "a daemon already holds this key.")))
-    if outcome is None or outcome["event"] == "failed":
+        raise DaemonExistsError(outcome.reason)
+    if not isinstance(outcome, GroupReady):
         code = process.wait()
-        reason = outcome.get("reason") if outcome else f"the supervisor exited with code {code}; see {log_path}"
-        error = PreloadFailedError(str(reason).rstrip(".") + ".")
-        error.exit_code = int(outcome.get("exit_code", 1)) if outcome else EXIT_UNAVAILABLE
+        reason = outcome.reason if outcome else f"the supervisor exited with code {code}; see {log_path}"
+        error = PreloadFailedError(reason.rstrip(".") + ".")
+        error.exit_code = outcome.exit_code if outcome else EXIT_UNAVAILABLE
         raise error
     return DaemonGroup(path, process, outcome, where)
 
@@ -163,11 +167,11 @@ def start_daemons(
 def stop_daemon(descriptor: DaemonDescriptor, *, force: bool = False) -> int:
     """Ask a daemon to stop and wait until it has; returns the lease count when it refused (else 0)."""
     try:
-        reply = request_once(descriptor.socket, "shutdown", force=force).fields
+        reply = request_once(descriptor.socket, Shutdown(force=force))
     except DaemonError as exc:
         raise UnavailableError(f"daemon {descriptor.name} did not answer ({exc})") from None
-    if not reply.get("stopping"):
-        return int(reply.get("leases") or 1)
+    if not reply.stopping:
+        return reply.leases or 1
     wait_exit(descriptor.pid, descriptor.name)
     return 0
 
@@ -202,7 +206,7 @@ def wait_exit(pid: int, name: str) -> None:
 def lease_count(descriptor: DaemonDescriptor) -> int:
     """Zero-copy engines holding a daemon's weights now; 0 when it cannot be asked (stopping it will say why)."""
     try:
-        return int(request_once(descriptor.socket, "stats").fields.get("leases") or 0)
+        return request_once(descriptor.socket, Stats()).leases
     except DaemonError:
         return 0
 

@@ -21,8 +21,31 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from wcache.attach_options import MODES
 from wcache.ipc.arena import CpuArena
+from wcache.ipc.messages import (
+    REQUESTS,
+    ArenaReport,
+    CheckArena,
+    CudaHandle,
+    DaemonSummary,
+    ErrorReply,
+    Hello,
+    HelloReply,
+    HelloStatus,
+    Manifest,
+    ManifestReply,
+    MapReply,
+    MapRequest,
+    Message,
+    Release,
+    ReleasedTo,
+    ReleaseReply,
+    Request,
+    Shutdown,
+    ShutdownReply,
+    Stats,
+    StatsReply,
+)
 from wcache.ipc.protocol import (
     REPLY_LIMITS,
     REQUEST_LIMITS,
@@ -32,18 +55,16 @@ from wcache.ipc.protocol import (
     encode,
     peer_uid,
     receive,
-    require,
     send_encoded,
 )
 from wcache.ipc.rundir import DaemonDescriptor, remove_daemon_files
-from wcache.key.cache_key import KEY_FIELDS, TRUSTED_FIELDS
 from wcache.load.loader import LoadedRank
 from wcache.monitor.events import append_event
 
 log = logging.getLogger("wcache.daemon")
 
-# A reply: its type, its fields, and the descriptors that travel with it.
-Reply = tuple[str, dict[str, Any], tuple[int, ...]]
+# A reply, and the descriptors that travel with it.
+Reply = tuple[Message, tuple[int, ...]]
 # A client that holds no map and says nothing for this long is dropped (a frame once begun has its
 # own, shorter deadline: protocol.REQUEST_LIMITS).
 CLIENT_TIMEOUT_S = 60.0
@@ -87,7 +108,7 @@ class DaemonState:
     attaching: set[int] = field(default_factory=set)
     clients: int = 0
     release: _Release | None = None  # asked for, not yet carried out
-    released: dict[str, Any] | None = None  # when and to whom, once carried out
+    released: ReleasedTo | None = None  # when and to whom, once carried out
     counters: Counter[str] = field(default_factory=Counter)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -167,7 +188,7 @@ class DaemonServer:
             conn.setblocking(False)
             with contextlib.suppress(OSError):
                 message = f"this daemon already serves {MAX_CLIENTS} connections; try again shortly"
-                send_encoded(conn, encode("error", {"message": message}, REPLY_LIMITS))
+                send_encoded(conn, encode(ErrorReply.TYPE, ErrorReply(message).to_wire(), REPLY_LIMITS))
         with self.shared.lock:
             self.shared.counters["refused_busy"] += 1
             refused = self.shared.counters["refused_busy"]
@@ -210,10 +231,10 @@ class DaemonServer:
                         frame = receive(conn, REQUEST_LIMITS)
                     except PeerClosedError:
                         return
-                    reply_type, fields, fds = self._dispatch(client, frame)
+                    reply, fds = self._dispatch(client, frame)
                     self._settle(client)
                     try:
-                        send_encoded(conn, self._encode_reply(reply_type, fields), fds)
+                        send_encoded(conn, self._encode_reply(reply), fds)
                     finally:
                         # The reply owns its descriptors (duplicates); the kernel copied them into the message.
                         _close_fds(fds)
@@ -226,25 +247,28 @@ class DaemonServer:
         finally:
             self._forget(client)
 
-    def _encode_reply(self, reply_type: str, fields: dict[str, Any]) -> bytes:
+    def _encode_reply(self, reply: Message) -> bytes:
         try:
-            return encode(reply_type, fields, REPLY_LIMITS)
+            return encode(reply.TYPE, reply.to_wire(), REPLY_LIMITS)
         except ProtocolError as exc:  # ours, not the client's: it gets the reason, the connection stays
             self._count("oversized_replies")
-            return encode("error", {"message": str(exc)}, REPLY_LIMITS)
+            return encode(ErrorReply.TYPE, ErrorReply(str(exc)).to_wire(), REPLY_LIMITS)
 
     def _dispatch(self, client: _Client, frame: Frame) -> Reply:
         for fd in frame.fds:
             os.close(fd)  # clients never send descriptors; do not leak what a bad one sends
-        handler = getattr(self, f"_handle_{frame.type}", None)
-        if handler is None:
+        kind = REQUESTS.get(frame.type)
+        if kind is None:
             self._count("unknown_requests")
-            return "error", {"message": f"unknown request {frame.type!r}"}, ()
+            return ErrorReply(f"unknown request {frame.type!r}"), ()
         try:
-            return handler(client, frame.fields)
+            request: Request[Any] = kind.from_wire(frame.fields)
         except ProtocolError as exc:
             self._count("bad_requests")
-            return "error", {"message": str(exc)}, ()
+            return ErrorReply(str(exc)), ()
+        handler = getattr(self, f"_handle_{request.TYPE}")
+        result: Reply = handler(client, request)
+        return result
 
     def _count(self, name: str, amount: int = 1) -> None:
         with self.shared.lock:
@@ -284,8 +308,8 @@ class DaemonServer:
                 return
             self.shared.release = None
             self.shared.state = "released"
-            self.shared.released = {"at": datetime.now(UTC).isoformat(timespec="seconds"),
-                                    "client_pid": asked.client_pid}
+            self.shared.released = ReleasedTo(at=datetime.now(UTC).isoformat(timespec="seconds"),
+                                              client_pid=asked.client_pid)
             self.loaded.arena.close()
         log.info("Released the weights to the copy-mode engine %s.", asked.client_pid)
         append_event(self.run_dir, "release", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
@@ -294,12 +318,12 @@ class DaemonServer:
 
     # -- requests ------------------------------------------------------------------------------------
 
-    def _summary(self) -> dict[str, Any]:
+    def _summary(self) -> DaemonSummary:
         d = self.descriptor
         with self.shared.lock:
             state, released = self.shared.state, self.shared.released
-        return {"name": d.name, "key_id": d.key_id, "key": d.key, "plan": d.plan, "config": d.config,
-                "source": d.source, "device": d.device, "state": state, "released": released}
+        return DaemonSummary(name=d.name, key_id=d.key_id, key=d.key, plan=d.plan, config=d.config,
+                             source=d.source, device=d.device, state=state, released=released)
 
     def _released_message(self) -> str:
         """Why this daemon holds no weights, for error replies (the caller holds no lock)."""
@@ -307,20 +331,17 @@ class DaemonServer:
             released = self.shared.released
         if released is None:
             return "this daemon holds no weights"
-        return (f"this daemon released its weights to a copy-mode engine (pid {released['client_pid']}) "
-                f"at {released['at']}")
+        return (f"this daemon released its weights to a copy-mode engine (pid {released.client_pid}) "
+                f"at {released.at}")
 
-    def _handle_hello(self, client: _Client, fields: dict[str, Any]) -> Reply:
-        wanted = require(fields, "key", dict)
-        client.pid = fields.get("pid") if isinstance(fields.get("pid"), int) else None
+    def _handle_hello(self, client: _Client, request: Hello) -> Reply:
+        client.pid = request.pid
         # A client that trusts us may leave out `checkpoint`; every field it sends must match.
-        compared = [f for f in KEY_FIELDS if f in wanted]
-        if not set(TRUSTED_FIELDS) <= set(compared):
-            raise ProtocolError(f"hello must carry at least the {', '.join(TRUSTED_FIELDS)} fields")
-        mismatched = [f for f in compared if wanted[f] != self.descriptor.key[f]]
+        mismatched = request.key.mismatched_fields(self.descriptor.key)
         with self.shared.lock:
             released = self.shared.state != "ready"
             self.shared.counters["hellos"] += 1
+        status: HelloStatus
         if released:
             status = "released"
             self._count("misses_released")
@@ -330,24 +351,21 @@ class DaemonServer:
         else:
             status = "hit"
             self._count("hits")
-            if "checkpoint" not in compared:
+            if request.key.checkpoint is None:
                 # --trust-daemon: the engine never compared its checkpoint's content with ours.
                 self._count("hits_unverified")
         if status != "hit":
             log.info("Engine pid %s missed (%s).", client.pid, status if released else ", ".join(mismatched))
         client.matched = status == "hit"
-        return "hello", {"status": status, "mismatched": mismatched, "daemon": self._summary()}, ()
+        return HelloReply(status=status, mismatched=tuple(mismatched), daemon=self._summary()), ()
 
-    def _handle_manifest(self, client: _Client, fields: dict[str, Any]) -> Reply:
-        tensors = [e.to_json() for e in self.loaded.key_file.manifest]
-        return "manifest", {"tensors": tensors, "daemon": self._summary()}, ()
+    def _handle_manifest(self, client: _Client, request: Manifest) -> Reply:
+        return ManifestReply(tensors=self.loaded.key_file.manifest, daemon=self._summary()), ()
 
-    def _handle_map(self, client: _Client, fields: dict[str, Any]) -> Reply:
-        mode = require(fields, "mode", str)
-        if mode not in MODES:
-            raise ProtocolError(f"mode must be {' or '.join(MODES)}, not {mode!r}")
+    def _handle_map(self, client: _Client, request: MapRequest) -> Reply:
+        mode = request.mode
         if not client.matched:
-            return "error", {"message": "say hello with a matching key before asking for a map"}, ()
+            return ErrorReply("say hello with a matching key before asking for a map"), ()
         arena = self.loaded.arena
         fds: tuple[int, ...] = ()
         with self.shared.lock:
@@ -362,19 +380,15 @@ class DaemonServer:
                 if isinstance(arena, CpuArena):
                     fds = (os.dup(arena.fd),)
         if not ready:
-            return "error", {"message": self._released_message()}, ()
+            return ErrorReply(self._released_message()), ()
         log.info("Engine pid %s attached (%s).", client.pid, mode)
         client.mode = mode
-        reply: dict[str, Any] = {
-            "kind": "memfd" if isinstance(arena, CpuArena) else "cuda",
-            "total_bytes": arena.total_bytes,
-            "entries": self._wire_entries,
-        }
-        if not isinstance(arena, CpuArena):
-            reply["cuda"] = arena.export_handle()
-        return "map", reply, fds
+        if isinstance(arena, CpuArena):
+            return MapReply(kind="memfd", total_bytes=arena.total_bytes, entries=self._wire_entries), fds
+        cuda = CudaHandle.from_wire(arena.export_handle())
+        return MapReply(kind="cuda", total_bytes=arena.total_bytes, entries=self._wire_entries, cuda=cuda), fds
 
-    def _handle_release(self, client: _Client, fields: dict[str, Any]) -> Reply:
+    def _handle_release(self, client: _Client, request: Release) -> Reply:
         if client.mode == "copy":
             # Copy mode hands ownership to the engine: the daemon lets go of its weights once no other
             # engine is attaching or holds a lease (their memory stays in use anyway).
@@ -395,9 +409,9 @@ class DaemonServer:
         self._release_if_due()
         with self.shared.lock:
             state, pending = self.shared.state, self.shared.release is not None
-        return "released", {"state": state, "release_queued": pending}, ()
+        return ReleaseReply(state=state, release_queued=pending), ()
 
-    def _handle_check_arena(self, client: _Client, fields: dict[str, Any]) -> Reply:
+    def _handle_check_arena(self, client: _Client, request: CheckArena) -> Reply:
         """Re-hash every processed tensor in the arena against the digest recorded when it was built."""
         from wcache.load.loader import processed_digest
 
@@ -405,37 +419,36 @@ class DaemonServer:
             ready = self.shared.state == "ready"
             if ready:
                 tensors = self.loaded.arena.tensors(self.loaded.entries)
-                changed = [name for name, tensor in tensors.items()
-                           if processed_digest(tensor) != self.loaded.processed_digests[name]]
-                return "arena", {"checked": len(tensors), "changed": changed}, ()
-        return "error", {"message": f"{self._released_message()}; nothing to check"}, ()
+                changed = tuple(name for name, tensor in tensors.items()
+                                if processed_digest(tensor) != self.loaded.processed_digests[name])
+                return ArenaReport(checked=len(tensors), changed=changed), ()
+        return ErrorReply(f"{self._released_message()}; nothing to check"), ()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StatsReply:
         d = self.descriptor
         with self.shared.lock:
             state = self.shared.state
             holds = state == "ready"
-            return {
-                "name": d.name, "pid": d.pid, "device": d.device, "tp_size": d.tp_size, "tp_rank": d.tp_rank,
-                "key_id": d.key_id, "source": d.source, "state": state, "holds_weights": holds,
-                "weights_bytes": self.loaded.arena.total_bytes if holds else 0,
-                "leases": len(self.shared.leases), "uptime_s": round(time.time() - self.started, 3),
-                "load_s": round(self.loaded.load_seconds, 3), "counters": dict(self.shared.counters),
-                "connections": self.shared.clients, "release_queued": self.shared.release is not None,
-                "released": self.shared.released,
-            }
+            return StatsReply(
+                name=d.name, pid=d.pid, device=d.device, tp_size=d.tp_size, tp_rank=d.tp_rank,
+                key_id=d.key_id, source=d.source, state=state, holds_weights=holds,
+                weights_bytes=self.loaded.arena.total_bytes if holds else 0,
+                leases=len(self.shared.leases), uptime_s=round(time.time() - self.started, 3),
+                load_s=round(self.loaded.load_seconds, 3), counters=dict(self.shared.counters),
+                connections=self.shared.clients, release_queued=self.shared.release is not None,
+                released=self.shared.released,
+            )
 
-    def _handle_stats(self, client: _Client, fields: dict[str, Any]) -> Reply:
-        return "stats", self.stats(), ()
+    def _handle_stats(self, client: _Client, request: Stats) -> Reply:
+        return self.stats(), ()
 
-    def _handle_shutdown(self, client: _Client, fields: dict[str, Any]) -> Reply:
-        force = bool(fields.get("force", False))
+    def _handle_shutdown(self, client: _Client, request: Shutdown) -> Reply:
         with self.shared.lock:
             leases = len(self.shared.leases - {client.ident})
-        if leases and not force:
-            return "shutdown", {"stopping": False, "leases": leases}, ()
+        if leases and not request.force:
+            return ShutdownReply(stopping=False, leases=leases), ()
         self.request_stop()
-        return "shutdown", {"stopping": True, "leases": leases}, ()
+        return ShutdownReply(stopping=True, leases=leases), ()
 
 
 def _close_fds(fds: tuple[int, ...]) -> None:

@@ -15,14 +15,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from wcache.daemon.argv import LoadArgs
 from wcache.daemon.health import RankTable, serve_health
 from wcache.errors import EXIT_UNAVAILABLE, WcacheError
 from wcache.ipc.http_server import http_url
+from wcache.ipc.protocol import ProtocolError
 from wcache.ipc.rundir import census, ensure_run_dir
-from wcache.ipc.status_pipe import StatusWriter, parse_line
+from wcache.ipc.status_pipe import FROM_RANK, Exists, Failed, GroupReady, Progress, RankReady, StatusWriter, parse_line
 from wcache.monitor.events import append_event
 from wcache.monitor.logs import configure as configure_logging
 
@@ -52,7 +52,7 @@ class _Rank:
     process: subprocess.Popen[str]
     done: int = 0
     total: int = 0
-    ready: dict[str, Any] | None = None
+    ready: RankReady | None = None
     failure: str | None = None
     failure_code: int = 1
     exists: str | None = None  # another daemon already holds (or is loading) this rank's key
@@ -86,7 +86,7 @@ class Supervisor:
         if outcome is not None and outcome[1] == 0:
             # The key is served already: not a failure, and nothing of ours may keep running.
             self._terminate_all()
-            self.status.emit("exists", reason=outcome[0])
+            self.status.emit(Exists(reason=outcome[0]))
             server.shutdown()
             return 0
         if outcome is not None:
@@ -94,15 +94,13 @@ class Supervisor:
             log.error("preload failed: %s", reason)
             self._terminate_all()
             append_event(self.run_dir, "preload_failed", source=str(self.args.model), reason=reason)
-            self.status.emit("failed", reason=reason, exit_code=code)
+            self.status.emit(Failed(reason=reason, exit_code=code))
             server.shutdown()
             return code
         log.info("all %d rank(s) ready in %.2f s; health %s", len(self.ranks), time.perf_counter() - began,
                  health_url)
-        self.status.emit(
-            "ready", seconds=round(time.perf_counter() - began, 3), health_url=health_url,
-            ranks=[r.ready for r in self.ranks],
-        )
+        self.status.emit(GroupReady(seconds=round(time.perf_counter() - began, 3), health_url=health_url,
+                                    ranks=tuple(r.ready for r in self.ranks if r.ready is not None)))
         self.status.close()
         # Watch until every rank has exited (stopped, or killed), then take the health server down.
         for r in self.ranks:
@@ -136,25 +134,26 @@ class Supervisor:
         stream = state.process.stdout
         assert stream is not None  # started with stdout=PIPE
         for line in stream:
-            message = parse_line(line)
-            if message is None:
+            try:
+                message = parse_line(line, FROM_RANK)
+            except ProtocolError as exc:
+                log.warning("rank %d wrote a status line that is not one (%s): %r", state.rank, exc, line[:200])
                 continue
             with self.changed:
-                if message["event"] == "progress":
-                    state.done, state.total = int(message.get("done", 0)), int(message.get("total", 0))
+                if isinstance(message, Progress):
+                    state.done, state.total = message.done, message.total
                     done = sum(r.done for r in self.ranks)
                     total = sum(r.total for r in self.ranks)
-                    self.status.emit("progress", done=done, total=total)
-                elif message["event"] == "ready":
+                    self.status.emit(Progress(done=done, total=total))
+                elif isinstance(message, RankReady):
                     state.ready = message
-                    self.table.ready(state.rank, message["socket"])
-                    log.info("rank %d ready: daemon %s", state.rank, message.get("name"))
-                elif message["event"] == "exists":
-                    state.exists = str(message.get("reason", "another daemon holds this key."))
-                elif message["event"] == "failed":
-                    state.failure = str(message.get("reason", "unknown reason"))
-                    code = message.get("exit_code")
-                    state.failure_code = code if isinstance(code, int) and code > 0 else 1
+                    self.table.ready(state.rank, message.socket)
+                    log.info("rank %d ready: daemon %s", state.rank, message.name)
+                elif isinstance(message, Exists):
+                    state.exists = message.reason
+                elif isinstance(message, Failed):
+                    state.failure = message.reason
+                    state.failure_code = message.exit_code if message.exit_code > 0 else 1
                 self.changed.notify_all()
         code = state.process.wait()
         with self.changed:
@@ -164,7 +163,7 @@ class Supervisor:
         state.finished.set()
         log.log(logging.INFO if self.stopping else logging.WARNING, "rank %d exited with code %d", state.rank, code)
         if state.ready is not None and not self.stopping:
-            append_event(self.run_dir, "daemon_exited", daemon=state.ready.get("name"), rank=state.rank,
+            append_event(self.run_dir, "daemon_exited", daemon=state.ready.name, rank=state.rank,
                          exit_code=code)
             if len(self.ranks) > 1:
                 # A tensor-parallel group serves whole or not at all: the other ranks must not report ready.
@@ -225,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         supervisor = Supervisor(args)
     except WcacheError as exc:
-        StatusWriter().emit("failed", reason=str(exc), exit_code=exc.exit_code)
+        StatusWriter().emit(Failed(reason=str(exc), exit_code=exc.exit_code))
         return exc.exit_code
     signal.signal(signal.SIGTERM, lambda *_: supervisor.stop())
     signal.signal(signal.SIGINT, lambda *_: supervisor.stop())
@@ -235,11 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         supervisor._terminate_all()
         log.error("preload failed: %s", exc)
         append_event(supervisor.run_dir, "preload_failed", source=str(args.model), reason=str(exc))
-        supervisor.status.emit("failed", reason=str(exc), exit_code=exc.exit_code)
+        supervisor.status.emit(Failed(reason=str(exc), exit_code=exc.exit_code))
         return exc.exit_code
     except OSError as exc:
         supervisor._terminate_all()
-        supervisor.status.emit("failed", reason=f"the supervisor failed: {exc}.", exit_code=1)
+        supervisor.status.emit(Failed(reason=f"the supervisor failed: {exc}.", exit_code=1))
         return 1
 
 

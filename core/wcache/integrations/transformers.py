@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from wcache.attach import AttachedWeights, AttachMissError, attach
+from wcache.attach import AttachedWeights, AttachMissError, attach_with
 from wcache.attach_options import AttachOptions
 from wcache.checkpoint.dtypes import PLAN_DTYPES
 from wcache.checkpoint.model_path import resolve_model_path
@@ -65,7 +66,7 @@ def from_pretrained(model: str | os.PathLike[str], *, revision: str | None = Non
     plan = PlanSpec(dtype=_plan_dtype(kwargs), layout=layout_for(getattr(config, "architectures", None)))
     try:
         with DigestStore.open() as store:
-            weights = attach(path, plan, store=store, engine=ENGINE, **{**options.attach_kwargs(), "fallback": False})
+            weights = attach_with(path, plan, replace(options, fallback=False), store=store, engine=ENGINE)
     except AttachMissError as exc:
         if not options.fallback:
             raise

@@ -32,7 +32,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from wcache.attach import AttachedWeights, AttachMissError, attach
+from wcache.attach import AttachedWeights, AttachMissError, attach_with
 from wcache.attach_options import AttachOptions
 from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import CheckpointError, UnavailableError, WcacheError
@@ -139,7 +139,7 @@ class WcacheModelLoader(BaseModelLoader):
         """
         if self.options.mode != "zero_copy" or not device_name(vllm_config).startswith("cuda"):
             return 0
-        from wcache.verify import pick_daemon
+        from wcache.daemon_choice import pick_daemon
 
         model_config = vllm_config.model_config
         try:
@@ -196,8 +196,8 @@ class WcacheModelLoader(BaseModelLoader):
             plan = plan_for(vllm_config, model_config)
             path = resolve_model_path(model_config.model, model_config.revision)
             with DigestStore.open() as store:
-                return attach(path, plan, device=device_name(vllm_config), store=store, engine=ENGINE,
-                              **{**self.options.attach_kwargs(), "fallback": False})
+                options = dataclasses.replace(self.options, fallback=False)
+                return attach_with(path, plan, options, device=device_name(vllm_config), store=store, engine=ENGINE)
         except AttachMissError as exc:
             raise CannotAttachError(exc.report.reason or str(exc)) from None
         except (UnsupportedPlanError, CheckpointError) as exc:

@@ -7,10 +7,13 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from wcache.errors import UnavailableError
-from wcache.ipc.protocol import REPLY_LIMITS, REQUEST_LIMITS, Frame, ProtocolError, peer_uid, receive, send
+from wcache.ipc.messages import ErrorReply, Message, Request
+from wcache.ipc.protocol import REPLY_LIMITS, REQUEST_LIMITS, ProtocolError, peer_uid, receive, send
+
+R = TypeVar("R", bound=Message)
 
 CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 30.0
@@ -74,11 +77,11 @@ class DaemonConnection:
         with contextlib.suppress(OSError):
             self.sock.close()
 
-    def request(self, message_type: str, **fields: Any) -> Frame:
-        """Send a request and return the reply; an error reply raises DaemonError with its message."""
+    def request(self, message: Request[R]) -> R:
+        """Send a request and return its reply; an error reply, or a malformed one, raises DaemonError."""
         send_error: OSError | None = None
         try:
-            send(self.sock, message_type, fields, REQUEST_LIMITS)
+            send(self.sock, message.TYPE, message.to_wire(), REQUEST_LIMITS)
         except (BrokenPipeError, ConnectionResetError) as exc:
             # A daemon that refuses a connection (too many clients) says why and closes before reading:
             # its error frame may still be waiting to be read.
@@ -89,15 +92,19 @@ class DaemonConnection:
             reply = receive(self.sock, REPLY_LIMITS)
         except (OSError, ProtocolError) as exc:
             raise DaemonError(f"the daemon at {self.path} stopped answering ({send_error or exc}).") from None
-        if reply.type == "error":
-            for fd in reply.fds:
-                os.close(fd)
-            raise DaemonError(f"the daemon at {self.path} refused {message_type}: {reply.fields.get('message')}.")
-        return reply
+        try:
+            if reply.type == ErrorReply.TYPE:
+                for fd in reply.fds:
+                    os.close(fd)
+                refusal = ErrorReply.from_wire(reply.fields)
+                raise DaemonError(f"the daemon at {self.path} refused {message.TYPE}: {refusal.message}.")
+            return message.reply_from(reply)
+        except ProtocolError as exc:
+            raise DaemonError(f"the daemon at {self.path} sent a malformed reply to {message.TYPE} ({exc}).") from None
 
 
-def request_once(path: str | Path, message_type: str, *, timeout: float | None = None, **fields: Any) -> Frame:
+def request_once(path: str | Path, message: Request[R], *, timeout: float | None = None) -> R:
     """Open a connection, make one request, close; `timeout` bounds connect and reply alike."""
     connect, reply = (timeout, timeout) if timeout is not None else (CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S)
     with DaemonConnection(path, connect, reply) as conn:
-        return conn.request(message_type, **fields)
+        return conn.request(message)

@@ -203,10 +203,3 @@ def peer_uid(sock: socket.socket) -> int:
     _pid, uid, _gid = struct.unpack("3i", creds)
     return uid
 
-
-def require(fields: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    """A field of the expected type, or ProtocolError naming it."""
-    value = fields.get(name)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ProtocolError(f"field {name!r} is missing or has the wrong type")
-    return value

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import json
 import logging
 import os
 import stat
-import types
-import typing
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from wcache.errors import EXIT_OK, BadInputError, WcacheError
+from wcache.ipc.codec import Wire
+from wcache.ipc.protocol import ProtocolError
+from wcache.key.cache_key import WeightCacheKey
+from wcache.plan.spec import PlanSpec
 
 log = logging.getLogger("wcache")
 
@@ -77,7 +78,7 @@ def ensure_run_dir(path: Path) -> Path:
 
 
 @dataclass(frozen=True, slots=True)
-class DaemonDescriptor:
+class DaemonDescriptor(Wire):
     """What a ready daemon publishes about itself; static for the daemon's life."""
 
     name: str
@@ -87,8 +88,8 @@ class DaemonDescriptor:
     tp_size: int
     tp_rank: int
     key_id: str
-    key: dict[str, Any]
-    plan: dict[str, Any]
+    key: WeightCacheKey
+    plan: PlanSpec
     config: dict[str, Any] | None
     source: str
     socket: str
@@ -97,41 +98,10 @@ class DaemonDescriptor:
     started: str
     weights_bytes: int
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Any) -> DaemonDescriptor:
-        """A descriptor from its JSON; ValueError naming the first field of the wrong type or value."""
-        if not isinstance(data, dict):
-            raise ValueError("it is not a JSON object")
-        names = {f.name for f in fields(cls)}
-        if set(data) != names:
-            missing, extra = sorted(names - set(data)), sorted(set(data) - names)
-            raise ValueError(f"fields missing {missing}, unexpected {extra}")
-        # A class is hashable; mypy reads a dataclass's instance __hash__ as the class's (python/mypy#11470).
-        for name, kinds in _field_kinds(cls).items():  # type: ignore[arg-type]
-            value = data[name]
-            # bool is an int, and a pid of True is no pid.
-            if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-                raise ValueError(f"field {name} is {value!r}")
-        if data["pid"] <= 0 or (data["supervisor_pid"] is not None and data["supervisor_pid"] <= 0):
-            raise ValueError(f"pid {data['pid']} is not a process id")
-        if not all(isinstance(k, str) and isinstance(v, (str, int)) for k, v in data["key"].items()):
-            raise ValueError("field key is not a map of strings")
-        return cls(**data)
-
-
-
-
-@functools.cache
-def _field_kinds(cls: type) -> dict[str, tuple[type, ...]]:
-    """The runtime types each field's annotation allows (`str | None` → (str, NoneType), dict[...] → dict)."""
-    kinds = {}
-    for name, hint in typing.get_type_hints(cls).items():
-        options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-        kinds[name] = tuple(typing.get_origin(o) or o for o in options)
-    return kinds
+    def __post_init__(self) -> None:
+        # A pid of 0 or less would signal a process group, or every process we may signal.
+        if self.pid <= 0 or (self.supervisor_pid is not None and self.supervisor_pid <= 0):
+            raise ValueError(f"pid {self.pid} is not a process id")
 
 
 def matches(descriptor: DaemonDescriptor, ident: str) -> bool:
@@ -161,7 +131,7 @@ def write_descriptor(run_dir: Path, descriptor: DaemonDescriptor) -> Path:
     temporary = final.with_suffix(f".tmp-{os.getpid()}")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(descriptor.to_json(), f, indent=2)
+        json.dump(descriptor.to_wire(), f, indent=2)
     temporary.replace(final)
     return final
 
@@ -236,10 +206,10 @@ def read_descriptors(run_dir: Path) -> list[DaemonDescriptor]:
     found = []
     for path in sorted(run_dir.glob(f"*{DESCRIPTOR_SUFFIX}")):
         try:
-            found.append(DaemonDescriptor.from_json(json.loads(path.read_text())))
+            found.append(DaemonDescriptor.from_wire(json.loads(path.read_text())))
         except FileNotFoundError:
             continue  # removed by its daemon while we listed
-        except (OSError, ValueError, TypeError) as exc:
+        except (OSError, ValueError, ProtocolError) as exc:
             log.warning("Ignoring unreadable daemon descriptor %s (%s).", path, exc)
     return found
 

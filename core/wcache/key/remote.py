@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.ipc.rundir import DaemonDescriptor
-from wcache.key.cache_key import KeyFile, WeightCacheKey
-from wcache.plan.spec import PlanSpec
+from wcache.key.cache_key import KeyFile
 
 
-def daemon_key_file(descriptor: DaemonDescriptor, tensors: list[dict[str, Any]]) -> KeyFile:
+def daemon_key_file(descriptor: DaemonDescriptor, tensors: tuple[TensorDigest, ...]) -> KeyFile:
     """The key a daemon holds, comparable with any other KeyFile by diff_keys."""
-    manifest = tuple(TensorDigest.from_json(t) for t in tensors)
     return KeyFile(
-        key=WeightCacheKey(**descriptor.key),
-        plan=PlanSpec.from_json(descriptor.plan),
+        key=descriptor.key,
+        plan=descriptor.plan,
         config=descriptor.config,
-        manifest=manifest,
+        manifest=tensors,
         source=f"daemon {descriptor.name} ({descriptor.source})",
         created=descriptor.started,
         wcache_version="",

@@ -23,15 +23,15 @@ from typing import Any
 
 import psutil
 
-from wcache.ipc.client import DaemonError, request_once
 from wcache.ipc.loading import LoadingRecord, read_loading
 from wcache.ipc.rundir import ENGINES_DIR, DaemonDescriptor, read_descriptors
+from wcache.monitor.daemon_status import DaemonStatus, collect
 from wcache.monitor.events import events_path, parse_event, rotated_path
 from wcache.monitor.prometheus import Samples, label_value, parse_metrics, total
 from wcache.monitor.rates import CounterDeltas, ratio
 from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
 
-TIMEOUT_S = 1.0
+TIMEOUT_S = 1.0  # an engine's /metrics and a supervisor's /health (daemons: daemon_status.STATS_TIMEOUT_S)
 HISTORY = 60
 HEALTH_EVERY_S = 1.9  # at the default 2 s interval every poll asks; at 2 Hz every fourth one does
 # vLLM's prefix-cache counters (tokens), newest name first: 0.9 renamed gpu_prefix_cache_* to prefix_cache_*.
@@ -249,13 +249,6 @@ class Collector:
     def _health(url: str) -> int | None:
         return http_get(f"{url}/health")[0]
 
-    @staticmethod
-    def _stats(descriptor: DaemonDescriptor) -> dict[str, Any] | None:
-        try:
-            return request_once(descriptor.socket, "stats", timeout=TIMEOUT_S).fields
-        except DaemonError:
-            return None
-
     def _health_checks(self, urls: set[str]) -> dict[str, Future[int | None]]:
         """A /health request per supervisor, reusing an answer younger than HEALTH_EVERY_S.
 
@@ -278,15 +271,14 @@ class Collector:
         self._polls += 1
         descriptors = read_descriptors(self.run_dir) if self.run_dir.exists() else []
         targets = self._engine_targets()
-        stats: dict[str, Future[dict[str, Any] | None]] = {
-            d.name: self._pool.submit(self._stats, d) for d in descriptors
-        }
         health = self._health_checks({d.health_url for d in descriptors if d.health_url})
         scraped: dict[str, Future[str | None]] = {t.id: self._pool.submit(self._fetch, t.metrics_url) for t in targets}
         for event in self._tail.read_new():
             if event["kind"] in FEED_KINDS:
                 self._events.append(summarize(event))
-        daemons = tuple(self._daemon_row(d, stats[d.name].result(), health) for d in descriptors)
+        # While the scrapes run on the pool too: one poll waits for the slowest answer, not for their sum.
+        stats = collect([d.socket for d in descriptors], self._pool)
+        daemons = tuple(self._daemon_row(d, s, health) for d, s in zip(descriptors, stats, strict=True))
         daemons += tuple(_loading_row(r) for r in (read_loading(self.run_dir) if self.run_dir.exists() else []))
         self._delta_keys = set()
         engines = tuple(self._engine_row(t, scraped[t.id].result()) for t in targets)
@@ -298,22 +290,21 @@ class Collector:
         )
 
     @staticmethod
-    def _daemon_row(d: DaemonDescriptor, stats: dict[str, Any] | None,
+    def _daemon_row(d: DaemonDescriptor, answer: DaemonStatus,
                     health: dict[str, Future[int | None]]) -> DaemonRow:
-        alive = stats is not None
+        stats = answer.stats
         status = health[d.health_url].result() if d.health_url in health else None
-        counters = stats.get("counters", {}) if stats else {}
-        counters = counters if isinstance(counters, dict) else {}
+        counters = stats.counters if stats is not None else {}
         return DaemonRow(
             name=d.name, pid=d.pid, device=d.device, tp_rank=d.tp_rank, tp_size=d.tp_size,
             model=Path(d.source).name, key_id=d.key_id,
-            state=str(stats.get("state")) if stats else "gone",
-            weights_bytes=int(stats.get("weights_bytes", 0)) if stats else 0,
-            leases=int(stats.get("leases", 0)) if stats else 0,
-            uptime_s=float(stats["uptime_s"]) if stats and "uptime_s" in stats else None,
-            health_status=status if alive else None, alive=alive,
-            hits=int(counters.get("hits", 0)),
-            misses=sum(int(v) for k, v in counters.items() if k.startswith("misses_")),
+            state=stats.state if stats is not None else "gone",
+            weights_bytes=stats.weights_bytes if stats is not None else 0,
+            leases=stats.leases if stats is not None else 0,
+            uptime_s=stats.uptime_s if stats is not None else None,
+            health_status=status if stats is not None else None, alive=stats is not None,
+            hits=counters.get("hits", 0),
+            misses=sum(v for k, v in counters.items() if k.startswith("misses_")),
         )
 
     def _delta(self, target: EngineTarget, samples: Samples, names: tuple[str, ...]) -> float | None:

@@ -1,0 +1,49 @@
+"""Which daemon an engine uses: the live daemons on its device (or the one it names) that hold its key.
+
+The one home of that choice, for `attach`, `verify --content` and the vLLM loader's memory accounting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from wcache.errors import UnavailableError
+from wcache.ipc.messages import WantedKey
+from wcache.ipc.rundir import DaemonDescriptor, census, matches
+from wcache.plan.spec import PlanSpec
+
+
+def on_device(run_dir: Path, device: str, daemon: str | None) -> list[DaemonDescriptor]:
+    """Live daemons on `device`; only those `daemon` names (a name or key id prefix) when it is given."""
+    live = census(run_dir).live if run_dir.exists() else ()
+    return [d for d in live if d.device == device and (daemon is None or matches(d, daemon))]
+
+
+def holding(candidates: Iterable[DaemonDescriptor], wanted: WantedKey) -> list[DaemonDescriptor]:
+    """The candidates whose key is `wanted` (in every field it names)."""
+    return [d for d in candidates if not wanted.mismatched_fields(d.key)]
+
+
+def nearest(candidates: list[DaemonDescriptor], wanted: WantedKey) -> DaemonDescriptor:
+    """The candidate with the fewest differing key fields (the first of those), to explain a miss against."""
+    return min(candidates, key=lambda d: len(wanted.mismatched_fields(d.key)))
+
+
+def pick_daemon(model: Path, plan: PlanSpec, run_dir: Path, device: str, daemon: str | None) -> DaemonDescriptor:
+    """The daemon an engine for `model` under `plan` would use, judged by config, plan and format alone."""
+    from wcache.key.cache_key import trusted_key
+
+    wanted = WantedKey(**trusted_key(model, plan))  # what `attach --trust-daemon` compares
+    if daemon is not None:
+        live = census(run_dir).live if run_dir.exists() else ()
+        named = [d for d in live if matches(d, daemon)]
+        if len(named) != 1:
+            raise UnavailableError(f"{len(named)} running daemons match {daemon!r} in {run_dir}; name exactly one.")
+        return named[0]
+    fitting = holding(on_device(run_dir, device, None), wanted)
+    if not fitting:
+        raise UnavailableError(f"no daemon on {device} in {run_dir} holds {model} under this plan.")
+    if len(fitting) > 1:
+        raise UnavailableError(f"{len(fitting)} daemons on {device} fit this plan; name one with --daemon.")
+    return fitting[0]

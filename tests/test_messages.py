@@ -1,0 +1,301 @@
+"""Every protocol message, status-pipe event and the descriptor round-trip through their wire form, and bad
+input is refused with the protocol's own error: frames through a real socketpair and the protocol's own
+send/receive, replies through a real client connection."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from wcache.checkpoint.manifest import TensorDigest
+from wcache.ipc.client import DaemonConnection, DaemonError
+from wcache.ipc.codec import Wire
+from wcache.ipc.messages import (
+    ArenaReport,
+    CheckArena,
+    CudaHandle,
+    DaemonSummary,
+    ErrorReply,
+    Hello,
+    HelloReply,
+    Manifest,
+    ManifestReply,
+    MapReply,
+    MapRequest,
+    Message,
+    Release,
+    ReleasedTo,
+    ReleaseReply,
+    Shutdown,
+    ShutdownReply,
+    Stats,
+    StatsReply,
+    WantedKey,
+)
+from wcache.ipc.protocol import REPLY_LIMITS, REQUEST_LIMITS, Limits, ProtocolError, encode, receive, send
+from wcache.ipc.rundir import DaemonDescriptor
+from wcache.ipc.status_pipe import (
+    FROM_RANK,
+    FROM_SUPERVISOR,
+    Exists,
+    Failed,
+    GroupReady,
+    Progress,
+    RankReady,
+    StatusWriter,
+    parse_line,
+)
+from wcache.key.cache_key import WeightCacheKey
+from wcache.plan.spec import PlanSpec
+
+KEY = WeightCacheKey(checkpoint="c" * 64, config="f" * 64, plan="p" * 64, format=1)
+PLAN = PlanSpec(tp_size=2, tp_rank=1, dtype="bfloat16")
+RELEASED = ReleasedTo(at="2025-01-01T00:00:00+00:00", client_pid=4242)
+SUMMARY = DaemonSummary(name="cpu-abc", key_id="abc", key=KEY, plan=PLAN, config={"model_type": "llama"},
+                        source="/models/tiny", device="cpu", state="released", released=RELEASED)
+STATS = StatsReply(name="cpu-abc", pid=7, device="cpu", tp_size=2, tp_rank=1, key_id="abc", source="/models/tiny",
+                   state="ready", holds_weights=True, weights_bytes=1024, leases=2, uptime_s=1.5, load_s=0.25,
+                   counters={"hits": 3, "misses_plan": 1}, connections=4, release_queued=False, released=None)
+CUDA = CudaHandle(handle=b"\x01" * 64, storage_size=4096, storage_offset=0, ref_counter_handle=b"r",
+                  ref_counter_offset=8, event_handle=b"", event_sync_required=True, total_bytes=4096)
+
+REQUESTS: list[Message] = [
+    Hello(key=WantedKey.of(KEY), pid=123, dp_size=2),
+    Hello(key=WantedKey(config=KEY.config, plan=KEY.plan, format=1)),  # --trust-daemon: no checkpoint, no pid
+    Manifest(),
+    MapRequest("zero_copy"),
+    MapRequest("copy"),
+    Release(),
+    CheckArena(),
+    Stats(),
+    Shutdown(force=True),
+    Shutdown(),
+]
+REPLIES: list[Message] = [
+    ErrorReply("say hello with a matching key before asking for a map"),
+    HelloReply(status="miss", mismatched=("checkpoint", "plan"), daemon=SUMMARY),
+    ManifestReply(tensors=(TensorDigest("w", "BF16", (2, 3), 12, "d" * 64),), daemon=SUMMARY),
+    MapReply(kind="memfd", total_bytes=64, entries=[["w", "bfloat16", [2, 3], 0, 12]]),
+    MapReply(kind="cuda", total_bytes=4096, entries=[], cuda=CUDA),
+    ReleaseReply(state="ready", release_queued=True),
+    ArenaReport(checked=5, changed=("w",)),
+    STATS,
+    ShutdownReply(stopping=False, leases=1),
+]
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.settimeout(5)
+    b.settimeout(5)
+    with a, b:
+        yield a, b
+
+
+def through(pair: tuple[socket.socket, socket.socket], message: Message, limits: Limits) -> Message:
+    """`message` sent as a frame on one end, received on the other and read back as its own type."""
+    a, b = pair
+    send(a, message.TYPE, message.to_wire(), limits)
+    frame = receive(b, limits)
+    assert frame.type == message.TYPE
+    return type(message).from_wire(frame.fields)
+
+
+@pytest.mark.parametrize("message", REQUESTS, ids=lambda m: type(m).__name__)
+def test_every_request_survives_a_real_frame(pair: tuple[socket.socket, socket.socket], message: Message) -> None:
+    assert through(pair, message, REQUEST_LIMITS) == message
+
+
+@pytest.mark.parametrize("message", REPLIES, ids=lambda m: type(m).__name__)
+def test_every_reply_survives_a_real_frame(pair: tuple[socket.socket, socket.socket], message: Message) -> None:
+    assert through(pair, message, REPLY_LIMITS) == message
+
+
+def test_the_wire_form_is_the_one_daemons_have_always_spoken() -> None:
+    """Same msgpack fields as before the types: what a client of the previous version sends and reads."""
+    assert Hello(key=WantedKey(config="f", plan="p", format=1), pid=5).to_wire() == {
+        "key": {"config": "f", "plan": "p", "format": 1}, "pid": 5}
+    assert MapReply(kind="memfd", total_bytes=1, entries=[], fds=(3,)).to_wire() == {
+        "kind": "memfd", "total_bytes": 1, "entries": []}
+    assert HelloReply("hit", (), SUMMARY).to_wire()["daemon"]["key"] == {
+        "checkpoint": KEY.checkpoint, "config": KEY.config, "plan": KEY.plan, "format": 1}
+    assert HelloReply("hit", (), SUMMARY).to_wire()["daemon"]["plan"] == PLAN.to_json()
+    assert ManifestReply((TensorDigest("w", "F32", (1,), 4, "d"),), SUMMARY).to_wire()["tensors"] == [
+        TensorDigest("w", "F32", (1,), 4, "d").to_json()]
+    assert set(STATS.to_wire()) == {
+        "name", "pid", "device", "tp_size", "tp_rank", "key_id", "source", "state", "holds_weights",
+        "weights_bytes", "leases", "uptime_s", "load_s", "counters", "connections", "release_queued", "released"}
+
+
+def test_a_map_reply_brings_its_descriptor_through_the_socket(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    read_end, write_end = os.pipe()
+    try:
+        send(a, "map", MapReply(kind="memfd", total_bytes=3, entries=[]).to_wire(), REPLY_LIMITS, (write_end,))
+        reply = MapRequest("copy").reply_from(receive(b, REPLY_LIMITS))
+        assert reply.kind == "memfd" and len(reply.fds) == 1
+        os.write(reply.fds[0], b"abc")
+        os.close(reply.fds[0])
+        assert os.read(read_end, 3) == b"abc"
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_a_trusted_hello_compares_every_field_but_the_checkpoint() -> None:
+    trusted = WantedKey(config=KEY.config, plan=KEY.plan, format=KEY.format)
+    assert trusted.mismatched_fields(KEY) == []
+    other = WeightCacheKey(checkpoint="x" * 64, config=KEY.config, plan="q" * 64, format=KEY.format)
+    assert trusted.mismatched_fields(other) == ["plan"]
+    assert WantedKey.of(KEY).mismatched_fields(other) == ["checkpoint", "plan"]
+
+
+MALFORMED: dict[str, tuple[type[Wire], Any, str]] = {
+    "not a map": (Stats, [1, 2], "not a map"),
+    "a missing field": (MapRequest, {}, "missing ['mode']"),
+    "an extra field": (Stats, {"verbose": True}, "unexpected ['verbose']"),
+    "a mode outside the protocol": (MapRequest, {"mode": "mmap"}, "must be one of 'zero_copy', 'copy'"),
+    "a mode of the wrong type": (MapRequest, {"mode": 1}, "MapRequest.mode must be one of 'zero_copy', 'copy', not 1"),
+    "a bool for a pid": (Hello, {"key": WantedKey.of(KEY).to_wire(), "pid": True}, "Hello.pid is bool"),
+    "a hello without a plan": (Hello, {"key": {"config": "f", "format": 1}}, "Hello.key has fields missing"),
+    "a key of the wrong type": (Hello, {"key": {"config": 1, "plan": "p", "format": 1}}, "Hello.key.config"),
+    "a force that is a number": (Shutdown, {"force": 1}, "Shutdown.force is int"),
+    "a string for a count": (ShutdownReply, {"stopping": True, "leases": "1"}, "ShutdownReply.leases is str"),
+    "a status outside the protocol": (HelloReply, {**REPLIES[1].to_wire(), "status": "maybe"}, "status"),
+    "a plan the plan refuses": (
+        HelloReply, {**REPLIES[1].to_wire(), "daemon": {**SUMMARY.to_wire(), "plan": {"tp_size": 0}}},
+        "HelloReply.daemon.plan is not valid"),
+    "a manifest entry of the wrong shape": (
+        ManifestReply, {"tensors": [{"name": "w"}], "daemon": SUMMARY.to_wire()}, "ManifestReply.tensors"),
+    "counters that are not counts": (StatsReply, {**STATS.to_wire(), "counters": {"hits": "3"}}, "counters.hits"),
+    "a list that is not one": (ArenaReport, {"checked": 1, "changed": "w"}, "ArenaReport.changed is str"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED, ids=str)
+def test_malformed_fields_raise_the_protocols_error(case: str) -> None:
+    kind, data, words = MALFORMED[case]
+    with pytest.raises(ProtocolError) as raised:
+        kind.from_wire(data)
+    message = str(raised.value)
+    assert words in message and "\n" not in message
+
+
+def test_a_wrong_protocol_version_is_refused_before_any_type(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    import msgpack
+
+    body = msgpack.packb({"v": 2, "type": "stats"})
+    a.sendall(len(body).to_bytes(4, "big") + body)
+    with pytest.raises(ProtocolError, match="protocol version 2"):
+        receive(b, REQUEST_LIMITS)
+
+
+def fake_daemon(tmp: Path, answer: Callable[[socket.socket], None]) -> tuple[str, threading.Thread]:
+    """A one-connection daemon on a real Unix socket that answers its first request with `answer`."""
+    path = str(tmp / "d.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                receive(conn, REQUEST_LIMITS)
+                answer(conn)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return path, thread
+
+
+MALFORMED_REPLIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "missing fields": ("stats", {"state": "ready"}),
+    "a field of the wrong type": ("stats", {**STATS.to_wire(), "leases": "two"}),
+    "another reply type": ("map", {"kind": "memfd", "total_bytes": 1, "entries": []}),
+    "an error without its message": ("error", {}),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED_REPLIES, ids=str)
+def test_a_malformed_reply_is_one_daemon_error_sentence(tmp_path: Path, case: str) -> None:
+    reply_type, fields = MALFORMED_REPLIES[case]
+    path, thread = fake_daemon(tmp_path, lambda conn: conn.sendall(encode(reply_type, fields, REPLY_LIMITS)))
+    with DaemonConnection(path) as connection, pytest.raises(DaemonError) as raised:
+        connection.request(Stats())
+    thread.join(timeout=5)
+    message = str(raised.value)
+    assert message.startswith(f"the daemon at {path} ") and message.endswith(".") and "\n" not in message
+    assert "malformed reply to stats" in message
+
+
+def test_an_error_reply_is_the_daemons_sentence(tmp_path: Path) -> None:
+    path, thread = fake_daemon(tmp_path, lambda conn: conn.sendall(
+        encode("error", ErrorReply("this daemon holds no weights").to_wire(), REPLY_LIMITS)))
+    with DaemonConnection(path) as connection, pytest.raises(DaemonError, match="refused stats: this daemon holds"):
+        connection.request(Stats())
+    thread.join(timeout=5)
+
+
+# -- the status pipe and the descriptor ----------------------------------------------------------------
+
+RANK_READY = RankReady(rank=1, name="cpu-abc", key_id="abc", socket="/run/x.sock", weights_bytes=9, load_s=0.5)
+EVENTS: list[tuple[Any, tuple[Any, ...]]] = [
+    (Progress(done=1, total=10, files=2, rank=0), FROM_RANK),
+    (Progress(done=5, total=10), FROM_SUPERVISOR),
+    (RANK_READY, FROM_RANK),
+    (GroupReady(seconds=1.25, health_url="http://127.0.0.1:1", ranks=(RANK_READY,)), FROM_SUPERVISOR),
+    (Exists(reason="daemon x already serves this key."), FROM_SUPERVISOR),
+    (Failed(reason="rank 0: no such file.", exit_code=2, rank=0), FROM_RANK),
+]
+
+
+@pytest.mark.parametrize("event,kinds", EVENTS, ids=lambda e: type(e).__name__ if not isinstance(e, tuple) else "")
+def test_every_status_event_survives_a_real_pipe(event: Any, kinds: tuple[Any, ...]) -> None:
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end) as reader, os.fdopen(write_end, "w") as writer:
+        StatusWriter(writer).emit(event)
+        writer.close()
+        assert parse_line(reader.readline(), kinds) == event
+
+
+def test_status_lines_that_are_no_event_are_skipped_and_bad_events_refused() -> None:
+    assert parse_line("Loading weights...\n", FROM_RANK) is None
+    assert parse_line("[1, 2]\n", FROM_RANK) is None
+    with pytest.raises(ProtocolError, match="RankReady has fields missing"):
+        parse_line(json.dumps({"event": "ready", "rank": 0}), FROM_RANK)
+    with pytest.raises(ProtocolError, match="'hello' is not one of"):
+        parse_line(json.dumps({"event": "hello"}), FROM_SUPERVISOR)
+
+
+DESCRIPTOR = DaemonDescriptor(
+    name="cpu-abc", pid=7, pid_created=1.5, device="cpu", tp_size=2, tp_rank=1, key_id="abc", key=KEY, plan=PLAN,
+    config=None, source="/models/tiny", socket="/run/x.sock", health_url=None, supervisor_pid=6,
+    started="2025-01-01T00:00:00+00:00", weights_bytes=9,
+)
+
+
+def test_the_descriptor_round_trips_through_json_with_its_key_typed() -> None:
+    again = DaemonDescriptor.from_wire(json.loads(json.dumps(DESCRIPTOR.to_wire())))
+    assert again == DESCRIPTOR and isinstance(again.key, WeightCacheKey) and again.plan == PLAN
+    assert DESCRIPTOR.to_wire()["key"] == {"checkpoint": KEY.checkpoint, "config": KEY.config, "plan": KEY.plan,
+                                           "format": 1}
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"pid": 0}, "not a process id"),
+    ({"pid": True}, "pid is bool"),
+    ({"key": {"checkpoint": "c"}}, "key has fields missing"),
+    ({"health_url": 5}, "health_url is int"),
+], ids=str)
+def test_a_bad_descriptor_is_refused(change: dict[str, Any], words: str) -> None:
+    with pytest.raises(ProtocolError, match=words):
+        DaemonDescriptor.from_wire({**DESCRIPTOR.to_wire(), **change})
