@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 from wcache.attach import attach
 from wcache.daemon.launch import DaemonGroup, start_daemons
-from wcache.key.cache_key import compute_key
+from wcache.key.compute import compute_key
 from wcache.key.digest_store import DigestStore
 from wcache.load.loader import load_from_disk
 from wcache.plan.spec import PlanSpec

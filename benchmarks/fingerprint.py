@@ -41,7 +41,7 @@ from bench_common import READ_CHUNK_BYTES, fmt_rate, fmt_seconds, read_all, spee
 from rich.console import Console, JustifyMethod
 from rich.table import Table
 from wcache.checkpoint.files import locate
-from wcache.key.cache_key import compute_key
+from wcache.key.compute import compute_key
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import MAX_STAT_THREADS
 from wcache.key.shard_hash import FileIdentity

@@ -54,7 +54,7 @@ from rich.console import Console, JustifyMethod
 from rich.table import Table
 from wcache.checkpoint.files import locate
 from wcache.ipc.arena import plan_layout
-from wcache.key.cache_key import compute_key
+from wcache.key.compute import compute_key
 from wcache.plan.processing import build_plan
 from wcache.plan.spec import PlanSpec
 from wcache_dev.synth import write_checkpoint

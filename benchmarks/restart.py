@@ -57,7 +57,8 @@ from rich.table import Table
 from safetensors.torch import load_file
 from wcache.attach import attach
 from wcache.checkpoint.files import locate
-from wcache.key.cache_key import KeyFile, compute_key
+from wcache.key.cache_key import KeyFile
+from wcache.key.compute import compute_key
 from wcache.key.digest_store import DigestStore
 from wcache.load.loader import load_from_disk
 from wcache.plan.processing import build_plan, process_all

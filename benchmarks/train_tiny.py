@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from wcache.engine import Engine
-from wcache.key.cache_key import compute_key
+from wcache.key.compute import compute_key
 from wcache_dev.synth import read_tensors
 from wcache_dev.trained import BASE_PRESET, STEPS, write_trained_checkpoint
 

@@ -41,7 +41,9 @@ from wcache.ipc.rundir import (
     socket_path,
     write_descriptor,
 )
+from wcache.key.cache_key import WeightCacheKey
 from wcache.monitor.events import read_events
+from wcache.plan.spec import PlanSpec
 
 CLI_TIMEOUT_S = 120.0
 KILL_WAIT_S = 15.0
@@ -211,7 +213,7 @@ class DaemonRig:
         name = daemon_name(device, key_id)
         descriptor = DaemonDescriptor(
             name=name, pid=process.pid, pid_created=created, device=device, tp_size=1, tp_rank=0, key_id=key_id,
-            key={"checkpoint": key_id, "config": key_id, "plan": key_id, "format": 1}, plan={}, config=None,
+            key=WeightCacheKey(checkpoint=key_id, config=key_id, plan=key_id, format=1), plan=PlanSpec(), config=None,
             source=str(self.base / "tiny"), socket=str(socket_path(self.run_dir, name)), health_url=None,
             supervisor_pid=None, started="2025-01-01T00:00:00+00:00", weights_bytes=0,
         )

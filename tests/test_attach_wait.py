@@ -71,4 +71,5 @@ def test_attach_options_say_what_is_wrong(options: dict[str, object], message: s
 
 def test_attach_options_round_trip() -> None:
     options = AttachOptions.from_mapping({"mode": "copy", "wait_s": 3, "run_dir": "/tmp/x"}, "here")
-    assert options.attach_kwargs()["wait_s"] == 3.0 and str(options.attach_kwargs()["run_dir"]) == "/tmp/x"
+    assert options.wait_s == 3.0 and options.run_dir == "/tmp/x"
+    assert AttachOptions.from_mapping(options.to_mapping(), "here") == options

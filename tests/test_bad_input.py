@@ -21,7 +21,8 @@ import pytest
 from as_nobody import nobody_tree, open_to_all, run_as_nobody
 from wcache.checkpoint.safetensors_header import MAX_HEADER_BYTES
 from wcache.errors import BadInputError, CheckpointError, KeyFileError
-from wcache.key.cache_key import compute_key, load_key_file
+from wcache.key.cache_key import load_key_file
+from wcache.key.compute import compute_key
 from wcache.plan.spec import PlanSpec
 from wcache_dev.synth import write_checkpoint
 
@@ -342,7 +343,7 @@ LIBRARY_AS_NOBODY = """
 import json, sys
 from pathlib import Path
 from wcache.errors import CheckpointError
-from wcache.key.cache_key import compute_key
+from wcache.key.compute import compute_key
 try:
     compute_key(Path(sys.argv[1]))
 except CheckpointError as exc:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import run_cli, run_python, wait_past_racy_window
 from wcache.checkpoint.safetensors_header import read_header
-from wcache.key.cache_key import KeyFile, compute_key
+from wcache.key.cache_key import KeyFile
+from wcache.key.compute import compute_key
 from wcache.key.diff import diff_keys
 from wcache.key.digest_store import DigestStore
 from wcache.plan.spec import PlanSpec

@@ -38,7 +38,7 @@ from wcache.attach import AttachedWeights, attach
 from wcache.ipc.client import request_once
 from wcache.ipc.messages import Stats
 from wcache.ipc.rundir import DaemonDescriptor
-from wcache.key.cache_key import compute_key
+from wcache.key.compute import compute_key
 from wcache.load.loader import load_from_disk, processed_digest
 from wcache.plan.spec import PlanSpec
 from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint, write_tensors

@@ -21,7 +21,8 @@ from pathlib import Path
 import msgpack
 import pytest
 from as_nobody import NOBODY, nobody_tree, open_to_all, run_as_nobody
-from wcache.key.cache_key import KeyFile, compute_key
+from wcache.key.cache_key import KeyFile
+from wcache.key.compute import compute_key
 from wcache.key.digest_store import DB_NAME, LOOKUP_BATCH, RACY_WINDOW_NS, SCHEMA_VERSION, DigestStore, is_trusted
 from wcache.key.shard_hash import FileIdentity
 from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint

@@ -24,10 +24,10 @@ from typing import Annotated, Literal
 import pytest
 import typer
 from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives  # noqa: F401
-from wcache_cli import docgen
 from wcache_cli.app import app
 from wcache_cli.commands.completion import SHELLS
 from wcache_cli.params import Dtype, Mode
+from wcache_dev import docgen
 
 REPO = Path(__file__).resolve().parents[1]
 REGENERATE_HINT = "run `python -m wcache_dev.docgen` and commit man/ and completions/"

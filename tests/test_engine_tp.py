@@ -26,6 +26,7 @@ import psutil
 import pytest
 import torch
 from conftest import run_cli
+from wcache.attach_options import AttachOptions
 from wcache.engine import Engine, EngineConfig
 from wcache.engine.block_manager import KVCacheFullError
 from wcache.engine.parallel import TensorParallel
@@ -260,7 +261,7 @@ def _serve_without_unpickling(tp: TensorParallel, checkpoint: Path, run_dir: Pat
     pickle.Unpickler = _RefusedUnpickler  # type: ignore[misc]
     pickle.loads = pickle.load = _refused
     plan = PlanSpec(tp_size=tp.size).to_json()
-    serve_rank(tp, checkpoint, plan, EngineConfig(), {}, "127.0.0.1", 0, run_dir,
+    serve_rank(tp, checkpoint, plan, EngineConfig(), AttachOptions(), "cpu", "127.0.0.1", 0, run_dir,
                functools.partial(_announce, ready_file))
 
 

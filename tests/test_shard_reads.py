@@ -17,7 +17,8 @@ from conftest import wait_past_racy_window
 from wcache.checkpoint.files import locate
 from wcache.checkpoint.safetensors_header import read_header
 from wcache.errors import CheckpointError, UnavailableError
-from wcache.key.cache_key import KeyFile, compute_key
+from wcache.key.cache_key import KeyFile
+from wcache.key.compute import compute_key
 from wcache.key.digest_store import RACY_WINDOW_NS, DigestStore
 from wcache.key.shard_hash import FileIdentity, ShardRecord
 from wcache.load.loader import load_from_disk, load_rank, processed_digest
@@ -142,7 +143,7 @@ def refusing(fileno, *args, **kwargs):
 mmap.mmap = refusing
 
 import torch
-from wcache.key.cache_key import compute_key
+from wcache.key.compute import compute_key
 from wcache.load.loader import load_from_disk, load_rank
 from wcache.plan.spec import PlanSpec
 

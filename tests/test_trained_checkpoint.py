@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from wcache.engine import Engine
-from wcache.key.cache_key import compute_key
+from wcache.key.compute import compute_key
 from wcache_dev.synth import PRESETS, TRAINED_PRESET, overwrite_tensor_bytes, tensor_shapes, write_checkpoint
 from wcache_dev.trained import CORPUS, write_trained_checkpoint
 

@@ -13,7 +13,7 @@ import json, sys
 from collections import Counter
 from pathlib import Path
 from wcache.key.digest_store import DigestStore
-from wcache.key.cache_key import compute_key
+from wcache.key.compute import compute_key
 
 checkpoint = Path({checkpoint!r})
 opened = Counter()

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 def key_of_checkpoint(path: Path, plan: PlanSpec, *, rehash: bool = False) -> KeyFile:
     """Compute a checkpoint's key through the default digest store, with a progress bar."""
     # Each operand kind imports only its own machinery: a checkpoint's key needs no sockets or psutil.
-    from wcache.key.cache_key import compute_key
+    from wcache.key.compute import compute_key
     from wcache.key.digest_store import DigestStore
 
     from wcache_cli.progress import hash_bar
@@ -47,7 +47,7 @@ def find_daemons(run_dir: Path, ident: str) -> list[DaemonDescriptor]:
 def key_of_daemon(descriptor: DaemonDescriptor) -> KeyFile:
     from wcache.ipc.client import request_once
     from wcache.ipc.messages import Manifest
-    from wcache.key.remote import daemon_key_file
+    from wcache.ipc.remote_key import daemon_key_file
 
     return daemon_key_file(descriptor, request_once(descriptor.socket, Manifest()).tensors)
 

@@ -29,7 +29,7 @@ _EXPORTS = {
     "AttachMissError": "wcache.attach",
     "AttachReport": "wcache.attach",
     "AttachOptions": "wcache.attach_options",
-    "compute_key": "wcache.key.cache_key",
+    "compute_key": "wcache.key.compute",
     "KeyFile": "wcache.key.cache_key",
     "WeightCacheKey": "wcache.key.cache_key",
     "diff_keys": "wcache.key.diff",
@@ -63,7 +63,8 @@ if TYPE_CHECKING:
     from wcache.daemon.launch import DaemonGroup, PreloadFailedError, start_daemons, stop_daemon
     from wcache.errors import BadInputError, UnavailableError, WcacheError
     from wcache.ipc.rundir import DaemonDescriptor, DaemonExistsError, census
-    from wcache.key.cache_key import KeyFile, WeightCacheKey, compute_key
+    from wcache.key.cache_key import KeyFile, WeightCacheKey
+    from wcache.key.compute import compute_key
     from wcache.key.diff import KeyDiff, diff_keys
     from wcache.plan.spec import PlanSpec
 

@@ -23,12 +23,13 @@ from wcache.daemon_choice import holding, nearest, on_device
 from wcache.errors import BadInputError, UnavailableError
 from wcache.ipc.client import DaemonConnection, DaemonError
 from wcache.ipc.messages import Hello, HelloReply, Manifest, MapMode, MapRequest, Release, WantedKey
+from wcache.ipc.remote_key import daemon_key_file
 from wcache.ipc.rundir import DaemonDescriptor, default_run_dir, ensure_run_dir
-from wcache.key.cache_key import KeyFile, compute_key, trusted_key
+from wcache.key.cache_key import KeyFile
+from wcache.key.compute import compute_key, trusted_key
 from wcache.key.diff import KeyDiff, diff_keys
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import HashProgress
-from wcache.key.remote import daemon_key_file
 from wcache.monitor.events import append_event
 from wcache.plan.spec import PlanSpec
 

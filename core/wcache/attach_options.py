@@ -62,9 +62,7 @@ class AttachOptions:
             data["wait_s"] = float(data["wait_s"])
         return cls(**data)
 
-    def attach_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `wcache.attach.attach`."""
-        return {
-            "fallback": self.fallback, "mode": self.mode, "trust_daemon": self.trust_daemon, "daemon": self.daemon,
-            "run_dir": Path(self.run_dir) if self.run_dir is not None else None, "wait_s": self.wait_s,
-        }
+    def to_mapping(self) -> dict[str, Any]:
+        """The options as a user hands them to another engine's integration (vLLM's extra config, transformers'
+        kwargs): `from_mapping(to_mapping())` gives them back; unset (None) options are left out."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}

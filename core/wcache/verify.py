@@ -9,18 +9,18 @@ the daemon re-hash its processed arena against the digests it recorded when it b
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from wcache.attach_options import ENGINES
+from wcache.attach_options import ENGINES, AttachOptions
 from wcache.daemon_choice import pick_daemon
 from wcache.errors import BadInputError, UnavailableError
 from wcache.ipc.client import DaemonConnection, DaemonError
 from wcache.ipc.messages import CheckArena, Manifest
-from wcache.key.cache_key import compute_key
+from wcache.ipc.remote_key import daemon_key_file
+from wcache.key.compute import compute_key
 from wcache.key.diff import KeyDiff, diff_keys
-from wcache.key.remote import daemon_key_file
 from wcache.plan.spec import PlanSpec
 
 _WORDS = (
@@ -70,13 +70,13 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def _run_prompts(tp: Any, model: Path, plan: dict[str, Any], prompts: list[str], max_new_tokens: int,
-                 attach_options: dict[str, Any]) -> GreedyReport:
+                 options: AttachOptions, device: str) -> GreedyReport:
     from wcache.engine import Engine, EngineConfig
 
     spec = PlanSpec.from_json(plan)
     # No prefix caching: each prompt must exercise the weights, not a cache shared between prompts.
     engine_config = EngineConfig(enable_prefix_caching=False)
-    cached = Engine.from_attach(model, spec, engine_config, tp, fallback=False, **attach_options)
+    cached = Engine.from_attach(model, spec, engine_config, tp, options=options, device=device)
     try:
         disk = Engine.from_disk(model, spec, engine_config, tp)
         if cached.tokenizer is None:
@@ -102,13 +102,6 @@ def _compare(prompts: list[str], cached: list[list[int]], disk: list[list[int]])
     return results
 
 
-def _attach_only(attach_options: dict[str, Any]) -> dict[str, Any]:
-    """The options another engine's integration takes (it picks its own device)."""
-    from wcache.attach_options import AttachOptions
-
-    return {k: v for k, v in attach_options.items() if k in AttachOptions.names() and v is not None}
-
-
 def _hit_event(run_dir: Path, engine: str, since: float) -> dict[str, Any]:
     """The attach report of an engine that ran in other processes: its latest hit in the run dir's events."""
     from wcache.monitor.events import read_events
@@ -123,19 +116,16 @@ def _hit_event(run_dir: Path, engine: str, since: float) -> dict[str, Any]:
 
 
 def _verify_vllm(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int,
-                 attach_options: dict[str, Any]) -> GreedyReport:
+                 options: AttachOptions) -> GreedyReport:
     import time
 
-    from wcache.attach_options import AttachOptions
     from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_tokens
     from wcache.ipc.rundir import default_run_dir
 
     if plan.quantization != "none" or plan.layout != "fused":
         raise BadInputError("--engine vllm takes its plan from vLLM; drop --quantization and --plan.")
-    options = AttachOptions.from_mapping(_attach_only(attach_options), "the verify options")
     run_dir = Path(options.run_dir) if options.run_dir else default_run_dir()
-    extra = {**{k: v for k, v in options.attach_kwargs().items() if v is not None}, "fallback": False,
-             "run_dir": str(run_dir)}
+    extra = replace(options, run_dir=str(run_dir)).to_mapping()
     base = VllmRun(str(model), prompts, max_new_tokens, tensor_parallel_size=plan.tp_size, dtype=plan.dtype)
     since = time.time()
     try:
@@ -151,7 +141,7 @@ def _verify_vllm(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens
 
 
 def _verify_transformers(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int,
-                         attach_options: dict[str, Any]) -> GreedyReport:
+                         options: AttachOptions) -> GreedyReport:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -162,7 +152,7 @@ def _verify_transformers(model: Path, plan: PlanSpec, prompts: list[str], max_ne
         raise BadInputError("--engine transformers runs TP 1 without quantization; drop --tp, --quantization "
                             "and --plan.")
     dtype = {} if plan.dtype == "auto" else {"dtype": getattr(torch, plan.dtype)}
-    cached_model = from_pretrained(model, **dtype, **_attach_only(attach_options), fallback=False)
+    cached_model = from_pretrained(model, **dtype, **options.to_mapping())
     disk_model = AutoModelForCausalLM.from_pretrained(model, **dtype).eval()
     tokenizer = load_tokenizer(model)
 
@@ -181,37 +171,40 @@ def _verify_transformers(model: Path, plan: PlanSpec, prompts: list[str], max_ne
 
 
 def verify_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int, engine: str = "reference",
-                  **attach_options: Any) -> GreedyReport:
+                  *, options: AttachOptions | None = None, device: str = "cpu") -> GreedyReport:
     """Compare greedy tokens of an attached engine and a disk engine; TP plans run every rank (gloo).
 
     `engine` is whose engine runs both sides: wcache's reference engine, vLLM (its `wcache` load format
-    against its default loader), or transformers (`from_pretrained` through wcache against its own).
+    against its default loader), or transformers (`from_pretrained` through wcache against its own). The
+    attached side never falls back to disk, whatever `options` say: a miss is an error, not a comparison.
+    `device` is the reference engine's; vLLM and transformers pick their own.
     """
+    options = replace(options or AttachOptions(), fallback=False)
     if not prompts:
         raise BadInputError("there are no prompts to verify with.")
     if engine not in ENGINES:
         raise BadInputError(f"--engine must be one of {', '.join(ENGINES)}, not {engine!r}.")
     if engine == "vllm":
-        return _verify_vllm(model, plan, prompts, max_new_tokens, attach_options)
+        return _verify_vllm(model, plan, prompts, max_new_tokens, options)
     if engine == "transformers":
-        return _verify_transformers(model, plan, prompts, max_new_tokens, attach_options)
+        return _verify_transformers(model, plan, prompts, max_new_tokens, options)
     if plan.tp_size == 1:
         from wcache.engine.parallel import TensorParallel
 
-        return _run_prompts(TensorParallel(), model, plan.to_json(), prompts, max_new_tokens, attach_options)
+        return _run_prompts(TensorParallel(), model, plan.to_json(), prompts, max_new_tokens, options, device)
     from wcache.engine.tp_launch import run_tensor_parallel
 
     # Every rank must attach its own shard; each runs the same prompts and rank 0's answer is the report.
     # No timeout: loading a large model on every rank may take long; Ctrl-C stops every rank.
     reports = run_tensor_parallel(_run_prompts_rank, plan.tp_size, model, plan.to_json(), prompts,
-                                  max_new_tokens, attach_options, timeout=None)
+                                  max_new_tokens, options, device, timeout=None)
     return reports[0]
 
 
 def _run_prompts_rank(tp: Any, model: Path, plan: dict[str, Any], prompts: list[str], max_new_tokens: int,
-                      attach_options: dict[str, Any]) -> GreedyReport:
+                      options: AttachOptions, device: str) -> GreedyReport:
     rank_plan = {**plan, "tp_rank": tp.rank}
-    return _run_prompts(tp, model, rank_plan, prompts, max_new_tokens, attach_options)
+    return _run_prompts(tp, model, rank_plan, prompts, max_new_tokens, options, device)
 
 
 @dataclass

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from wcache.attach_options import AttachOptions
 from wcache.errors import BadInputError
 
 from wcache_cli.output import out
@@ -77,8 +78,8 @@ def attach(
 
     model = resolve_model_path(model)
     where = run_dir_or_default(run_dir)
-    options: dict[str, Any] = {"device": device, "mode": mode.value, "fallback": not no_fallback,
-                               "trust_daemon": trust_daemon, "daemon": daemon, "wait_s": wait}
+    options = AttachOptions(mode=mode.value, fallback=not no_fallback, trust_daemon=trust_daemon, daemon=daemon,
+                            run_dir=str(where), wait_s=wait)
     if prompt is not None or serve:
         from wcache.engine import EngineConfig
 
@@ -89,22 +90,21 @@ def attach(
         check_tp_fits(model, spec)
         if serve:
             warn_if_exposed(host, "--host", "completions and metrics")
-            _serve(model, spec.to_json(), engine_config, options, host, port, where)
+            _serve(model, spec.to_json(), engine_config, options, device, host, port, where)
         else:
-            _generate(model, spec.to_json(), engine_config, options, where, prompt or "", max_new_tokens, json)
+            _generate(model, spec.to_json(), engine_config, options, device, prompt or "", max_new_tokens, json)
         return
-    _report_only(model, plan_from_options(tp, rank, dtype, quantization, plan), options, where, json)
+    _report_only(model, plan_from_options(tp, rank, dtype, quantization, plan), options, device, json)
 
 
-def _report_only(model: Path, spec: Any, options: dict[str, Any], where: Path, json: bool) -> None:
-    from wcache.attach import AttachMissError
-    from wcache.attach import attach as attach_weights
+def _report_only(model: Path, spec: Any, options: AttachOptions, device: str, json: bool) -> None:
+    from wcache.attach import AttachMissError, attach_with
     from wcache.key.digest_store import DigestStore
 
     try:
         with DigestStore.open() as store:
             # Only the report is wanted: no tensors, so no torch (a disk fallback still loads them).
-            weights = attach_weights(model, spec, run_dir=where, store=store, views=False, **options)
+            weights = attach_with(model, spec, options, device=device, store=store, views=False)
     except AttachMissError as miss:
         if json:
             out.json(miss.report.to_json())
@@ -135,8 +135,8 @@ def _print_report(report: Any) -> None:
     out.print(timings)
 
 
-def generate_rank(tp: Any, model: Path, plan: dict[str, Any], engine_config: Any, options: dict[str, Any],
-                  where: Path, prompt: str, max_new_tokens: int) -> dict[str, Any]:
+def generate_rank(tp: Any, model: Path, plan: dict[str, Any], engine_config: Any, options: AttachOptions,
+                  device: str, prompt: str, max_new_tokens: int) -> dict[str, Any]:
     """One rank of `--prompt`: attach, generate, and describe what happened (rank 0's answer is shown)."""
     import time
 
@@ -144,7 +144,7 @@ def generate_rank(tp: Any, model: Path, plan: dict[str, Any], engine_config: Any
     from wcache.plan.spec import PlanSpec
 
     spec = PlanSpec.from_json({**plan, "tp_rank": tp.rank})
-    engine = Engine.from_attach(model, spec, engine_config, tp, run_dir=where, **options)
+    engine = Engine.from_attach(model, spec, engine_config, tp, options=options, device=device)
     try:
         began = time.perf_counter()
         text, generation = engine.complete(prompt, max_new_tokens)
@@ -156,16 +156,16 @@ def generate_rank(tp: Any, model: Path, plan: dict[str, Any], engine_config: Any
         engine.close()
 
 
-def _generate(model: Path, plan: dict[str, Any], engine_config: Any, options: dict[str, Any], where: Path,
+def _generate(model: Path, plan: dict[str, Any], engine_config: Any, options: AttachOptions, device: str,
               prompt: str, max_new_tokens: int, json: bool) -> None:
     if plan["tp_size"] == 1:
         from wcache.engine.parallel import TensorParallel
 
-        result = generate_rank(TensorParallel(), model, plan, engine_config, options, where, prompt, max_new_tokens)
+        result = generate_rank(TensorParallel(), model, plan, engine_config, options, device, prompt, max_new_tokens)
     else:
         from wcache.engine.tp_launch import run_tensor_parallel
 
-        result = run_tensor_parallel(generate_rank, plan["tp_size"], model, plan, engine_config, options, where,
+        result = run_tensor_parallel(generate_rank, plan["tp_size"], model, plan, engine_config, options, device,
                                      prompt, max_new_tokens)[0]
     if json:
         out.json(result)
@@ -185,16 +185,16 @@ def announce(url: str, engine: Any) -> None:
     out.print(f"SERVING {url}/v1/completions (weights: {outcome}); /health and /metrics beside it. Ctrl-C stops.")
 
 
-def _serve(model: Path, plan: dict[str, Any], engine_config: Any, options: dict[str, Any], host: str, port: int,
-           where: Path) -> None:
+def _serve(model: Path, plan: dict[str, Any], engine_config: Any, options: AttachOptions, device: str, host: str,
+           port: int, where: Path) -> None:
     from wcache.engine.serving import serve_rank
 
     if plan["tp_size"] == 1:
         from wcache.engine.parallel import TensorParallel
 
-        serve_rank(TensorParallel(), model, plan, engine_config, options, host, port, where, announce)
+        serve_rank(TensorParallel(), model, plan, engine_config, options, device, host, port, where, announce)
         return
     from wcache.engine.tp_launch import run_tensor_parallel
 
-    run_tensor_parallel(serve_rank, plan["tp_size"], model, plan, engine_config, options, host, port, where, announce,
-                        timeout=None)
+    run_tensor_parallel(serve_rank, plan["tp_size"], model, plan, engine_config, options, device, host, port, where,
+                        announce, timeout=None)

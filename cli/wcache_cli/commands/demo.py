@@ -151,6 +151,7 @@ def _serve_attach_verify(
 ) -> bool:
     """Steps 4–9: preload, a hit that generates, a miss that falls back, and verify passing then failing."""
     from rich.markup import escape
+    from wcache.attach_options import AttachOptions
     from wcache.engine import Engine
     from wcache.key.digest_store import DigestStore
     from wcache.monitor.events import read_events
@@ -163,7 +164,7 @@ def _serve_attach_verify(
     _preload(original, run_dir, groups)
 
     out.print(f"\n[bold]5.[/] An engine attaches {original} (zero-copy) and generates")
-    engine = Engine.from_attach(original, PlanSpec(), run_dir=run_dir)
+    engine = Engine.from_attach(original, PlanSpec(), options=AttachOptions(run_dir=str(run_dir)))
     try:
         hit = engine.attach_report
         timings = ", ".join(f"{k} {v:.1f} ms" for k, v in hit.timings_ms.items())
@@ -188,13 +189,13 @@ def _serve_attach_verify(
 
     prompts = default_prompts(3)
     out.print(f"\n[bold]7.[/] wcache verify {original} --greedy")
-    passing = verify_greedy(original, PlanSpec(), prompts, 12, run_dir=run_dir).to_json()
+    passing = verify_greedy(original, PlanSpec(), prompts, 12, options=AttachOptions(run_dir=str(run_dir))).to_json()
     print_greedy(passing)
 
     out.print(f"\n[bold]8.[/] wcache preload {modified}, then verify {original} through it with --trust-daemon")
     copy_key = _preload(modified, run_dir, groups)
-    failing = verify_greedy(original, PlanSpec(), prompts, 12, run_dir=run_dir, trust_daemon=True,
-                            daemon=copy_key).to_json()
+    trusting = AttachOptions(run_dir=str(run_dir), trust_daemon=True, daemon=copy_key)
+    failing = verify_greedy(original, PlanSpec(), prompts, 12, options=trusting).to_json()
     print_greedy(failing)
     content = verify_content(original, PlanSpec(), run_dir, daemon=copy_key).to_json()
     print_content(content)

@@ -105,6 +105,7 @@ def verify(
 
             print_content(content_report)
     if greedy:
+        from wcache.attach_options import AttachOptions
         from wcache.verify import default_prompts, verify_greedy
 
         from wcache_cli.operands import check_tp_fits
@@ -112,9 +113,9 @@ def verify(
         texts = _read_prompts(prompts) if prompts is not None else default_prompts(num_prompts)
         spec = plan_from_options(tp, 0 if tp > 1 else rank, dtype, quantization, plan)
         check_tp_fits(model, spec)
-        greedy_report = verify_greedy(model, spec, texts, max_new_tokens, engine.value, run_dir=where,
-                                      device=device, mode=mode.value, trust_daemon=trust_daemon,
-                                      daemon=daemon).to_json()
+        options = AttachOptions(mode=mode.value, trust_daemon=trust_daemon, daemon=daemon, run_dir=str(where))
+        greedy_report = verify_greedy(model, spec, texts, max_new_tokens, engine.value, options=options,
+                                      device=device).to_json()
         document["greedy"] = greedy_report
         failed |= not greedy_report["all_match"]
         if not json:

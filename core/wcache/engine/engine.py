@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from wcache.attach_options import AttachOptions
 from wcache.engine.block_manager import BlockManager, chain_hashes
 from wcache.engine.config import EngineConfig, ModelConfig
 from wcache.engine.kv_cache import PagedKV, SequenceKV, StepAttention
@@ -100,7 +101,7 @@ class Engine:
     def from_disk(cls, checkpoint: Path, plan: Any = None, engine_config: EngineConfig | None = None,
                   tp: TensorParallel | None = None) -> Engine:
         """Load through the processing plan from disk (the path every engine without wcache takes)."""
-        from wcache.key.cache_key import compute_key
+        from wcache.key.compute import compute_key
         from wcache.key.digest_store import DigestStore
         from wcache.load.loader import load_from_disk
         from wcache.plan.spec import PlanSpec
@@ -112,15 +113,16 @@ class Engine:
 
     @classmethod
     def from_attach(cls, checkpoint: Path, plan: Any = None, engine_config: EngineConfig | None = None,
-                    tp: TensorParallel | None = None, **attach_options: Any) -> Engine:
+                    tp: TensorParallel | None = None, *, options: AttachOptions | None = None,
+                    device: str = "cpu") -> Engine:
         """Take weights through wcache (zero-copy, copy, or the disk fallback); the report is `attach_report`."""
-        from wcache.attach import attach
+        from wcache.attach import attach_with
         from wcache.key.digest_store import DigestStore
         from wcache.plan.spec import PlanSpec
 
         spec = plan or PlanSpec(tp_size=(tp or TensorParallel()).size, tp_rank=(tp or TensorParallel()).rank)
         with DigestStore.open() as store:
-            attached = attach(checkpoint, spec, store=store, **attach_options)
+            attached = attach_with(checkpoint, spec, options or AttachOptions(), device=device, store=store)
         engine = cls.from_weights(checkpoint, attached.tensors, engine_config, tp)
         engine._keepalive = attached
         return engine

@@ -15,11 +15,13 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
+from wcache.attach_options import AttachOptions
 from wcache.engine.config import EngineConfig
 from wcache.engine.engine import Engine, Generation
 from wcache.engine.parallel import TensorParallel
@@ -130,11 +132,13 @@ def _stats_lines_to_stderr() -> None:
 
 
 def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_config: EngineConfig,
-               attach_options: dict[str, Any], host: str, port: int, run_dir: Path,
+               options: AttachOptions, device: str, host: str, port: int, run_dir: Path,
                on_ready: Callable[[str, Engine], None] | None = None) -> None:
-    """One rank's life: attach, build the engine, then serve (rank 0) or follow rank 0 (others)."""
+    """One rank's life: attach, build the engine, then serve (rank 0) or follow rank 0 (others). The engine
+    publishes itself in `run_dir`, where `options` look for daemons unless they name another."""
     spec = PlanSpec.from_json({**plan, "tp_rank": tp.rank})
-    engine = Engine.from_attach(model, spec, engine_config, tp, run_dir=run_dir, **attach_options)
+    options = options if options.run_dir is not None else replace(options, run_dir=str(run_dir))
+    engine = Engine.from_attach(model, spec, engine_config, tp, options=options, device=device)
     try:
         if tp.rank != 0:
             follow_rank0(engine, tp)

@@ -1,32 +1,26 @@
-"""WeightCacheKey: the fields that determine one rank's processed bytes, and the key file that carries it."""
+"""WeightCacheKey: the fields that determine one rank's processed bytes, and the key file that carries it.
+
+Value types and key-file I/O only; computing a key is `wcache.key.compute`."""
 
 from __future__ import annotations
 
 import json
-import os
-from collections import Counter
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import wcache
 from wcache.canonical import digest_of
-from wcache.checkpoint.dtypes import SAFETENSORS_TO_PLAN
-from wcache.checkpoint.files import CheckpointLayout, locate
 from wcache.checkpoint.manifest import TensorDigest, merkle_root
-from wcache.checkpoint.model_config import canonical_config, config_digest, config_dtype
-from wcache.checkpoint.safetensors_header import TensorInfo
+from wcache.checkpoint.model_config import config_digest
 from wcache.errors import BadInputError, KeyFileError
-from wcache.key.digest_store import DigestStore
-from wcache.key.fingerprint import FingerprintStats, HashProgress, fingerprint_checkpoint
-from wcache.key.shard_hash import OpenShard
 from wcache.plan.spec import PlanSpec
+
+if TYPE_CHECKING:
+    from wcache.key.fingerprint import FingerprintStats  # a computed key's stats; key files never carry them
 
 # Bumped whenever processing code changes the bytes it produces for the same inputs.
 FORMAT_VERSION = 1
-KEY_SCHEMA = "wcache.key.cache_key/1"
+KEY_SCHEMA = "wcache.key/1"  # in every saved key file: never changes with the module layout
 SHORT_ID_HEX = 12
 
 
@@ -118,88 +112,6 @@ class KeyFile:
         if config_digest(result.config) != key.config:
             raise KeyFileError(f"{origin} has a config that does not match its config digest.")
         return result
-
-
-def _dominant_dtype(tensors: Iterable[TensorDigest | TensorInfo]) -> str:
-    by_bytes: Counter[str] = Counter()
-    for entry in tensors:
-        by_bytes[entry.dtype] += entry.nbytes
-    for dtype, _ in by_bytes.most_common():
-        if dtype in SAFETENSORS_TO_PLAN:
-            return SAFETENSORS_TO_PLAN[dtype]
-    return "float32"
-
-
-def compute_key(
-    path: Path,
-    plan: PlanSpec | None = None,
-    *,
-    store: DigestStore | None = None,
-    rehash: bool = False,
-    progress: HashProgress | None = None,
-) -> KeyFile:
-    """The key of checkpoint `path` under `plan`; warm shards cost one stat each and no reads."""
-    layout = locate(path)
-    fingerprint = fingerprint_checkpoint(layout, store, rehash=rehash, progress=progress)
-    return make_key_file(path, layout, fingerprint.manifest, plan or PlanSpec(), fingerprint.stats,
-                         root=fingerprint.root)
-
-
-def resolve_plan(layout: CheckpointLayout, manifest: tuple[TensorDigest, ...], plan: PlanSpec) -> PlanSpec:
-    """`plan` with an "auto" dtype made the checkpoint's own: config.json's dtype, else the dtype that holds
-    most bytes. The one rule for "auto"; needs the tensors' dtypes, not their digests."""
-    return plan.resolve(config_dtype(layout.config) or _dominant_dtype(manifest))
-
-
-def resolve_plan_from_headers(layout: CheckpointLayout, plan: PlanSpec) -> PlanSpec:
-    """`resolve_plan` for a caller without a manifest: reads the shard headers only when config.json does not
-    name a dtype (and the plan asks for "auto")."""
-    if plan.dtype != "auto" or config_dtype(layout.config) is not None:
-        return plan.resolve(config_dtype(layout.config) or plan.dtype)
-    tensors: list[TensorInfo] = []
-    for path in layout.shards:
-        with OpenShard(path) as shard:
-            tensors.extend(shard.header.tensors)
-    return plan.resolve(_dominant_dtype(tensors))
-
-
-def trusted_key(path: Path, plan: PlanSpec) -> dict[str, Any]:
-    """The `TRUSTED_FIELDS` of `path`'s key under `plan`, without hashing a shard ("auto" as the key resolves it)."""
-    layout = locate(path)
-    resolved = resolve_plan_from_headers(layout, plan)
-    return {"config": config_digest(layout.config), "plan": resolved.digest(), "format": FORMAT_VERSION}
-
-
-def make_key_file(
-    path: Path,
-    layout: CheckpointLayout,
-    manifest: tuple[TensorDigest, ...],
-    plan: PlanSpec,
-    stats: FingerprintStats | None,
-    *,
-    root: str | None = None,
-) -> KeyFile:
-    """Assemble the key of a fingerprinted checkpoint; "auto" dtype resolves to the checkpoint's own.
-
-    `root` is the manifest's Merkle root where the caller already has it (a Fingerprint's): one root per key.
-    """
-    resolved = resolve_plan(layout, manifest, plan)
-    key = WeightCacheKey(
-        checkpoint=root if root is not None else merkle_root(manifest),
-        config=config_digest(layout.config),
-        plan=resolved.digest(),
-        format=FORMAT_VERSION,
-    )
-    return KeyFile(
-        key=key,
-        plan=resolved,
-        config=canonical_config(layout.config),
-        manifest=manifest,
-        source=os.path.abspath(path),  # noqa: PTH100  (no syscalls: resolve() costs round trips on remote storage)
-        created=datetime.now(UTC).isoformat(timespec="seconds"),
-        wcache_version=wcache.__version__,
-        stats=stats,
-    )
 
 
 def load_key_file(path: Path) -> KeyFile:

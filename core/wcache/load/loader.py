@@ -18,7 +18,8 @@ from wcache.checkpoint.files import CheckpointLayout, locate
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.errors import CheckpointError
 from wcache.ipc.arena import ArenaEntry, CpuArena, CudaArena, plan_layout
-from wcache.key.cache_key import KeyFile, make_key_file, resolve_plan
+from wcache.key.cache_key import KeyFile
+from wcache.key.compute import make_key_file, resolve_plan
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import FingerprintStats, HashProgress, manifest_of
 from wcache.key.shard_hash import OpenShard, ShardRecord, tensor_hasher

@@ -1,0 +1,95 @@
+"""The package structure the README's Layout section describes: which part of wcache may import which.
+
+Imports are read from the source (every `import`/`from` statement, including the lazy ones inside
+functions), so a new dependency that breaks the layering fails here before it becomes a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "core" / "wcache"
+CLI = ROOT / "cli" / "wcache_cli"
+
+# Each part of core and the parts it may import (besides itself). Lower layers never import higher ones.
+FOUNDATION = {"errors", "canonical", "lazy_exports"}
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "canonical": set(),
+    "lazy_exports": set(),
+    "attach_options": {"errors"},
+    "checkpoint": FOUNDATION,
+    "plan": FOUNDATION | {"checkpoint"},
+    "key": FOUNDATION | {"checkpoint", "plan"},
+    "ipc": FOUNDATION | {"checkpoint", "plan", "key"},
+    "monitor": FOUNDATION | {"ipc", "key"},
+    "load": FOUNDATION | {"checkpoint", "plan", "key", "ipc"},
+    "daemon": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach_options"},
+    "daemon_choice": FOUNDATION | {"plan", "key", "ipc"},
+    "attach": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach_options", "daemon_choice"},
+    "engine": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options"},
+    "integrations": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach",
+                                  "attach_options", "daemon_choice"},
+    "verify": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options",
+                            "daemon_choice", "engine", "integrations"},
+}
+
+
+def _imports(path: Path) -> Iterator[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+            # `from wcache import x` names a part directly
+            if node.module == "wcache":
+                yield from (f"wcache.{alias.name}" for alias in node.names)
+
+
+def _part(module: str) -> str | None:
+    """The part of core a dotted module name belongs to (`wcache.key.diff` → `key`), None outside core."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "wcache" and len(parts) > 1 else None
+
+
+def _core_files() -> Iterator[tuple[str, Path]]:
+    for path in sorted(CORE.rglob("*.py")):
+        relative = path.relative_to(CORE)
+        if relative.parts == ("__init__.py",):
+            continue  # the public API re-exports every part
+        yield (relative.parts[0].removesuffix(".py"), path)
+
+
+def test_every_part_of_core_is_placed() -> None:
+    assert {part for part, _ in _core_files()} == set(ALLOWED)
+
+
+@pytest.mark.parametrize(("part", "path"), list(_core_files()), ids=lambda v: str(v).rsplit("core/", 1)[-1])
+def test_core_imports_follow_the_layers(part: str, path: Path) -> None:
+    wrong = sorted({module for module in _imports(path)
+                    if (target := _part(module)) is not None and target != part and target not in ALLOWED[part]})
+    assert wrong == [], f"{part} may not import {wrong}"
+    outside = sorted({m for m in _imports(path) if m.split(".")[0] in {"wcache_cli", "wcache_dev"}})
+    assert outside == [], "the library never imports the CLI or the dev helpers"
+
+
+def test_the_cli_reaches_dev_helpers_only_for_the_demo() -> None:
+    users = sorted(str(path.relative_to(CLI)) for path in CLI.rglob("*.py")
+                   if any(m.split(".")[0] == "wcache_dev" for m in _imports(path)))
+    assert users == ["commands/demo.py"]
+
+
+def test_package_inits_import_no_part_eagerly() -> None:
+    """Sub-package `__init__`s hold a docstring (and lazy exports), so importing one part loads no other."""
+    for init in sorted(CORE.glob("*/__init__.py")):
+        tree = ast.parse(init.read_text())
+        eager = [node for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)
+                 and not (isinstance(node, ast.ImportFrom) and node.module in {"__future__", "typing",
+                                                                                 "wcache.lazy_exports"})]
+        assert eager == [], f"{init.relative_to(ROOT)} imports eagerly"
