@@ -300,7 +300,7 @@ def results_table(bench: Bench, title: str, caption: str) -> Table:
             row, fmt_seconds(m(row)), f"{fmt_seconds(min(seconds))}–{fmt_seconds(max(seconds))}",
             fmt_rate(nbytes / m(row)) if nbytes else "", f"{m(row) / floor:.2f}×" if floor else "", floor_text,
             f"{m(row) / m(ARENA_FILL):.2f}×" if row in loads else "",
-            end_section=row in (STARTUP, COLD_LOAD, WARM_LOAD),
+            end_section=row in (ARENA_FILL, COLD_LOAD, WARM_LOAD),
         )
     return table
 
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
 
-    console = Console() if sys.stdout.isatty() else Console(width=150)
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     err = Console(stderr=True, soft_wrap=True)
     began = time.perf_counter()
     with workspace(args.workdir) as work:

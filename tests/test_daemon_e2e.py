@@ -201,6 +201,7 @@ def test_second_engine_zero_copy_adds_no_private_copy(rig: DaemonRig) -> None:
 import gc, json, sys
 from pathlib import Path
 import psutil
+import torch  # an engine has torch loaded before it attaches; its own memory is not the attach's
 from wcache.attach import attach
 from wcache.digest_store import DigestStore
 from wcache.loader import processed_digest

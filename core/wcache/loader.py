@@ -11,8 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from wcache.arena import ArenaEntry, CpuArena, CudaArena, plan_layout
 from wcache.checkpoint import CheckpointLayout, locate
@@ -25,6 +24,9 @@ from wcache.plan import PlanSpec
 from wcache.processing import ProcessingPlan, build_plan
 from wcache.shard_hash import OpenShard, ShardRecord, tensor_hasher
 from wcache.single_pass import fill_in_one_pass, read_outputs
+
+if TYPE_CHECKING:
+    import torch
 
 
 class CheckpointReader:
@@ -87,6 +89,8 @@ def _check_receipts(records: dict[Path, ShardRecord], receipts: dict[Path, Shard
 
 def processed_digest(tensor: torch.Tensor) -> str:
     """BLAKE3 of a processed tensor's bytes, for later checks of an arena against what was built."""
+    import torch
+
     data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
     hasher = tensor_hasher(data.numel())
     if data.numel():
@@ -137,8 +141,9 @@ def load_rank(
         try:
             if progress is not None:
                 progress.start(sum(s.identity.size for s in reader.shards), num_shards)
+            read_back = arena.bytes_at if isinstance(arena, CpuArena) else None
             result = fill_in_one_pass(plan, reader.shards, arena.write_at, {e.name: e.offset for e in entries},
-                                      progress)
+                                      progress, read_back)
             records = reader.records(result.digests)
             if receipts is not None:
                 _check_receipts(records, receipts)
