@@ -100,8 +100,9 @@ def copied_source(plan: ProcessingPlan, output: OutputSpec) -> str | None:
 class Schedule:
     """Which outputs each checkpoint tensor feeds, and when an output computed from several can be made.
 
-    With `spans`, every output made of checkpoint bytes unchanged is written as spans of them; without, only an
-    output that is one tensor whole is (a disk load hands the engine that tensor itself).
+    An output that is one tensor whole is written as a span of it; with `spans`, so is every output made of
+    checkpoint bytes unchanged (it is hashed back from the arena, so it needs one that can be read), and without
+    such an output is computed.
     """
 
     def __init__(self, plan: ProcessingPlan, spans: bool = False) -> None:
@@ -115,14 +116,12 @@ class Schedule:
             source = copied_source(plan, output)
             if source is not None:
                 self.copies.setdefault(source, []).append(output)
-            runs = byte_spans(plan, output) if spans else None
+            runs = byte_spans(plan, output) if spans or source is not None else None
             if runs is not None:
                 for name, span in runs:
                     self.spans.setdefault(name, []).append(span)
                 if source is None:
                     self.stacked[output.name] = output.nbytes
-                continue
-            if source is not None:
                 continue
             self._missing[output.name] = len(output.sources)
             for name in output.sources:
@@ -345,8 +344,8 @@ class _Pass:
                 self._read(shard, tensor)
             if current is not None:
                 current.forget_all()
-            for name, left in self.unwritten.items():
-                if left == 0:  # an empty output: nothing was written, so nothing started its hash
+            for name, nbytes in self.schedule.stacked.items():
+                if nbytes == 0:  # an empty output: no write will start its hash
                     self.submit(self._hash_back, name)
         except _Aborted:
             pass
