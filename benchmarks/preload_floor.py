@@ -7,6 +7,10 @@ Floor terms, each measured in this run (median of ``--repeat``):
 * BLAKE3 of every checkpoint byte, multi-threaded, from memory;
 * process start-up: ``wcache preload`` of the tiny preset, start to READY (CLI, supervisor, daemon imports).
 
+One more term is printed but is not part of the floor: the arena fill, the arena's bytes written from memory into
+a fresh memfd with 4 MiB ``pwrite`` calls (what a preload does). It is what fallocate leaves out, the kernel's copy
+into each 4 KiB shmem page, and a memfd takes one write at a time; the last column holds each rank load against it.
+
 Preloads (``wcache preload --detach --json``, start to READY, each on a fresh digest store unless said):
 
 * cold: page cache dropped first; its floor is the slowest of read, fallocate and BLAKE3;
@@ -69,13 +73,15 @@ RAW_READ = "raw read, page cache dropped"
 FALLOCATE = "arena pages (memfd posix_fallocate)"
 BLAKE3 = "BLAKE3 of every byte (multi-threaded)"
 STARTUP = "process start-up (tiny preset preload)"
+ARENA_FILL = "arena fill (pwrite into a fresh memfd)"
 COLD = "cold preload, start → READY"
 COLD_LOAD = "  rank load_s"
 WARM = "warm preload, start → READY"
 WARM_LOAD = "  rank load_s "
 WARM_STORE = "warm preload, receipts stored"
 WARM_STORE_LOAD = "  rank load_s  "
-FLOOR_ROWS = (RAW_READ, FALLOCATE, BLAKE3, STARTUP)
+FLOOR_ROWS = (RAW_READ, FALLOCATE, BLAKE3, STARTUP, ARENA_FILL)
+WRITE_BYTES = 4 * 1024 * 1024  # the preload's write size (shard_hash.CHUNK_BYTES)
 
 
 @dataclass(slots=True)
@@ -119,6 +125,30 @@ def fallocate_arena(nbytes: int) -> float:
         return timed(lambda: os.posix_fallocate(fd, 0, nbytes))
     finally:
         os.close(fd)
+
+
+def fill_arena(buffer: torch.Tensor, nbytes: int) -> float:
+    """`nbytes` of `buffer` pwritten into a fresh memfd, WRITE_BYTES at a time."""
+    data = memoryview(buffer.numpy())
+    fd = os.memfd_create("wcache-floor", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+
+        def fill() -> None:
+            for offset in range(0, nbytes, WRITE_BYTES):
+                os.pwrite(fd, data[offset % len(data) :][: min(WRITE_BYTES, nbytes - offset)], offset)
+
+        return timed(fill)
+    finally:
+        os.close(fd)
+
+
+def shmem_huge_pages() -> str:
+    """The kernel's transparent huge page mode for shmem (memfds), e.g. "never"."""
+    with contextlib.suppress(OSError):
+        text = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+        return next((w.strip("[]") for w in text.split() if w.startswith("[")), text.strip())
+    return "unknown"
 
 
 def blake3_all(buffer: torch.Tensor) -> float:
@@ -214,6 +244,7 @@ def measure_floor(bench: Bench, in_memory: torch.Tensor) -> None:
     bench.record(RAW_READ, timed(lambda: read_all(bench.shards)))
     bench.record(FALLOCATE, fallocate_arena(bench.arena_bytes))
     bench.record(BLAKE3, blake3_all(in_memory))
+    bench.record(ARENA_FILL, fill_arena(in_memory, bench.arena_bytes))
     read_all([p for p in bench.tiny.iterdir() if p.is_file()])
     seconds, _ = preload(bench, bench.tiny, bench.stores / f"tiny-{bench.preloads}")
     bench.record(STARTUP, seconds)
@@ -243,7 +274,7 @@ def results_table(bench: Bench, title: str, caption: str) -> Table:
     table = Table(title=title, caption=caption, caption_justify="left")
     columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("step", "left"), ("time", "right"), ("min–max", "right"), ("GB/s", "right"), ("vs its floor", "right"),
-        ("floor", "left"),
+        ("floor", "left"), ("vs arena fill", "right"),
     )
     for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=True)
@@ -258,7 +289,8 @@ def results_table(bench: Bench, title: str, caption: str) -> Table:
         WARM_STORE: (warm_floor + m(STARTUP), "max(fallocate, BLAKE3) + start-up"),
         WARM_STORE_LOAD: (warm_floor, "max(fallocate, BLAKE3)"),
     }
-    sized = {FALLOCATE: bench.arena_bytes, STARTUP: 0}
+    sized = {FALLOCATE: bench.arena_bytes, ARENA_FILL: bench.arena_bytes, STARTUP: 0}
+    loads = (COLD_LOAD, WARM_LOAD, WARM_STORE_LOAD)
     rows = [*FLOOR_ROWS, COLD, COLD_LOAD, WARM, WARM_LOAD, WARM_STORE, WARM_STORE_LOAD]
     for row in rows:
         seconds = bench.samples[row]
@@ -267,7 +299,8 @@ def results_table(bench: Bench, title: str, caption: str) -> Table:
         table.add_row(
             row, fmt_seconds(m(row)), f"{fmt_seconds(min(seconds))}–{fmt_seconds(max(seconds))}",
             fmt_rate(nbytes / m(row)) if nbytes else "", f"{m(row) / floor:.2f}×" if floor else "", floor_text,
-            end_section=row in (STARTUP, COLD_LOAD, WARM_LOAD),
+            f"{m(row) / m(ARENA_FILL):.2f}×" if row in loads else "",
+            end_section=row in (ARENA_FILL, COLD_LOAD, WARM_LOAD),
         )
     return table
 
@@ -278,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
 
-    console = Console() if sys.stdout.isatty() else Console(width=150)
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     err = Console(stderr=True, soft_wrap=True)
     began = time.perf_counter()
     with workspace(args.workdir) as work:
@@ -326,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Memory during a cold preload: peak {sampler.peak / bench.arena_bytes:.2f}× the arena (daemon anonymous "
         f"RSS {anon / 1e9:.2f} GB + arena memfd {arena / 1e9:.2f} GB + checkpoint page cache {cached / 1e9:.2f} "
         f"GB at the peak sample); {left:.0%} of the checkpoint's pages stayed cached after READY.\n"
+        f"Transparent huge pages for shmem: {shmem_huge_pages()}.\n"
         f"{os.cpu_count()} CPUs, torch {torch.__version__}, {bench.preloads} preloads, whole run {elapsed:.0f} s. "
         f"Target: each preload within {TARGET_RATIO}× of its floor."
     )

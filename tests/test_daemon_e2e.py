@@ -36,7 +36,7 @@ from daemon_fixtures import (
 )
 from wcache.attach import AttachedWeights, attach
 from wcache.ipc.client import request_once
-from wcache.ipc.messages import Stats
+from wcache.ipc.messages import CheckArena, Stats
 from wcache.ipc.rundir import DaemonDescriptor
 from wcache.key.compute import compute_key
 from wcache.load.loader import load_from_disk, processed_digest
@@ -188,6 +188,21 @@ def test_health_metrics_and_stats_while_ready(shared: tuple[DaemonRig, Path, lis
     assert {r["name"] for r in stats["ranks"]} == {d.name for d in daemons}
 
 
+def test_a_daemon_serving_checkpoint_bytes_unchanged_never_loads_torch(rig: DaemonRig, tiny_template: Path) -> None:
+    # TP 1 fused without a cast: every output is a tensor or tensors stacked whole (qkv, gate_up), so the daemon
+    # fills its arena with no `import torch` (seconds of start-up); an int8 plan computes, and loads it.
+    model = copy_checkpoint(tiny_template, rig.base / "tiny")
+    for spec, options, loads_torch in ((PlanSpec(), (), False),
+                                       (PlanSpec(quantization="int8"), ("--quantization", "int8"), True)):
+        (daemon,) = rig.preload(model, *options)
+        maps = Path(f"/proc/{daemon.pid}/maps").read_text()
+        assert ("libtorch" in maps) == loads_torch, f"daemon for {spec} mapped libtorch: {'libtorch' in maps}"
+        with attach(model, spec, run_dir=rig.run_dir) as weights:
+            assert weights.report.outcome == "hit"
+            assert_byte_equal(weights.tensors, disk_tensors(model, spec))
+        assert request_once(daemon.socket, CheckArena()).changed == ()
+
+
 def test_second_engine_zero_copy_adds_no_private_copy(rig: DaemonRig) -> None:
     # 64 MiB of weights, so that a private copy (or its absence) stands far above interpreter noise (~1 MiB).
     generator = torch.Generator().manual_seed(7)
@@ -203,6 +218,7 @@ def test_second_engine_zero_copy_adds_no_private_copy(rig: DaemonRig) -> None:
 import gc, json, sys
 from pathlib import Path
 import psutil
+import torch  # an engine has torch loaded before it attaches; its own memory is not the attach's
 from wcache.attach import attach
 from wcache.key.digest_store import DigestStore
 from wcache.load.loader import processed_digest

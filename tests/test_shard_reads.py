@@ -17,11 +17,13 @@ from conftest import wait_past_racy_window
 from wcache.checkpoint.files import locate
 from wcache.checkpoint.safetensors_header import read_header
 from wcache.errors import CheckpointError, UnavailableError
+from wcache.ipc.arena import CpuArena, plan_layout
 from wcache.key.cache_key import KeyFile
 from wcache.key.compute import compute_key
 from wcache.key.digest_store import RACY_WINDOW_NS, DigestStore
 from wcache.key.shard_hash import FileIdentity, ShardRecord
-from wcache.load.loader import load_from_disk, load_rank, processed_digest
+from wcache.load.loader import CheckpointReader, load_from_disk, load_rank, processed_digest
+from wcache.load.single_pass import fill_in_one_pass
 from wcache.plan.processing import build_plan, process_all
 from wcache.plan.spec import PlanSpec
 from wcache_dev.synth import (
@@ -298,6 +300,33 @@ def test_arena_holds_the_disk_loads_bytes_and_the_key_is_the_fingerprints(tmp_pa
             assert loaded.processed_digests[name] == processed_digest(reference), name
     finally:
         loaded.arena.close()
+
+
+@pytest.mark.parametrize("spec", [PlanSpec(), PlanSpec(tp_size=2, tp_rank=0)], ids=["fused", "tp2-rank0"])
+def test_a_pass_without_read_back_computes_what_it_cannot_hash_back(tmp_path: Path, spec: PlanSpec) -> None:
+    # A CUDA arena cannot be read back, so outputs stacked from several tensors are computed in memory and hashed
+    # there instead; the bytes and digests must be those of the pass that writes them straight to the arena.
+    model = _checkpoint_with_an_unused_tensor(tmp_path / "ckpt")
+    key_file = compute_key(model, spec)
+    layout = locate(model)
+    plan = build_plan(key_file.plan, layout.config, key_file.manifest)
+    entries, total = plan_layout([(o.name, o.dtype, o.shape, o.nbytes) for o in plan.outputs])
+    offsets = {e.name: e.offset for e in entries}
+    results, contents = [], []
+    for read_back in (True, False):
+        arena = CpuArena(total)
+        try:
+            with CheckpointReader(layout) as reader:
+                results.append(fill_in_one_pass(plan, reader.shards, arena.write_at, offsets, None,
+                                                arena.bytes_at if read_back else None))
+            with arena.bytes_at(0, total) as data:
+                contents.append(bytes(data))
+        finally:
+            arena.close()
+    assert results[0] == results[1]
+    assert contents[0] == contents[1]
+    expected = process_all(plan, read_tensors(model).__getitem__)
+    assert results[0].processed == {name: processed_digest(t) for name, t in expected.items()}
 
 
 def _resident_fraction(path: Path) -> float:

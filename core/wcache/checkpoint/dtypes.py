@@ -35,6 +35,8 @@ SAFETENSORS_DTYPES: dict[str, Dtype] = {
 }
 ITEMSIZE: dict[str, int] = {name: d.itemsize for name, d in SAFETENSORS_DTYPES.items()}
 TORCH_NAMES: dict[str, str] = {name: d.torch_name for name, d in SAFETENSORS_DTYPES.items()}
+# Bytes per element by torch dtype name, known without importing torch (a daemon plans before it has torch).
+TORCH_ITEMSIZE: dict[str, int] = {d.torch_name: d.itemsize for d in SAFETENSORS_DTYPES.values()}
 CASTABLE = frozenset(name for name, d in SAFETENSORS_DTYPES.items() if d.castable)
 
 # Plan dtype names (what users type) to safetensors names.

@@ -7,6 +7,9 @@ weights. The engine's map stays valid after the daemon exits (the memfd lives wh
 
 CUDA: one device allocation per rank and one IPC handle exported per client. With the legacy CUDA IPC
 used by PyTorch, the memory dies with the exporting process, so an engine must treat daemon loss as fatal.
+
+A CPU arena is made, filled and served without torch (a daemon whose outputs are checkpoint bytes unchanged
+never imports it); only views as tensors and CUDA import it.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ import fcntl
 import mmap
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from wcache.errors import UnavailableError
+
+if TYPE_CHECKING:
+    import torch
 
 # 256 bytes covers every SIMD width and CUDA's allocation granularity for vectorised loads.
 ALIGNMENT = 256
@@ -50,6 +54,8 @@ class ArenaEntry:
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown torch dtype {name!r}")
@@ -68,11 +74,15 @@ def plan_layout(specs: Sequence[tuple[str, str, tuple[int, ...], int]]) -> tuple
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def view_tensors(buffer: Any, entries: Sequence[ArenaEntry]) -> dict[str, torch.Tensor]:
     """Tensors over a CPU buffer (no copies)."""
+    import torch
+
     tensors = {}
     for e in entries:
         raw = torch.frombuffer(buffer, dtype=torch.uint8, count=e.nbytes, offset=e.offset) if e.nbytes else (
@@ -102,16 +112,16 @@ class CpuArena:
         source = _as_bytes(tensor)
         if source.numel() != entry.nbytes:
             raise ValueError(f"{entry.name}: {source.numel()} bytes do not fit an entry of {entry.nbytes}")
-        self.write_at(entry.offset, source)
+        self.write_at(entry.offset, source.detach().cpu().numpy().data)
 
-    def write_at(self, offset: int, data: torch.Tensor) -> None:
-        """Write a contiguous CPU uint8 tensor's bytes at byte `offset`.
+    def write_at(self, offset: int, data: memoryview) -> None:
+        """Write a buffer's bytes at byte `offset`.
 
         pwrite, not a copy through the map: the kernel gives the memfd its pages as it copies, where a write
         through a map takes a page fault per 4 KiB page (microseconds each on a VM).
         """
         self._live_map()  # a closed arena refuses writes as it refuses every other use
-        view = data.detach().numpy().data.cast("B")
+        view = data.cast("B")
         done = 0
         while done < len(view):
             try:
@@ -120,6 +130,13 @@ class CpuArena:
                 raise UnavailableError(
                     f"the {self.total_bytes}-byte arena cannot be filled ({exc.strerror}); free some memory."
                 ) from None
+
+    @contextlib.contextmanager
+    def bytes_at(self, offset: int, nbytes: int) -> Iterator[memoryview]:
+        """The arena's bytes [offset, offset + nbytes) in the daemon's map, for reading back what was written;
+        the view is released on exit (seal() cannot close a map that is still viewed)."""
+        with memoryview(self._live_map()) as whole, whole[offset : offset + nbytes] as part:
+            yield part
 
     def tensors(self, entries: Sequence[ArenaEntry]) -> dict[str, torch.Tensor]:
         """Views in the daemon's own map: writable while filling, read-only once sealed."""
@@ -185,6 +202,7 @@ def views_from_wire(block: torch.Tensor, items: Sequence[WireEntry]) -> dict[str
     .view and .reshape per tensor cost three times that, and an attach builds one tensor per checkpoint tensor.
     An entry that does not fit the block is one UnavailableError.
     """
+
     total = block.numel()
     typed: dict[str, tuple[torch.Tensor, int]] = {}
     layouts: dict[tuple[int, ...], tuple[tuple[int, ...], int]] = {}
@@ -209,6 +227,8 @@ def views_from_wire(block: torch.Tensor, items: Sequence[WireEntry]) -> dict[str
 
 def map_cpu_arena(fd: int, total_bytes: int, entries: Sequence[WireEntry]) -> MappedArena:
     """Map a received memfd copy-on-write and view its tensors; the descriptor is closed afterwards."""
+    import torch
+
     try:
         size = os.fstat(fd).st_size
         if size < total_bytes:
@@ -228,6 +248,8 @@ class CudaArena:
     """
 
     def __init__(self, total_bytes: int, device: str) -> None:
+        import torch
+
         if not torch.cuda.is_available():
             raise UnavailableError(f"device {device} was requested but this machine has no CUDA device.")
         self.device = torch.device(device)
@@ -244,10 +266,13 @@ class CudaArena:
         if entry.nbytes:
             self.block[entry.offset : entry.offset + entry.nbytes].copy_(_as_bytes(tensor), non_blocking=False)
 
-    def write_at(self, offset: int, data: torch.Tensor) -> None:
-        """Copy a CPU uint8 tensor's bytes to byte `offset`; synchronous, so `data` may be reused at once."""
-        if data.numel():
-            self.block[offset : offset + data.numel()].copy_(data, non_blocking=False)
+    def write_at(self, offset: int, data: memoryview) -> None:
+        """Copy a buffer's bytes to byte `offset`; synchronous, so `data` may be reused at once."""
+        import torch
+
+        if len(data):
+            source = torch.frombuffer(data, dtype=torch.uint8)
+            self.block[offset : offset + source.numel()].copy_(source, non_blocking=False)
 
     def tensors(self, entries: Sequence[ArenaEntry]) -> dict[str, torch.Tensor]:
         block = self.block
@@ -275,11 +300,15 @@ class CudaArena:
         if self._block is None:
             return
         self._block = None
+        import torch
+
         torch.cuda.empty_cache()
 
 
 def open_cuda_handle(fields: dict[str, Any], device_index: int) -> torch.Tensor:
     """Rebuild a daemon's CUDA block in this process from its exported IPC fields."""
+    import torch
+
     if not torch.cuda.is_available():
         raise UnavailableError("the daemon serves CUDA memory but this process sees no CUDA device.")
     from torch.multiprocessing.reductions import rebuild_cuda_tensor

@@ -11,8 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from wcache.checkpoint.files import CheckpointLayout, locate
 from wcache.checkpoint.manifest import TensorDigest
@@ -26,6 +25,9 @@ from wcache.key.shard_hash import OpenShard, ShardRecord, tensor_hasher
 from wcache.load.single_pass import fill_in_one_pass, read_outputs
 from wcache.plan.processing import ProcessingPlan, build_plan
 from wcache.plan.spec import PlanSpec
+
+if TYPE_CHECKING:
+    import torch
 
 
 class CheckpointReader:
@@ -88,6 +90,8 @@ def _check_receipts(records: dict[Path, ShardRecord], receipts: dict[Path, Shard
 
 def processed_digest(tensor: torch.Tensor) -> str:
     """BLAKE3 of a processed tensor's bytes, for later checks of an arena against what was built."""
+    import torch
+
     data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
     hasher = tensor_hasher(data.numel())
     if data.numel():
@@ -138,8 +142,9 @@ def load_rank(
         try:
             if progress is not None:
                 progress.start(sum(s.identity.size for s in reader.shards), num_shards)
+            read_back = arena.bytes_at if isinstance(arena, CpuArena) else None
             result = fill_in_one_pass(plan, reader.shards, arena.write_at, {e.name: e.offset for e in entries},
-                                      progress)
+                                      progress, read_back)
             records = reader.records(result.digests)
             if receipts is not None:
                 _check_receipts(records, receipts)

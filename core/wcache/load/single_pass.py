@@ -2,61 +2,114 @@
 plan's outputs written to the arena from those same buffers.
 
 So the bytes hashed are the bytes the arena holds, and no second pass re-reads the files to prove it. An output
-that is a checkpoint tensor's bytes unchanged (most of a TP 1 plan) streams through a few reused chunk buffers and
-shares its source's digest; a tensor that other outputs are computed from (fused, cast, sliced or quantized)
-stays in memory only until the last of them is made. The page cache behind the read is dropped, so the pass
-needs about the arena's memory and little more.
+made of checkpoint bytes unchanged (a tensor, a run of its rows, or such runs stacked: all of a TP 1 fused plan
+that casts nothing) streams through a few reused chunk buffers straight to its place in the arena, and needs no
+torch; an output that is one tensor whole shares its digest, and one stacked from several is hashed back from the
+arena once written. A tensor that other outputs are computed from (cast, sliced across rows, padded or
+quantized) stays in memory only until the last of them is made. The page cache behind the read is dropped, so
+the pass needs about the arena's memory and little more.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import math
 import mmap
 import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from wcache.checkpoint.dtypes import TORCH_NAMES
+from wcache.checkpoint.dtypes import TORCH_ITEMSIZE, TORCH_NAMES
 from wcache.checkpoint.safetensors_header import TensorInfo
+from wcache.ipc.arena import torch_dtype
 from wcache.key.fingerprint import HashProgress
 from wcache.key.shard_hash import CHUNK_BYTES, OpenShard, tensor_hasher
 from wcache.plan.processing import OutputSpec, ProcessingPlan
 
-# safetensors dtype names to torch dtypes, for viewing checkpoint bytes (those this torch has: a plan refuses
-# the others before anything is read).
-TORCH_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in TORCH_NAMES.items() if hasattr(torch, v)}
+if TYPE_CHECKING:
+    import torch
 
 # Buffers (chunks, whole tensors, computed outputs) in use before the reader waits for the workers to catch up;
 # also about what the pool keeps for reuse.
 HELD_BYTES = 64 * 1024 * 1024
 
-# Writes `data` (uint8, CPU) at byte `offset` of the arena.
-ArenaWrite = Callable[[int, torch.Tensor], None]
+# Writes a buffer's bytes at byte `offset` of the arena.
+ArenaWrite = Callable[[int, memoryview], None]
+# The arena's bytes [offset, offset + nbytes) as written, for hashing an output stacked from several tensors.
+ArenaRead = Callable[[int, int], AbstractContextManager[memoryview]]
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Bytes [start, start + nbytes) of one checkpoint tensor are bytes [at, at + nbytes) of `output`."""
+
+    output: str
+    start: int
+    nbytes: int
+    at: int
+
+
+def byte_spans(plan: ProcessingPlan, output: OutputSpec) -> list[tuple[str, Span]] | None:
+    """`output` as runs of its sources' bytes, (source, span) in output order, when it is their bytes unchanged:
+    no cast, whole tensors or runs of rows stacked along dim 0, no padding. None when it must be computed."""
+    recipe = plan.recipes[output.name]
+    if recipe.kind != "tensor" or not recipe.pieces:
+        return None
+    itemsize = TORCH_ITEMSIZE[output.dtype]
+    spans: list[tuple[str, Span]] = []
+    rows = at = 0
+    for piece in recipe.pieces:
+        if piece.source_dtype != output.dtype:
+            return None
+        if piece.dim is None:
+            if len(recipe.pieces) != 1 or tuple(recipe.shape) != tuple(piece.source_shape):
+                return None
+            return [(piece.source, Span(output.name, 0, output.nbytes, 0))]
+        if piece.start == 0 and piece.length == piece.source_shape[piece.dim]:
+            first, count = 0, piece.source_shape[0]  # all of the source, whichever dim it is cut along
+        elif piece.dim == 0:
+            first, count = piece.start, piece.length
+        else:
+            return None  # a slice across rows is not one run of bytes
+        if tuple(piece.source_shape[1:]) != tuple(recipe.shape[1:]):
+            return None
+        row_bytes = math.prod(piece.source_shape[1:]) * itemsize
+        spans.append((piece.source, Span(output.name, first * row_bytes, count * row_bytes, at)))
+        at += count * row_bytes
+        rows += count
+    return spans if rows == recipe.shape[0] else None
 
 
 def copied_source(plan: ProcessingPlan, output: OutputSpec) -> str | None:
     """The checkpoint tensor whose bytes `output` is, unchanged (no cast, slice, fusion or padding), or None."""
-    recipe = plan.recipes[output.name]
-    if recipe.kind != "tensor" or len(recipe.pieces) != 1:
+    spans = byte_spans(plan, output)
+    if spans is None or len(spans) != 1:
         return None
-    piece = recipe.pieces[0]
-    whole = piece.dim is None or (piece.start == 0 and piece.length == piece.source_shape[piece.dim])
-    same = piece.source_dtype == output.dtype and tuple(recipe.shape) == tuple(piece.source_shape)
-    return piece.source if whole and same else None
+    source, span = spans[0]
+    piece = plan.recipes[output.name].pieces[0]
+    whole = span.start == 0 and span.nbytes == math.prod(piece.source_shape) * TORCH_ITEMSIZE[output.dtype]
+    return source if whole else None
 
 
 class Schedule:
-    """Which outputs each checkpoint tensor feeds, and when an output computed from several can be made."""
+    """Which outputs each checkpoint tensor feeds, and when an output computed from several can be made.
 
-    def __init__(self, plan: ProcessingPlan) -> None:
-        self.copies: dict[str, list[OutputSpec]] = {}  # tensor → outputs that are its bytes unchanged
+    An output that is one tensor whole is written as a span of it; with `spans`, so is every output made of
+    checkpoint bytes unchanged (it is hashed back from the arena, so it needs one that can be read), and without
+    such an output is computed.
+    """
+
+    def __init__(self, plan: ProcessingPlan, spans: bool = False) -> None:
+        self.copies: dict[str, list[OutputSpec]] = {}  # tensor → outputs that are its bytes unchanged, whole
+        self.spans: dict[str, list[Span]] = {}  # tensor → runs of its bytes in outputs
+        self.stacked: dict[str, int] = {}  # output → bytes of it to write before it is hashed back
         self.computed: dict[str, list[OutputSpec]] = {}  # tensor → outputs computed from it (and others)
         self._missing: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -64,6 +117,12 @@ class Schedule:
             source = copied_source(plan, output)
             if source is not None:
                 self.copies.setdefault(source, []).append(output)
+            runs = byte_spans(plan, output) if spans or source is not None else None
+            if runs is not None:
+                for name, span in runs:
+                    self.spans.setdefault(name, []).append(span)
+                if source is None:
+                    self.stacked[output.name] = output.nbytes
                 continue
             self._missing[output.name] = len(output.sources)
             for name in output.sources:
@@ -87,22 +146,25 @@ def file_order(shards: Sequence[OpenShard]) -> Iterator[tuple[OpenShard, TensorI
             yield shard, tensor
 
 
-def typed(buffer: torch.Tensor, tensor: TensorInfo) -> torch.Tensor:
-    """The checkpoint tensor's bytes in `buffer` (uint8) seen with its own dtype and shape."""
+def typed(buffer: memoryview, tensor: TensorInfo) -> torch.Tensor:
+    """The checkpoint tensor's bytes in `buffer` seen as a torch tensor of its own dtype and shape."""
+    import torch
+
+    dtype = torch_dtype(TORCH_NAMES[tensor.dtype])
     if tensor.nbytes == 0:
-        return torch.empty(tensor.shape, dtype=TORCH_DTYPES[tensor.dtype])
-    return buffer.view(TORCH_DTYPES[tensor.dtype]).reshape(tensor.shape)
+        return torch.empty(tensor.shape, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=tensor.nbytes).view(dtype).reshape(tensor.shape)
 
 
-def fresh_buffer(nbytes: int) -> torch.Tensor:
-    """`nbytes` of anonymous memory as a uint8 tensor, in huge pages where the kernel offers them (the first
-    touch of a 4 KiB page costs microseconds on a VM), given back to the system as soon as it is dropped."""
+def fresh_buffer(nbytes: int) -> memoryview:
+    """`nbytes` of anonymous memory, in huge pages where the kernel offers them (the first touch of a 4 KiB page
+    costs microseconds on a VM), given back to the system as soon as it is dropped."""
     if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
+        return memoryview(bytearray())
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous memory, not a file
     with contextlib.suppress(AttributeError, OSError):
         region.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes)
+    return memoryview(region)
 
 
 class BufferPool:
@@ -112,24 +174,24 @@ class BufferPool:
     def __init__(self, cap: int) -> None:
         self._cap = cap
         self._owned = 0  # bytes of the buffers handed out or free
-        self._free: list[torch.Tensor] = []
+        self._free: list[memoryview] = []
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int) -> memoryview:
         """A buffer of at least `nbytes` (slice it); give it back whole."""
         with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            fits = [i for i, b in enumerate(self._free) if len(b) >= nbytes]
             if fits:
-                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
             while self._free and self._owned + nbytes > self._cap:
-                self._owned -= self._free.pop(0).numel()
+                self._owned -= len(self._free.pop(0))
             self._owned += nbytes
         return fresh_buffer(nbytes)
 
-    def give(self, buffer: torch.Tensor) -> None:
+    def give(self, buffer: memoryview) -> None:
         with self._lock:
             if self._owned > self._cap:
-                self._owned -= buffer.numel()
+                self._owned -= len(buffer)
             else:
                 self._free.append(buffer)
 
@@ -137,7 +199,7 @@ class BufferPool:
         """Return every free buffer to the system now, not whenever the garbage collector gets to them."""
         with self._lock:
             for buffer in self._free:
-                self._owned -= buffer.numel()
+                self._owned -= len(buffer)
             self._free.clear()
 
 
@@ -199,19 +261,22 @@ class _Pass:
     """The reader (the calling thread) and a pool that hashes, computes and writes behind it."""
 
     def __init__(self, plan: ProcessingPlan, shards: Sequence[OpenShard], write: ArenaWrite,
-                 offsets: Mapping[str, int], progress: HashProgress | None) -> None:
+                 offsets: Mapping[str, int], progress: HashProgress | None, read_back: ArenaRead | None) -> None:
         self.plan = plan
         self.shards = shards
         self.write = write
+        self.read_back = read_back
         self.offsets = offsets
         self.progress = progress
-        self.schedule = Schedule(plan)
+        # Outputs stacked from several tensors are hashed back from the arena, so they need a readable one.
+        self.schedule = Schedule(plan, spans=read_back is not None)
+        self.unwritten = dict(self.schedule.stacked)  # stacked output → bytes not yet written
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.outstanding = 0  # tasks submitted and not finished
         self.held = 0  # bytes of buffers in use
         self.buffers_pool = BufferPool(HELD_BYTES)
-        self.kept: dict[str, torch.Tensor] = {}  # whole tensors, typed, while computed outputs need them
+        self.kept: dict[str, tuple[memoryview, TensorInfo]] = {}  # whole tensors while computed outputs need them
         self.holds: dict[str, _Hold] = {}
         self.digests: dict[str, str] = {}
         self.processed: dict[str, str] = {}
@@ -249,7 +314,7 @@ class _Pass:
 
     # -- memory ----------------------------------------------------------------------------------------------
 
-    def _take(self, nbytes: int, wait: bool) -> torch.Tensor:
+    def _take(self, nbytes: int, wait: bool) -> memoryview:
         """A buffer of at least `nbytes`. Only the reader waits (`wait`), and only while workers still run:
         buffers waiting for tensors not read yet free nothing."""
         with self.cond:
@@ -260,7 +325,7 @@ class _Pass:
             self.held += nbytes
         return self.buffers_pool.take(nbytes)
 
-    def _give(self, buffer: torch.Tensor, nbytes: int) -> None:
+    def _give(self, buffer: memoryview, nbytes: int) -> None:
         self.buffers_pool.give(buffer)
         with self.cond:
             self.held -= nbytes
@@ -280,6 +345,9 @@ class _Pass:
                 self._read(shard, tensor)
             if current is not None:
                 current.forget_all()
+            for name, nbytes in self.schedule.stacked.items():
+                if nbytes == 0:  # an empty output: no write will start its hash
+                    self.submit(self._hash_back, name)
         except _Aborted:
             pass
         finally:
@@ -298,13 +366,13 @@ class _Pass:
         return PassResult(self.digests, self.processed)
 
     def _read(self, shard: OpenShard, tensor: TensorInfo) -> None:
-        """Read one tensor chunk by chunk; each chunk is hashed (in order) and written to every output that
-        copies it, and the whole tensor is kept only for outputs computed from it."""
-        copies = [self.offsets[o.name] for o in self.schedule.copies.get(tensor.name, ())]
+        """Read one tensor chunk by chunk; each chunk is hashed (in order) and its bytes written wherever outputs
+        hold them, and the whole tensor is kept only for outputs computed from it."""
+        spans = self.schedule.spans.get(tensor.name, ())
         computed = self.schedule.computed.get(tensor.name, ())
         hasher = tensor_hasher(tensor.nbytes)
         lane = _Lane(self)
-        whole: torch.Tensor | None = None
+        whole: memoryview | None = None
         whole_hold: _Hold | None = None
         if computed:
             whole = self._take(tensor.nbytes, wait=True)
@@ -312,32 +380,36 @@ class _Pass:
             whole_hold = _Hold(1 + len(computed), lambda: self._free_whole(tensor.name, whole, tensor.nbytes))
         for start in range(0, tensor.nbytes, CHUNK_BYTES):
             size = min(CHUNK_BYTES, tensor.nbytes - start)
+            end = start + size
+            # (arena offset, chunk offset, bytes, span) for every span this chunk has bytes of
+            runs = [(self.offsets[s.output] + s.at + lo - s.start, lo - start, hi - lo, s)
+                    for s in spans if (lo := max(start, s.start)) < (hi := min(end, s.start + s.nbytes))]
             if whole is not None and whole_hold is not None:
-                chunk, hold = whole[start : start + size], whole_hold
+                chunk, hold = whole[start:end], whole_hold
                 with self.cond:
-                    hold.refs += 1 + len(copies)
+                    hold.refs += 1 + len(runs)
             else:
                 base = self._take(size, wait=True)
                 chunk = base[:size]
-                hold = _Hold(1 + len(copies), lambda base=base, size=size: self._give(base, size))
-            shard.read_into(tensor, start, as_buffer(chunk))
-            shard.forget_read(tensor, start + size)
+                hold = _Hold(1 + len(runs), functools.partial(self._give, base, size))
+            shard.read_into(tensor, start, chunk)
+            shard.forget_read(tensor, end)
             if self.progress is not None:
                 self.progress.advance(size)
-            lane.submit(lambda chunk=chunk, hold=hold: self._hash_chunk(hasher, chunk, hold))
-            for offset in copies:
-                self.writes.submit(lambda at=offset + start, chunk=chunk, hold=hold: self._write(at, chunk, hold))
+            lane.submit(functools.partial(self._hash_chunk, hasher, chunk, hold))
+            for at, lo, n, span in runs:
+                self.writes.submit(functools.partial(self._write, at, chunk[lo : lo + n], hold, span.output))
         lane.submit(lambda: self._finish_digest(tensor.name, hasher))
         if whole is not None and whole_hold is not None:
             with self.cond:
-                self.kept[tensor.name] = typed(whole[: tensor.nbytes], tensor)
+                self.kept[tensor.name] = (whole[: tensor.nbytes], tensor)
                 self.holds[tensor.name] = whole_hold
             for output in self.schedule.arrived(tensor.name):
                 self.submit(self._compute, output)
             self.drop(whole_hold)
 
-    def _hash_chunk(self, hasher: Any, chunk: torch.Tensor, hold: _Hold) -> None:
-        hasher.update(as_buffer(chunk))
+    def _hash_chunk(self, hasher: Any, chunk: memoryview, hold: _Hold) -> None:
+        hasher.update(chunk)
         self.drop(hold)
 
     def _finish_digest(self, name: str, hasher: Any) -> None:
@@ -345,22 +417,48 @@ class _Pass:
         with self.cond:
             self.digests[name] = digest
 
-    def _write(self, offset: int, data: torch.Tensor, hold: _Hold) -> None:
+    def _write(self, offset: int, data: memoryview, hold: _Hold, output: str | None = None) -> None:
         self.write(offset, data)
         self.drop(hold)
+        if output in self.unwritten:
+            with self.cond:
+                self.unwritten[output] -= len(data)
+                done = self.unwritten[output] == 0
+            if done:
+                self.submit(self._hash_back, output)
 
-    def _free_whole(self, name: str, buffer: torch.Tensor, nbytes: int) -> None:
+    def _hash_back(self, name: str) -> None:
+        """An output stacked from several tensors is all written: hash it as the arena holds it."""
+        assert self.read_back is not None
+        nbytes = self.schedule.stacked[name]
+        hasher = tensor_hasher(nbytes)
+        if nbytes:
+            with self.read_back(self.offsets[name], nbytes) as data:
+                hasher.update(data)
+        digest = hasher.hexdigest()
+        with self.cond:
+            self.processed[name] = digest
+
+    def _free_whole(self, name: str, buffer: memoryview, nbytes: int) -> None:
         with self.cond:
             self.kept.pop(name, None)
             self.holds.pop(name, None)
         self._give(buffer, nbytes)
 
+    def _source(self, name: str) -> torch.Tensor:
+        buffer, tensor = self.kept[name]
+        return typed(buffer, tensor)
+
     def _compute(self, output: OutputSpec) -> None:
+        import torch  # only here: outputs of checkpoint bytes unchanged never wait for it
+
         nbytes = output.nbytes
         base = self._take(nbytes, wait=False)
         try:
-            out = base[:nbytes].view(getattr(torch, output.dtype)).reshape(output.shape)
-            self.plan.produce(output, self.kept.__getitem__, out=out)
+            dtype = torch_dtype(output.dtype)
+            out = (torch.frombuffer(base, dtype=torch.uint8, count=nbytes).view(dtype).reshape(output.shape)
+                   if nbytes else torch.empty(output.shape, dtype=dtype))
+            self.plan.produce(output, self._source, out=out)
         except BaseException:
             self._give(base, nbytes)
             raise
@@ -372,10 +470,10 @@ class _Pass:
         self.submit(self._hash_output, output.name, data, hold)
         self.writes.submit(lambda: self._write(self.offsets[output.name], data, hold))
 
-    def _hash_output(self, name: str, data: torch.Tensor, hold: _Hold) -> None:
-        hasher = tensor_hasher(data.numel())
-        if data.numel():
-            hasher.update(as_buffer(data))
+    def _hash_output(self, name: str, data: memoryview, hold: _Hold) -> None:
+        hasher = tensor_hasher(len(data))
+        if len(data):
+            hasher.update(data)
         digest = hasher.hexdigest()
         with self.cond:
             self.processed[name] = digest
@@ -383,16 +481,23 @@ class _Pass:
 
 
 def fill_in_one_pass(plan: ProcessingPlan, shards: Sequence[OpenShard], write: ArenaWrite,
-                     offsets: Mapping[str, int], progress: HashProgress | None = None) -> PassResult:
-    """Read every tensor of `shards` once, hash it, and write every output of `plan` at `offsets[output.name]`."""
-    return _Pass(plan, shards, write, offsets, progress).run()
+                     offsets: Mapping[str, int], progress: HashProgress | None = None,
+                     read_back: ArenaRead | None = None) -> PassResult:
+    """Read every tensor of `shards` once, hash it, and write every output of `plan` at `offsets[output.name]`.
+
+    With `read_back`, outputs made of checkpoint bytes unchanged are written straight from the read buffers and
+    need no torch; without (a CUDA arena), only outputs that are one tensor whole are.
+    """
+    return _Pass(plan, shards, write, offsets, progress, read_back).run()
 
 
 def read_outputs(plan: ProcessingPlan, shards: Sequence[OpenShard]) -> dict[str, torch.Tensor]:
     """Every output of `plan` from one read of each tensor it needs, in tensors the caller owns (a disk load)."""
+    import torch
+
     schedule = Schedule(plan)
     outputs: dict[str, torch.Tensor] = {}
-    held: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # tensor → (pooled buffer, typed view of it)
+    held: dict[str, tuple[memoryview, torch.Tensor]] = {}  # tensor → (pooled buffer, typed view of it)
     users_left = {name: len(users) for name, users in schedule.computed.items()}
     pool = BufferPool(HELD_BYTES)
     workers = os.cpu_count() or 2
@@ -402,7 +507,7 @@ def read_outputs(plan: ProcessingPlan, shards: Sequence[OpenShard]) -> dict[str,
             if tensor.name in schedule.computed:
                 # A reused buffer: it lives only until the outputs computed from it are made.
                 base = pool.take(tensor.nbytes)
-                shard.read_into(tensor, 0, as_buffer(base[: tensor.nbytes]))
+                shard.read_into(tensor, 0, base[: tensor.nbytes])
                 view = typed(base[: tensor.nbytes], tensor)
                 held[tensor.name] = (base, view)
                 for output in copies:
@@ -418,7 +523,7 @@ def read_outputs(plan: ProcessingPlan, shards: Sequence[OpenShard]) -> dict[str,
                 # clone (an engine may change one in place).
                 data = torch.empty(tensor.nbytes, dtype=torch.uint8)
                 _read_in_parts(shard, tensor, data, readers, workers)
-                view = typed(data, tensor)
+                view = data.view(torch_dtype(TORCH_NAMES[tensor.dtype])).reshape(tensor.shape)
                 for i, output in enumerate(copies):
                     outputs[output.name] = view if i == 0 else view.clone()
             # A tensor no output needs is not read: a disk load does not hash.

@@ -3,27 +3,32 @@
 `build_plan` turns a resolved `PlanSpec`, config.json and the checkpoint's manifest into a `ProcessingPlan`: a
 fixed, ordered list of `OutputSpec`s and, for each, a recipe of checkpoint slices. `ProcessingPlan.produce`
 runs one recipe. The daemon and the engine's disk path both call it, so their processed bytes are equal.
+
+Building a plan needs no torch: only running a recipe imports it, so a daemon whose outputs are all checkpoint
+bytes unchanged never waits for `import torch`.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from wcache.checkpoint import hf_names
-from wcache.checkpoint.dtypes import CASTABLE, TORCH_NAMES
+from wcache.checkpoint.dtypes import CASTABLE, TORCH_ITEMSIZE, TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.errors import BadInputError, CheckpointError
 from wcache.plan.quantize import QUANTIZED_DTYPES, channel_scales, is_linear_weight, quantize_rows, scale_name
 from wcache.plan.spec import PlanSpec
 
+if TYPE_CHECKING:
+    import torch
+
 _ROTARY_BUFFER = ".rotary_emb.inv_freq"
 
-Source = Callable[[str], torch.Tensor]
+Source = Callable[[str], "torch.Tensor"]
 
 
 class UnsupportedPlanError(BadInputError):
@@ -41,7 +46,7 @@ class OutputSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
+        return math.prod(self.shape) * TORCH_ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +94,8 @@ class ProcessingPlan:
         given (a contiguous tensor of that dtype and shape, e.g. a slot in an arena), fills and returns `out`,
         so the daemon writes each output once instead of copying it again.
         """
+        import torch
+
         recipe = self.recipes.get(output.name)
         if recipe is None or output.shape != (recipe.shape[:1] if recipe.kind == "scale" else recipe.shape):
             raise KeyError(f"{output.name!r} with shape {output.shape} is not an output of this plan")
@@ -146,6 +153,8 @@ def process_all(plan: ProcessingPlan, source: Source) -> dict[str, torch.Tensor]
 def _assemble(recipe: Recipe, source: Source, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
     # Pieces are views of the source (narrow never copies), and copy_ casts while it writes into the result, so
     # the only full-size buffer is the output itself: no checkpoint tensor is ever materialized first.
+    import torch
+
     target = out if out is not None else torch.empty(recipe.shape, dtype=dtype)
     fetched: dict[str, torch.Tensor] = {}
     row = 0
@@ -165,6 +174,8 @@ def _assemble(recipe: Recipe, source: Source, dtype: torch.dtype, out: torch.Ten
 
 
 def _fetch(source: Source, piece: Piece) -> torch.Tensor:
+    import torch
+
     tensor = source(piece.source)
     if tuple(tensor.shape) != piece.source_shape or tensor.dtype != getattr(torch, piece.source_dtype):
         raise CheckpointError(
@@ -266,7 +277,10 @@ def check_tp_split(spec: PlanSpec, config: Mapping[str, Any] | None) -> None:
 
 def _torch_name(entry: TensorDigest) -> str:
     name = TORCH_NAMES.get(entry.dtype)
-    if name is None or not hasattr(torch, name):
+    # Checked against torch where it is loaded (an engine); a daemon that has not imported it serves the bytes,
+    # and an engine on an older torch refuses them when it attaches.
+    torch = sys.modules.get("torch")
+    if name is None or (torch is not None and not hasattr(torch, name)):
         raise UnsupportedPlanError(f"tensor {entry.name!r} has dtype {entry.dtype}, which this torch cannot hold.")
     return name
 

@@ -1,10 +1,15 @@
-"""Weight-only quantization per output channel (int8 and fp8 e4m3) with float32 scales, bit-reproducible."""
+"""Weight-only quantization per output channel (int8 and fp8 e4m3) with float32 scales, bit-reproducible.
+
+Its names and rules import no torch (a plan is built before torch is loaded); the arithmetic imports it.
+"""
 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Quantization method → the torch dtype name of the quantized weight.
 QUANTIZED_DTYPES: dict[str, str] = {"int8": "int8", "fp8": "float8_e4m3fn"}
@@ -36,6 +41,8 @@ def channel_scales(weight: torch.Tensor, method: str) -> torch.Tensor:
     The weight must already be float32 on the CPU: the max of absolute values is exact in any reduction
     order and the division is correctly rounded, so the scales are identical on every machine and call.
     """
+    import torch
+
     _check_float32(weight)
     amax = weight.abs().amax(dim=1)
     return torch.where(amax == 0, torch.ones_like(amax), amax / _QMAX[method])
@@ -43,6 +50,8 @@ def channel_scales(weight: torch.Tensor, method: str) -> torch.Tensor:
 
 def quantize_rows(weight: torch.Tensor, scales: torch.Tensor, method: str) -> torch.Tensor:
     """Quantize a float32 weight row by row with `scales`: round-half-even to int8, or cast to float8_e4m3fn."""
+    import torch
+
     _check_float32(weight)
     qmax = _QMAX[method]
     scaled = weight / scales.unsqueeze(1)
@@ -55,9 +64,13 @@ def quantize_rows(weight: torch.Tensor, scales: torch.Tensor, method: str) -> to
 
 def dequantize_rows(quantized: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """float32 approximation of the original weight (for engines without quantized kernels, and for tests)."""
+    import torch
+
     return quantized.to(torch.float32) * scales.to(torch.float32).unsqueeze(1)
 
 
 def _check_float32(weight: torch.Tensor) -> None:
+    import torch
+
     if weight.dtype != torch.float32 or weight.dim() != 2:
         raise ValueError(f"quantization expects a 2-D float32 weight, not {weight.dim()}-D {weight.dtype}")
