@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import blake3
+
 from wcache.errors import CheckpointError
 from wcache.safetensors_header import ShardHeader
 
@@ -28,6 +30,9 @@ class CheckpointLayout:
     shards: tuple[Path, ...]
     config: dict[str, Any] | None
     weight_map: dict[str, str] | None  # tensor name → shard file name, from the index
+    # BLAKE3 of the index file's bytes: a stored Merkle root is reused only under the very index it was checked
+    # against (check_index), without checking 11,000 entries again. None without an index.
+    index_digest: str | None = None
 
 
 # config.json and the index of an 11,000-tensor checkpoint are about a megabyte; anything far larger is not one.
@@ -62,12 +67,26 @@ def _read_small_file(path: Path) -> bytes | None:
 
 
 def _read_json(path: Path, what: str) -> Any:
+    text = _read_checked(path)
+    return None if text is None else _parse_json(path, what, text)
+
+
+def _read_index(path: Path) -> tuple[Any, str | None]:
+    """The parsed index and the BLAKE3 of its bytes; (None, None) where there is no index."""
+    text = _read_checked(path)
+    if text is None:
+        return None, None
+    return _parse_json(path, "shard index", text), blake3.blake3(text).hexdigest()
+
+
+def _read_checked(path: Path) -> bytes | None:
     try:
-        text = _read_small_file(path)
+        return _read_small_file(path)
     except OSError as exc:
         raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
-    if text is None:
-        return None
+
+
+def _parse_json(path: Path, what: str, text: bytes) -> Any:
     try:
         return json.loads(text, parse_constant=_non_finite, parse_float=_finite_float)
     except _NonFiniteError as exc:
@@ -103,10 +122,10 @@ def locate(path: Path) -> CheckpointLayout:
         mode_future: Future[int] = pool.submit(_mode_of, path)
         # Read as if `path` were a directory; where it is not, these fail or find nothing and are dropped.
         config_future: Future[Any] = pool.submit(_read_json, path / CONFIG_NAME, "model config")
-        index_future: Future[Any] = pool.submit(_read_json, path / INDEX_NAME, "shard index")
+        index_future: Future[tuple[Any, str | None]] = pool.submit(_read_index, path / INDEX_NAME)
         if stat.S_ISDIR(mode_future.result()):
-            config, index = config_future.result(), index_future.result()
-            return _directory_layout(path, config, index)
+            config, (index, index_digest) = config_future.result(), index_future.result()
+            return _directory_layout(path, config, index, index_digest)
     if path.suffix != ".safetensors":
         raise CheckpointError(f"{path} is neither a model directory nor a .safetensors file.")
     # A single file takes the config of the directory it sits in, as vLLM does for a file path.
@@ -125,7 +144,7 @@ def _mode_of(path: Path) -> int:
         raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
 
 
-def _directory_layout(path: Path, config: Any, index: Any) -> CheckpointLayout:
+def _directory_layout(path: Path, config: Any, index: Any, index_digest: str | None) -> CheckpointLayout:
     if config is not None and not isinstance(config, dict):
         raise CheckpointError(f"{path / CONFIG_NAME} is not a JSON object.")
     if index is None:
@@ -133,7 +152,8 @@ def _directory_layout(path: Path, config: Any, index: Any) -> CheckpointLayout:
     weight_map = _parse_index(index, path / INDEX_NAME)
     shard_names = sorted(set(weight_map.values()))
     return CheckpointLayout(
-        root=path, shards=tuple(path / name for name in shard_names), config=config, weight_map=weight_map
+        root=path, shards=tuple(path / name for name in shard_names), config=config, weight_map=weight_map,
+        index_digest=index_digest,
     )
 
 

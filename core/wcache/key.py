@@ -6,8 +6,9 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from wcache.digest_store import DigestStore
 from wcache.dtypes import SAFETENSORS_TO_PLAN
 from wcache.errors import BadInputError, KeyFileError
 from wcache.fingerprint import FingerprintStats, HashProgress, fingerprint_checkpoint
-from wcache.manifest import TensorDigest, merkle_root
+from wcache.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
 from wcache.model_config import canonical_config, config_digest, config_dtype
 from wcache.plan import PlanSpec
 from wcache.safetensors_header import TensorInfo
@@ -51,18 +52,26 @@ class WeightCacheKey:
         return [f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class KeyFile:
-    """A key with what explains it: the plan, the canonical config, the manifest, and where it came from."""
+    """A key with what explains it: the plan, the canonical config, the manifest, and where it came from.
+
+    `manifest_source` is the manifest, or what builds it: a key whose root came from the digest store builds
+    its per-tensor list only when `manifest` is first read (an attach that hits never reads it).
+    """
 
     key: WeightCacheKey
     plan: PlanSpec
     config: dict[str, Any] | None
-    manifest: tuple[TensorDigest, ...]
+    manifest_source: ManifestSource = field(repr=False, compare=False)
     source: str
     created: str
     wcache_version: str
     stats: FingerprintStats | None = None
+
+    @cached_property
+    def manifest(self) -> tuple[TensorDigest, ...]:
+        return build_manifest(self.manifest_source)
 
     @property
     def total_bytes(self) -> int:
@@ -96,7 +105,7 @@ class KeyFile:
             manifest = tuple(TensorDigest.from_json(t) for t in data["tensors"])
             plan = PlanSpec.from_json(data["plan"])
             info = data["info"]
-            result = cls(key=key, plan=plan, config=data["config"], manifest=manifest,
+            result = cls(key=key, plan=plan, config=data["config"], manifest_source=manifest,
                          source=str(info["source"]), created=str(info["created"]),
                          wcache_version=str(info["wcache_version"]))
         except (AttributeError, KeyError, TypeError, ValueError, OverflowError, BadInputError) as exc:
@@ -132,14 +141,18 @@ def compute_key(
     """The key of checkpoint `path` under `plan`; warm shards cost one stat each and no reads."""
     layout = locate(path)
     fingerprint = fingerprint_checkpoint(layout, store, rehash=rehash, progress=progress)
-    return make_key_file(path, layout, fingerprint.manifest, plan or PlanSpec(), fingerprint.stats,
+    return make_key_file(path, layout, fingerprint.manifest_source, plan or PlanSpec(), fingerprint.stats,
                          root=fingerprint.root)
 
 
-def resolve_plan(layout: CheckpointLayout, manifest: tuple[TensorDigest, ...], plan: PlanSpec) -> PlanSpec:
+def resolve_plan(layout: CheckpointLayout, manifest: ManifestSource, plan: PlanSpec) -> PlanSpec:
     """`plan` with an "auto" dtype made the checkpoint's own: config.json's dtype, else the dtype that holds
-    most bytes. The one rule for "auto"; needs the tensors' dtypes, not their digests."""
-    return plan.resolve(config_dtype(layout.config) or _dominant_dtype(manifest))
+    most bytes. The one rule for "auto"; needs the tensors' dtypes, not their digests, and builds a lazy
+    manifest only where config.json names no dtype."""
+    dtype = config_dtype(layout.config)
+    if dtype is None and plan.dtype == "auto":
+        dtype = _dominant_dtype(build_manifest(manifest))
+    return plan.resolve(dtype or plan.dtype)
 
 
 def resolve_plan_from_headers(layout: CheckpointLayout, plan: PlanSpec) -> PlanSpec:
@@ -157,7 +170,7 @@ def resolve_plan_from_headers(layout: CheckpointLayout, plan: PlanSpec) -> PlanS
 def make_key_file(
     path: Path,
     layout: CheckpointLayout,
-    manifest: tuple[TensorDigest, ...],
+    manifest: ManifestSource,
     plan: PlanSpec,
     stats: FingerprintStats | None,
     *,
@@ -169,7 +182,7 @@ def make_key_file(
     """
     resolved = resolve_plan(layout, manifest, plan)
     key = WeightCacheKey(
-        checkpoint=root if root is not None else merkle_root(manifest),
+        checkpoint=root if root is not None else merkle_root(build_manifest(manifest)),
         config=config_digest(layout.config),
         plan=resolved.digest(),
         format=FORMAT_VERSION,
@@ -178,7 +191,7 @@ def make_key_file(
         key=key,
         plan=resolved,
         config=canonical_config(layout.config),
-        manifest=manifest,
+        manifest_source=manifest,
         source=os.path.abspath(path),  # noqa: PTH100  (no syscalls: resolve() costs round trips on remote storage)
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         wcache_version=wcache.__version__,

@@ -17,7 +17,7 @@ def daemon_key_file(descriptor: DaemonDescriptor, tensors: list[dict[str, Any]])
         key=WeightCacheKey(**descriptor.key),
         plan=PlanSpec.from_json(descriptor.plan),
         config=descriptor.config,
-        manifest=manifest,
+        manifest_source=manifest,
         source=f"daemon {descriptor.name} ({descriptor.source})",
         created=descriptor.started,
         wcache_version="",
