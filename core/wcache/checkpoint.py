@@ -37,6 +37,10 @@ class CheckpointLayout:
 
 # config.json and the index of an 11,000-tensor checkpoint are about a megabyte; anything far larger is not one.
 MAX_JSON_BYTES = 64 << 20
+# The most a FUSE client asks for in one READ (32 pages): one read() of a larger file is a chain of round trips,
+# so an index larger than this (2,000 shards: 166 KB) is read in concurrent preads of this size instead.
+ONE_REQUEST_BYTES = 128 << 10
+MAX_READ_THREADS = 16
 
 
 def _read_small_file(path: Path) -> bytes | None:
@@ -55,6 +59,9 @@ def _read_small_file(path: Path) -> bytes | None:
         # The first read asks for exactly the size fstat saw: a read that ends within the known size spares a
         # FUSE client the size refresh (a round trip) that a read past it costs. Reading still goes on to EOF.
         want = min(st.st_size, MAX_JSON_BYTES + 1) or 1 << 20
+        if ONE_REQUEST_BYTES < st.st_size <= MAX_JSON_BYTES and (head := _read_concurrently(fd, st.st_size)):
+            chunks, size, want = [head], len(head), 1 << 20
+            os.lseek(fd, size, os.SEEK_SET)
         while chunk := os.read(fd, want):
             size += len(chunk)
             if size > MAX_JSON_BYTES:
@@ -64,6 +71,21 @@ def _read_small_file(path: Path) -> bytes | None:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def _read_concurrently(fd: int, size: int) -> bytes | None:
+    """The first `size` bytes of `fd` in concurrent preads of one request each; None if one comes back short
+    (the file shrank: the caller reads it from the start)."""
+    starts = range(0, size, ONE_REQUEST_BYTES)
+
+    def part(at: int) -> bytes:
+        return os.pread(fd, min(ONE_REQUEST_BYTES, size - at), at)
+
+    with ThreadPoolExecutor(max_workers=min(MAX_READ_THREADS, len(starts)), thread_name_prefix="wcache-read") as pool:
+        parts = list(pool.map(part, starts))
+    if sum(map(len, parts)) != size:
+        return None
+    return b"".join(parts)
 
 
 def _read_json(path: Path, what: str) -> Any:
