@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import cache, cached_property, partial
 from pathlib import Path
 from typing import Protocol
 
@@ -167,7 +167,8 @@ def fingerprint_checkpoint(
             stats = FingerprintStats(num_shards=len(layout.shards), shards_from_store=len(layout.shards),
                                      shards_hashed=0, bytes_hashed=0, seconds=time.perf_counter() - began,
                                      root_from_store=True)
-            return Fingerprint(root, partial(_manifest_behind, layout, identities, store, root), stats)
+            # Built once however many ask (a key file, an "auto" dtype without a config dtype).
+            return Fingerprint(root, cache(partial(_manifest_behind, layout, identities, store, root)), stats)
     return _fingerprint_from_records(layout, identities, state, store, rehash, progress, began)
 
 
