@@ -145,7 +145,14 @@ def test_auto_dtype_without_a_config_dtype_comes_from_the_lazy_manifest(checkpoi
     (checkpoint / "config.json").write_text(json.dumps(config))
     cache = tmp_path / "cache"
     warm_hit(checkpoint, cache)
-    hit = key_with(checkpoint, cache, plan=PlanSpec())
+    with DigestStore(cache) as store:
+        statements: list[str] = []
+        store._conn.set_trace_callback(statements.append)  # type: ignore[union-attr]
+        hit = compute_key(checkpoint, PlanSpec(), store=store)
+        assert hit.stats is not None and hit.stats.root_from_store
+        assert len(hit.manifest) > 0
+        store._conn.set_trace_callback(None)  # type: ignore[union-attr]
+    assert sum("FROM shards" in s for s in statements) == 1  # built once, for the dtype and the key file
     assert hit.key == compute_key(checkpoint, PlanSpec()).key
     assert hit.plan.dtype != "auto"
 
