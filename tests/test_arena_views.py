@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 from wcache.errors import UnavailableError
-from wcache.ipc.arena import CpuArena, map_cpu_arena, plan_layout, views_from_wire
+from wcache.ipc.arena import CpuArena, map_cpu_arena, plan_layout
+from wcache.ipc.arena_views import views_from_wire
 
 WEIGHTS = {
     "w": torch.arange(24, dtype=torch.float32).reshape(2, 3, 4),
@@ -80,3 +81,52 @@ def test_views_share_one_storage_that_keeps_the_map(sealed: CpuArena) -> None:
     del mapped
     gc.collect()
     assert all(torch.equal(tensors[name], expected) for name, expected in WEIGHTS.items())
+
+
+def _reference_view(block: torch.Tensor, dtype: str, shape: list[int], offset: int, nbytes: int) -> torch.Tensor:
+    return block[offset:offset + nbytes].view(getattr(torch, dtype)).reshape(shape)
+
+
+@pytest.mark.parametrize("order", ["arena", "shuffled"])
+def test_layered_entries_view_exactly_their_own_bytes(order: str) -> None:
+    # Layers repeat tensors of one dtype and shape (two norms, k and v), so views are made a run at a time;
+    # whatever order the reply lists them in, each must view exactly its own bytes.
+    per_layer = [("in_norm", "bfloat16", (8,)), ("k", "bfloat16", (4, 8)), ("v", "bfloat16", (4, 8)),
+                 ("q_norm", "bfloat16", (8,)), ("up", "float32", (3, 8)), ("post_norm", "bfloat16", (8,))]
+    specs = [("embed", "bfloat16", (16, 8), 256)]
+    for layer in range(9):
+        specs += [(f"layers.{layer}.{n}", d, s, torch.empty(s, dtype=getattr(torch, d)).nbytes)
+                  for n, d, s in per_layer]
+    specs += [("layers.9.odd", "bfloat16", (8,), 16), ("norm", "bfloat16", (8,), 16)]
+    entries, total = plan_layout([(n, d, s, b) for n, d, s, b in specs])
+    items = [e.to_wire() for e in entries]
+    if order == "shuffled":
+        import random
+
+        random.Random(3).shuffle(items)
+    block = torch.arange(total, dtype=torch.int64).remainder(251).to(torch.uint8)
+    views = views_from_wire(block, items)
+    assert list(views) == [item[0] for item in items]
+    for name, dtype, shape, offset, nbytes in items:
+        got, expected = views[name], _reference_view(block, dtype, shape, offset, nbytes)
+        assert got.dtype == expected.dtype and got.shape == expected.shape and got.stride() == expected.stride()
+        assert got.data_ptr() == expected.data_ptr() and got.is_contiguous()
+        assert torch.equal(got, expected)
+
+
+def test_a_misfit_inside_a_run_is_one_error() -> None:
+    entries, total = plan_layout([(f"layers.{i}.w", "float32", (4,), 16) for i in range(8)])
+    items = [e.to_wire() for e in entries]
+    items[5][3] = total  # one entry of a run past the end
+    with pytest.raises(UnavailableError, match=r"'layers\.5\.w' is 16 bytes at"):
+        views_from_wire(torch.zeros(total, dtype=torch.uint8), items)
+
+
+@pytest.mark.parametrize("bad", [
+    [["w", "float32", [1], 0]],
+    [["w", "float32", [1], 0.0, 4]],
+    [["w", "float32", [1], 0, 2**70]],
+], ids=["four-fields", "float-offset", "huge-size"])
+def test_malformed_entries_are_one_error(bad: list[list[object]]) -> None:
+    with pytest.raises(UnavailableError, match="does not fit its"):
+        views_from_wire(torch.zeros(64, dtype=torch.uint8), bad)

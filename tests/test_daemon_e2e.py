@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -39,6 +40,7 @@ from wcache.ipc.client import request_once
 from wcache.ipc.messages import CheckArena, Stats
 from wcache.ipc.rundir import DaemonDescriptor
 from wcache.key.compute import compute_key
+from wcache.key.digest_store import RACY_WINDOW_NS
 from wcache.load.loader import load_from_disk, processed_digest
 from wcache.plan.spec import PlanSpec
 from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint, write_tensors
@@ -210,6 +212,9 @@ def test_second_engine_zero_copy_adds_no_private_copy(rig: DaemonRig) -> None:
     weights_bytes = sum(t.numel() * t.element_size() for t in big.values())
     model = write_tensors(big, None, rig.base / "big", 1)
     del big
+    # Past the racy window before the daemon hashes, so its receipts are trusted and no attach below re-hashes
+    # the shard: a hash pass leaves its read buffers in a thread's malloc arena, megabytes that are not the attach's.
+    time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)
     spec = PlanSpec(layout="identity")
     (daemon,) = rig.preload(model, "--plan", "identity")
     assert daemon.weights_bytes >= weights_bytes

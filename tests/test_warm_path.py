@@ -49,3 +49,19 @@ def test_warm_key_reads_no_shard_and_cold_key_reads_each_once(tiny_template: Pat
     assert {name: report["cold"].get(name) for name in shards} == dict.fromkeys(shards, 1)
     # Warm: only config.json and the index are read; no shard is opened or mapped.
     assert set(report["warm"]) <= {"config.json", "model.safetensors.index.json"}, report["warm"]
+
+
+def test_an_index_larger_than_one_read_request_is_read_whole(tiny_template: Path, tmp_path: Path) -> None:
+    # Past one FUSE request (128 KiB) the index is read in concurrent pieces; they must join to the file.
+    from wcache.checkpoint.files import ONE_REQUEST_BYTES, locate
+    from wcache.key.compute import compute_key
+
+    checkpoint = Path(shutil.copytree(tiny_template, tmp_path / "tiny"))
+    index_path = checkpoint / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["metadata"] = {**index.get("metadata", {}), "padding": "".join(f"{i:07d}," for i in range(50_000))}
+    index_path.write_text(json.dumps(index))
+    assert index_path.stat().st_size > 3 * ONE_REQUEST_BYTES
+    layout = locate(checkpoint)
+    assert layout.weight_map == index["weight_map"]
+    assert compute_key(checkpoint).key == compute_key(tiny_template).key

@@ -405,7 +405,8 @@ def _try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, wanted:
     elif ctx.views:
         import torch
 
-        from wcache.ipc.arena import open_cuda_handle, views_from_wire
+        from wcache.ipc.arena import open_cuda_handle
+        from wcache.ipc.arena_views import views_from_wire
 
         if reply.cuda is None:
             connection.close()

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import blake3
+
 from wcache.checkpoint.safetensors_header import ShardHeader
 from wcache.errors import CheckpointError
 
@@ -28,10 +30,17 @@ class CheckpointLayout:
     shards: tuple[Path, ...]
     config: dict[str, Any] | None
     weight_map: dict[str, str] | None  # tensor name → shard file name, from the index
+    # BLAKE3 of the index file's bytes: a stored Merkle root is reused only under the very index it was checked
+    # against (check_index), without checking 11,000 entries again. None without an index.
+    index_digest: str | None = None
 
 
 # config.json and the index of an 11,000-tensor checkpoint are about a megabyte; anything far larger is not one.
 MAX_JSON_BYTES = 64 << 20
+# The most a FUSE client asks for in one READ (32 pages): one read() of a larger file is a chain of round trips,
+# so an index larger than this (2,000 shards: 166 KB) is read in concurrent preads of this size instead.
+ONE_REQUEST_BYTES = 128 << 10
+MAX_READ_THREADS = 16
 
 
 def _read_small_file(path: Path) -> bytes | None:
@@ -50,6 +59,9 @@ def _read_small_file(path: Path) -> bytes | None:
         # The first read asks for exactly the size fstat saw: a read that ends within the known size spares a
         # FUSE client the size refresh (a round trip) that a read past it costs. Reading still goes on to EOF.
         want = min(st.st_size, MAX_JSON_BYTES + 1) or 1 << 20
+        if ONE_REQUEST_BYTES < st.st_size <= MAX_JSON_BYTES and (head := _read_concurrently(fd, st.st_size)):
+            chunks, size, want = [head], len(head), 1 << 20
+            os.lseek(fd, size, os.SEEK_SET)
         while chunk := os.read(fd, want):
             size += len(chunk)
             if size > MAX_JSON_BYTES:
@@ -61,13 +73,42 @@ def _read_small_file(path: Path) -> bytes | None:
         os.close(fd)
 
 
+def _read_concurrently(fd: int, size: int) -> bytes | None:
+    """The first `size` bytes of `fd` in concurrent preads of one request each; None if one comes back short
+    (the file shrank: the caller reads it from the start)."""
+    starts = range(0, size, ONE_REQUEST_BYTES)
+
+    def part(at: int) -> bytes:
+        return os.pread(fd, min(ONE_REQUEST_BYTES, size - at), at)
+
+    with ThreadPoolExecutor(max_workers=min(MAX_READ_THREADS, len(starts)), thread_name_prefix="wcache-read") as pool:
+        parts = list(pool.map(part, starts))
+    if sum(map(len, parts)) != size:
+        return None
+    return b"".join(parts)
+
+
 def _read_json(path: Path, what: str) -> Any:
+    text = _read_checked(path)
+    return None if text is None else _parse_json(path, what, text)
+
+
+def _read_index(path: Path) -> tuple[Any, str | None]:
+    """The parsed index and the BLAKE3 of its bytes; (None, None) where there is no index."""
+    text = _read_checked(path)
+    if text is None:
+        return None, None
+    return _parse_json(path, "shard index", text), blake3.blake3(text).hexdigest()
+
+
+def _read_checked(path: Path) -> bytes | None:
     try:
-        text = _read_small_file(path)
+        return _read_small_file(path)
     except OSError as exc:
         raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
-    if text is None:
-        return None
+
+
+def _parse_json(path: Path, what: str, text: bytes) -> Any:
     try:
         return json.loads(text, parse_constant=_non_finite, parse_float=_finite_float)
     except _NonFiniteError as exc:
@@ -103,10 +144,10 @@ def locate(path: Path) -> CheckpointLayout:
         mode_future: Future[int] = pool.submit(_mode_of, path)
         # Read as if `path` were a directory; where it is not, these fail or find nothing and are dropped.
         config_future: Future[Any] = pool.submit(_read_json, path / CONFIG_NAME, "model config")
-        index_future: Future[Any] = pool.submit(_read_json, path / INDEX_NAME, "shard index")
+        index_future: Future[tuple[Any, str | None]] = pool.submit(_read_index, path / INDEX_NAME)
         if stat.S_ISDIR(mode_future.result()):
-            config, index = config_future.result(), index_future.result()
-            return _directory_layout(path, config, index)
+            config, (index, index_digest) = config_future.result(), index_future.result()
+            return _directory_layout(path, config, index, index_digest)
     if path.suffix != ".safetensors":
         raise CheckpointError(f"{path} is neither a model directory nor a .safetensors file.")
     # A single file takes the config of the directory it sits in, as vLLM does for a file path.
@@ -125,7 +166,7 @@ def _mode_of(path: Path) -> int:
         raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
 
 
-def _directory_layout(path: Path, config: Any, index: Any) -> CheckpointLayout:
+def _directory_layout(path: Path, config: Any, index: Any, index_digest: str | None) -> CheckpointLayout:
     if config is not None and not isinstance(config, dict):
         raise CheckpointError(f"{path / CONFIG_NAME} is not a JSON object.")
     if index is None:
@@ -133,7 +174,8 @@ def _directory_layout(path: Path, config: Any, index: Any) -> CheckpointLayout:
     weight_map = _parse_index(index, path / INDEX_NAME)
     shard_names = sorted(set(weight_map.values()))
     return CheckpointLayout(
-        root=path, shards=tuple(path / name for name in shard_names), config=config, weight_map=weight_map
+        root=path, shards=tuple(path / name for name in shard_names), config=config, weight_map=weight_map,
+        index_digest=index_digest,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring
 from operator import attrgetter
@@ -33,6 +33,16 @@ class TensorDigest:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes,
                 "digest": self.digest}
+
+
+# A manifest, or what builds it when first asked for: a key whose root came from the digest store builds its
+# per-tensor list only for whoever needs it (a diff, verify, a tensor table), not on every attach.
+ManifestSource = tuple[TensorDigest, ...] | Callable[[], tuple[TensorDigest, ...]]
+
+
+def build_manifest(source: ManifestSource) -> tuple[TensorDigest, ...]:
+    """The manifest `source` holds or builds."""
+    return source if isinstance(source, tuple) else source()
 
 
 def _leaf(entry: TensorDigest) -> bytes:

@@ -184,47 +184,6 @@ class MappedArena:
 WireEntry = Sequence[Any]
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
-    """Row-major strides as torch gives them (a zero-sized dimension counts as 1), and the element count."""
-    strides: list[int] = []
-    step = numel = 1
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= max(dim, 1)
-        numel *= dim
-    return tuple(reversed(strides)), numel
-
-
-def views_from_wire(block: torch.Tensor, items: Sequence[WireEntry]) -> dict[str, torch.Tensor]:
-    """Tensors viewing `block`, one uint8 tensor over a whole arena, where the map reply's entries place them.
-
-    One as_strided per tensor over a view of the block per dtype, with no entry objects in between: a slice,
-    .view and .reshape per tensor cost three times that, and an attach builds one tensor per checkpoint tensor.
-    An entry that does not fit the block is one UnavailableError.
-    """
-
-    total = block.numel()
-    typed: dict[str, tuple[torch.Tensor, int]] = {}
-    layouts: dict[tuple[int, ...], tuple[tuple[int, ...], int]] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    try:
-        for name, dtype, shape, offset, nbytes in items:
-            if dtype not in typed:
-                kind = torch_dtype(dtype)
-                typed[dtype] = (block[: total - total % kind.itemsize].view(kind), kind.itemsize)
-            base, itemsize = typed[dtype]
-            dims = tuple(shape)
-            if dims not in layouts:
-                layouts[dims] = _contiguous(dims)
-            strides, numel = layouts[dims]
-            if offset < 0 or offset % itemsize or numel * itemsize != nbytes or offset + nbytes > total:
-                raise ValueError(f"{name!r} is {nbytes} bytes at {offset} as {dtype} {list(dims)}")
-            tensors[name] = base.as_strided(dims, strides, offset // itemsize)
-    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        raise UnavailableError(f"the daemon sent a tensor that does not fit its {total}-byte arena ({exc}).") from None
-    return tensors
-
-
 def map_cpu_arena(fd: int, total_bytes: int, entries: Sequence[WireEntry]) -> MappedArena:
     """Map a received memfd copy-on-write and view its tensors; the descriptor is closed afterwards."""
     import torch
@@ -236,6 +195,8 @@ def map_cpu_arena(fd: int, total_bytes: int, entries: Sequence[WireEntry]) -> Ma
         mapping = mmap.mmap(fd, total_bytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+    from wcache.ipc.arena_views import views_from_wire
+
     # One tensor over the whole map; its storage holds the map object, so the map lives while any view does.
     return MappedArena(mapping, views_from_wire(torch.frombuffer(mapping, dtype=torch.uint8), entries))
 

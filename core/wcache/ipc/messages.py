@@ -122,7 +122,7 @@ class MapReply(Message):
     OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"cuda"})
     kind: Literal["memfd", "cuda"]
     total_bytes: int
-    # [name, dtype, shape, offset, nbytes] per tensor, viewed as they came (arena.views_from_wire checks them):
+    # [name, dtype, shape, offset, nbytes] per tensor, viewed as they came (arena_views.views_from_wire checks them):
     # no object per tensor in between.
     entries: list[Any]
     cuda: CudaHandle | None = None

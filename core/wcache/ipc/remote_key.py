@@ -13,7 +13,7 @@ def daemon_key_file(descriptor: DaemonDescriptor, tensors: tuple[TensorDigest, .
         key=descriptor.key,
         plan=descriptor.plan,
         config=descriptor.config,
-        manifest=tensors,
+        manifest_source=tensors,
         source=f"daemon {descriptor.name} ({descriptor.source})",
         created=descriptor.started,
         wcache_version="",

@@ -5,12 +5,13 @@ Value types and key-file I/O only; computing a key is `wcache.key.compute`."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wcache.canonical import digest_of
-from wcache.checkpoint.manifest import TensorDigest, merkle_root
+from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
 from wcache.checkpoint.model_config import config_digest
 from wcache.errors import BadInputError, KeyFileError
 from wcache.plan.spec import PlanSpec
@@ -54,18 +55,26 @@ KEY_FIELDS = tuple(f.name for f in fields(WeightCacheKey))
 TRUSTED_FIELDS = tuple(f for f in KEY_FIELDS if f != "checkpoint")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class KeyFile:
-    """A key with what explains it: the plan, the canonical config, the manifest, and where it came from."""
+    """A key with what explains it: the plan, the canonical config, the manifest, and where it came from.
+
+    `manifest_source` is the manifest, or what builds it: a key whose root came from the digest store builds
+    its per-tensor list only when `manifest` is first read (an attach that hits never reads it).
+    """
 
     key: WeightCacheKey
     plan: PlanSpec
     config: dict[str, Any] | None
-    manifest: tuple[TensorDigest, ...]
+    manifest_source: ManifestSource = field(repr=False, compare=False)
     source: str
     created: str
     wcache_version: str
     stats: FingerprintStats | None = None
+
+    @cached_property
+    def manifest(self) -> tuple[TensorDigest, ...]:
+        return build_manifest(self.manifest_source)
 
     @property
     def total_bytes(self) -> int:
@@ -99,7 +108,7 @@ class KeyFile:
             manifest = tuple(TensorDigest.from_json(t) for t in data["tensors"])
             plan = PlanSpec.from_json(data["plan"])
             info = data["info"]
-            result = cls(key=key, plan=plan, config=data["config"], manifest=manifest,
+            result = cls(key=key, plan=plan, config=data["config"], manifest_source=manifest,
                          source=str(info["source"]), created=str(info["created"]),
                          wcache_version=str(info["wcache_version"]))
         except (AttributeError, KeyError, TypeError, ValueError, OverflowError, BadInputError) as exc:

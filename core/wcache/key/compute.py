@@ -13,7 +13,7 @@ from typing import Any
 import wcache
 from wcache.checkpoint.dtypes import SAFETENSORS_TO_PLAN
 from wcache.checkpoint.files import CheckpointLayout, locate
-from wcache.checkpoint.manifest import TensorDigest, merkle_root
+from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
 from wcache.checkpoint.model_config import canonical_config, config_digest, config_dtype
 from wcache.checkpoint.safetensors_header import TensorInfo
 from wcache.key.cache_key import FORMAT_VERSION, KeyFile, WeightCacheKey
@@ -44,14 +44,18 @@ def compute_key(
     """The key of checkpoint `path` under `plan`; warm shards cost one stat each and no reads."""
     layout = locate(path)
     fingerprint = fingerprint_checkpoint(layout, store, rehash=rehash, progress=progress)
-    return make_key_file(path, layout, fingerprint.manifest, plan or PlanSpec(), fingerprint.stats,
+    return make_key_file(path, layout, fingerprint.manifest_source, plan or PlanSpec(), fingerprint.stats,
                          root=fingerprint.root)
 
 
-def resolve_plan(layout: CheckpointLayout, manifest: tuple[TensorDigest, ...], plan: PlanSpec) -> PlanSpec:
+def resolve_plan(layout: CheckpointLayout, manifest: ManifestSource, plan: PlanSpec) -> PlanSpec:
     """`plan` with an "auto" dtype made the checkpoint's own: config.json's dtype, else the dtype that holds
-    most bytes. The one rule for "auto"; needs the tensors' dtypes, not their digests."""
-    return plan.resolve(config_dtype(layout.config) or _dominant_dtype(manifest))
+    most bytes. The one rule for "auto"; needs the tensors' dtypes, not their digests, and builds a lazy
+    manifest only where config.json names no dtype."""
+    dtype = config_dtype(layout.config)
+    if dtype is None and plan.dtype == "auto":
+        dtype = _dominant_dtype(build_manifest(manifest))
+    return plan.resolve(dtype or plan.dtype)
 
 
 def resolve_plan_from_headers(layout: CheckpointLayout, plan: PlanSpec) -> PlanSpec:
@@ -76,7 +80,7 @@ def trusted_key(path: Path, plan: PlanSpec) -> dict[str, Any]:
 def make_key_file(
     path: Path,
     layout: CheckpointLayout,
-    manifest: tuple[TensorDigest, ...],
+    manifest: ManifestSource,
     plan: PlanSpec,
     stats: FingerprintStats | None,
     *,
@@ -88,7 +92,7 @@ def make_key_file(
     """
     resolved = resolve_plan(layout, manifest, plan)
     key = WeightCacheKey(
-        checkpoint=root if root is not None else merkle_root(manifest),
+        checkpoint=root if root is not None else merkle_root(build_manifest(manifest)),
         config=config_digest(layout.config),
         plan=resolved.digest(),
         format=FORMAT_VERSION,
@@ -97,7 +101,7 @@ def make_key_file(
         key=key,
         plan=resolved,
         config=canonical_config(layout.config),
-        manifest=manifest,
+        manifest_source=manifest,
         source=os.path.abspath(path),  # noqa: PTH100  (no syscalls: resolve() costs round trips on remote storage)
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         wcache_version=wcache.__version__,

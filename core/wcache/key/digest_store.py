@@ -32,6 +32,10 @@ RACY_WINDOW_NS = 2_000_000_000
 BUSY_TIMEOUT_S = 30.0
 # Ids per SELECT ... IN (...): below SQLite's historical limit of 999 bound parameters.
 LOOKUP_BATCH = 500
+# Stored Merkle roots kept, newest first: each change to a checkpoint's files adds a row whose state no file
+# will have again, so old ones are dropped (a dropped root is rebuilt from the shard receipts).
+MAX_ROOTS = 4096
+_HEX = frozenset("0123456789abcdef")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -43,6 +47,11 @@ CREATE TABLE IF NOT EXISTS shards (
     hashed_at_ns INTEGER NOT NULL,
     path TEXT NOT NULL,
     record BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS roots (
+    state TEXT PRIMARY KEY,
+    root TEXT NOT NULL,
+    stored_at_ns INTEGER NOT NULL
 );
 """
 
@@ -186,6 +195,7 @@ class DigestStore:
                 "SELECT file_id, size, mtime_ns, ctime_ns, hashed_at_ns, path, record FROM shards LIMIT 0"
             ).fetchall()
             conn.execute("SELECT key, value FROM meta LIMIT 0").fetchall()
+            conn.execute("SELECT state, root, stored_at_ns FROM roots LIMIT 0").fetchall()
         except BaseException:
             conn.close()
             raise
@@ -294,3 +304,42 @@ class DigestStore:
             self._disable(f"writing failed ({exc})")
         except sqlite3.DatabaseError as exc:
             self._rebuild(str(exc))
+
+    # -- Merkle roots by checkpoint state -------------------------------------------------------------
+
+    def lookup_root(self, state: str) -> str | None:
+        """The Merkle root stored for `state` (fingerprint.checkpoint_state: every shard's name and stat
+        identity, and the index's digest), if one is."""
+        with self._lock:
+            if self._conn is None:
+                return None
+            try:
+                row = self._conn.execute("SELECT root FROM roots WHERE state = ?", (state,)).fetchone()
+            except sqlite3.OperationalError as exc:
+                self._disable(f"reading failed ({exc})")
+                return None
+            except sqlite3.DatabaseError as exc:
+                self._rebuild(str(exc))
+                return None
+            if row is None or not isinstance(row[0], str) or len(row[0]) != 64 or not _HEX.issuperset(row[0]):
+                return None  # anything but a root's 64 hex digits is treated as absent, like a malformed record
+            return row[0]
+
+    def put_root(self, state: str, root: str) -> None:
+        """Store the root of a checkpoint state whose every receipt is trusted; failures are warnings."""
+        with self._lock:
+            if self._conn is None:
+                return
+            try:
+                with self._conn:
+                    self._conn.execute("BEGIN IMMEDIATE")
+                    self._conn.execute("INSERT OR REPLACE INTO roots VALUES (?, ?, ?)", (state, root, time.time_ns()))
+                    self._conn.execute(
+                        "DELETE FROM roots WHERE state NOT IN "
+                        "(SELECT state FROM roots ORDER BY stored_at_ns DESC LIMIT ?)",
+                        (MAX_ROOTS,),
+                    )
+            except sqlite3.OperationalError as exc:
+                self._disable(f"writing failed ({exc})")
+            except sqlite3.DatabaseError as exc:
+                self._rebuild(str(exc))

@@ -6,16 +6,19 @@ import os
 import stat
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache, cached_property, partial
 from pathlib import Path
 from typing import Protocol
 
+import blake3
+
 from wcache.checkpoint.files import INDEX_NAME, SINGLE_NAME, CheckpointLayout, check_index
-from wcache.checkpoint.manifest import TensorDigest, merkle_root
+from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
 from wcache.errors import CheckpointError
-from wcache.key.digest_store import DigestStore
+from wcache.key.digest_store import DigestStore, is_trusted
 from wcache.key.shard_hash import FileIdentity, ShardRecord, hash_shard
 
 # Stats are round trips on remote storage and each blocks a thread: 256 in flight answer most checkpoints in
@@ -24,6 +27,9 @@ from wcache.key.shard_hash import FileIdentity, ShardRecord, hash_shard
 # (latencyfs at 20 ms: 612 ms against 693 ms), so the cap stays where it bounds what one key asks of a server.
 MAX_STAT_THREADS = 256
 MAX_SHARD_THREADS = 4
+# Names what checkpoint_state covers and how merkle_root builds a root; a change to either must change it,
+# so that no root stored by an older wcache is taken for one this version would compute.
+ROOT_STATE_VERSION = "wcache.root-state/1"
 
 
 class HashProgress(Protocol):
@@ -43,15 +49,20 @@ class FingerprintStats:
     shards_hashed: int
     bytes_hashed: int
     seconds: float
+    root_from_store: bool = False  # the root itself came from the store: no receipt was decoded
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Fingerprint:
     """A checkpoint's Merkle root, its manifest sorted by tensor name, and how it was obtained."""
 
     root: str
-    manifest: tuple[TensorDigest, ...]
+    manifest_source: ManifestSource
     stats: FingerprintStats
+
+    @cached_property
+    def manifest(self) -> tuple[TensorDigest, ...]:
+        return build_manifest(self.manifest_source)
 
 
 def _stat_one(layout: CheckpointLayout, path: Path) -> FileIdentity:
@@ -123,6 +134,18 @@ def manifest_of(layout: CheckpointLayout, records: Mapping[Path, ShardRecord]) -
     return manifest
 
 
+def checkpoint_state(layout: CheckpointLayout, identities: Sequence[FileIdentity]) -> str:
+    """A digest of everything a checkpoint's Merkle root is computed from, short of reading the shards: each
+    shard's file name and full stat identity (device, inode, size, mtime, ctime) in layout order, and the
+    index's bytes. Any change to a shard or to the index changes it, so a root stored under it is never stale.
+    """
+    hasher = blake3.blake3(f"{ROOT_STATE_VERSION}\0{layout.index_digest or '-'}\0{len(identities)}\n".encode())
+    for path, i in zip(layout.shards, identities, strict=True):
+        # A file name holds neither NUL nor "/": the fields cannot run into each other.
+        hasher.update(f"{path.name}\0{i.dev}:{i.ino}\0{i.size}\0{i.mtime_ns}\0{i.ctime_ns}\n".encode())
+    return hasher.hexdigest()
+
+
 def fingerprint_checkpoint(
     layout: CheckpointLayout,
     store: DigestStore | None,
@@ -130,15 +153,66 @@ def fingerprint_checkpoint(
     rehash: bool = False,
     progress: HashProgress | None = None,
 ) -> Fingerprint:
-    """Fingerprint every tensor of `layout`; shards with a trusted receipt are not opened at all."""
+    """Fingerprint every tensor of `layout`; shards with a trusted receipt are not opened at all.
+
+    Where the store holds a root for this exact checkpoint state, that root is the answer and the manifest is
+    built from the receipts only when first asked for.
+    """
     began = time.perf_counter()
     identities = _stat_all(layout)
+    state = checkpoint_state(layout, identities)
+    if store is not None and not rehash:
+        root = store.lookup_root(state)
+        if root is not None:
+            stats = FingerprintStats(num_shards=len(layout.shards), shards_from_store=len(layout.shards),
+                                     shards_hashed=0, bytes_hashed=0, seconds=time.perf_counter() - began,
+                                     root_from_store=True)
+            # Built once however many ask (a key file, an "auto" dtype without a config dtype).
+            return Fingerprint(root, cache(partial(_manifest_behind, layout, identities, store, root)), stats)
+    return _fingerprint_from_records(layout, identities, state, store, rehash, progress, began)
+
+
+def _fingerprint_from_records(
+    layout: CheckpointLayout,
+    identities: list[FileIdentity],
+    state: str,
+    store: DigestStore | None,
+    rehash: bool,
+    progress: HashProgress | None,
+    began: float,
+) -> Fingerprint:
+    """The fingerprint built from every shard's record, its root stored under `state` where it may be."""
+    records, hashed = _records(layout, identities, store, rehash, progress)
+    manifest = manifest_of(layout, records)
+    root = merkle_root(manifest)
+    # Only a root whose every receipt the store would trust may stand in for them; a receipt too young for the
+    # racy-write rule gets its root stored by a later key, once it is trusted.
+    if store is not None and all(is_trusted(r.identity, r.hashed_at_ns) for r in records.values()):
+        store.put_root(state, root)
+    stats = FingerprintStats(
+        num_shards=len(layout.shards),
+        shards_from_store=len(layout.shards) - len(hashed),
+        shards_hashed=len(hashed),
+        bytes_hashed=sum(r.header.data_bytes for r in hashed),
+        seconds=time.perf_counter() - began,
+    )
+    return Fingerprint(root, manifest, stats)
+
+
+def _records(
+    layout: CheckpointLayout,
+    identities: list[FileIdentity],
+    store: DigestStore | None,
+    rehash: bool,
+    progress: HashProgress | None,
+) -> tuple[dict[Path, ShardRecord], list[ShardRecord]]:
+    """Every shard's record, from the store where trusted, and those hashed (and stored) because not."""
     records: dict[Path, ShardRecord] = {}
     if store is not None and not rehash:
         records = store.lookup_many(list(zip(layout.shards, identities, strict=True)))
 
     cold = [(p, i) for p, i in zip(layout.shards, identities, strict=True) if p not in records]
-    bytes_hashed = 0
+    hashed: list[ShardRecord] = []
     if cold:
         if progress is not None:
             progress.start(sum(i.size for _, i in cold), len(cold))
@@ -152,16 +226,35 @@ def fingerprint_checkpoint(
             hashed = [future.result() for future in futures]
         for record in hashed:
             records[record.path] = record
-            bytes_hashed += record.header.data_bytes
         if store is not None:
             store.put_many(hashed)
+    return records, hashed
 
-    manifest = manifest_of(layout, records)
-    stats = FingerprintStats(
-        num_shards=len(layout.shards),
-        shards_from_store=len(layout.shards) - len(cold),
-        shards_hashed=len(cold),
-        bytes_hashed=bytes_hashed,
-        seconds=time.perf_counter() - began,
-    )
-    return Fingerprint(root=merkle_root(manifest), manifest=manifest, stats=stats)
+
+def _manifest_behind(
+    layout: CheckpointLayout, identities: list[FileIdentity], store: DigestStore, root: str
+) -> tuple[TensorDigest, ...]:
+    """The manifest of a stored root: from the receipts of the identities the root was found under, or, where
+    the store no longer holds them all, from the checkpoint as it is now, which must still have that root."""
+    reopened = None if store.enabled else DigestStore.open(store.directory)  # the caller closed it since
+    usable = reopened or store
+    try:
+        records = usable.lookup_many(list(zip(layout.shards, identities, strict=True)))
+        complete = len(records) == len(layout.shards)
+        if complete:
+            manifest = manifest_of(layout, records)
+            if merkle_root(manifest) == root:
+                return manifest
+        # The checkpoint as it is now, never from a stored root (that would come back here). Receipts that no
+        # longer add up to their own root are not trusted again: then every shard is read.
+        began = time.perf_counter()
+        current = _stat_all(layout)
+        now = _fingerprint_from_records(layout, current, checkpoint_state(layout, current), usable, complete, None,
+                                        began)
+    finally:
+        if reopened is not None:
+            reopened.close()
+    if now.root != root:
+        raise CheckpointError(f"{layout.root} changed after its key was computed (its checkpoint digest was "
+                              f"{root[:12]}…, it is now {now.root[:12]}…); compute the key again.")
+    return now.manifest

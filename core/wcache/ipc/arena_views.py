@@ -1,0 +1,128 @@
+"""An engine's tensors over a mapped arena: one view per entry of a map reply, made a run of layers at a time."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from wcache.errors import UnavailableError
+from wcache.ipc.arena import WireEntry, torch_dtype
+
+# Tensors of one dtype and shape per layer that a run may interleave (a layer's norms, its k and v projections).
+MAX_PERIOD = 8
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """Row-major strides as torch gives them (a zero-sized dimension counts as 1), and the element count."""
+    strides: list[int] = []
+    step = numel = 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+        numel *= dim
+    return tuple(reversed(strides)), numel
+
+
+def views_from_wire(block: torch.Tensor, items: Sequence[WireEntry]) -> dict[str, torch.Tensor]:
+    """Tensors viewing `block`, one uint8 tensor over a whole arena, where the map reply's entries place them.
+
+    An attach builds one tensor per checkpoint tensor, so the per-tensor work is kept to torch's own: entries of
+    one dtype and shape that follow each other at a fixed step (the same tensor of every layer) are one
+    as_strided over all of them, unbound into views in one call (a third of one as_strided per tensor); the
+    fields are checked per column with numpy. An entry that does not fit the block is one UnavailableError.
+    """
+
+    total = block.numel()
+    try:
+        return _views(block, total, items)
+    except (TypeError, ValueError, RuntimeError, OverflowError, IndexError) as exc:
+        raise UnavailableError(f"the daemon sent a tensor that does not fit its {total}-byte arena ({exc}).") from None
+
+
+def _views(block: torch.Tensor, total: int, items: Sequence[WireEntry]) -> dict[str, torch.Tensor]:
+    if not items:
+        return {}
+    if set(map(len, items)) != {5}:
+        raise ValueError("an entry is not [name, dtype, shape, offset, nbytes]")
+    names, dtypes, shapes, offsets, sizes = zip(*items, strict=True)
+    starts, lengths = np.array(offsets), np.array(sizes)
+    if starts.dtype.kind != "i" or lengths.dtype.kind != "i":
+        raise ValueError("offsets and sizes must be integers")
+    groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for position, group in enumerate(zip(dtypes, map(tuple, shapes), strict=True)):
+        members = groups.get(group)
+        if members is None:
+            groups[group] = [position]
+        else:
+            members.append(position)
+    out: list[torch.Tensor | None] = [None] * len(items)
+    typed: dict[str, tuple[torch.Tensor, int]] = {}
+    for (dtype, dims), members in groups.items():
+        if dtype not in typed:
+            kind = torch_dtype(dtype)
+            typed[dtype] = (block[: total - total % kind.itemsize].view(kind), kind.itemsize)
+        base, itemsize = typed[dtype]
+        strides, numel = _contiguous(dims)
+        at, nbytes = starts[members], lengths[members]
+        bad = (at < 0) | (at % itemsize != 0) | (nbytes != numel * itemsize) | (at > total - nbytes)
+        if bad.any():
+            first = members[int(np.flatnonzero(bad)[0])]
+            raise ValueError(f"{names[first]!r} is {sizes[first]} bytes at {offsets[first]} as {dtype} {list(dims)}")
+        for run, element_offset, step in _runs(at // itemsize):
+            positions = members[run]
+            if len(positions) == 1:
+                out[positions[0]] = base.as_strided(dims, strides, element_offset)
+            else:
+                stacked = base.as_strided((len(positions), *dims), (step, *strides), element_offset)
+                for position, view in zip(positions, stacked.unbind(0), strict=True):
+                    out[position] = view
+    return dict(zip(names, out, strict=True))
+
+
+def _runs(element_offsets: np.ndarray) -> Iterator[tuple[slice, int, int]]:
+    """Split one group's element offsets (in reply order) into runs at a fixed positive step, as (which of the
+    group's members, first offset, step).
+
+    A layer may hold several tensors of one dtype and shape (two norms; k and v), so a group interleaves them,
+    and a last one (the final norm) may follow: every `period`-th member is taken together, with the period
+    that leaves the fewest runs.
+    """
+    count = len(element_offsets)
+    best_period, fewest = 1, count + 1
+    for period in range(1, min(MAX_PERIOD, count) + 1):
+        runs = sum(_run_estimate(element_offsets[start::period]) for start in range(period))
+        if runs < fewest:
+            best_period, fewest = period, runs
+        if runs == period:  # every member of each class at one step: no period does better
+            break
+    for start in range(best_period):
+        for run, first, step in _step_runs(element_offsets[start::best_period]):
+            stop = start + (run.stop - 1) * best_period + 1
+            yield slice(start + run.start * best_period, stop, best_period), first, step
+
+
+def _run_estimate(element_offsets: np.ndarray) -> int:
+    """About how many runs _step_runs makes of these offsets: one more than the times the step changes."""
+    return 1 + int(np.count_nonzero(np.diff(element_offsets, 2))) if len(element_offsets) > 2 else 1
+
+
+def _step_runs(element_offsets: np.ndarray) -> Iterator[tuple[slice, int, int]]:
+    """Runs of consecutive offsets at one positive step, split where the step changes."""
+    count = len(element_offsets)
+    offsets = element_offsets.tolist()
+    steps = np.diff(element_offsets)
+    # Where the step changes; a run from member j ends where its step first changes after j.
+    changes = (np.flatnonzero(steps[1:] != steps[:-1]) + 1).tolist()
+    j = 0
+    while j < count:
+        step = int(steps[j]) if j < count - 1 else 0
+        if step <= 0:  # the last member, or one at or before the member it follows: a view of its own
+            yield slice(j, j + 1), offsets[j], 0
+            j += 1
+            continue
+        end = changes[bisect.bisect_right(changes, j)] if changes and changes[-1] > j else count - 1
+        yield slice(j, end + 1), offsets[j], step
+        j = end + 1
