@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import psutil
+from wcache.digest_store import RACY_WINDOW_NS
 
 CLI_TIMEOUT_S = 120.0
 KILL_WAIT_S = 15.0
@@ -112,6 +113,11 @@ def run_python(code: str, *args: str, env: EnvOverrides | None = None, timeout: 
     """Run a Python snippet in a fresh interpreter (import costs, audit hooks, another process's view)."""
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           env=environment(env), timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def wait_past_racy_window() -> None:
+    """Sleep until files written now are old enough for their receipts to be trusted."""
+    time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)
 
 
 # -- error sentences ------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import wait_past_racy_window
+from helpers import wait_past_racy_window
 from wcache.checkpoint import locate
 from wcache.digest_store import RACY_WINDOW_NS, DigestStore
 from wcache.errors import CheckpointError, UnavailableError
