@@ -13,7 +13,6 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,10 +28,10 @@ from daemon_fixtures import (
     http_status,
     mode_of,
     nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
-    processes_mentioning,
     request_frame,
     wait_for,
 )
+from helpers import WCACHE, one_sentence, processes_mentioning
 from wcache.attach import AttachedWeights, attach
 from wcache.client import request_once
 from wcache.key import compute_key
@@ -119,15 +118,6 @@ def assert_arena_sealed(daemon_pid: int) -> None:
 def memfd_maps() -> list[str]:
     with open("/proc/self/maps") as f:
         return [line.strip() for line in f if "memfd:wcache-arena" in line]
-
-
-def one_sentence(stderr: str) -> str:
-    text = stderr.strip()
-    assert text, "expected an error sentence on stderr"
-    assert "\n" not in text, f"expected one line on stderr, got: {stderr!r}"
-    assert "Traceback" not in text
-    assert text.endswith("."), text
-    return text
 
 
 def pid_gone(pid: int) -> bool:
@@ -605,7 +595,7 @@ def test_sigterm_removes_socket_and_descriptor(stoppable: tuple[DaemonRig, Path,
 
 def test_one_daemon_per_key_even_when_two_preloads_race(rig: DaemonRig) -> None:
     model = write_checkpoint("tiny", rig.base / "race")
-    command = [sys.executable, "-m", "wcache_cli.main", "preload", str(model), "--detach", "--json",
+    command = [*WCACHE, "preload", str(model), "--detach", "--json",
                "--run-dir", str(rig.run_dir)]
     racers = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, **rig.env}, stdin=subprocess.DEVNULL) for _ in range(2)]
@@ -633,7 +623,7 @@ def test_one_daemon_per_key_even_when_two_preloads_race(rig: DaemonRig) -> None:
 def test_signal_to_a_foreground_preload_stops_every_rank(rig: DaemonRig, signum: int, status: int) -> None:
     model = write_checkpoint("tiny", rig.base / f"fg-{signum}")
     preload = subprocess.Popen(
-        [sys.executable, "-m", "wcache_cli.main", "preload", str(model), "--tp", "2", "--run-dir", str(rig.run_dir)],
+        [*WCACHE, "preload", str(model), "--tp", "2", "--run-dir", str(rig.run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **rig.env},
         stdin=subprocess.DEVNULL,
     )

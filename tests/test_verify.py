@@ -26,6 +26,7 @@ from daemon_fixtures import (
     daemon_rig,
     nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
 )
+from helpers import one_sentence
 from wcache.client import DaemonConnection
 from wcache.errors import EXIT_BAD_INPUT, EXIT_DIFFERENCE, EXIT_OK, EXIT_UNAVAILABLE
 from wcache.rundir import DaemonDescriptor
@@ -70,15 +71,6 @@ def verify_json(rig: DaemonRig, model: Path, *args: str, expect: int) -> dict[st
         f"verify {' '.join(args)} exited {result.returncode}, not {expect}: {result.stderr}{result.stdout}"
     )
     return json.loads(result.stdout)
-
-
-def one_sentence(stderr: str) -> str:
-    text = stderr.strip()
-    assert text, "expected an error sentence on stderr"
-    assert "\n" not in text, f"expected one line on stderr, got: {stderr!r}"
-    assert "Traceback" not in text
-    assert text.endswith("."), text
-    return text
 
 
 # -- 1. a correct hit passes -----------------------------------------------------------------------------
