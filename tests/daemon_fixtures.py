@@ -107,9 +107,11 @@ class DaemonRig:
 
     # -- running things ----------------------------------------------------------------------------------
 
-    def cli(self, *args: str, timeout: float = CLI_TIMEOUT_S, as_json: bool = False) -> Any:
-        """Run `wcache ARGS` with this rig's environment; with `as_json`, insist on exit 0 and parse stdout."""
-        result = wcache_process(*args, env=self.env, timeout=timeout)
+    def cli(self, *args: str, timeout: float = CLI_TIMEOUT_S, as_json: bool = False,
+            env: dict[str, str] | None = None) -> Any:
+        """Run `wcache ARGS` with this rig's environment (and `env`); with `as_json`, insist on exit 0 and parse
+        stdout."""
+        result = wcache_process(*args, env={**self.env, **(env or {})}, timeout=timeout)
         if as_json:
             assert result.returncode == 0, f"wcache {' '.join(args)} exited {result.returncode}: {result.stderr}"
             return json.loads(result.stdout)
