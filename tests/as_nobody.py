@@ -44,14 +44,23 @@ def _run_as_nobody(command: list[str], env: dict[str, str], cwd: Path) -> subpro
                           stdin=subprocess.DEVNULL, user=NOBODY, group=NOBODY, extra_groups=[])
 
 
+# What uid 65534 imports must be the code under test: where a source directory on sys.path is closed to it,
+# another install (an editable one elsewhere) could answer instead, and the test would prove nothing.
+_WHERE = "import wcache, wcache_cli; print(wcache.__file__); print(wcache_cli.__file__)"
+
+
 def _why_not_runnable(python: str, extra_env: dict[str, str]) -> str | None:
+    import wcache
+    import wcache_cli
+
     try:
-        probe = _run_as_nobody([python, "-c", "import wcache, wcache_cli"], env={**os.environ, **extra_env},
-                               cwd=Path("/"))
+        probe = _run_as_nobody([python, "-c", _WHERE], env={**os.environ, **extra_env}, cwd=Path("/"))
     except OSError as exc:  # exec refused, e.g. a directory on the way to the interpreter is closed to others
         return f"{python}: {exc.strerror}"
     if probe.returncode != 0:
         return f"{python} exited {probe.returncode}: {probe.stderr.strip()[-300:]}"
+    if probe.stdout.split() != [wcache.__file__, wcache_cli.__file__]:
+        return f"{python} imports {' and '.join(probe.stdout.split())}, not the code under test"
     return None
 
 

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import stat
 import struct
@@ -30,6 +29,7 @@ from typing import Any
 import msgpack
 import psutil
 import pytest
+from helpers import CLI_TIMEOUT_S, cmdline, kill_and_wait, processes_mentioning, run_python, wcache_process
 from wcache.ipc.client import request_once
 from wcache.ipc.messages import Stats
 from wcache.ipc.rundir import (
@@ -45,58 +45,8 @@ from wcache.key.cache_key import WeightCacheKey
 from wcache.monitor.events import read_events
 from wcache.plan.spec import PlanSpec
 
-CLI_TIMEOUT_S = 120.0
-KILL_WAIT_S = 15.0
 # Every base directory a rig made in this interpreter, for the end-of-module survivor check.
 CREATED_BASES: list[Path] = []
-
-
-def _cmdline(process: psutil.Process) -> str:
-    try:
-        return " ".join(process.cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return ""
-
-
-def processes_mentioning(marker: str) -> list[psutil.Process]:
-    """Live (non-zombie) processes other than this one whose command line contains `marker`."""
-    found = []
-    for process in psutil.process_iter():
-        if process.pid == os.getpid():
-            continue
-        try:
-            if process.status() == psutil.STATUS_ZOMBIE:
-                continue
-        except psutil.Error:
-            continue
-        if marker in _cmdline(process):
-            found.append(process)
-    return found
-
-
-def kill_and_wait(processes: list[psutil.Process]) -> list[psutil.Process]:
-    """SIGKILL each process and wait for it; returns those still alive (not even zombies) afterwards."""
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            process.send_signal(signal.SIGKILL)
-    # A killed process whose parent has not reaped it yet is a zombie: dead, holding nothing. (PID 1 may reap
-    # orphans only now and then, so waiting for the pid to vanish could take long.)
-    deadline = time.monotonic() + KILL_WAIT_S
-    alive = [p for p in processes if _is_running(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.05)
-        alive = [p for p in alive if _is_running(p)]
-    for process in processes:
-        with contextlib.suppress(psutil.Error, ChildProcessError):
-            os.waitpid(process.pid, os.WNOHANG)  # reap it if it happens to be our child
-    return alive
-
-
-def _is_running(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def survivors() -> list[str]:
@@ -104,7 +54,7 @@ def survivors() -> list[str]:
     found = []
     for base in CREATED_BASES:
         for process in processes_mentioning(str(base)):
-            found.append(f"{process.pid} {_cmdline(process)}")
+            found.append(f"{process.pid} {cmdline(process)}")
     return found
 
 
@@ -169,12 +119,11 @@ class DaemonRig:
 
     # -- running things ----------------------------------------------------------------------------------
 
-    def cli(self, *args: str, timeout: float = CLI_TIMEOUT_S, as_json: bool = False) -> Any:
-        """Run `wcache ARGS` with this rig's environment; with `as_json`, insist on exit 0 and parse stdout."""
-        result = subprocess.run(
-            [sys.executable, "-m", "wcache_cli.main", *args], capture_output=True, text=True,
-            env={**os.environ, **self.env}, timeout=timeout, stdin=subprocess.DEVNULL,
-        )
+    def cli(self, *args: str, timeout: float = CLI_TIMEOUT_S, as_json: bool = False,
+            env: dict[str, str] | None = None) -> Any:
+        """Run `wcache ARGS` with this rig's environment (and `env`); with `as_json`, insist on exit 0 and parse
+        stdout."""
+        result = wcache_process(*args, env={**self.env, **(env or {})}, timeout=timeout)
         if as_json:
             assert result.returncode == 0, f"wcache {' '.join(args)} exited {result.returncode}: {result.stderr}"
             return json.loads(result.stdout)
@@ -183,10 +132,7 @@ class DaemonRig:
     def python(self, code: str, *args: str, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
         """Run a Python snippet in a fresh interpreter with this rig's environment; the base path rides along
         in argv so a leftover process is found by the sweep."""
-        return subprocess.run(
-            [sys.executable, "-c", code, str(self.base), *args], capture_output=True, text=True,
-            env={**os.environ, **self.env}, timeout=timeout, stdin=subprocess.DEVNULL,
-        )
+        return run_python(code, str(self.base), *args, env=self.env, timeout=timeout)
 
     def preload(self, model: Path, *options: str) -> list[DaemonDescriptor]:
         """`wcache preload MODEL --detach` into this run dir; the new daemons' descriptors, by rank."""
@@ -223,7 +169,7 @@ class DaemonRig:
     def _remember_supervisors(self) -> None:
         marker = f"--run-dir {self.run_dir}"
         for process in processes_mentioning(marker):
-            if "wcache.daemon.supervisor" in _cmdline(process):
+            if "wcache.daemon.supervisor" in cmdline(process):
                 self.supervisor_pids.add(process.pid)
 
     # -- looking -----------------------------------------------------------------------------------------
@@ -261,7 +207,7 @@ class DaemonRig:
             with contextlib.suppress(psutil.Error):
                 process = psutil.Process(pid)
                 # Only ours: a recycled pid belongs to someone else and is left alone.
-                if str(self.base) in _cmdline(process):
+                if str(self.base) in cmdline(process):
                     targets[pid] = process
         for process in processes_mentioning(str(self.base)):
             targets.setdefault(process.pid, process)
@@ -270,7 +216,7 @@ class DaemonRig:
         left = kill_and_wait(ordered)
         for path in [self.base, *self.extra_paths]:
             _remove_tree(path)
-        return [f"{p.pid} {_cmdline(p)}" for p in left]
+        return [f"{p.pid} {cmdline(p)}" for p in left]
 
 
 def _remove_tree(path: Path) -> None:

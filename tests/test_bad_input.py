@@ -2,7 +2,9 @@
 
 Each case builds a real file on disk (crafted with struct + json, or a real tiny checkpoint bent out of
 shape), then checks both sides: the library raises a typed error whose message names the offending file,
-and the real `wcache` process exits 2 with exactly one "error:" sentence on stderr and no traceback.
+and `wcache` exits 2 with exactly one "error:" sentence on stderr and no traceback. The CLI side runs through
+`wcache`'s entry point in this interpreter (tests/helpers.py), except where the process is the subject: a read
+that must not hang (ended by a timeout), uid 65534, and a daemon started along the way.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from as_nobody import nobody_tree, open_to_all, run_as_nobody
+from helpers import WCACHE, assert_one_error_sentence, cli_env, wcache_in_process, wcache_process
 from wcache.checkpoint.safetensors_header import MAX_HEADER_BYTES
 from wcache.errors import BadInputError, CheckpointError, KeyFileError
 from wcache.key.cache_key import load_key_file
@@ -35,31 +38,6 @@ FIFO_DEADLINE_S = 5
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-
-
-def wcache_cli(*args: str, cache: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run the installed `wcache` console script (falling back to the module) against a private store."""
-    script = Path(sys.executable).with_name("wcache")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "wcache_cli.main"]
-    env = {k: v for k, v in os.environ.items() if k != "WCACHE_DEBUG"}
-    env.update(WCACHE_CACHE_DIR=str(cache), NO_COLOR="1", COLUMNS="200")
-    return subprocess.run([*command, *args], capture_output=True, text=True, env=env, timeout=timeout)
-
-
-def assert_one_error_sentence(result: subprocess.CompletedProcess[str], *names: str) -> str:
-    """Exit 2, nothing on stdout, one non-empty stderr line "error: … ." naming every one of `names`."""
-    everything = result.stdout + result.stderr
-    assert "Traceback" not in everything, everything
-    assert result.returncode == 2, everything
-    assert result.stdout == "", everything
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    line = lines[0]
-    assert line.startswith("error:"), line
-    assert line.rstrip().endswith("."), line
-    for name in names:
-        assert name in line, (name, line)
-    return line
 
 
 def safetensors_bytes(header: object, data: bytes = b"", *, length: int | None = None) -> bytes:
@@ -321,7 +299,7 @@ def test_bad_checkpoint_is_one_error_naming_the_file(
         assert name in message, (name, message)
     assert "\n" not in message
 
-    assert_one_error_sentence(wcache_cli("key", str(path), cache=tmp_path / "cache"), *names)
+    assert_one_error_sentence(wcache_in_process("key", str(path), env=cli_env(tmp_path / "cache")), *names)
 
 
 def test_the_good_header_the_cases_start_from_is_accepted(tmp_path: Path) -> None:
@@ -329,7 +307,7 @@ def test_the_good_header_the_cases_start_from_is_accepted(tmp_path: Path) -> Non
     path = tmp_path / "good.safetensors"
     path.write_bytes(safetensors_bytes(GOOD_HEADER, GOOD_DATA))
     assert len(compute_key(path).manifest) == 2
-    result = wcache_cli("key", str(path), "--json", cache=tmp_path / "cache")
+    result = wcache_in_process("key", str(path), "--json", env=cli_env(tmp_path / "cache"))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["info"]["num_tensors"] == 2
 
@@ -357,7 +335,7 @@ def _unreadable_shard_as_nobody(template: Path) -> None:
     with nobody_tree() as (base, env):
         checkpoint = Path(shutil.copytree(template, base / "ckpt"))
         open_to_all(checkpoint)
-        cli = [sys.executable, "-m", "wcache_cli.main", "key", str(checkpoint)]
+        cli = [*WCACHE, "key", str(checkpoint)]
         # Guard: nobody can key the checkpoint while the shard is readable, so the error below is the mode's.
         readable = run_as_nobody(cli, env, cwd=base)
         assert readable.returncode == 0, readable.stdout + readable.stderr
@@ -383,7 +361,7 @@ def test_unreadable_shard_is_one_error_naming_it(tmp_path: Path, template: Path)
     try:
         with pytest.raises(CheckpointError, match=SHARD2):
             compute_key(checkpoint)
-        assert_one_error_sentence(wcache_cli("key", str(checkpoint), cache=tmp_path / "cache"), SHARD2)
+        assert_one_error_sentence(wcache_process("key", str(checkpoint), env=cli_env(tmp_path / "cache")), SHARD2)
     finally:
         shard.chmod(0o600)
 
@@ -416,7 +394,7 @@ def test_fifo_shard_is_refused_not_waited_on(tmp_path: Path) -> None:
     assert "model.safetensors" in str(outcome[0])
 
     try:
-        result = wcache_cli("key", str(checkpoint), cache=tmp_path / "cache", timeout=FIFO_DEADLINE_S)
+        result = wcache_process("key", str(checkpoint), env=cli_env(tmp_path / "cache"), timeout=FIFO_DEADLINE_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"`wcache key` blocked for {FIFO_DEADLINE_S} s opening the FIFO {fifo}")
     assert_one_error_sentence(result, "model.safetensors")
@@ -428,7 +406,7 @@ def test_fifo_shard_is_refused_not_waited_on(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def saved_key(template: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     cache = tmp_path_factory.mktemp("saved-key-cache")
-    result = wcache_cli("key", str(template), "--json", cache=cache)
+    result = wcache_in_process("key", str(template), "--json", env=cli_env(cache))
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -472,7 +450,7 @@ def test_diff_with_a_bad_key_file_is_one_error_naming_it(
         load_key_file(key_path)
     assert key_path.name in str(caught.value)
 
-    result = wcache_cli("diff", str(key_path), str(template), cache=tmp_path / "cache")
+    result = wcache_in_process("diff", str(key_path), str(template), env=cli_env(tmp_path / "cache"))
     assert_one_error_sentence(result, key_path.name)
 
 
@@ -480,7 +458,7 @@ def test_diff_accepts_the_unedited_key_file(tmp_path: Path, template: Path, save
     # The control for the cases above: the same document, untouched, is a valid key equal to the checkpoint's.
     key_path = tmp_path / "model.key"
     key_path.write_text(json.dumps(saved_key))
-    result = wcache_cli("diff", str(key_path), str(template), cache=tmp_path / "cache")
+    result = wcache_in_process("diff", str(key_path), str(template), env=cli_env(tmp_path / "cache"))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -490,7 +468,7 @@ def test_diff_accepts_the_unedited_key_file(tmp_path: Path, template: Path, save
 def test_rank_outside_tp_is_one_error_naming_the_option(tmp_path: Path, template: Path) -> None:
     with pytest.raises(BadInputError, match="--rank"):
         PlanSpec(tp_size=2, tp_rank=2)
-    result = wcache_cli("key", str(template), "--tp", "2", "--rank", "2", cache=tmp_path / "cache")
+    result = wcache_in_process("key", str(template), "--tp", "2", "--rank", "2", env=cli_env(tmp_path / "cache"))
     assert_one_error_sentence(result, "--rank")
 
 
@@ -508,7 +486,7 @@ def test_json_file_that_is_not_a_regular_file_is_refused(tmp_path: Path, name: s
     else:
         target.symlink_to(kind)
     try:
-        result = wcache_cli("key", str(checkpoint), cache=tmp_path / "cache", timeout=FIFO_DEADLINE_S * 4)
+        result = wcache_process("key", str(checkpoint), env=cli_env(tmp_path / "cache"), timeout=FIFO_DEADLINE_S * 4)
     except subprocess.TimeoutExpired:
         pytest.fail(f"`wcache key` blocked on {name} as {kind}")
     assert_one_error_sentence(result, name)
@@ -533,12 +511,13 @@ def test_foreign_descriptor_is_skipped_with_a_warning(bad: str, tmp_path: Path, 
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
     (run_dir / "cpu-bad.json").write_text(bad)
-    status = wcache_cli("status", "--json", "--run-dir", str(run_dir), cache=tmp_path / "cache")
+    env = cli_env(tmp_path / "cache")
+    status = wcache_in_process("status", "--json", "--run-dir", str(run_dir), env=env)
     assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
     assert "Ignoring unreadable daemon descriptor" in status.stderr and json.loads(status.stdout) is not None
-    stop = wcache_cli("stop", "--all", "--run-dir", str(run_dir), cache=tmp_path / "cache")
+    stop = wcache_in_process("stop", "--all", "--run-dir", str(run_dir), env=env)
     assert stop.returncode == 0 and "Traceback" not in stop.stderr, stop.stderr
-    attach = wcache_cli("attach", str(template), "--json", "--run-dir", str(run_dir), cache=tmp_path / "cache")
+    attach = wcache_in_process("attach", str(template), "--json", "--run-dir", str(run_dir), env=env)
     assert attach.returncode == 0 and json.loads(attach.stdout)["outcome"] == "fallback", attach.stderr
 
 
@@ -552,10 +531,10 @@ def test_event_log_that_is_not_a_file_never_hangs(kind: str, tmp_path: Path, tem
     else:
         log.mkdir()
     try:
-        attach = wcache_cli("attach", str(template), "--json", "--run-dir", str(run_dir), cache=tmp_path / "cache",
-                            timeout=FIFO_DEADLINE_S * 6)
-        top = wcache_cli("top", "--once", "--json", "--interval", "0.1", "--run-dir", str(run_dir),
-                         cache=tmp_path / "cache", timeout=FIFO_DEADLINE_S * 6)
+        attach = wcache_process("attach", str(template), "--json", "--run-dir", str(run_dir),
+                                env=cli_env(tmp_path / "cache"), timeout=FIFO_DEADLINE_S * 6)
+        top = wcache_process("top", "--once", "--json", "--interval", "0.1", "--run-dir", str(run_dir),
+                             env=cli_env(tmp_path / "cache"), timeout=FIFO_DEADLINE_S * 6)
     except subprocess.TimeoutExpired:
         pytest.fail(f"a command blocked on events.jsonl as a {kind}")
     assert attach.returncode == 0 and json.loads(attach.stdout)["outcome"] == "fallback", attach.stderr
@@ -569,7 +548,8 @@ def test_config_with_a_non_finite_number_is_one_sentence(number: str, tmp_path: 
     config = (checkpoint / "config.json").read_text()
     (checkpoint / "config.json").write_text(config.replace('"rms_norm_eps": 1e-06', f'"rms_norm_eps": {number}'))
     assert number in (checkpoint / "config.json").read_text()
-    line = assert_one_error_sentence(wcache_cli("key", str(checkpoint), cache=tmp_path / "cache"), "config.json")
+    result = wcache_in_process("key", str(checkpoint), env=cli_env(tmp_path / "cache"))
+    line = assert_one_error_sentence(result, "config.json")
     assert "no canonical form" in line
 
 
@@ -581,7 +561,7 @@ def test_index_shard_name_with_a_nul_byte_is_one_sentence(tmp_path: Path, templa
     first = next(iter(index["weight_map"]))
     index["weight_map"][first] = "model\u0000.safetensors"
     index_path.write_text(json.dumps(index))
-    assert_one_error_sentence(wcache_cli("key", str(checkpoint), cache=tmp_path / "cache"), INDEX)
+    assert_one_error_sentence(wcache_in_process("key", str(checkpoint), env=cli_env(tmp_path / "cache")), INDEX)
 
 
 def test_paths_with_terminal_escapes_are_shown_escaped(tmp_path: Path, template: Path) -> None:
@@ -591,16 +571,16 @@ def test_paths_with_terminal_escapes_are_shown_escaped(tmp_path: Path, template:
     shutil.copytree(template, hostile)
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
-    cache = tmp_path / "cache"
+    env = cli_env(tmp_path / "cache")
     try:
         results = [
-            wcache_cli("key", str(hostile), cache=cache),
-            wcache_cli("key", str(hostile) + "-missing", cache=cache),
-            wcache_cli("preload", str(hostile), "--detach", "--run-dir", str(run_dir), cache=cache),
-            wcache_cli("status", "--run-dir", str(run_dir), cache=cache),
+            wcache_in_process("key", str(hostile), env=env),
+            wcache_in_process("key", str(hostile) + "-missing", env=env),
+            wcache_process("preload", str(hostile), "--detach", "--run-dir", str(run_dir), env=env),  # a daemon
+            wcache_in_process("status", "--run-dir", str(run_dir), env=env),
         ]
     finally:
-        wcache_cli("stop", "--all", "--force", "--run-dir", str(run_dir), cache=cache)
+        wcache_process("stop", "--all", "--force", "--run-dir", str(run_dir), env=env)
     assert [r.returncode for r in results] == [0, 2, 0, 0], [r.stderr for r in results]
     for result in results:
         assert "\x1b" not in result.stdout + result.stderr and "\x07" not in result.stdout + result.stderr

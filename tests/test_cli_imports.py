@@ -11,14 +11,13 @@ measures them.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import typer.main
+from helpers import run_python
 from typer._coercion import build_runtime_param
 from wcache_cli.app import app
 from wcache_cli.coercion import _PlainFirst
@@ -50,8 +49,7 @@ def _modules_after(
 ) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     record = tmp_path / "modules.json"
     record.unlink(missing_ok=True)
-    result = subprocess.run([sys.executable, "-c", _PROBE, str(record), *args], capture_output=True, text=True,
-                            env={**os.environ, "NO_COLOR": "1", **(env or {})}, timeout=120)
+    result = run_python(_PROBE, str(record), *args, env={"NO_COLOR": "1", **(env or {})}, timeout=120)
     assert record.exists(), result.stderr
     return result, json.loads(record.read_text())
 

@@ -9,7 +9,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_python, wait_past_racy_window
+from helpers import run_python, wait_past_racy_window, wcache_in_process
 from wcache.checkpoint.safetensors_header import read_header
 from wcache.key.cache_key import KeyFile
 from wcache.key.compute import compute_key
@@ -171,19 +171,19 @@ def test_file_changing_while_hashed_is_rehashed(tiny_template: Path, tmp_path: P
 
 def test_key_file_roundtrip_and_diff_cli(tiny_template: Path, tmp_path: Path) -> None:
     copy = _copy(tiny_template, tmp_path / "copy")
-    saved = run_cli("key", str(copy), "--json")
+    saved = wcache_in_process("key", str(copy), "--json")
     assert saved.returncode == 0, saved.stderr
     key_path = tmp_path / "copy.key"
     key_path.write_text(saved.stdout)
     document = json.loads(saved.stdout)
     assert document["tensors"] and isinstance(document["info"]["total_bytes"], int)
 
-    same = run_cli("diff", str(key_path), str(copy), "--json")
+    same = wcache_in_process("diff", str(key_path), str(copy), "--json")
     assert same.returncode == 0, same.stderr
     assert json.loads(same.stdout)["identical"] is True
 
     overwrite_tensor_bytes(copy, "model.layers.2.self_attn.k_norm.weight", 4, b"\0\0\0\0")
-    changed = run_cli("diff", str(key_path), str(copy), "--json")
+    changed = wcache_in_process("diff", str(key_path), str(copy), "--json")
     assert changed.returncode == 1, changed.stderr
     report = json.loads(changed.stdout)
     assert report["identical"] is False
@@ -191,7 +191,7 @@ def test_key_file_roundtrip_and_diff_cli(tiny_template: Path, tmp_path: Path) ->
     assert [t["name"] for t in report["tensors"]["changed"]] == ["model.layers.2.self_attn.k_norm.weight"]
     assert report["tensors"]["changed"][0]["a"]["shape"] == [16]
 
-    human = run_cli("diff", str(copy), str(tiny_template))
+    human = wcache_in_process("diff", str(copy), str(tiny_template))
     assert human.returncode == 1
     assert "model.layers.2.self_attn.k_norm.weight" in human.stdout
 

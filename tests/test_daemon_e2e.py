@@ -13,9 +13,7 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -31,16 +29,15 @@ from daemon_fixtures import (
     http_status,
     mode_of,
     nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
-    processes_mentioning,
     request_frame,
     wait_for,
 )
+from helpers import WCACHE, one_sentence, processes_mentioning, wait_past_racy_window
 from wcache.attach import AttachedWeights, attach
 from wcache.ipc.client import request_once
 from wcache.ipc.messages import CheckArena, Stats
 from wcache.ipc.rundir import DaemonDescriptor
 from wcache.key.compute import compute_key
-from wcache.key.digest_store import RACY_WINDOW_NS
 from wcache.load.loader import load_from_disk, processed_digest
 from wcache.plan.spec import PlanSpec
 from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint, write_tensors
@@ -125,15 +122,6 @@ def memfd_maps() -> list[str]:
         return [line.strip() for line in f if "memfd:wcache-arena" in line]
 
 
-def one_sentence(stderr: str) -> str:
-    text = stderr.strip()
-    assert text, "expected an error sentence on stderr"
-    assert "\n" not in text, f"expected one line on stderr, got: {stderr!r}"
-    assert "Traceback" not in text
-    assert text.endswith("."), text
-    return text
-
-
 def pid_gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -214,7 +202,7 @@ def test_second_engine_zero_copy_adds_no_private_copy(rig: DaemonRig) -> None:
     del big
     # Past the racy window before the daemon hashes, so its receipts are trusted and no attach below re-hashes
     # the shard: a hash pass leaves its read buffers in a thread's malloc arena, megabytes that are not the attach's.
-    time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)
+    wait_past_racy_window()
     spec = PlanSpec(layout="identity")
     (daemon,) = rig.preload(model, "--plan", "identity")
     assert daemon.weights_bytes >= weights_bytes
@@ -628,7 +616,7 @@ def test_sigterm_removes_socket_and_descriptor(stoppable: tuple[DaemonRig, Path,
 
 def test_one_daemon_per_key_even_when_two_preloads_race(rig: DaemonRig) -> None:
     model = write_checkpoint("tiny", rig.base / "race")
-    command = [sys.executable, "-m", "wcache_cli.main", "preload", str(model), "--detach", "--json",
+    command = [*WCACHE, "preload", str(model), "--detach", "--json",
                "--run-dir", str(rig.run_dir)]
     racers = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, **rig.env}, stdin=subprocess.DEVNULL) for _ in range(2)]
@@ -656,7 +644,7 @@ def test_one_daemon_per_key_even_when_two_preloads_race(rig: DaemonRig) -> None:
 def test_signal_to_a_foreground_preload_stops_every_rank(rig: DaemonRig, signum: int, status: int) -> None:
     model = write_checkpoint("tiny", rig.base / f"fg-{signum}")
     preload = subprocess.Popen(
-        [sys.executable, "-m", "wcache_cli.main", "preload", str(model), "--tp", "2", "--run-dir", str(rig.run_dir)],
+        [*WCACHE, "preload", str(model), "--tp", "2", "--run-dir", str(rig.run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **rig.env},
         stdin=subprocess.DEVNULL,
     )

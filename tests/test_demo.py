@@ -7,26 +7,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import psutil
-from conftest import run_cli
+from helpers import processes_mentioning, wcache_in_process, wcache_process
 from wcache_cli.commands.demo import MARKER, _fresh_dir
-
-
-def _processes_mentioning(*needles: str) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(process.info["cmdline"] or [])
-        if "wcache" in cmdline and any(needle in cmdline for needle in needles):
-            found.append(process)
-    return found
 
 
 def test_demo_walks_the_whole_flow_and_leaves_something_for_top(tmp_path: Path) -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="wc-demo-", dir="/tmp"))  # short: AF_UNIX paths are limited
     demo_dir = tmp_path / "demo"
-    before = {p.pid for p in _processes_mentioning("wcache-demo-", str(run_dir))}
+    before = {p.pid for p in processes_mentioning("wcache-demo-", str(run_dir))}
     try:
-        result = run_cli("demo", "--dir", str(demo_dir), "--run-dir", str(run_dir))
+        result = wcache_process("demo", "--dir", str(demo_dir), "--run-dir", str(run_dir), timeout=300)
         assert result.returncode == 0, result.stderr
         out = result.stdout
         assert "vLLM 0.31 header-only fingerprint" in out
@@ -40,7 +30,7 @@ def test_demo_walks_the_whole_flow_and_leaves_something_for_top(tmp_path: Path) 
         assert "VERIFIED" in out and "MISMATCH" in out and "SOURCE DIFFERS" in out
         assert f"wcache top --run-dir {run_dir}" in out and "wcache demo --stop" in out
 
-        top = run_cli("top", "--once", "--json", "--interval", "0.5", "--run-dir", str(run_dir))
+        top = wcache_in_process("top", "--once", "--json", "--interval", "0.5", "--run-dir", str(run_dir))
         assert top.returncode == 0, top.stderr
         snapshot = json.loads(top.stdout)
         assert [d["state"] for d in snapshot["daemons"]] == ["ready"]
@@ -49,11 +39,11 @@ def test_demo_walks_the_whole_flow_and_leaves_something_for_top(tmp_path: Path) 
         assert any(e["kind"] == "fallback" and "model.embed_tokens.weight" in e["summary"]
                    for e in snapshot["events"])
 
-        stopped = run_cli("demo", "--stop", "--dir", str(demo_dir))
+        stopped = wcache_process("demo", "--stop", "--dir", str(demo_dir))
         assert stopped.returncode == 0, stopped.stderr
         assert "stopped" in stopped.stdout
     finally:
-        leftovers = [p for p in _processes_mentioning("wcache-demo-", str(run_dir)) if p.pid not in before]
+        leftovers = [p for p in processes_mentioning("wcache-demo-", str(run_dir)) if p.pid not in before]
         for process in leftovers:
             process.kill()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -67,7 +57,7 @@ def test_demo_refuses_a_directory_it_did_not_make(tmp_path: Path) -> None:
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "precious.txt").write_text("keep me")
-    result = run_cli("demo", "--dir", str(foreign))
+    result = wcache_in_process("demo", "--dir", str(foreign))
     assert result.returncode == 2
     assert (foreign / "precious.txt").read_text() == "keep me"
     assert result.stderr.count("\n") == 1 and "was not made by wcache demo" in result.stderr

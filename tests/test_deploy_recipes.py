@@ -28,6 +28,7 @@ import pytest
 import typer.main
 import yaml
 from daemon_fixtures import daemon_rig, http_status, nothing_survives, wait_for  # noqa: F401
+from helpers import WCACHE
 from wcache.attach_options import AttachOptions
 from wcache.daemon.health import RankTable, serve_health
 from wcache.daemon.sd_notify import Notifier
@@ -557,7 +558,7 @@ def test_foreground_preload_notifies_ready_once_served_then_stopping_on_sigterm(
         output = rig.base / "preload.out"
         with output.open("w") as sink:
             process = subprocess.Popen(
-                [sys.executable, "-m", "wcache_cli.main", "preload", str(tiny_template), "--run-dir",
+                [*WCACHE, "preload", str(tiny_template), "--run-dir",
                  str(rig.run_dir)],
                 env={**os.environ, **rig.env, "NOTIFY_SOCKET": address}, stdin=subprocess.DEVNULL,
                 stdout=sink, stderr=subprocess.STDOUT,

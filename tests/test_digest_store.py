@@ -1,7 +1,8 @@
 """The digest store survives corruption, bad rows, unwritable places and concurrent writers, and trusts only
 receipts it may trust (racy-git rule, ctime).
 
-Real SQLite files, real checkpoints, real `wcache` processes; every test has its own store directory.
+Real SQLite files, real checkpoints, `wcache` through its entry point (real processes where several share one
+store, or where the store belongs to another uid); every test has its own store directory.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import random
 import shutil
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import msgpack
 import pytest
 from as_nobody import NOBODY, nobody_tree, open_to_all, run_as_nobody
+from helpers import WCACHE, cli_env, environment, wait_past_racy_window, wcache_in_process
 from wcache.key.cache_key import KeyFile
 from wcache.key.compute import compute_key
 from wcache.key.digest_store import DB_NAME, LOOKUP_BATCH, RACY_WINDOW_NS, SCHEMA_VERSION, DigestStore, is_trusted
@@ -32,22 +33,6 @@ CONCURRENT = 4
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-
-
-def _command() -> list[str]:
-    script = Path(sys.executable).with_name("wcache")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "wcache_cli.main"]
-
-
-def _env(cache: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "WCACHE_DEBUG"}
-    env.update(WCACHE_CACHE_DIR=str(cache), NO_COLOR="1", COLUMNS="200")
-    return env
-
-
-def wcache_cli(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
-    """Run the real `wcache` process against store directory `cache`."""
-    return subprocess.run([*_command(), *args], capture_output=True, text=True, env=_env(cache), timeout=120)
 
 
 def cli_key_id(result: subprocess.CompletedProcess[str]) -> str:
@@ -104,7 +89,7 @@ def aged(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                    "mutable": write_checkpoint("tiny", root / "mutable")}
     for seed in range(CONCURRENT):
         checkpoints[f"seed{seed}"] = write_checkpoint("tiny", root / f"seed{seed}", seed=seed + 1)
-    time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)
+    wait_past_racy_window()
     return checkpoints
 
 
@@ -136,7 +121,7 @@ def test_corrupt_store_is_moved_aside_and_rebuilt(make, tmp_path: Path, aged: di
     garbage = make(cache)
     (cache / DB_NAME).write_bytes(garbage)
 
-    result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    result = wcache_in_process("key", str(checkpoint), "--json", env=cli_env(cache))
     assert cli_key_id(result) == reference_key(checkpoint).key.short_id
     assert_one_store_warning(result)
 
@@ -149,7 +134,7 @@ def test_corrupt_store_is_moved_aside_and_rebuilt(make, tmp_path: Path, aged: di
     assert warm.stats is not None
     assert warm.stats.shards_from_store == warm.stats.num_shards == NUM_SHARDS
     # And it stays healthy: the next process neither warns nor hashes.
-    again = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    again = wcache_in_process("key", str(checkpoint), "--json", env=cli_env(cache))
     assert cli_key_id(again) == warm.key.short_id
     assert stderr_lines(again) == []
     assert len(corrupt_files(cache)) == 1
@@ -165,7 +150,7 @@ def test_store_with_another_schema_version_is_rebuilt(tmp_path: Path, aged: dict
     with sqlite3.connect(cache / DB_NAME) as conn:
         conn.execute("UPDATE meta SET value = '999' WHERE key = 'schema'")
 
-    result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    result = wcache_in_process("key", str(checkpoint), "--json", env=cli_env(cache))
     assert cli_key_id(result) == reference_key(checkpoint).key.short_id
     assert "schema" in assert_one_store_warning(result)
     assert len(corrupt_files(cache)) == 1
@@ -185,7 +170,7 @@ def test_store_with_a_foreign_table_layout_is_rebuilt(tmp_path: Path, aged: dict
         conn.execute("CREATE TABLE shards (file_id TEXT PRIMARY KEY, digest TEXT)")
         conn.execute("INSERT INTO shards VALUES ('1:2', 'abc')")
 
-    result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    result = wcache_in_process("key", str(checkpoint), "--json", env=cli_env(cache))
     assert cli_key_id(result) == reference_key(checkpoint).key.short_id
     assert_one_store_warning(result)
     assert len(corrupt_files(cache)) == 1
@@ -257,7 +242,7 @@ def test_garbage_record_through_the_cli_is_silent_and_right(tmp_path: Path, aged
     with sqlite3.connect(cache / DB_NAME) as conn:
         conn.execute("UPDATE shards SET record = ?", (random.Random(2).randbytes(300),))
         conn.execute("DELETE FROM roots")
-    result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    result = wcache_in_process("key", str(checkpoint), "--json", env=cli_env(cache))
     assert cli_key_id(result) == expected
     assert stderr_lines(result) == []
 
@@ -270,7 +255,7 @@ def test_store_path_that_is_a_file_is_one_warning(tmp_path: Path, aged: dict[str
     cache = tmp_path / "not-a-directory"
     cache.write_text("a user's file, which wcache must leave alone\n")
 
-    result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    result = wcache_in_process("key", str(checkpoint), "--json", env=cli_env(cache))
     assert cli_key_id(result) == reference_key(checkpoint).key.short_id
     assert_one_store_warning(result)
     assert cache.read_text() == "a user's file, which wcache must leave alone\n"
@@ -286,7 +271,7 @@ def test_store_file_that_is_a_directory_is_one_warning(tmp_path: Path, aged: dic
     checkpoint = aged["shared"]
     cache = tmp_path / "cache"
     (cache / DB_NAME).mkdir(parents=True)
-    result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    result = wcache_in_process("key", str(checkpoint), "--json", env=cli_env(cache))
     assert cli_key_id(result) == reference_key(checkpoint).key.short_id
     assert_one_store_warning(result)
 
@@ -308,7 +293,7 @@ def _unwritable_store_as_nobody(existing_store: bool, aged: dict[str, Path]) -> 
             os.lchown(path, NOBODY, NOBODY)
         cache.chmod(0o500)
         env["WCACHE_CACHE_DIR"] = str(cache)  # this store, not the one nobody_tree() put under HOME
-        result = run_as_nobody([sys.executable, "-m", "wcache_cli.main", "key", str(checkpoint), "--json"],
+        result = run_as_nobody([*WCACHE, "key", str(checkpoint), "--json"],
                                env, cwd=base)
         assert cli_key_id(result) == reference_key(checkpoint).key.short_id
         assert_one_store_warning(result)
@@ -328,7 +313,7 @@ def test_unwritable_store_directory_is_one_warning(
         key_with(aged["seed0"], cache)  # receipts for another checkpoint, so this one must be written
     cache.chmod(0o500)
     try:
-        result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+        result = wcache_in_process("key", str(checkpoint), "--json", env=cli_env(cache))
         assert cli_key_id(result) == reference_key(checkpoint).key.short_id
         assert_one_store_warning(result)
     finally:
@@ -340,8 +325,8 @@ def test_unwritable_store_directory_is_one_warning(
 
 def _run_concurrently(checkpoints: list[Path], cache: Path) -> list[subprocess.CompletedProcess[str]]:
     procs = [
-        subprocess.Popen([*_command(), "key", str(c), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=_env(cache))
+        subprocess.Popen([*WCACHE, "key", str(c), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=environment(cli_env(cache)))
         for c in checkpoints
     ]
     results = []
@@ -548,7 +533,7 @@ def test_store_others_could_write_is_not_trusted(how: str, tmp_path: Path, aged:
         assert not store.enabled
         key = compute_key(checkpoint, store=store)
     assert key.stats is not None and key.stats.shards_from_store == 0
-    result = wcache_cli("key", str(checkpoint), "--json", cache=cache)
+    result = wcache_in_process("key", str(checkpoint), "--json", env=cli_env(cache))
     assert cli_key_id(result) == reference_key(checkpoint).key.short_id
     warning = assert_one_store_warning(result)
     assert ("symlink" in warning) if "symlink" in how else ("writable by group or others" in warning), warning

@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from conftest import run_cli
+from helpers import wcache_in_process
 from wcache.attach_options import AttachOptions
 from wcache.engine import Engine, EngineConfig
 from wcache.engine.block_manager import KVCacheFullError
@@ -198,7 +198,8 @@ def test_a_rank_wcache_error_arrives_as_its_class(kind: str, arrives_as: type[Ex
 
 def test_cli_tp_the_model_cannot_take_is_one_sentence(tiny_template: Path, tmp_path: Path) -> None:
     """tiny has 4 heads: --tp 3 is refused up front, as one sentence with exit 2, before any rank starts."""
-    result = run_cli("attach", str(tiny_template), "--tp", "3", "--prompt", "hi", "--run-dir", str(tmp_path / "run"))
+    result = wcache_in_process("attach", str(tiny_template), "--tp", "3", "--prompt", "hi",
+                               "--run-dir", str(tmp_path / "run"))
     assert result.returncode == EXIT_BAD_INPUT, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
@@ -208,8 +209,8 @@ def test_cli_tp_the_model_cannot_take_is_one_sentence(tiny_template: Path, tmp_p
 
 def test_cli_an_error_only_the_ranks_find_is_one_sentence(tiny_template: Path, tmp_path: Path) -> None:
     """No daemon and no fallback: each rank misses, and the miss reaches the CLI as itself (exit 3, one line)."""
-    result = run_cli("attach", str(tiny_template), "--tp", "2", "--prompt", "hi", "--no-fallback",
-                     "--run-dir", str(tmp_path / "run"))
+    result = wcache_in_process("attach", str(tiny_template), "--tp", "2", "--prompt", "hi", "--no-fallback",
+                               "--run-dir", str(tmp_path / "run"))
     assert result.returncode == EXIT_UNAVAILABLE, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()

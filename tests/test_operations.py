@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from daemon_fixtures import (
     nothing_survives,  # noqa: F401
     wait_for,
 )
+from helpers import WCACHE, wcache_in_process
 from wcache.attach import attach
 from wcache.ipc.loading import LOADING_DIR, read_loading
 from wcache.monitor.collector import EventTail
@@ -43,7 +43,7 @@ def tiny(rig: DaemonRig) -> Path:
 def _start_preload(rig: DaemonRig, model: Path, *options: str,
                    stderr: int = subprocess.DEVNULL) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "wcache_cli.main", "preload", str(model), "--run-dir", str(rig.run_dir), *options],
+        [*WCACHE, "preload", str(model), "--run-dir", str(rig.run_dir), *options],
         stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL, text=True,
         env={**os.environ, **rig.env},
     )
@@ -188,14 +188,9 @@ def test_events_rotate_by_size_and_readers_follow(tmp_path: Path, monkeypatch: p
     assert kept == list(range(kept[0], 400))  # the newest events, in order
 
 
-def _wcache(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "wcache_cli.main", *args], capture_output=True, text=True,
-                          timeout=120, **kwargs)  # type: ignore[call-overload]
-
-
 def test_verbose_is_accepted_after_the_subcommand(tmp_path: Path) -> None:
-    quiet = _wcache("key", str(tmp_path / "missing"))
-    loud = _wcache("key", str(tmp_path / "missing"), "-v")
+    quiet = wcache_in_process("key", str(tmp_path / "missing"))
+    loud = wcache_in_process("key", str(tmp_path / "missing"), "-v")
     assert quiet.returncode == loud.returncode == 2
     assert "Traceback" not in quiet.stderr and "Traceback" in loud.stderr
     assert "does not exist" in loud.stderr
@@ -204,7 +199,7 @@ def test_verbose_is_accepted_after_the_subcommand(tmp_path: Path) -> None:
 @pytest.mark.parametrize("json_output", [False, True])
 def test_a_reader_that_leaves_early_is_not_an_error(tmp_path: Path, json_output: bool) -> None:
     model = write_checkpoint("tiny", tmp_path / "tiny")
-    command = [sys.executable, "-m", "wcache_cli.main", "key", str(model), "--tensors", *(["--json"] * json_output)]
+    command = [*WCACHE, "key", str(model), "--tensors", *(["--json"] * json_output)]
     env = {**os.environ, "WCACHE_CACHE_DIR": str(tmp_path / "cache")}
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as process:
         assert process.stdout is not None and process.stderr is not None
@@ -239,7 +234,7 @@ def test_a_model_directory_that_cannot_be_listed_is_still_read(shards: int) -> N
         model = write_checkpoint("tiny", base / "model", num_shards=shards)
         open_to_all(model)
         model.chmod(0o311)  # traversable, not listable: every file in it can still be opened by name
-        result = run_as_nobody([sys.executable, "-m", "wcache_cli.main", "key", str(model)], env, cwd=base)
+        result = run_as_nobody([*WCACHE, "key", str(model)], env, cwd=base)
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith("key "), result.stdout
 
@@ -274,8 +269,8 @@ def test_the_engine_path_without_config_json_is_one_sentence(tmp_path: Path) -> 
     (model / "config.json").unlink()
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
-    result = _wcache("attach", str(model), "--plan", "identity", "--prompt", "hi", "--run-dir", str(run_dir),
-                     env={**os.environ, "WCACHE_CACHE_DIR": str(tmp_path / "cache")})
+    result = wcache_in_process("attach", str(model), "--plan", "identity", "--prompt", "hi", "--run-dir",
+                               str(run_dir), env={"WCACHE_CACHE_DIR": str(tmp_path / "cache")})
     assert result.returncode == 2, result.stderr
     [line] = result.stderr.strip().splitlines()
     assert "config.json" in line and "Traceback" not in result.stderr
@@ -324,7 +319,7 @@ def test_a_busy_served_engine_logs_a_stats_line_like_vllm(tmp_path: Path) -> Non
     run_dir.mkdir(mode=0o700)
     env = {**os.environ, "WCACHE_CACHE_DIR": str(tmp_path / "cache"), "NO_COLOR": "1", "COLUMNS": "200"}
     with subprocess.Popen(
-        [sys.executable, "-m", "wcache_cli.main", "attach", str(model), "--serve", "--port", "0",
+        [*WCACHE, "attach", str(model), "--serve", "--port", "0",
          "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     ) as server:
         try:

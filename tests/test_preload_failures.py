@@ -8,16 +8,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import run_cli
+from helpers import processes_mentioning, wcache_process
 
 
 @pytest.fixture
 def run_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="wc-pf-", dir="/tmp"))
     yield path
-    leftovers = _running_in(path)
+    leftovers = processes_mentioning(str(path))
     for process in leftovers:
         process.kill()
     shutil.rmtree(path, ignore_errors=True)
@@ -25,7 +24,7 @@ def run_dir() -> Iterator[Path]:
 
 
 def _preload(model: Path, run_dir: Path, *extra: str) -> tuple[int, str]:
-    result = run_cli("preload", str(model), "--detach", "--run-dir", str(run_dir), *extra)
+    result = wcache_process("preload", str(model), "--detach", "--run-dir", str(run_dir), *extra)
     assert "Traceback" not in result.stderr
     return result.returncode, result.stderr.strip()
 
@@ -70,15 +69,8 @@ def test_health_host_beyond_loopback_is_warned_once(run_dir: Path, tiny_template
         assert warnings == ([f"warning: --health-host {host} serves /health, /metrics and /stats without "
                              "authentication to every network that reaches it."] if warned else []), stderr
     finally:
-        run_cli("stop", "--all", "--force", "--run-dir", str(run_dir))
+        wcache_process("stop", "--all", "--force", "--run-dir", str(run_dir))
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and _running_in(run_dir):
+        while time.monotonic() < deadline and processes_mentioning(str(run_dir)):
             time.sleep(0.1)  # the supervisor exits once its rank has
 
-
-def _running_in(run_dir: Path) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["cmdline", "status"]):
-        if process.info["status"] != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(process.info["cmdline"] or []):
-            found.append(process)
-    return found

@@ -5,8 +5,6 @@ from __future__ import annotations
 import copy
 import mmap
 import os
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +13,7 @@ from typing import Any
 import blake3
 import pytest
 import torch
+from helpers import run_python
 from wcache.checkpoint.files import locate
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.checkpoint.safetensors_header import read_header
@@ -444,8 +443,7 @@ def test_produce_is_byte_identical_across_calls_and_processes(tiny_template: Pat
         assert first == second
         here.extend(f"{method} {name} {digest}" for name, digest in first.items())
     # Another process, another source (a loaded copy instead of memory maps), the same bytes.
-    result = subprocess.run([sys.executable, "-c", DIGEST_SCRIPT, str(tiny_template)], capture_output=True,
-                            text=True, timeout=120)
+    result = run_python(DIGEST_SCRIPT, str(tiny_template), timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:-1] == here
 

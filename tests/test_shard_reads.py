@@ -7,13 +7,12 @@ import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import wait_past_racy_window
+from helpers import run_python, wait_past_racy_window
 from wcache.checkpoint.files import locate
 from wcache.checkpoint.safetensors_header import read_header
 from wcache.errors import CheckpointError, UnavailableError
@@ -68,11 +67,6 @@ def _big_checkpoint(dest: Path, elements: int = BIG_ELEMENTS) -> tuple[Path, Pat
     return model, shard, data_start
 
 
-def _run(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ})
-
-
 # The real `wcache key`, with its progress bar's first report truncating the shard it is hashing.
 _KEY_TRUNCATED = """
 import os, sys
@@ -92,7 +86,7 @@ main()
 
 def test_key_of_a_shard_truncated_while_hashed_is_one_sentence(tmp_path: Path) -> None:
     model, shard, data_start = _big_checkpoint(tmp_path / "big")
-    result = _run(_KEY_TRUNCATED, str(shard), str(data_start + 4096), str(model))
+    result = run_python(_KEY_TRUNCATED, str(shard), str(data_start + 4096), str(model))
     assert result.returncode != -signal.SIGBUS, "the shard was mapped: its truncation killed the process"
     assert result.returncode == 2, (result.returncode, result.stderr)
     lines = result.stderr.strip().splitlines()
@@ -125,7 +119,7 @@ except WcacheError as exc:
 
 def test_preload_of_a_shard_truncated_mid_pass_is_one_sentence(tmp_path: Path) -> None:
     model, shard, data_start = _big_checkpoint(tmp_path / "big")
-    result = _run(_LOAD_TRUNCATED, str(shard), str(data_start + 4096), str(model))
+    result = run_python(_LOAD_TRUNCATED, str(shard), str(data_start + 4096), str(model))
     assert result.returncode != -signal.SIGBUS, "the shard was mapped: its truncation killed the rank"
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert result.stderr.strip() == f"{shard} shrank while it was being read; wait until it is fully written and " \
@@ -173,7 +167,7 @@ print("ok", NoMaps.checks)
 
 
 def test_every_checkpoint_read_works_where_mmap_is_refused(tiny_template: Path) -> None:
-    result = _run(_NO_MMAP, str(tiny_template))
+    result = run_python(_NO_MMAP, str(tiny_template))
     assert result.returncode == 0 and result.stdout.startswith("ok"), (result.stdout, result.stderr)
 
 

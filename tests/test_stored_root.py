@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import wcache.key.fingerprint as fingerprint
-from conftest import wait_past_racy_window
+from helpers import wait_past_racy_window
 from wcache.errors import CheckpointError
 from wcache.key.cache_key import KeyFile
 from wcache.key.compute import compute_key

@@ -31,6 +31,7 @@ from daemon_fixtures import (
     daemon_rig,
     nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
 )
+from helpers import WCACHE
 from wcache_dev.synth import overwrite_tensor_bytes
 
 SERVE_TIMEOUT_S = 120.0
@@ -44,7 +45,7 @@ PREFIX = ("wcache keeps processed weights alive across engine restarts; the pref
 def served_engine(rig: DaemonRig, model: Path) -> Iterator[str]:
     """`wcache attach MODEL --serve --port 0`; yields the base URL once it prints SERVING; always stops it."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "wcache_cli.main", "attach", str(model), "--serve", "--port", "0",
+        [*WCACHE, "attach", str(model), "--serve", "--port", "0",
          "--run-dir", str(rig.run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
         env={**os.environ, **rig.env},
@@ -88,7 +89,7 @@ def tui_in_a_terminal(rig: DaemonRig, expect: list[bytes], timeout: float = 60.0
     if pid == 0:  # the child: become `wcache top` on the terminal, and never return into pytest
         try:
             os.environ.update({**rig.env, "TERM": "xterm-256color"})
-            os.execv(sys.executable, [sys.executable, "-m", "wcache_cli.main", "top", "--run-dir",
+            os.execv(sys.executable, [*WCACHE, "top", "--run-dir",
                                       str(rig.run_dir), "--interval", "0.5"])
         finally:
             os._exit(127)

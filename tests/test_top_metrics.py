@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_cli, run_python
+from helpers import run_python, wcache_in_process
 from wcache.ipc.http_server import PROMETHEUS_TEXT, QuietHandler, make_http_server
 from wcache.monitor.collector import Collector
 from wcache.monitor.snapshot import SCHEMA
@@ -287,8 +287,8 @@ def test_once_json_waits_one_interval_and_follows_the_schema(tmp_path: Path) -> 
     empty.mkdir(mode=0o700)
     with MetricsServer() as server:
         ticking(server)
-        result = run_cli("top", "--once", "--json", "--scrape", server.url, "--run-dir", str(empty),
-                         "--interval", "0.2")
+        result = wcache_in_process("top", "--once", "--json", "--scrape", server.url, "--run-dir", str(empty),
+                                   "--interval", "0.2")
         assert result.returncode == 0, result.stderr
         assert server.scrapes == 2  # two samples, one interval apart
     document = json.loads(result.stdout)
@@ -308,8 +308,8 @@ def test_json_stream_prints_count_lines_one_per_interval(tmp_path: Path) -> None
     empty.mkdir(mode=0o700)
     with MetricsServer() as server:
         ticking(server)
-        result = run_cli("top", "--json", "--count", "3", "--scrape", server.url, "--run-dir", str(empty),
-                         "--interval", "0.2")
+        result = wcache_in_process("top", "--json", "--count", "3", "--scrape", server.url, "--run-dir",
+                                   str(empty), "--interval", "0.2")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 3
@@ -327,8 +327,8 @@ def test_once_tables_say_off_and_how_rates_were_measured(tmp_path: Path) -> None
     empty.mkdir(mode=0o700)
     with MetricsServer() as server:
         ticking(server)
-        result = run_cli("top", "--once", "--scrape", server.url, "--run-dir", str(empty), "--interval", "0.2",
-                         env={"NO_COLOR": "1", "COLUMNS": "200"})
+        result = wcache_in_process("top", "--once", "--scrape", server.url, "--run-dir", str(empty),
+                                   "--interval", "0.2", env={"NO_COLOR": "1", "COLUMNS": "200"})
     assert result.returncode == 0, result.stderr
     text = result.stdout
     assert "Replay and prefix cache" in text and "40.0 %" in text
@@ -339,10 +339,10 @@ def test_once_tables_say_off_and_how_rates_were_measured(tmp_path: Path) -> None
 
 def test_bad_option_combinations_exit_2(tmp_path: Path) -> None:
     for args in (["--count", "2"], ["--once", "--json", "--count", "2"]):
-        result = run_cli("top", *args, "--run-dir", str(tmp_path))
+        result = wcache_in_process("top", *args, "--run-dir", str(tmp_path))
         assert result.returncode == 2, (args, result.stdout, result.stderr)
         assert "--count" in result.stderr
-    result = run_cli("top", "--run-dir", str(tmp_path))  # stdin/stdout are pipes here
+    result = wcache_in_process("top", "--run-dir", str(tmp_path))  # stdin/stdout are pipes here
     assert result.returncode == 2
     assert "needs a terminal" in result.stderr and "--once" in result.stderr
 

@@ -17,6 +17,7 @@ from daemon_fixtures import (
     daemon_rig,
     nothing_survives,  # noqa: F401
 )
+from helpers import wcache_in_process
 from transformers import AutoModelForCausalLM
 from wcache.attach import AttachMissError
 from wcache.errors import BadInputError
@@ -160,12 +161,14 @@ def test_verify_with_transformers_passes_and_catches_a_planted_wrong_hit(rig: Da
     [planted] = rig.preload(zeroed)
     common = ("--greedy", "--engine", "transformers", "--num-prompts", "2", "--max-new-tokens", "8",
               "--run-dir", str(rig.run_dir), "--json")
-    passing = rig.cli("verify", str(original), *common)
+    # In process: the subject is verify's report; the daemons are processes of their own.
+    passing = wcache_in_process("verify", str(original), *common, env=rig.env)
     assert passing.returncode == 0, passing.stdout + passing.stderr
     report = json.loads(passing.stdout)["greedy"]
     assert report["all_match"] and report["attach"]["engine"] == "transformers"
     assert report["attach"]["outcome"] == "hit"
-    failing = rig.cli("verify", str(original), *common, "--trust-daemon", "--daemon", planted.name)
+    failing = wcache_in_process("verify", str(original), *common, "--trust-daemon", "--daemon", planted.name,
+                                env=rig.env)
     assert failing.returncode == 1, failing.stdout + failing.stderr
     report = json.loads(failing.stdout)["greedy"]
     assert report["attach"]["daemon"] == planted.name and not report["all_match"]

@@ -1,4 +1,5 @@
-"""`wcache verify --greedy` and `--content` end to end on CPU, through real daemons and the real CLI.
+"""`wcache verify --greedy` and `--content` end to end on CPU, through real daemons and the CLI's entry point
+(run in this interpreter: tests/helpers.py; the daemons, and the ranks of a TP run, are processes of their own).
 
 The daemons live in private run dirs (tests/daemon_fixtures.py) that are stopped, swept and removed however
 the tests end:
@@ -26,6 +27,7 @@ from daemon_fixtures import (
     daemon_rig,
     nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
 )
+from helpers import one_sentence, wcache_in_process
 from wcache.errors import EXIT_BAD_INPUT, EXIT_DIFFERENCE, EXIT_OK, EXIT_UNAVAILABLE
 from wcache.ipc.client import DaemonConnection
 from wcache.ipc.messages import Hello, MapRequest, WantedKey
@@ -62,7 +64,7 @@ def zeroed(tiny_template: Path) -> Iterator[tuple[DaemonRig, Path, DaemonDescrip
 
 
 def verify(rig: DaemonRig, model: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return rig.cli("verify", str(model), "--run-dir", str(rig.run_dir), *args)
+    return wcache_in_process("verify", str(model), "--run-dir", str(rig.run_dir), *args, env=rig.env)
 
 
 def verify_json(rig: DaemonRig, model: Path, *args: str, expect: int) -> dict[str, Any]:
@@ -71,15 +73,6 @@ def verify_json(rig: DaemonRig, model: Path, *args: str, expect: int) -> dict[st
         f"verify {' '.join(args)} exited {result.returncode}, not {expect}: {result.stderr}{result.stdout}"
     )
     return json.loads(result.stdout)
-
-
-def one_sentence(stderr: str) -> str:
-    text = stderr.strip()
-    assert text, "expected an error sentence on stderr"
-    assert "\n" not in text, f"expected one line on stderr, got: {stderr!r}"
-    assert "Traceback" not in text
-    assert text.endswith("."), text
-    return text
 
 
 # -- 1. a correct hit passes -----------------------------------------------------------------------------

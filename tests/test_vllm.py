@@ -2,8 +2,13 @@
 
 One module-wide rig: the `small` checkpoint (head_dim 64, which vLLM's CPU attention accepts) with a daemon,
 a copy whose lm_head differs under an unchanged header with a daemon of its own (for the planted wrong
-hit), and a second such copy that no daemon holds (for the miss). Every vLLM start costs ~20 s here, so
-each test starts only the engines it needs.
+hit), and a second such copy that no daemon holds (for the miss). Every vLLM start costs ~30 s here, so
+each test starts only the engines it needs, and the greedy runs whose subject is the tokens and the attach
+(not vLLM's process layout) run vLLM's engine core in its own front process (`IN_PROCESS_ENGINE`): one
+interpreter importing vLLM instead of three (front end, engine core, worker). The wcache loader still runs
+in a child of its own, never in pytest. The two tests whose subject is vLLM's multi-process layout keep it:
+a refused start, whose reason only the worker's log holds, and the OpenAI server, which loads through the
+entry-point plugin in a spawned worker.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +45,8 @@ MAX_NEW_TOKENS = 8
 VICTIM = "lm_head.weight"  # zeroed past its first rows: greedy tokens change, the header does not
 VICTIM_BYTES = 320 * 128 * 2  # the small preset's vocab × hidden, bf16
 SERVER_START_S = 240.0
+# vLLM's engine core in the process that drives it (with no worker process of its own on CPU).
+IN_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @dataclass
@@ -83,7 +91,7 @@ def test_hit_gives_the_greedy_tokens_of_vllms_own_disk_load(vllm_rig: VllmRig) -
     rig = vllm_rig.rig
     result = rig.cli("verify", str(vllm_rig.original), "--greedy", "--engine", "vllm", "--num-prompts", "2",
                      "--max-new-tokens", str(MAX_NEW_TOKENS), "--run-dir", str(rig.run_dir), "--json",
-                     timeout=600)
+                     timeout=600, env=IN_PROCESS_ENGINE)
     assert result.returncode == 0, result.stdout + result.stderr
     greedy = json.loads(result.stdout)["greedy"]
     assert greedy["all_match"] and all(p["cached_tokens"] for p in greedy["prompts"])
@@ -96,7 +104,8 @@ def test_planted_wrong_hit_fails_verify_with_vllm(vllm_rig: VllmRig) -> None:
     rig = vllm_rig.rig
     result = rig.cli("verify", str(vllm_rig.original), "--greedy", "--engine", "vllm", "--trust-daemon",
                      "--daemon", vllm_rig.copy_daemon.name, "--num-prompts", "2", "--max-new-tokens",
-                     str(MAX_NEW_TOKENS), "--run-dir", str(rig.run_dir), "--json", timeout=600)
+                     str(MAX_NEW_TOKENS), "--run-dir", str(rig.run_dir), "--json", timeout=600,
+                     env=IN_PROCESS_ENGINE)
     assert result.returncode == 1, result.stdout + result.stderr
     greedy = json.loads(result.stdout)["greedy"]
     assert greedy["attach"]["daemon"] == vllm_rig.copy_daemon.name
@@ -104,11 +113,18 @@ def test_planted_wrong_hit_fails_verify_with_vllm(vllm_rig: VllmRig) -> None:
     assert all(p["first_divergence"] is not None for p in greedy["prompts"] if not p["match"])
 
 
-def test_changed_copy_misses_and_serves_its_own_tokens(vllm_rig: VllmRig) -> None:
+def test_changed_copy_misses_and_serves_its_own_tokens(vllm_rig: VllmRig, monkeypatch: pytest.MonkeyPatch) -> None:
     rig = vllm_rig.rig
-    cached = greedy_tokens(vllm_rig.run(vllm_rig.unserved_copy, load_format="wcache", extra_config=vllm_rig.extra()))
-    disk = greedy_tokens(vllm_rig.run(vllm_rig.unserved_copy))
-    original = greedy_tokens(vllm_rig.run(vllm_rig.original, load_format="wcache", extra_config=vllm_rig.extra()))
+    for name, value in IN_PROCESS_ENGINE.items():
+        monkeypatch.setenv(name, value)  # greedy_tokens hands this environment to vLLM
+    runs = [
+        vllm_rig.run(vllm_rig.unserved_copy, load_format="wcache", extra_config=vllm_rig.extra()),
+        vllm_rig.run(vllm_rig.unserved_copy),
+        vllm_rig.run(vllm_rig.original, load_format="wcache", extra_config=vllm_rig.extra()),
+    ]
+    # Three engines that share nothing: started side by side, each in its own process.
+    with ThreadPoolExecutor(len(runs)) as pool:
+        cached, disk, original = pool.map(greedy_tokens, runs)
     assert cached.tokens == disk.tokens, "the fallback must serve the copy's own weights"
     assert cached.tokens != original.tokens, "the zeroed lm_head must change the tokens"
     [warning] = [line for line in cached.log.splitlines() if "wcache: weight cache miss" in line]

@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from conftest import run_python, wait_past_racy_window
+from helpers import run_python, wait_past_racy_window
 
 PROBE = """
 import json, sys

@@ -1,0 +1,201 @@
+"""What the test modules share: running `wcache`, the one-error-sentence checks, and finding processes.
+
+`wcache` has two runners. `wcache_process` starts the real process: for tests whose subject is the process
+(daemons, signals, pipes, hangs a timeout must end, import cost, another uid, tracebacks a real interpreter
+prints). `wcache_in_process` calls the same entry point, `wcache_cli.main.main()`, in this interpreter with
+argv, environment and standard streams of its own, and turns its exit into the same `CompletedProcess`: for
+tests whose subject is what the CLI says (argument checks, error sentences, exit codes, JSON). It runs
+everything main() does (the typed-error sentence, the warning handler, --verbose tracebacks), which Typer's
+`CliRunner.invoke` would skip, and starts nothing a real process would not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from pathlib import Path
+
+import psutil
+from wcache.key.digest_store import RACY_WINDOW_NS
+
+CLI_TIMEOUT_S = 120.0
+KILL_WAIT_S = 15.0
+# `python -m wcache_cli.main`: the console script's own entry point, with this interpreter and sys.path.
+WCACHE = [sys.executable, "-m", "wcache_cli.main"]
+
+# An environment override: a value sets the variable, None removes it.
+EnvOverrides = Mapping[str, str | None]
+
+
+def cli_env(cache: Path | None = None) -> dict[str, str | None]:
+    """Overrides for a `wcache` run whose output a test reads: no debug tracebacks, no colour, 200 columns,
+    and `cache` (if given) as the digest store."""
+    env: dict[str, str | None] = {"WCACHE_DEBUG": None, "NO_COLOR": "1", "COLUMNS": "200"}
+    if cache is not None:
+        env["WCACHE_CACHE_DIR"] = str(cache)
+    return env
+
+
+def environment(overrides: EnvOverrides | None) -> dict[str, str]:
+    """This process's environment with `overrides` applied."""
+    env = dict(os.environ)
+    for name, value in (overrides or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+def wcache_process(*args: str, env: EnvOverrides | None = None, timeout: float = CLI_TIMEOUT_S,
+                   cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`wcache ARGS` as a real process, stdin closed; TimeoutExpired after `timeout` (the process is killed)."""
+    return subprocess.run([*WCACHE, *args], capture_output=True, text=True, env=environment(env), timeout=timeout,
+                          stdin=subprocess.DEVNULL, cwd=cwd)
+
+
+def wcache_in_process(*args: str, env: EnvOverrides | None = None) -> subprocess.CompletedProcess[str]:
+    """`wcache ARGS` through `main()` in this interpreter: the exit status, stdout and stderr a process would
+    give. An exception main() lets through is printed as a traceback with status 1, as the interpreter would."""
+    from typer.testing import CliRunner
+    from wcache_cli import main as entry
+    from wcache_cli.output import out
+    from wcache_cli.state import CliState, state
+
+    logger = logging.getLogger("wcache")
+    saved_handlers, saved_propagate = list(logger.handlers), logger.propagate
+    saved_argv, saved_hook, saved_verbose = sys.argv, sys.excepthook, state.verbose
+    with CliRunner().isolation(env=dict(env or {})) as (stdout, stderr, _):
+        sys.argv = ["wcache", *args]
+        state.verbose = CliState().verbose  # what a fresh process reads from WCACHE_DEBUG
+        _forget_consoles(out)  # rich reads NO_COLOR, COLUMNS and the stream's kind when a console is made
+        try:
+            entry.main()
+            code = 0
+        except SystemExit as exc:
+            code = _exit_status(exc.code)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            _forget_consoles(out)
+            logger.handlers[:], logger.propagate = saved_handlers, saved_propagate
+            sys.argv, sys.excepthook, state.verbose = saved_argv, saved_hook, saved_verbose
+        return subprocess.CompletedProcess(["wcache", *args], code, stdout.getvalue().decode(),
+                                           stderr.getvalue().decode(errors="backslashreplace"))
+
+
+def _forget_consoles(out: object) -> None:
+    for name in ("stdout", "stderr"):
+        vars(out).pop(name, None)
+
+
+def _exit_status(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)  # sys.exit("message"): the interpreter prints it and exits 1
+    return 1
+
+
+def run_python(code: str, *args: str, env: EnvOverrides | None = None, timeout: float = 300,
+               ) -> subprocess.CompletedProcess[str]:
+    """Run a Python snippet in a fresh interpreter (import costs, audit hooks, another process's view)."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env=environment(env), timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def wait_past_racy_window() -> None:
+    """Sleep until files written now are old enough for their receipts to be trusted."""
+    time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)
+
+
+# -- error sentences ------------------------------------------------------------------------------------
+
+
+def one_sentence(stderr: str) -> str:
+    """The single line on stderr, which ends a sentence; no traceback."""
+    text = stderr.strip()
+    assert text, "expected an error sentence on stderr"
+    assert "\n" not in text, f"expected one line on stderr, got: {stderr!r}"
+    assert "Traceback" not in text
+    assert text.endswith("."), text
+    return text
+
+
+def assert_one_error_sentence(result: subprocess.CompletedProcess[str], *names: str) -> str:
+    """Exit 2, nothing on stdout, one non-empty stderr line "error: … ." naming every one of `names`."""
+    everything = result.stdout + result.stderr
+    assert "Traceback" not in everything, everything
+    assert result.returncode == 2, everything
+    assert result.stdout == "", everything
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    line = lines[0]
+    assert line.startswith("error:"), line
+    assert line.rstrip().endswith("."), line
+    for name in names:
+        assert name in line, (name, line)
+    return line
+
+
+# -- processes ------------------------------------------------------------------------------------------
+
+
+def cmdline(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return ""
+
+
+def processes_mentioning(*markers: str) -> list[psutil.Process]:
+    """Live (non-zombie) processes other than this one whose command line contains any of `markers`."""
+    found = []
+    for process in psutil.process_iter():
+        if process.pid == os.getpid():
+            continue
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.Error:
+            continue
+        line = cmdline(process)
+        if any(marker in line for marker in markers):
+            found.append(process)
+    return found
+
+
+def kill_and_wait(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """SIGKILL each process and wait for it; returns those still alive (not even zombies) afterwards."""
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(signal.SIGKILL)
+    # A killed process whose parent has not reaped it yet is a zombie: dead, holding nothing. (PID 1 may reap
+    # orphans only now and then, so waiting for the pid to vanish could take long.)
+    deadline = time.monotonic() + KILL_WAIT_S
+    alive = [p for p in processes if is_running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if is_running(p)]
+    for process in processes:
+        with contextlib.suppress(psutil.Error, ChildProcessError):
+            os.waitpid(process.pid, os.WNOHANG)  # reap it if it happens to be our child
+    return alive
+
+
+def is_running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
