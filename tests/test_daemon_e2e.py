@@ -643,10 +643,12 @@ def test_one_daemon_per_key_even_when_two_preloads_race(rig: DaemonRig) -> None:
                                                  (signal.SIGINT, 130)], ids=["SIGTERM", "SIGHUP", "SIGINT"])
 def test_signal_to_a_foreground_preload_stops_every_rank(rig: DaemonRig, signum: int, status: int) -> None:
     model = write_checkpoint("tiny", rig.base / f"fg-{signum}")
+    # As a shell starts a foreground job: with Ctrl-C's default action, even where this test runs from a
+    # background job (whose children inherit SIGINT ignored, and rightly keep ignoring it).
     preload = subprocess.Popen(
         [*WCACHE, "preload", str(model), "--tp", "2", "--run-dir", str(rig.run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **rig.env},
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert preload.stdout is not None
