@@ -14,10 +14,12 @@ import blake3
 import pytest
 import torch
 from helpers import run_python
+from wcache.checkpoint.dtypes import TORCH_NAMES
 from wcache.checkpoint.files import locate
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.checkpoint.safetensors_header import read_header
 from wcache.errors import BadInputError, CheckpointError
+from wcache.ipc.arena import torch_dtype
 from wcache.key.fingerprint import fingerprint_checkpoint
 from wcache.plan.processing import (
     OutputSpec,
@@ -31,8 +33,6 @@ from wcache.plan.spec import PlanSpec
 from wcache_dev.synth import PRESETS, Preset, make_tensors, read_tensors, tensor_shapes, write_tensors
 
 TINY = PRESETS["tiny"].config
-TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
-                "I32": torch.int32, "F8_E4M3": torch.float8_e4m3fn}
 
 
 class MmapSource:
@@ -51,7 +51,7 @@ class MmapSource:
                 os.close(fd)
             self._maps.append(mapped)
             for t in header.tensors:
-                dtype = TORCH_DTYPES[t.dtype]
+                dtype = torch_dtype(TORCH_NAMES[t.dtype])
                 numel = t.nbytes // dtype.itemsize
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # "buffer is not writable": that is the point
