@@ -347,3 +347,29 @@ def test_manifest_behind_a_stored_root_never_trusts_receipts_that_miss_it(
         monkeypatch.setattr(fingerprint, "merkle_root", wrong_once)
         assert hit.manifest == expected
         assert len(calls) == 2  # the receipts' root disagreed, then the bytes' root agreed
+
+
+def test_a_preload_stores_the_root_so_an_engines_first_key_reads_no_receipt(checkpoint: Path, tmp_path: Path) -> None:
+    """The daemon's one-pass load leaves the root beside its receipts: an engine restarting after a preload
+    computes its first key from the stored root, and it is the key every byte gives."""
+    from wcache.load.loader import load_rank
+
+    cache = tmp_path / "cache"
+    with DigestStore(cache) as store:
+        loaded = load_rank(checkpoint, PlanSpec(), "cpu", store)
+        loaded.arena.close()
+    assert stored_roots(cache) == 1
+    first = key_with(checkpoint, cache)
+    assert first.stats is not None and first.stats.root_from_store and first.stats.shards_hashed == 0
+    assert first.key == loaded.key_file.key == reference(checkpoint).key
+
+
+def test_a_preload_of_a_checkpoint_still_being_written_stores_no_root(tmp_path: Path) -> None:
+    """Files changed within the racy window are hashed, never trusted: their root is not stored either."""
+    from wcache.load.loader import load_rank
+
+    young = write_checkpoint("tiny", tmp_path / "young")
+    cache = tmp_path / "cache"
+    with DigestStore(cache) as store:
+        load_rank(young, PlanSpec(), "cpu", store).arena.close()
+    assert stored_roots(cache) == 0

@@ -146,6 +146,17 @@ def checkpoint_state(layout: CheckpointLayout, identities: Sequence[FileIdentity
     return hasher.hexdigest()
 
 
+def store_root_if_trusted(store: DigestStore, layout: CheckpointLayout, records: Mapping[Path, ShardRecord],
+                          root: str, state: str | None = None) -> None:
+    """Store `root` for the checkpoint state `records` describe, so the next warm key needs no receipt.
+
+    Only a root whose every receipt the store would trust may stand in for them; a receipt too young for the
+    racy-write rule gets its root stored by a later key, once it is trusted.
+    """
+    if all(is_trusted(r.identity, r.hashed_at_ns) for r in records.values()):
+        store.put_root(state or checkpoint_state(layout, [records[p].identity for p in layout.shards]), root)
+
+
 def fingerprint_checkpoint(
     layout: CheckpointLayout,
     store: DigestStore | None,
@@ -185,10 +196,8 @@ def _fingerprint_from_records(
     records, hashed = _records(layout, identities, store, rehash, progress)
     manifest = manifest_of(layout, records)
     root = merkle_root(manifest)
-    # Only a root whose every receipt the store would trust may stand in for them; a receipt too young for the
-    # racy-write rule gets its root stored by a later key, once it is trusted.
-    if store is not None and all(is_trusted(r.identity, r.hashed_at_ns) for r in records.values()):
-        store.put_root(state, root)
+    if store is not None:
+        store_root_if_trusted(store, layout, records, root, state)
     stats = FingerprintStats(
         num_shards=len(layout.shards),
         shards_from_store=len(layout.shards) - len(hashed),

@@ -20,7 +20,7 @@ from wcache.ipc.arena import ArenaEntry, CpuArena, CudaArena, plan_layout
 from wcache.key.cache_key import KeyFile
 from wcache.key.compute import make_key_file, resolve_plan
 from wcache.key.digest_store import DigestStore
-from wcache.key.fingerprint import FingerprintStats, HashProgress, manifest_of
+from wcache.key.fingerprint import FingerprintStats, HashProgress, manifest_of, store_root_if_trusted
 from wcache.key.shard_hash import OpenShard, ShardRecord, tensor_hasher
 from wcache.load.single_pass import fill_in_one_pass, read_outputs
 from wcache.plan.processing import ProcessingPlan, build_plan
@@ -155,6 +155,9 @@ def load_rank(
                     store.put_many(list(records.values()))
                 if on_key is not None:
                     on_key(key_file)
+            if store is not None:
+                # The root too: an engine's first key after this preload then reads no receipt.
+                store_root_if_trusted(store, layout, records, key_file.key.checkpoint)
             if isinstance(arena, CpuArena):
                 arena.seal()
         except BaseException:
