@@ -541,3 +541,24 @@ def test_completing_leaves_a_dead_daemons_descriptor_for_status_to_report(rig: D
     )
     assert (result.returncode, result.stdout.strip(), result.stderr) == (0, "", "")
     assert rig.descriptors() == [daemon]
+
+
+def test_the_wheel_installs_every_man_page_and_completion(tmp_path: Path) -> None:
+    """pip puts them where man and the shells look: a venv's (or prefix's) share/man/man1 and the completion
+    directories, exactly the committed files. Built from a copy, so the tree under test gains no build/."""
+    import zipfile
+
+    source = tmp_path / "src"
+    for name in ("core", "cli", "man", "completions"):
+        shutil.copytree(docgen.REPO_ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(docgen.REPO_ROOT / name, source / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "dist").glob("wcache-*.whl")
+    data = {name.split(".data/data/", 1)[1] for name in zipfile.ZipFile(wheel).namelist() if ".data/data/" in name}
+    expected = {f"share/man/man1/{page.name}" for page in (docgen.REPO_ROOT / "man").glob("*.1")} | {
+        "share/bash-completion/completions/wcache.bash", "share/zsh/site-functions/_wcache",
+        "share/fish/vendor_completions.d/wcache.fish"}
+    assert data == expected
