@@ -667,3 +667,22 @@ def test_signal_to_a_foreground_preload_stops_every_rank(rig: DaemonRig, signum:
         if preload.poll() is None:
             preload.kill()
             preload.wait()
+
+
+def test_the_library_stops_a_tp_group_it_started(rig: DaemonRig) -> None:
+    """`start_daemons(...).stop()` on a TP group: the first rank's stop makes the supervisor stop the others,
+    and that is no error; every rank, its files and the supervisor are gone."""
+    from wcache.daemon.launch import start_daemons
+
+    model = write_checkpoint("tiny", rig.base / "lib-tp2")
+    group = start_daemons(model, tp=2, run_dir=rig.run_dir, env=rig.env)
+    try:
+        ranks = group.descriptors()
+        assert sorted(d.tp_rank for d in ranks) == [0, 1]
+        group.stop()
+        assert group.supervisor.poll() is not None
+        assert all(pid_gone(d.pid) for d in ranks)
+        assert not [d for d in rig.descriptors() if d.source == str(model)]
+    finally:
+        if group.supervisor.poll() is None:
+            group.terminate()

@@ -72,10 +72,9 @@ class DaemonGroup:
             self.supervisor.stdout.close()
 
     def stop(self, *, force: bool = False) -> None:
-        """Stop every rank (refused while zero-copy engines hold leases, unless `force`) and the supervisor."""
-        refused = [f"{d.name} ({n} lease(s))" for d in self.descriptors() if (n := stop_daemon(d, force=force))]
-        if refused:
-            raise UnavailableError(f"daemons still hold leases: {', '.join(refused)}; stop them with force.")
+        """Stop every rank (BadInputError, nothing stopped, while zero-copy engines hold leases, unless `force`)
+        and the supervisor; a TP group's supervisor stops its other ranks once the first one stops."""
+        stop_daemons(self.descriptors(), force=force)
         self.supervisor.wait(timeout=STOP_TIMEOUT_S * 2)
         self.detach()
 
