@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from bench_common import workspace
+from bench_common import RACY_WINDOW_S, workspace
 from rich.console import Console
 from rich.table import Table
 from wcache.attach import attach
@@ -44,7 +44,6 @@ from wcache_dev.synth import PRESETS, Preset, make_tensors, write_tensors
 
 TARGET_US_PER_TENSOR = 3.0
 TARGET_LARGEST_MS = 100.0
-RACY_WINDOW_S = 2.0  # the store ignores receipts for files changed within 2 s of being hashed
 STOP_GRACE_S = 10.0
 DEFAULT_LAYERS = (28, 272, 1024)
 NUM_SHARDS = 4

@@ -17,8 +17,11 @@ from typing import Any
 
 import psutil
 from wcache.ipc.rundir import read_descriptors
+from wcache.key.digest_store import RACY_WINDOW_NS
 
 READ_CHUNK_BYTES = 16 * 1024 * 1024
+# The store ignores receipts for files changed within this long of being hashed (racy-git rule).
+RACY_WINDOW_S = RACY_WINDOW_NS / 1e9
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from bench_common import READ_CHUNK_BYTES, fmt_rate, fmt_seconds, read_all, speed_ratio, workspace
+from bench_common import RACY_WINDOW_S, READ_CHUNK_BYTES, fmt_rate, fmt_seconds, read_all, speed_ratio, workspace
 from rich.console import Console, JustifyMethod
 from rich.table import Table
 from wcache.checkpoint.files import locate
@@ -48,8 +48,6 @@ from wcache.key.shard_hash import FileIdentity
 from wcache_dev.synth import PRESETS, TRAINED_PRESET, write_checkpoint
 from wcache_dev.vllm_compat import header_fingerprint
 
-# The store ignores receipts for files changed within 2 s of being hashed (racy-git rule).
-RACY_WINDOW_S = 2.0
 TARGET_WARM_SPEEDUP = 20.0
 # Issue 11: a warm key's round trips do not grow with the shard count.
 TARGET_SHARD_RATIO = 3.0

@@ -44,6 +44,7 @@ import blake3
 import psutil
 import torch
 from bench_common import (
+    RACY_WINDOW_S,
     fmt_rate,
     fmt_seconds,
     preload_arguments,
@@ -63,8 +64,6 @@ from wcache.plan.processing import build_plan
 from wcache.plan.spec import PlanSpec
 from wcache_dev.synth import write_checkpoint
 
-# The store ignores receipts for files changed within 2 s of being hashed (racy-git rule).
-RACY_WINDOW_S = 2.0
 TARGET_RATIO = 1.25
 STOP_GRACE_S = 10.0
 SAMPLE_EVERY_S = 0.05

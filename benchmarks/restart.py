@@ -42,6 +42,7 @@ from typing import Any
 import psutil
 import torch
 from bench_common import (
+    RACY_WINDOW_S,
     READ_CHUNK_BYTES,
     fmt_rate,
     fmt_seconds,
@@ -65,8 +66,6 @@ from wcache.plan.processing import build_plan, process_all
 from wcache.plan.spec import PlanSpec
 from wcache_dev.synth import write_checkpoint
 
-# The store ignores receipts for files changed within 2 s of being hashed (racy-git rule).
-RACY_WINDOW_S = 2.0
 TARGET_ZERO_COPY_SPEEDUP = 50.0
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
