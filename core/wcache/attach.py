@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from wcache.attach_options import MODES, AttachOptions
+from wcache.attach_options import AttachOptions
 from wcache.daemon_choice import holding, nearest, on_device
 from wcache.errors import BadInputError, UnavailableError
 from wcache.ipc.client import DaemonConnection, DaemonError
@@ -218,10 +218,7 @@ def attach(
     DP size is recorded, never compared. `views=False` only reports: a hit maps nothing and makes no tensor
     (torch is not imported); a fallback still loads from disk.
     """
-    if mode not in MODES:
-        raise BadInputError(f"--mode must be {' or '.join(MODES)}, not {mode!r}.")
-    if wait_s < 0:
-        raise BadInputError(f"the wait must be zero or more seconds, not {wait_s}.")
+    # AttachOptions checks mode and wait_s, for this caller as for the integrations.
     options = AttachOptions(fallback=fallback, mode=mode, trust_daemon=trust_daemon, daemon=daemon,
                             run_dir=str(run_dir) if run_dir is not None else None, wait_s=wait_s)
     return attach_with(model, plan or PlanSpec(), options, device=device, store=store, progress=progress,
@@ -400,8 +397,13 @@ def _try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, wanted:
 
             mapping = map_cpu_arena(reply.fds[0], reply.total_bytes, entries)
             tensors = mapping.tensors
-        else:
-            _check_arena_size(reply.fds[0], reply.total_bytes)
+        else:  # only a report: what mapping would check first, and nothing mapped
+            from wcache.ipc.arena import check_arena_size
+
+            try:
+                check_arena_size(reply.fds[0], reply.total_bytes)
+            finally:
+                os.close(reply.fds[0])
     elif ctx.views:
         import torch
 
@@ -476,16 +478,6 @@ def _miss(local: KeyFile, found: _Found, refusal: _Refusal | None, ctx: _AttachC
                  reason=explained.reason, seconds=round(disk_ms / 1000, 3), dp_size=ctx.dp_size, engine=ctx.engine)
     return AttachedWeights(tensors, replace(report, outcome="fallback", timings_ms=timings,
                                             num_tensors=len(tensors)), ctx.run_dir, local)
-
-
-def _check_arena_size(fd: int, total_bytes: int) -> None:
-    """What mapping would check first, for an attach that only reports: the memfd holds what was announced."""
-    try:
-        size = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
-    if size < total_bytes:
-        raise UnavailableError(f"the daemon's arena holds {size} bytes, fewer than the {total_bytes} it announced.")
 
 
 def _refusal_reason(descriptor: DaemonDescriptor, hello: HelloReply) -> str:

@@ -81,15 +81,11 @@ def _run_prompts(tp: Any, model: Path, plan: dict[str, Any], prompts: list[str],
         disk = Engine.from_disk(model, spec, engine_config, tp)
         if cached.tokenizer is None:
             raise BadInputError(f"{model} has no tokenizer to encode the prompts.")
-        results = []
-        for index, prompt in enumerate(prompts):
-            ids = cached.tokenizer.encode(prompt)
-            a = cached.generate(ids, max_new_tokens).token_ids
-            b = disk.generate(ids, max_new_tokens).token_ids
-            divergence = _first_divergence(a, b)
-            results.append(PromptResult(index, prompt, divergence is None, divergence, a, b))
+        encoded = [cached.tokenizer.encode(prompt) for prompt in prompts]
+        from_cache = [cached.generate(ids, max_new_tokens).token_ids for ids in encoded]
+        from_disk = [disk.generate(ids, max_new_tokens).token_ids for ids in encoded]
         report = cached.attach_report
-        return GreedyReport(results, report.to_json() if report is not None else {})
+        return GreedyReport(_compare(prompts, from_cache, from_disk), report.to_json() if report is not None else {})
     finally:
         cached.close()
 

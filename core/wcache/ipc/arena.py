@@ -184,14 +184,19 @@ class MappedArena:
 WireEntry = Sequence[Any]
 
 
+def check_arena_size(fd: int, total_bytes: int) -> None:
+    """A received memfd holds at least the bytes its daemon announced (mapping past its end would be SIGBUS)."""
+    size = os.fstat(fd).st_size
+    if size < total_bytes:
+        raise UnavailableError(f"the daemon's arena holds {size} bytes, fewer than the {total_bytes} it announced.")
+
+
 def map_cpu_arena(fd: int, total_bytes: int, entries: Sequence[WireEntry]) -> MappedArena:
     """Map a received memfd copy-on-write and view its tensors; the descriptor is closed afterwards."""
     import torch
 
     try:
-        size = os.fstat(fd).st_size
-        if size < total_bytes:
-            raise UnavailableError(f"the daemon's arena holds {size} bytes, fewer than the {total_bytes} it announced.")
+        check_arena_size(fd, total_bytes)
         mapping = mmap.mmap(fd, total_bytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
