@@ -5,12 +5,15 @@ Checkpoints A and B share a config and differ in their weights; a real daemon ho
 A's shard, and A is swapped back once the key is done: A then holds its own files again, with their own
 inodes and times. The `wcache attach A` that follows must not hit B's daemon: it computes A's own key. Three
 swaps, each what a deploy does: the directory entries exchanged (renameat2), a symlink flipped, a bind mount.
+Then the two other windows a swap can land in (between the stats and the opens, between config.json and the
+shards), and a checkpoint swapped at every try, which ends in one sentence.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import wcache.key.fingerprint as fingerprint
 from daemon_fixtures import (
     DaemonRig,
     daemon_rig,
@@ -25,9 +29,11 @@ from daemon_fixtures import (
 )
 from helpers import CLI_TIMEOUT_S, environment, wait_past_racy_window
 from swap_during_key import exchange, flip, unbind
-from wcache.checkpoint.files import SINGLE_NAME
+from wcache.checkpoint.files import CONFIG_NAME, SINGLE_NAME, locate
+from wcache.errors import CheckpointError
 from wcache.ipc.rundir import DaemonDescriptor
 from wcache.key.compute import compute_key
+from wcache.key.digest_store import DigestStore
 from wcache_dev.synth import write_checkpoint
 
 WRAPPER = Path(__file__).with_name("swap_during_key.py")
@@ -136,3 +142,68 @@ def test_bind_mount_over_the_model_during_a_cold_key(served: Served) -> None:
         pytest.fail(f"bind mounts need CAP_SYS_ADMIN here: {key.stderr}")
     assert mounted, f"B was not mounted over A during the key: {key.stderr}"
     check_swap_back(served, served.a, key, cache)
+
+
+def test_directories_exchanged_between_the_stat_and_the_open(served: Served, monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    # The stat saw A's shard, the open finds B's: the records are B's, under A's stat identities. The key is
+    # computed again (B's, whole) and no root is stored under A's state.
+    stat_all = fingerprint._stat_all  # the real one: the test only adds the exchange after it
+    swaps: list[int] = []
+
+    def stat_then_exchange(layout):  # type: ignore[no-untyped-def]
+        identities = stat_all(layout)
+        if not swaps:
+            swaps.append(1)
+            exchange(served.a, served.b)
+        return identities
+
+    monkeypatch.setattr(fingerprint, "_stat_all", stat_then_exchange)
+    cache = fresh_cache(served, "stat-open")
+    try:
+        with DigestStore(cache) as store:
+            during = compute_key(served.a, store=store)
+    finally:
+        if swaps:
+            exchange(served.a, served.b)
+    monkeypatch.undo()
+    assert swaps and during.key.short_id == served.key_b
+    with DigestStore(cache) as store:
+        after = compute_key(served.a, store=store)
+    assert after.key.short_id == served.key_a
+
+
+def test_config_replaced_while_the_shards_are_read(served: Served) -> None:
+    # config.json is read before the shards: replaced in between, the key would pair the old config with the
+    # tensors read after. The key is of one state: computed again, with the config as it now is.
+    model = Path(shutil.copytree(served.a, served.rig.base / "config-swap"))
+    layout = locate(model)
+    config = json.loads((model / CONFIG_NAME).read_text())
+    replacement = model / "config.new"
+    replacement.write_text(json.dumps({**config, "rope_theta": 12345.0}))
+    os.replace(replacement, model / CONFIG_NAME)
+    with pytest.raises(CheckpointError, match=r"config\.json changed while"):
+        fingerprint.fingerprint_checkpoint(layout, None)
+    assert compute_key(model).key.config != compute_key(served.a).key.config
+
+
+def test_a_checkpoint_swapped_at_every_try_is_one_sentence(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    stat_all = fingerprint._stat_all
+    swaps: list[int] = []
+
+    def stat_then_exchange(layout):  # type: ignore[no-untyped-def]
+        identities = stat_all(layout)
+        swaps.append(1)
+        exchange(served.a, served.b)
+        return identities
+
+    monkeypatch.setattr(fingerprint, "_stat_all", stat_then_exchange)
+    try:
+        with pytest.raises(CheckpointError) as failure:
+            compute_key(served.a)
+    finally:
+        if len(swaps) % 2:
+            exchange(served.a, served.b)
+    assert len(swaps) == 3
+    assert str(failure.value) == (f"{served.a} had files replaced every time its key was computed (3 tries); "
+                                  "try again once it stays put.")

@@ -151,6 +151,10 @@ class CheckpointChangedError(CheckpointError):
     """What a key (or a preload) read is not one state of the checkpoint: a file was replaced under it."""
 
 
+def _changed(path: Path, layout: CheckpointLayout) -> CheckpointChangedError:
+    return CheckpointChangedError(f"{path} changed while {layout.root} was being read; try again once it stays put.")
+
+
 def hashed_state(layout: CheckpointLayout, started: Sequence[FileIdentity], records: Mapping[Path, ShardRecord]
                  ) -> str:
     """The checkpoint state `records` describe, the only one their root may be stored under; it must be the
@@ -164,8 +168,7 @@ def hashed_state(layout: CheckpointLayout, started: Sequence[FileIdentity], reco
     """
     for path, identity in zip(layout.shards, started, strict=True):
         if records[path].identity != identity:
-            raise CheckpointChangedError(f"{path} was replaced while {layout.root} was being read; try again once "
-                                         "it stays put.")
+            raise _changed(path, layout)
     return checkpoint_state(layout, [records[path].identity for path in layout.shards])
 
 
@@ -182,8 +185,7 @@ def check_read_files(layout: CheckpointLayout) -> None:
         except OSError:
             now = None
         if now != identity:
-            raise CheckpointChangedError(f"{path} was replaced while {layout.root} was being read; try again once "
-                                         "it stays put.")
+            raise _changed(path, layout)
 
 
 def store_root_if_trusted(store: DigestStore, state: str, records: Mapping[Path, ShardRecord], root: str) -> None:
@@ -299,7 +301,10 @@ def _manifest_behind(
         # The checkpoint as it is now, never from a stored root (that would come back here). Receipts that no
         # longer add up to their own root are not trusted again: then every shard is read.
         began = time.perf_counter()
-        now = _fingerprint_from_records(layout, _stat_all(layout), usable, complete, None, began)
+        try:
+            now = _fingerprint_from_records(layout, _stat_all(layout), usable, complete, None, began)
+        except CheckpointChangedError:
+            raise CheckpointError(f"{layout.root} changed after its key was computed; compute the key again.") from None
     finally:
         if reopened is not None:
             reopened.close()
