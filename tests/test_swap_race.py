@@ -6,7 +6,7 @@ A's shard, and A is swapped back once the key is done: A then holds its own file
 inodes and times. The `wcache attach A` that follows must not hit B's daemon: it computes A's own key. Three
 swaps, each what a deploy does: the directory entries exchanged (renameat2), a symlink flipped, a bind mount.
 Then the two other windows a swap can land in (between the stats and the opens, between config.json and the
-shards), and a checkpoint swapped at every try, which ends in one sentence.
+shards), a checkpoint swapped at every try, which ends in one sentence, and roots stored before the rule.
 """
 
 from __future__ import annotations
@@ -207,3 +207,18 @@ def test_a_checkpoint_swapped_at_every_try_is_one_sentence(served: Served, monke
     assert len(swaps) == 3
     assert str(failure.value) == (f"{served.a} had files replaced every time its key was computed (3 tries); "
                                   "try again once it stays put.")
+
+
+def test_a_root_stored_before_the_rule_is_not_used(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Roots stored by a wcache without hashed_state may be another checkpoint's (as above): the state they were
+    # stored under names an older version, and none of them is taken for A's.
+    cache = fresh_cache(served, "old-root")
+    layout = locate(served.a)
+    with monkeypatch.context() as old:
+        old.setattr(fingerprint, "ROOT_STATE_VERSION", "wcache.root-state/1")
+        old_state = fingerprint.checkpoint_state(layout, fingerprint._stat_all(layout))
+    with DigestStore(cache) as store:
+        store.put_root(old_state, compute_key(served.b).key.checkpoint)
+        key = compute_key(served.a, store=store)
+    assert key.stats is not None and not key.stats.root_from_store
+    assert key.key.short_id == served.key_a

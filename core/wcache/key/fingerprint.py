@@ -29,8 +29,9 @@ from wcache.key.shard_hash import ShardRecord, hash_shard
 MAX_STAT_THREADS = 256
 MAX_SHARD_THREADS = 4
 # Names what checkpoint_state covers and how merkle_root builds a root; a change to either must change it,
-# so that no root stored by an older wcache is taken for one this version would compute.
-ROOT_STATE_VERSION = "wcache.root-state/1"
+# so that no root stored by an older wcache is taken for one this version would compute. 2: a root of version 1
+# may be another checkpoint's, stored under this one's state when it was swapped while hashed (hashed_state).
+ROOT_STATE_VERSION = "wcache.root-state/2"
 
 
 class HashProgress(Protocol):
