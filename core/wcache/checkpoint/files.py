@@ -8,12 +8,13 @@ import os
 import stat
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import blake3
 
+from wcache.checkpoint.identity import FileIdentity
 from wcache.checkpoint.safetensors_header import ShardHeader
 from wcache.errors import CheckpointError
 
@@ -33,6 +34,10 @@ class CheckpointLayout:
     # BLAKE3 of the index file's bytes: a stored Merkle root is reused only under the very index it was checked
     # against (check_index), without checking 11,000 entries again. None without an index.
     index_digest: str | None = None
+    # config.json and the index as they were read, each with the identity of the descriptor it was read through:
+    # a key that then reads the shards checks that these paths still name those files (fingerprint), so that
+    # its config and index are of the checkpoint it hashed.
+    read_files: tuple[tuple[Path, FileIdentity], ...] = ()
 
 
 # config.json and the index of an 11,000-tensor checkpoint are about a megabyte; anything far larger is not one.
@@ -43,7 +48,16 @@ ONE_REQUEST_BYTES = 128 << 10
 MAX_READ_THREADS = 16
 
 
-def _read_small_file(path: Path) -> bytes | None:
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """A small file's bytes and the identity of the descriptor they were read through."""
+
+    path: Path
+    data: bytes
+    identity: FileIdentity
+
+
+def _read_small_file(path: Path) -> _Read | None:
     # os.open/os.read rather than Path.read_bytes: on a remote filesystem every extra ioctl (isatty) and lookup
     # is a round trip, and these two files are on the warm path. O_NONBLOCK and the S_ISREG check: a FIFO must
     # be refused, not waited on, and a device (/dev/zero) must not be read until memory runs out.
@@ -68,7 +82,7 @@ def _read_small_file(path: Path) -> bytes | None:
                 raise CheckpointError(f"{path} is over {MAX_JSON_BYTES >> 20} MiB, too large for a model's JSON.")
             chunks.append(chunk)
             want = 1 << 20
-        return b"".join(chunks)
+        return _Read(path, b"".join(chunks), FileIdentity.of(st))
     finally:
         os.close(fd)
 
@@ -88,20 +102,20 @@ def _read_concurrently(fd: int, size: int) -> bytes | None:
     return b"".join(parts)
 
 
-def _read_json(path: Path, what: str) -> Any:
-    text = _read_checked(path)
-    return None if text is None else _parse_json(path, what, text)
+def _read_json(path: Path, what: str) -> tuple[Any, _Read | None]:
+    read = _read_checked(path)
+    return (None, None) if read is None else (_parse_json(path, what, read.data), read)
 
 
-def _read_index(path: Path) -> tuple[Any, str | None]:
-    """The parsed index and the BLAKE3 of its bytes; (None, None) where there is no index."""
-    text = _read_checked(path)
-    if text is None:
-        return None, None
-    return _parse_json(path, "shard index", text), blake3.blake3(text).hexdigest()
+def _read_index(path: Path) -> tuple[Any, str | None, _Read | None]:
+    """The parsed index and the BLAKE3 of its bytes; (None, None, None) where there is no index."""
+    read = _read_checked(path)
+    if read is None:
+        return None, None, None
+    return _parse_json(path, "shard index", read.data), blake3.blake3(read.data).hexdigest(), read
 
 
-def _read_checked(path: Path) -> bytes | None:
+def _read_checked(path: Path) -> _Read | None:
     try:
         return _read_small_file(path)
     except OSError as exc:
@@ -143,18 +157,25 @@ def locate(path: Path) -> CheckpointLayout:
     with ThreadPoolExecutor(max_workers=3) as pool:
         mode_future: Future[int] = pool.submit(_mode_of, path)
         # Read as if `path` were a directory; where it is not, these fail or find nothing and are dropped.
-        config_future: Future[Any] = pool.submit(_read_json, path / CONFIG_NAME, "model config")
-        index_future: Future[tuple[Any, str | None]] = pool.submit(_read_index, path / INDEX_NAME)
+        config_future: Future[tuple[Any, _Read | None]] = pool.submit(_read_json, path / CONFIG_NAME,
+                                                                      "model config")
+        index_future: Future[tuple[Any, str | None, _Read | None]] = pool.submit(_read_index, path / INDEX_NAME)
         if stat.S_ISDIR(mode_future.result()):
-            config, (index, index_digest) = config_future.result(), index_future.result()
-            return _directory_layout(path, config, index, index_digest)
+            (config, config_read), (index, index_digest, index_read) = config_future.result(), index_future.result()
+            layout = _directory_layout(path, config, index, index_digest)
+            return replace(layout, read_files=_identities(config_read, index_read))
     if path.suffix != ".safetensors":
         raise CheckpointError(f"{path} is neither a model directory nor a .safetensors file.")
     # A single file takes the config of the directory it sits in, as vLLM does for a file path.
-    config = _read_json(path.parent / CONFIG_NAME, "model config")
+    config, config_read = _read_json(path.parent / CONFIG_NAME, "model config")
     if config is not None and not isinstance(config, dict):
         raise CheckpointError(f"{path.parent / CONFIG_NAME} is not a JSON object.")
-    return CheckpointLayout(root=path.parent, shards=(path,), config=config, weight_map=None)
+    return CheckpointLayout(root=path.parent, shards=(path,), config=config, weight_map=None,
+                            read_files=_identities(config_read))
+
+
+def _identities(*reads: _Read | None) -> tuple[tuple[Path, FileIdentity], ...]:
+    return tuple((read.path, read.identity) for read in reads if read is not None)
 
 
 def _mode_of(path: Path) -> int:

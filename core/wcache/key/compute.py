@@ -16,10 +16,11 @@ from wcache.checkpoint.files import CheckpointLayout, locate
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
 from wcache.checkpoint.model_config import canonical_config, config_digest, config_dtype
 from wcache.checkpoint.safetensors_header import TensorInfo
+from wcache.errors import CheckpointError
 from wcache.key.cache_key import FORMAT_VERSION, KeyFile, WeightCacheKey
 from wcache.key.digest_store import DigestStore
-from wcache.key.fingerprint import FingerprintStats, HashProgress, fingerprint_checkpoint
-from wcache.key.shard_hash import OpenShard
+from wcache.key.fingerprint import CheckpointChangedError, FingerprintStats, HashProgress, fingerprint_checkpoint
+from wcache.key.shard_hash import MAX_ATTEMPTS, OpenShard
 from wcache.plan.spec import PlanSpec
 
 
@@ -41,11 +42,21 @@ def compute_key(
     rehash: bool = False,
     progress: HashProgress | None = None,
 ) -> KeyFile:
-    """The key of checkpoint `path` under `plan`; warm shards cost one stat each and no reads."""
-    layout = locate(path)
-    fingerprint = fingerprint_checkpoint(layout, store, rehash=rehash, progress=progress)
-    return make_key_file(path, layout, fingerprint.manifest_source, plan or PlanSpec(), fingerprint.stats,
-                         root=fingerprint.root)
+    """The key of checkpoint `path` under `plan`; warm shards cost one stat each and no reads.
+
+    A checkpoint whose files are replaced while they are read (fingerprint.hashed_state) is keyed again, from
+    its config on, so that the key is of one state of it.
+    """
+    for _ in range(MAX_ATTEMPTS):
+        layout = locate(path)
+        try:
+            fingerprint = fingerprint_checkpoint(layout, store, rehash=rehash, progress=progress)
+        except CheckpointChangedError:
+            continue
+        return make_key_file(path, layout, fingerprint.manifest_source, plan or PlanSpec(), fingerprint.stats,
+                             root=fingerprint.root)
+    raise CheckpointError(f"{path} had files replaced every time its key was computed ({MAX_ATTEMPTS} tries); "
+                          "try again once it stays put.")
 
 
 def resolve_plan(layout: CheckpointLayout, manifest: ManifestSource, plan: PlanSpec) -> PlanSpec:

@@ -16,10 +16,11 @@ from typing import Protocol
 import blake3
 
 from wcache.checkpoint.files import INDEX_NAME, SINGLE_NAME, CheckpointLayout, check_index
+from wcache.checkpoint.identity import FileIdentity
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
 from wcache.errors import CheckpointError
 from wcache.key.digest_store import DigestStore, is_trusted
-from wcache.key.shard_hash import FileIdentity, ShardRecord, hash_shard
+from wcache.key.shard_hash import ShardRecord, hash_shard
 
 # Stats are round trips on remote storage and each blocks a thread: 256 in flight answer most checkpoints in
 # one round trip. At 2,000 shards a wider fan-out helped only a filesystem that answers any number at once
@@ -28,8 +29,9 @@ from wcache.key.shard_hash import FileIdentity, ShardRecord, hash_shard
 MAX_STAT_THREADS = 256
 MAX_SHARD_THREADS = 4
 # Names what checkpoint_state covers and how merkle_root builds a root; a change to either must change it,
-# so that no root stored by an older wcache is taken for one this version would compute.
-ROOT_STATE_VERSION = "wcache.root-state/1"
+# so that no root stored by an older wcache is taken for one this version would compute. 2: a root of version 1
+# may be another checkpoint's, stored under this one's state when it was swapped while hashed (hashed_state).
+ROOT_STATE_VERSION = "wcache.root-state/2"
 
 
 class HashProgress(Protocol):
@@ -146,15 +148,55 @@ def checkpoint_state(layout: CheckpointLayout, identities: Sequence[FileIdentity
     return hasher.hexdigest()
 
 
-def store_root_if_trusted(store: DigestStore, layout: CheckpointLayout, records: Mapping[Path, ShardRecord],
-                          root: str, state: str | None = None) -> None:
-    """Store `root` for the checkpoint state `records` describe, so the next warm key needs no receipt.
+class CheckpointChangedError(CheckpointError):
+    """What a key (or a preload) read is not one state of the checkpoint: a file was replaced under it."""
+
+
+def _changed(path: Path, layout: CheckpointLayout) -> CheckpointChangedError:
+    return CheckpointChangedError(f"{path} changed while {layout.root} was being read; try again once it stays put.")
+
+
+def hashed_state(layout: CheckpointLayout, started: Sequence[FileIdentity], records: Mapping[Path, ShardRecord]
+                 ) -> str:
+    """The checkpoint state `records` describe, the only one their root may be stored under; it must be the
+    state the key started from, whose shard identities are `started` (layout order).
+
+    A hashed shard's record holds the identity of the descriptor it was read through, a stored receipt the
+    identity it was looked up by. One that is not the identity the key started from was read from another
+    file than the one stat saw (a directory exchanged, a symlink flipped, a mount, a shard replaced, between
+    the stat and the open): the records mix two checkpoints, and CheckpointChangedError says so before any root
+    is computed from them. The one rule for key, attach, preload and the vLLM loader.
+    """
+    for path, identity in zip(layout.shards, started, strict=True):
+        if records[path].identity != identity:
+            raise _changed(path, layout)
+    return checkpoint_state(layout, [records[path].identity for path in layout.shards])
+
+
+def check_read_files(layout: CheckpointLayout) -> None:
+    """config.json and the index still are the files `layout` was read from, after its shards were read.
+
+    They are read before the shards: a checkpoint swapped for another in between would otherwise give a key
+    of one checkpoint's config and another's tensors (the index is covered by the state, the config is not).
+    Two stats, asked only where shards were read, which takes long enough for a swap to land in.
+    """
+    for path, identity in layout.read_files:
+        try:
+            now: FileIdentity | None = FileIdentity.of(os.stat(path))
+        except OSError:
+            now = None
+        if now != identity:
+            raise _changed(path, layout)
+
+
+def store_root_if_trusted(store: DigestStore, state: str, records: Mapping[Path, ShardRecord], root: str) -> None:
+    """Store `root` under `state` (hashed_state of `records`), so the next warm key needs no receipt.
 
     Only a root whose every receipt the store would trust may stand in for them; a receipt too young for the
     racy-write rule gets its root stored by a later key, once it is trusted.
     """
     if all(is_trusted(r.identity, r.hashed_at_ns) for r in records.values()):
-        store.put_root(state or checkpoint_state(layout, [records[p].identity for p in layout.shards]), root)
+        store.put_root(state, root)
 
 
 def fingerprint_checkpoint(
@@ -180,24 +222,27 @@ def fingerprint_checkpoint(
                                      root_from_store=True)
             # Built once however many ask (a key file, an "auto" dtype without a config dtype).
             return Fingerprint(root, cache(partial(_manifest_behind, layout, identities, store, root)), stats)
-    return _fingerprint_from_records(layout, identities, state, store, rehash, progress, began)
+    return _fingerprint_from_records(layout, identities, store, rehash, progress, began)
 
 
 def _fingerprint_from_records(
     layout: CheckpointLayout,
     identities: list[FileIdentity],
-    state: str,
     store: DigestStore | None,
     rehash: bool,
     progress: HashProgress | None,
     began: float,
 ) -> Fingerprint:
-    """The fingerprint built from every shard's record, its root stored under `state` where it may be."""
+    """The fingerprint built from every shard's record, which must be of the files stat saw (`identities`); its
+    root is stored under the state of those files where it may be."""
     records, hashed = _records(layout, identities, store, rehash, progress)
+    state = hashed_state(layout, identities, records)
+    if hashed:
+        check_read_files(layout)
     manifest = manifest_of(layout, records)
     root = merkle_root(manifest)
     if store is not None:
-        store_root_if_trusted(store, layout, records, root, state)
+        store_root_if_trusted(store, state, records, root)
     stats = FingerprintStats(
         num_shards=len(layout.shards),
         shards_from_store=len(layout.shards) - len(hashed),
@@ -257,9 +302,10 @@ def _manifest_behind(
         # The checkpoint as it is now, never from a stored root (that would come back here). Receipts that no
         # longer add up to their own root are not trusted again: then every shard is read.
         began = time.perf_counter()
-        current = _stat_all(layout)
-        now = _fingerprint_from_records(layout, current, checkpoint_state(layout, current), usable, complete, None,
-                                        began)
+        try:
+            now = _fingerprint_from_records(layout, _stat_all(layout), usable, complete, None, began)
+        except CheckpointChangedError:
+            raise CheckpointError(f"{layout.root} changed after its key was computed; compute the key again.") from None
     finally:
         if reopened is not None:
             reopened.close()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import blake3
 
+from wcache.checkpoint.identity import FileIdentity
 from wcache.checkpoint.safetensors_header import ShardHeader, TensorInfo, read_header
 from wcache.errors import CheckpointError
 
@@ -33,21 +34,6 @@ MAX_ATTEMPTS = 3
 FORGET_ALIGN = 2 * 1024 * 1024
 
 BytesCallback = Callable[[int], None]
-
-
-@dataclass(frozen=True, slots=True)
-class FileIdentity:
-    """What stat says about a file; equal identities mean the digest store may reuse a file's digests."""
-
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> FileIdentity:
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,13 +172,16 @@ class OpenShard:
         return tuple(f.result() for f in futures)
 
     def unchanged(self) -> bool:
-        """Whether the file still has the identity it had when opened, by descriptor and by path."""
+        """Whether the file read through this descriptor still has the identity it had when opened.
+
+        Asked of the descriptor, never of the path: by now the path may name another file (a directory
+        exchanged, a symlink flipped, a mount), and a record must describe the file that was read. Whether
+        that is still the checkpoint's file is the key's question (fingerprint.hashed_state).
+        """
         try:
-            after = FileIdentity.of(os.fstat(self._fd))
-            current = FileIdentity.of(os.stat(self.path))
+            return self.identity == FileIdentity.of(os.fstat(self._fd))
         except OSError:
             return False
-        return self.identity == after == current
 
     def record(self, digests: tuple[str, ...]) -> ShardRecord:
         return ShardRecord(self.path, self.identity, self.header, digests, self.opened_ns)
@@ -206,7 +195,10 @@ def _hash_once(path: Path, pool: Executor, on_bytes: BytesCallback | None) -> tu
 
 
 def hash_shard(path: Path, pool: Executor, on_bytes: BytesCallback | None = None) -> ShardRecord:
-    """Hash a shard; a file that changes while it is read is hashed again, and never half-recorded."""
+    """Hash a shard; a file that changes while it is read is hashed again, and never half-recorded.
+
+    The record holds the identity of the descriptor read, so a retry that opens the path again may describe
+    another file than the first attempt: the caller compares it with the identity it expected."""
     for _ in range(MAX_ATTEMPTS):
         record, stable = _hash_once(path, pool, on_bytes)
         if stable:

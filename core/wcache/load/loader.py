@@ -20,7 +20,14 @@ from wcache.ipc.arena import ArenaEntry, CpuArena, CudaArena, plan_layout
 from wcache.key.cache_key import KeyFile
 from wcache.key.compute import make_key_file, resolve_plan
 from wcache.key.digest_store import DigestStore
-from wcache.key.fingerprint import FingerprintStats, HashProgress, manifest_of, store_root_if_trusted
+from wcache.key.fingerprint import (
+    FingerprintStats,
+    HashProgress,
+    check_read_files,
+    hashed_state,
+    manifest_of,
+    store_root_if_trusted,
+)
 from wcache.key.shard_hash import OpenShard, ShardRecord, tensor_hasher
 from wcache.load.single_pass import fill_in_one_pass, read_outputs
 from wcache.plan.processing import ProcessingPlan, build_plan
@@ -69,12 +76,17 @@ class CheckpointReader:
             receipts[shard.path] = receipt
         return receipts
 
-    def records(self, digests: dict[str, str]) -> dict[Path, ShardRecord]:
-        """Each shard's record from one pass's digests, once every file is known to be the one that was opened."""
+    def records(self, digests: dict[str, str]) -> tuple[dict[Path, ShardRecord], str]:
+        """Each shard's record from one pass's digests, once every file read is known to have stayed as it was
+        opened, and the checkpoint state they describe (config.json and the index still the files read)."""
         changed = [s.path for s in self.shards if not s.unchanged()]
         if changed:
             raise CheckpointError(f"{changed[0]} changed while it was being loaded; load it again once written.")
-        return {s.path: s.record(tuple(digests[t.name] for t in s.header.tensors)) for s in self.shards}
+        records = {s.path: s.record(tuple(digests[t.name] for t in s.header.tensors)) for s in self.shards}
+        # The files were opened without a stat before: the state the load started from is that of the opens.
+        state = hashed_state(self.layout, [s.identity for s in self.shards], records)
+        check_read_files(self.layout)
+        return records, state
 
 
 def _check_receipts(records: dict[Path, ShardRecord], receipts: dict[Path, ShardRecord]) -> None:
@@ -145,7 +157,7 @@ def load_rank(
             read_back = arena.bytes_at if isinstance(arena, CpuArena) else None
             result = fill_in_one_pass(plan, reader.shards, arena.write_at, {e.name: e.offset for e in entries},
                                       progress, read_back)
-            records = reader.records(result.digests)
+            records, state = reader.records(result.digests)
             if receipts is not None:
                 _check_receipts(records, receipts)
             else:
@@ -157,7 +169,7 @@ def load_rank(
                     on_key(key_file)
             if store is not None:
                 # The root too: an engine's first key after this preload then reads no receipt.
-                store_root_if_trusted(store, layout, records, key_file.key.checkpoint)
+                store_root_if_trusted(store, state, records, key_file.key.checkpoint)
             if isinstance(arena, CpuArena):
                 arena.seal()
         except BaseException:
