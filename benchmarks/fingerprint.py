@@ -328,9 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_fuse:
         # Imported here so --skip-fuse works where fusepy or libfuse 2 is missing.
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from latencyfs import fuse_available, mounted
-
-        problem = fuse_available()
+        try:
+            from latencyfs import fuse_available
+        except (ImportError, OSError) as exc:  # latencyfs imports fusepy at its top
+            problem: str | None = f"fusepy cannot be imported ({exc}); pip install fusepy and apt-get install libfuse2"
+        else:
+            problem = fuse_available()
         if problem is not None:
             err.print(f"latencyfs cannot run here: {problem}. Use --skip-fuse.")
             return 2
@@ -376,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             stat_s["local"] = stat_latency(model_dir)
             if not args.skip_fuse:
                 err.print(f"{remote}: header-only, warm key, cold key ...")
+                from latencyfs import mounted  # fuse_available() said it imports
+
                 with mounted(model_dir, args.latency_ms) as mnt:
                     storages[remote] = measure_storage(mnt, store, args.repeat)
                     stat_s[remote] = stat_latency(mnt)
