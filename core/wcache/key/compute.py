@@ -15,6 +15,7 @@ from wcache.checkpoint.dtypes import SAFETENSORS_TO_PLAN
 from wcache.checkpoint.files import CheckpointLayout, locate
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
 from wcache.checkpoint.model_config import canonical_config, config_digest, config_dtype
+from wcache.checkpoint.provenance import FilesSource
 from wcache.checkpoint.safetensors_header import TensorInfo
 from wcache.key.cache_key import FORMAT_VERSION, KeyFile, WeightCacheKey
 from wcache.key.digest_store import DigestStore
@@ -45,7 +46,7 @@ def compute_key(
     layout = locate(path)
     fingerprint = fingerprint_checkpoint(layout, store, rehash=rehash, progress=progress)
     return make_key_file(path, layout, fingerprint.manifest_source, plan or PlanSpec(), fingerprint.stats,
-                         root=fingerprint.root)
+                         root=fingerprint.root, files=fingerprint.files_source)
 
 
 def resolve_plan(layout: CheckpointLayout, manifest: ManifestSource, plan: PlanSpec) -> PlanSpec:
@@ -85,6 +86,7 @@ def make_key_file(
     stats: FingerprintStats | None,
     *,
     root: str | None = None,
+    files: FilesSource = (),
 ) -> KeyFile:
     """Assemble the key of a fingerprinted checkpoint; "auto" dtype resolves to the checkpoint's own.
 
@@ -106,4 +108,5 @@ def make_key_file(
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         wcache_version=wcache.__version__,
         stats=stats,
+        files_source=files,
     )

@@ -20,7 +20,7 @@ from wcache.ipc.arena import ArenaEntry, CpuArena, CudaArena, plan_layout
 from wcache.key.cache_key import KeyFile
 from wcache.key.compute import make_key_file, resolve_plan
 from wcache.key.digest_store import DigestStore
-from wcache.key.fingerprint import FingerprintStats, HashProgress, manifest_of, store_root_if_trusted
+from wcache.key.fingerprint import FingerprintStats, HashProgress, files_of, manifest_of, store_root_if_trusted
 from wcache.key.shard_hash import OpenShard, ShardRecord, tensor_hasher
 from wcache.load.single_pass import fill_in_one_pass, read_outputs
 from wcache.plan.processing import ProcessingPlan, build_plan
@@ -64,17 +64,21 @@ class CheckpointReader:
         receipts = {}
         for shard in self.shards:
             receipt = store.lookup(shard.path, shard.identity)
-            if receipt is None or receipt.header != shard.header:
+            # A receipt from before SHA-256 was recorded: the pass computes it, and the key follows the pass.
+            if receipt is None or receipt.header != shard.header or receipt.sha256 is None:
                 return None
             receipts[shard.path] = receipt
         return receipts
 
-    def records(self, digests: dict[str, str]) -> dict[Path, ShardRecord]:
+    def records(self, digests: dict[str, str], sha256: dict[Path, str | None] | None = None
+                ) -> dict[Path, ShardRecord]:
         """Each shard's record from one pass's digests, once every file is known to be the one that was opened."""
         changed = [s.path for s in self.shards if not s.unchanged()]
         if changed:
             raise CheckpointError(f"{changed[0]} changed while it was being loaded; load it again once written.")
-        return {s.path: s.record(tuple(digests[t.name] for t in s.header.tensors)) for s in self.shards}
+        files = sha256 or {}
+        return {s.path: s.record(tuple(digests[t.name] for t in s.header.tensors), files.get(s.path))
+                for s in self.shards}
 
 
 def _check_receipts(records: dict[Path, ShardRecord], receipts: dict[Path, ShardRecord]) -> None:
@@ -86,6 +90,8 @@ def _check_receipts(records: dict[Path, ShardRecord], receipts: dict[Path, Shard
                 raise CheckpointError(
                     f"{path} changed while it was being loaded (tensor {tensor.name!r}); load it again once written."
                 )
+        if record.sha256 is not None and record.sha256 != receipts[path].sha256:
+            raise CheckpointError(f"{path} changed while it was being loaded; load it again once written.")
 
 
 def processed_digest(tensor: torch.Tensor) -> str:
@@ -129,7 +135,8 @@ def load_rank(
         receipts = reader.trusted_receipts(store)
         if receipts is not None:
             stats = FingerprintStats(num_shards, num_shards, 0, 0, time.perf_counter() - began)
-            key_file = make_key_file(path, layout, manifest_of(layout, receipts), spec, stats)
+            key_file = make_key_file(path, layout, manifest_of(layout, receipts), spec, stats,
+                                     files=files_of(layout, receipts))
             if on_key is not None:
                 on_key(key_file)
             resolved, manifest = key_file.plan, key_file.manifest
@@ -145,12 +152,13 @@ def load_rank(
             read_back = arena.bytes_at if isinstance(arena, CpuArena) else None
             result = fill_in_one_pass(plan, reader.shards, arena.write_at, {e.name: e.offset for e in entries},
                                       progress, read_back)
-            records = reader.records(result.digests)
+            records = reader.records(result.digests, result.sha256)
             if receipts is not None:
                 _check_receipts(records, receipts)
             else:
                 stats = FingerprintStats(num_shards, 0, num_shards, data_bytes, time.perf_counter() - began)
-                key_file = make_key_file(path, layout, manifest_of(layout, records), spec, stats)
+                key_file = make_key_file(path, layout, manifest_of(layout, records), spec, stats,
+                                         files=files_of(layout, records))
                 if store is not None:
                     store.put_many(list(records.values()))
                 if on_key is not None:
