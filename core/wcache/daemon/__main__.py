@@ -169,7 +169,7 @@ def _report_provenance(run_dir: Path, descriptor: DaemonDescriptor, judged: list
     if not judged:
         return
     append_event(run_dir, "provenance", daemon=descriptor.name, key_id=descriptor.key_id,
-                 verdict=overall(judged), **counts(judged),
+                 verdict=overall(judged), counts=counts(judged),
                  differs=[v.name for v in judged if v.verdict == "differs"],
                  unknown=[v.name for v in judged if v.verdict == "unknown"])
     for verdict in judged:
