@@ -20,8 +20,8 @@ from pathlib import Path
 
 import blake3
 
-from wcache.checkpoint.safetensors_header import ShardHeader, TensorInfo, read_header
 from wcache.checkpoint.provenance import broken_link_sentence
+from wcache.checkpoint.safetensors_header import ShardHeader, TensorInfo, read_header
 from wcache.errors import CheckpointError
 from wcache.key.file_digest import FileSha256
 
