@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from daemon_fixtures import daemon_rig
+from daemon_fixtures import daemon_rig, http_status
 from helpers import assert_one_error_sentence, wcache_in_process
 from hub_cache import blob_of, write_hub_cache
 from wcache.checkpoint.files import locate
@@ -233,6 +233,20 @@ def test_preload_refuses_a_differing_file_by_name_and_by_default_warns(two_shard
         assert [f.name for f in daemon.files] == [FIRST, SECOND]
         [event] = rig.events("provenance")
         assert event["verdict"] == "differs" and event["differs"] == [SECOND] and event["counts"]["matches"] == 1
+        # status, top and /metrics carry the verdict.
+        [row] = rig.status()["daemons"]
+        assert row["provenance"] == "differs"
+        table = rig.cli("status", "--run-dir", str(rig.run_dir))
+        assert "✗ DIFFERS" in table.stdout
+        top = rig.cli("top", "--once", "--json", "--interval", "0.1", "--run-dir", str(rig.run_dir), as_json=True)
+        assert [d["provenance"] for d in top["daemons"]] == ["differs"]
+        assert any(e["kind"] == "provenance" and e["severity"] == "warning" and SECOND in e["summary"]
+                   for e in top["events"])
+        assert daemon.health_url is not None
+        code, metrics = http_status(f"{daemon.health_url}/metrics")
+        assert code == 200
+        assert 'wcache_daemon_provenance{key_id="%s",tp_rank="0",verdict="differs"} 1.0' % daemon.key_id in str(
+            metrics)
         # A daemon's key shows the verdicts too, from the digests its pass computed.
         shown = rig.cli("key", daemon.name, "--json", "--run-dir", str(rig.run_dir), as_json=True)
         assert {f["name"]: f["verdict"] for f in shown["provenance"]["files"]} == {FIRST: "matches",

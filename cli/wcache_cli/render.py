@@ -66,6 +66,8 @@ def key_table(key_file: KeyFile) -> RenderableType:
     return Group(*parts)
 
 
+# A daemon's files against what the Hub published, as one short cell (status and top).
+PROVENANCE_MARK = {"matches": ("✓ hub", "green"), "differs": ("✗ DIFFERS", "bold red"), "unknown": ("?", "yellow")}
 VERDICT_STYLE = {"matches": "green", "differs": "red", "unknown": "yellow"}
 
 

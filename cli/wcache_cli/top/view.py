@@ -18,7 +18,7 @@ from rich.text import Text
 from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
 
 from wcache_cli.output import printable
-from wcache_cli.render import human_bytes
+from wcache_cli.render import PROVENANCE_MARK, human_bytes
 
 if TYPE_CHECKING:
     from rich.console import JustifyMethod
@@ -106,6 +106,13 @@ def state(d: DaemonRow) -> Text:
     return Text(d.state, style=style)
 
 
+def provenance(d: DaemonRow) -> Text:
+    """Its files against what the Hub published: ✓ all match, ✗ one differs (wcache verify --provenance names
+    it), ? not known (not from the Hugging Face cache, a non-LFS file)."""
+    mark, style = PROVENANCE_MARK.get(d.provenance or "", ("-", "dim"))
+    return Text(mark, style=style)
+
+
 def misses(d: DaemonRow) -> Text:
     """Misses against hellos: a daemon that engines keep missing is holding the wrong key for them."""
     asked = d.hits + d.misses
@@ -158,6 +165,7 @@ DAEMON_COLUMNS: tuple[Column[DaemonRow], ...] = (
     Column("model", lambda d, _: shown(d.model), lambda d: d.model),
     Column("key id", lambda d, _: Text(d.key_id, style="cyan"), lambda d: d.key_id),
     Column("state", lambda d, _: state(d), lambda d: d.state),
+    Column("origin", lambda d, _: provenance(d), lambda d: d.provenance or ""),
     Column("memory", lambda d, _: Text(human_bytes(d.weights_bytes)) if d.alive else off(),
            lambda d: d.weights_bytes if d.alive else None, "right"),
     Column("leases", lambda d, _: Text(str(d.leases)) if d.alive else off(),

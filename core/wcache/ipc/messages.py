@@ -166,6 +166,7 @@ class StatsReply(Message):
     connections: int
     release_queued: bool
     released: ReleasedTo | None
+    provenance: str | None = None  # its files against what the Hub published, at load (checkpoint.provenance)
 
 
 @dataclass(frozen=True, slots=True)

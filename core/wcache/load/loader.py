@@ -119,13 +119,14 @@ class LoadedRank:
 
 def load_rank(
     path: Path, spec: PlanSpec, device: str, store: DigestStore | None, progress: HashProgress | None = None,
-    on_key: Callable[[KeyFile], None] | None = None,
+    on_key: Callable[[KeyFile], None] | None = None, file_sha256: bool = True,
 ) -> LoadedRank:
     """Read and hash the checkpoint in one pass that also fills a fresh arena on `device` with the plan's outputs.
 
     `on_key` runs once the key is known, and what it raises ends the load: before any arena memory is taken when
     the digest store holds a trusted receipt for every shard (the pass then checks the bytes against them), else
     after the pass, before the rank can serve. Receipts are stored only for a pass that read unchanged files.
+    `file_sha256` off skips each shard's SHA-256 (what benchmarks/provenance.py compares against).
     """
     began = time.perf_counter()
     layout = locate(path)
@@ -151,7 +152,7 @@ def load_rank(
                 progress.start(sum(s.identity.size for s in reader.shards), num_shards)
             read_back = arena.bytes_at if isinstance(arena, CpuArena) else None
             result = fill_in_one_pass(plan, reader.shards, arena.write_at, {e.name: e.offset for e in entries},
-                                      progress, read_back)
+                                      progress, read_back, file_sha256)
             records = reader.records(result.digests, result.sha256)
             if receipts is not None:
                 _check_receipts(records, receipts)

@@ -311,6 +311,7 @@ class Collector:
             health_status=status if stats is not None else None, alive=stats is not None,
             hits=counters.get("hits", 0),
             misses=sum(v for k, v in counters.items() if k.startswith("misses_")),
+            provenance=d.provenance,
         )
 
     def _delta(self, target: EngineTarget, samples: Samples, names: tuple[str, ...]) -> float | None:
