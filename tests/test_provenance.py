@@ -245,8 +245,8 @@ def test_preload_refuses_a_differing_file_by_name_and_by_default_warns(two_shard
         assert daemon.health_url is not None
         code, metrics = http_status(f"{daemon.health_url}/metrics")
         assert code == 200
-        assert 'wcache_daemon_provenance{key_id="%s",tp_rank="0",verdict="differs"} 1.0' % daemon.key_id in str(
-            metrics)
+        series = f'wcache_daemon_provenance{{key_id="{daemon.key_id}",tp_rank="0",verdict="differs"}} 1.0'
+        assert series in str(metrics)
         # A daemon's key shows the verdicts too, from the digests its pass computed.
         shown = rig.cli("key", daemon.name, "--json", "--run-dir", str(rig.run_dir), as_json=True)
         assert {f["name"]: f["verdict"] for f in shown["provenance"]["files"]} == {FIRST: "matches",

@@ -126,6 +126,22 @@ class DigestStore:
     def enabled(self) -> bool:
         return self._conn is not None
 
+    @property
+    def disabled_reason(self) -> str | None:
+        """Why the store is not used (one clause), or None while it is."""
+        return self._disabled_reason
+
+    def integrity_problem(self) -> str | None:
+        """What SQLite's quick check finds wrong with the database, or None (`wcache doctor`)."""
+        with self._lock:
+            if self._conn is None:
+                return self._disabled_reason
+            try:
+                rows = self._conn.execute("PRAGMA quick_check").fetchall()
+            except sqlite3.DatabaseError as exc:
+                return str(exc)
+            return None if rows == [("ok",)] else "; ".join(str(r[0]) for r in rows[:3])
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
