@@ -113,7 +113,7 @@ def status(
         if not rows and not check:
             out.print(f"No daemons in {where}.")
         elif rows and not check:
-            out.print(_table(where, rows))
+            out.print(_table(where, rows, out.stdout.width))
     if check:
         if not rows:
             raise UnavailableError(f"no daemons in {where}.")
@@ -124,37 +124,54 @@ def status(
             out.print(f"ready: {len(rows)} daemon(s) in {where}")
 
 
-def _table(where: Path, rows: list[dict[str, Any]]) -> Table:
-    from rich.markup import escape
+# The table's columns and, for a narrow terminal, which go first (highest first; 0: never). The daemon's name
+# is what `stop` takes and holds its device and key id, so those columns go early.
+STATUS_COLUMNS = (("daemon", 0), ("device", 6), ("rank", 5), ("model", 2), ("key", 8), ("state", 1), ("origin", 1),
+                  ("memory", 3), ("leases", 4), ("uptime", 7), ("health", 4))
+
+
+def _table(where: Path, rows: list[dict[str, Any]], width: int | None = None) -> Table:
     from rich.table import Table
+    from rich.text import Text
+
+    from wcache_cli.fit import visible_columns
+
+    cells = [[Text.from_markup(c) for c in _cells(r)] for r in rows]
+    labels = [label for label, _ in STATUS_COLUMNS]
+    widths = [max([len(label), *(row[i].cell_len for row in cells)]) for i, label in enumerate(labels)]
+    shown = (visible_columns(widths, [drop for _, drop in STATUS_COLUMNS], width) if width is not None
+             else list(range(len(labels))))
+    table = Table(title=f"daemons in {where}", title_justify="left")
+    for i in shown:  # no cell is cut or wrapped: a column that does not fit is left out whole
+        table.add_column(labels[i], no_wrap=True)
+    for row in cells:
+        table.add_row(*(row[i] for i in shown))
+    return table
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    """One daemon's cells, as markup."""
+    from rich.markup import escape
 
     from wcache_cli.render import PROVENANCE_MARK, human_bytes
 
-    table = Table(title=f"daemons in {where}", title_justify="left")
-    # `stop` needs the whole name: that column never shrinks, the others wrap first.
-    widest = max(len(printable(r["name"] or "")) for r in rows)
-    table.add_column("daemon", no_wrap=True, min_width=max(widest, len("daemon")))
-    for column in ("device", "rank", "model", "key", "state", "origin", "memory", "leases", "uptime", "health"):
-        table.add_column(column)
-    for r in rows:
-        uptime = f"{r['uptime_s']:.0f} s" if isinstance(r["uptime_s"], int | float) else "?"
-        health = str(r["health_status"]) if r["health_status"] is not None else "off"
-        model = escape(printable(Path(r["source"]).name))  # a directory name may hold brackets or escapes
-        state = str(r["state"])
-        if state == "loading":
-            total = int(r["total_bytes"] or 0)
-            state = (f"loading {human_bytes(int(r['done_bytes']))}/{human_bytes(total)}" if total
-                     else f"loading ({r['phase']})")
-        elif not r["holds_weights"] and state == "ready":
-            state = "ready, no weights"
-        if unverified := int((r["counters"] or {}).get("hits_unverified", 0)):
-            state += f", {unverified} unverified hit(s)"  # --trust-daemon engines never compared checkpoints
-        name = escape(printable(r["name"])) if r["name"] else f"(pid {r['pid']})"
-        mark, style = PROVENANCE_MARK.get(r["provenance"] or "", ("-", "dim"))
-        table.add_row(name, r["device"], f"{r['tp_rank']}/{r['tp_size']}", model, r["key_id"] or "-", state,
-                      f"[{style}]{mark}[/]", human_bytes(int(r["weights_bytes"] or 0)), str(r["leases"]), uptime,
-                      health)
-    return table
+    uptime = f"{r['uptime_s']:.0f} s" if isinstance(r["uptime_s"], int | float) else "?"
+    health = str(r["health_status"]) if r["health_status"] is not None else "off"
+    model = escape(printable(Path(r["source"]).name))  # a directory name may hold brackets or escapes
+    state = str(r["state"])
+    if state == "loading":
+        total = int(r["total_bytes"] or 0)
+        state = (f"loading {human_bytes(int(r['done_bytes']))}/{human_bytes(total)}" if total
+                 else f"loading ({r['phase']})")
+    elif not r["holds_weights"] and state == "ready":
+        state = "ready, no weights"
+    if unverified := int((r["counters"] or {}).get("hits_unverified", 0)):
+        state += f", {unverified} unverified hit(s)"  # --trust-daemon engines never compared checkpoints
+    name = escape(printable(r["name"])) if r["name"] else f"(pid {r['pid']})"
+    mark, style = PROVENANCE_MARK.get(r["provenance"] or "", ("-", "dim"))
+    return [name, escape(r["device"]), f"{r['tp_rank']}/{r['tp_size']}", model, r["key_id"] or "-",
+            escape(state), f"[{style}]{mark}[/]", human_bytes(int(r["weights_bytes"] or 0)), str(r["leases"]),
+            uptime, health]
 
 
 def stop(
