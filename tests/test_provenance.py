@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from daemon_fixtures import daemon_rig, http_status
-from helpers import assert_one_error_sentence, wcache_in_process
+from helpers import assert_one_error_sentence, wait_past_racy_window, wcache_in_process
 from hub_cache import blob_of, write_hub_cache
 from wcache.checkpoint.files import locate
 from wcache.errors import CheckpointError
@@ -114,6 +114,21 @@ def _stored_sha256(store: DigestStore) -> dict[Path, str | None]:
         assert decoded is not None
         found[Path(path)] = decoded.sha256
     return found
+
+
+def test_a_warm_key_knows_each_files_sha256_without_reading(two_shards: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    wait_past_racy_window()  # receipts taken now are trusted, and the Merkle root is stored with them
+    with DigestStore(tmp_path / "store") as store:
+        compute_key(two_shards, store=store)
+
+        def no_reads(*args: object) -> None:
+            raise AssertionError("a warm key opened a shard")
+
+        monkeypatch.setattr(OpenShard, "__init__", no_reads)
+        warm = compute_key(two_shards, store=store)
+    assert warm.stats is not None and warm.stats.root_from_store
+    assert {f.name: f.sha256 for f in warm.files} == {n: _sha256_of(two_shards / n) for n in (FIRST, SECOND)}
 
 
 def test_receipts_from_before_sha256_keep_working_and_get_it_on_the_next_pass(two_shards: Path,
