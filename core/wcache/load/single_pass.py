@@ -291,6 +291,8 @@ class _Pass:
         # the pass's longest chain: they get a thread of their own, and the pool's workers hash and compute.
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wcache-write")
         self.writes = _Lane(self, self.writer)
+        # Each file's SHA-256 is one stream in file order, as long as the checkpoint: a thread of its own.
+        self.sha_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wcache-sha256")
 
     # -- tasks ---------------------------------------------------------------------------------------------
 
@@ -351,7 +353,7 @@ class _Pass:
                         self._finish_file(current, file_sha)
                         current.forget_all()
                     # The reader goes through each file in order: its SHA-256 is a lane fed every chunk in turn.
-                    file_sha = (_Lane(self), shard.start_sha256()) if self.file_sha256 else None
+                    file_sha = (_Lane(self, self.sha_thread), shard.start_sha256()) if self.file_sha256 else None
                 current = shard
                 self._read(shard, tensor, file_sha)
             if current is not None:
@@ -368,6 +370,7 @@ class _Pass:
                     self.cond.wait()
             self.pool.shutdown()
             self.writer.shutdown()
+            self.sha_thread.shutdown()
             self.buffers_pool.clear()
         if self.error is not None:
             raise self.error
@@ -516,7 +519,7 @@ def fill_in_one_pass(plan: ProcessingPlan, shards: Sequence[OpenShard], write: A
 
     With `read_back`, outputs made of checkpoint bytes unchanged are written straight from the read buffers and
     need no torch; without (a CUDA arena), only outputs that are one tensor whole are. With `file_sha256`, each
-    shard's SHA-256 (what the Hub names an LFS file by) comes from the same buffers, on a lane of its own.
+    shard's SHA-256 (what the Hub names an LFS file by) comes from the same buffers, on a thread of its own.
     """
     return _Pass(plan, shards, write, offsets, progress, read_back, file_sha256).run()
 
