@@ -4,6 +4,7 @@ vLLM (faked by its package metadata), a store others could write."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,7 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import wcache_in_process, wcache_process
+from daemon_fixtures import daemon_rig
+from helpers import WCACHE, environment, wcache_in_process, wcache_process
+from wcache.ipc.rundir import write_descriptor
 
 CHECKS = ["run dir", "memfd and seals", "shared memory", "huge pages", "cgroup memory", "daemon owners", "vllm",
           "cuda", "digest store"]
@@ -106,3 +109,34 @@ def test_a_digest_store_others_can_write_is_a_warning(run_dir: Path, tmp_path: P
     _, findings = _doctor(run_dir, {"WCACHE_CACHE_DIR": str(store)})
     assert findings["digest store"]["status"] == "warn"
     assert "chmod go-w" in findings["digest store"]["message"]
+
+
+def test_a_cgroup_limit_below_the_daemons_arenas_fails(tmp_path: Path) -> None:
+    # A real memory cgroup (v1 here, v2 alike) with a 256 MiB limit, and a daemon that holds 1 GiB.
+    own = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+               if "memory" in line.split(":", 2)[1].split(",") or line.startswith("0::"))
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    mount = Path("/sys/fs/cgroup") if v2 else Path("/sys/fs/cgroup/memory")
+    parts = [p for p in own.split("/") if p]
+    # This process's cgroup under the mount (a container's mount is rooted at its own cgroup).
+    parent = next(p for p in (mount.joinpath(*parts[i:]) for i in range(len(parts) + 1)) if p.is_dir())
+    child = parent / f"wcache-doctor-{os.getpid()}"
+    try:
+        child.mkdir()
+    except OSError as exc:
+        pytest.fail(f"this test makes a memory cgroup and needs root: {exc}")
+    try:
+        (child / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(256 << 20))
+        with daemon_rig() as rig:
+            stand_in = rig.publish_stand_in()
+            write_descriptor(rig.run_dir, dataclasses.replace(stand_in, weights_bytes=1 << 30))
+            result = subprocess.run(
+                ["sh", "-c", f'echo $$ > {child}/cgroup.procs && exec "$@"', "sh", *WCACHE, "doctor", "--json",
+                 "--run-dir", str(rig.run_dir)],
+                capture_output=True, text=True, env=environment(rig.env), timeout=120)
+            assert result.returncode == 1, result.stderr
+            finding = next(f for f in json.loads(result.stdout)["findings"] if f["check"] == "cgroup memory")
+            assert finding["status"] == "fail"
+            assert "256.0 MiB" in finding["message"] and "1.0 GiB" in finding["message"]
+    finally:
+        child.rmdir()

@@ -196,12 +196,16 @@ def _cgroup_memory_limit() -> tuple[str, int] | None:
         return None
     for line in lines:
         _, controllers, group = line.split(":", 2)
-        candidates = []
         if controllers == "":
-            candidates.append(Path("/sys/fs/cgroup") / group.lstrip("/") / "memory.max")
+            mount, name = Path("/sys/fs/cgroup"), "memory.max"
         elif "memory" in controllers.split(","):
-            candidates += [Path("/sys/fs/cgroup/memory") / group.lstrip("/") / "memory.limit_in_bytes",
-                           Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")]
+            mount, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        # A container mounts its own cgroup as the root: the group's path holds ancestors the mount does not,
+        # so the longest tail of it that exists under the mount is this process's cgroup.
+        parts = [p for p in group.split("/") if p]
+        candidates = [mount.joinpath(*parts[i:], name) for i in range(len(parts) + 1)]
         for candidate in candidates:
             with contextlib.suppress(OSError, ValueError):
                 text = candidate.read_text().strip()
