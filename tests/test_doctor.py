@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_fixtures import daemon_rig
+from daemon_fixtures import daemon_rig, wait_for
 from helpers import WCACHE, environment, wcache_in_process, wcache_process
-from wcache.ipc.rundir import write_descriptor
+from wcache.ipc.rundir import process_created, write_descriptor
 
 CHECKS = ["run dir", "memfd and seals", "shared memory", "huge pages", "cgroup memory", "daemon owners", "vllm",
           "cuda", "digest store"]
@@ -140,3 +140,25 @@ def test_a_cgroup_limit_below_the_daemons_arenas_fails(tmp_path: Path) -> None:
             assert "256.0 MiB" in finding["message"] and "1.0 GiB" in finding["message"]
     finally:
         child.rmdir()
+
+
+def test_a_daemon_of_another_uid_in_the_run_dir_fails(tmp_path: Path) -> None:
+    def as_nobody() -> None:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+
+    sleeper = subprocess.Popen(["sleep", "600"], preexec_fn=as_nobody, stdin=subprocess.DEVNULL)
+    try:
+        with daemon_rig() as rig:
+            stand_in = rig.publish_stand_in()
+            created = wait_for(lambda: process_created(sleeper.pid), what="the other uid's process to start")
+            other = dataclasses.replace(stand_in, pid=sleeper.pid, pid_created=created)
+            write_descriptor(rig.run_dir, other)
+            code, findings = _doctor(rig.run_dir)
+            assert code == 1
+            owners = findings["daemon owners"]
+            assert owners["status"] == "fail" and f"{other.name} (uid 65534)" in owners["message"]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
