@@ -491,12 +491,12 @@ def test_write_during_hashing_on_a_one_second_filesystem_is_never_trusted(
     real_hash = shard_hash._hash_tensor
     written: list[str] = []
 
-    def slow_hash(shard: object, tensor: object, on_bytes: object) -> str:
+    def slow_hash(shard: object, tensor: object, on_bytes: object, *rest: object) -> str:
         if not written:
             written.append("done")
             overwrite_tensor_bytes(checkpoint, "model.norm.weight", 0, b"\x11" * 16)  # same size, same second
             time.sleep(RACY_WINDOW_NS / 1e9 + 1)  # hashing outlasts the window
-        return real_hash(shard, tensor, on_bytes)  # type: ignore[arg-type]
+        return real_hash(shard, tensor, on_bytes, *rest)  # type: ignore[arg-type]
 
     while time.time() % 1 > 0.2:  # write, open and overwrite all within one wall-clock second
         time.sleep(0.01)

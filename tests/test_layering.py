@@ -31,6 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "load": FOUNDATION | {"checkpoint", "plan", "key", "ipc"},
     "daemon": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach_options"},
     "daemon_choice": FOUNDATION | {"plan", "key", "ipc"},
+    "doctor": FOUNDATION | {"key", "ipc"},
     "attach": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach_options", "daemon_choice"},
     "engine": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options"},
     "integrations": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach",

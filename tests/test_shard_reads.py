@@ -255,7 +255,7 @@ def test_receipts_that_disagree_with_the_bytes_read_stop_the_load(aged: Path, tm
         assert receipt is not None
         victim = receipt.header.tensors[0].name
         lying = ShardRecord(receipt.path, receipt.identity, receipt.header, ("0" * 64, *receipt.digests[1:]),
-                            time.time_ns() + RACY_WINDOW_NS)
+                            time.time_ns() + RACY_WINDOW_NS, receipt.sha256)
         store.put_many([lying])
         with pytest.raises(CheckpointError) as failure:
             load_rank(aged, PlanSpec(), "cpu", store)

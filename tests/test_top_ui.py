@@ -201,14 +201,14 @@ async def test_s_cycles_sort_column_and_S_reverses() -> None:
         assert column(app, "daemons", "device") == ["cpu", "cuda:0", "cuda:1", "cuda:2"]
         await pilot.press("s")
         assert headers(app, "daemons")[:2] == ["device", "rank ▲"]
-        await pilot.press(*"ssss")  # model, key id, state, memory
-        assert headers(app, "daemons")[5] == "memory ▲"
+        await pilot.press(*"sssss")  # model, key id, state, origin, memory
+        assert headers(app, "daemons")[6] == "memory ▲"
         assert "sorted by memory ▲" in table(app, "daemons").border_subtitle
         # Ascending by bytes; the gone daemon (memory "off") sorts last either way.
         assert column(app, "daemons", "memory") == ["740.2 KiB", "7.6 GiB", "7.6 GiB", "off"]
         assert column(app, "daemons", "device")[-1] == "cuda:2"
         await pilot.press("S")
-        assert headers(app, "daemons")[5] == "memory ▼"
+        assert headers(app, "daemons")[6] == "memory ▼"
         assert column(app, "daemons", "memory") == ["7.6 GiB", "7.6 GiB", "740.2 KiB", "off"]
         # Sorting follows focus: the event feed starts newest first and reverses on S.
         table(app, "events").focus()
@@ -221,7 +221,7 @@ async def test_s_cycles_sort_column_and_S_reverses() -> None:
         await pilot.press("s")
         assert headers(app, "events")[1] == "severity ▲"
         assert column(app, "events", "severity")[-1] == "error"
-        assert headers(app, "daemons")[5] == "memory ▼", "each table keeps its own sort"
+        assert headers(app, "daemons")[6] == "memory ▼", "each table keeps its own sort"
 
 
 # -- export -----------------------------------------------------------------------------------------------------

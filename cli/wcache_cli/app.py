@@ -15,6 +15,7 @@ from wcache_cli.commands.attach import attach
 from wcache_cli.commands.completion import completion
 from wcache_cli.commands.demo import demo
 from wcache_cli.commands.diff import diff
+from wcache_cli.commands.doctor import doctor
 from wcache_cli.commands.key import key
 from wcache_cli.commands.preload import preload
 from wcache_cli.commands.status import status, stop
@@ -87,5 +88,6 @@ app.command(cls=_WcacheCommand)(key)
 app.command(cls=_WcacheCommand)(diff)
 app.command(cls=_WcacheCommand)(verify)
 app.command(cls=_WcacheCommand)(top)
+app.command(cls=_WcacheCommand)(doctor)
 app.command(cls=_WcacheCommand)(demo)
 app.command(cls=_WcacheCommand)(completion)

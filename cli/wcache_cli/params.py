@@ -79,6 +79,12 @@ DaemonOpt = Annotated[
     typer.Option("--daemon", help="Use this daemon (name or key id prefix).", show_default=False,
                  autocompletion=daemon_ids),
 ]
+ExpectedOpt = Annotated[
+    Path | None,
+    typer.Option("--expected", help="Each file's expected SHA-256, for a checkpoint outside the Hugging Face cache: "
+                 "a SHA256SUMS-style file (sha256sum output) or a saved key file.", show_default=False,
+                 readable=False),
+]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Tokens to generate per prompt.", min=1)]
 
 

@@ -66,6 +66,29 @@ def key_table(key_file: KeyFile) -> RenderableType:
     return Group(*parts)
 
 
+# A daemon's files against what the Hub published, as one short cell (status and top).
+PROVENANCE_MARK = {"matches": ("✓ hub", "green"), "differs": ("✗ DIFFERS", "bold red"), "unknown": ("?", "yellow")}
+VERDICT_STYLE = {"matches": "green", "differs": "red", "unknown": "yellow"}
+
+
+def provenance_table(report: dict[str, Any]) -> RenderableType:
+    """Each file's verdict (a provenance report's JSON form) and a line for the whole checkpoint."""
+    table = Table(title="provenance", title_justify="left", show_header=False, box=None, padding=(0, 2))
+    table.add_column()
+    table.add_column()
+    table.add_column(style="dim")
+    for f in report["files"]:
+        detail = f"sha256 {short(f['sha256'])}" if f["verdict"] == "matches" and f["sha256"] else f["why"]
+        if f["verdict"] == "differs":
+            detail = f"sha256 {short(f['sha256'])}, expected {short(f['expected'])}"
+        style = VERDICT_STYLE[f["verdict"]]
+        table.add_row(escape(printable(f["name"])), f"[{style}]{f['verdict']}[/]", escape(detail))
+    counts = report["counts"]
+    summary = Text(f"{report['verdict']}: {counts['matches']} match, {counts['differs']} differ, "
+                   f"{counts['unknown']} unknown", style=VERDICT_STYLE[report["verdict"]])
+    return Group(table, summary)
+
+
 def tensors_table(entries: tuple[TensorDigest, ...], title: str) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column("tensor")

@@ -19,6 +19,9 @@ def print_content(report: dict[str, Any]) -> None:
                   f"longer match what was built: {', '.join(arena['changed'])}")
     else:
         out.print(f"[green]ARENA OK[/] all {arena['checked']} processed tensors match their build digests")
+    from wcache_cli.render import provenance_table
+
+    out.print(provenance_table(report["provenance"]))
 
 
 def print_greedy(report: dict[str, Any]) -> None:

@@ -32,11 +32,11 @@ def _daemons(step: int) -> tuple[DaemonRow, ...]:
     gib = 1 << 30
     return (
         DaemonRow("cuda:0-3f9a1c2b7d10", 4101, "cuda:0", 0, 2, "Qwen3-8B", "3f9a1c2b7d10", "ready",
-                  int(7.6 * gib), 2 + step, 3 * 3600 + 125.0, 200, True, hits=12, misses=1),
+                  int(7.6 * gib), 2 + step, 3 * 3600 + 125.0, 200, True, hits=12, misses=1, provenance="matches"),
         DaemonRow("cuda:1-3f9a1c2b7d10", 4102, "cuda:1", 1, 2, "Qwen3-8B", "3f9a1c2b7d10", "ready",
-                  int(7.6 * gib), 2, 3 * 3600 + 124.0, 200, True, hits=12, misses=1),
+                  int(7.6 * gib), 2, 3 * 3600 + 124.0, 200, True, hits=12, misses=1, provenance="matches"),
         DaemonRow("cpu-ad8c5d955e07", 5120, "cpu", 0, 1, "tiny", "ad8c5d955e07", "ready", 758_016, 0, 125.0,
-                  None, True, hits=3),
+                  None, True, hits=3, provenance="unknown"),
         DaemonRow("cuda:2-77e01a9c4b22", 3999, "cuda:2", 0, 1, "Llama-3.1-8B", "77e01a9c4b22", "gone", 0, 0, None,
                   None, False),
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from wcache.attach_options import ENGINES, AttachOptions
+from wcache.checkpoint.provenance import FileVerdict, overall, report
 from wcache.daemon_choice import pick_daemon
 from wcache.errors import BadInputError, UnavailableError
 from wcache.ipc.client import DaemonConnection, DaemonError
@@ -21,6 +22,7 @@ from wcache.ipc.messages import CheckArena, Manifest
 from wcache.ipc.remote_key import daemon_key_file
 from wcache.key.compute import compute_key
 from wcache.key.diff import KeyDiff, diff_keys
+from wcache.key.provenance import verdicts_of
 from wcache.plan.spec import PlanSpec
 
 _WORDS = (
@@ -211,13 +213,14 @@ class ContentReport:
     source_diff: KeyDiff | None
     arena_changed: list[str]
     arena_checked: int
+    provenance: tuple[FileVerdict, ...] = ()  # the fresh hash's files against what was published
 
     @property
     def ok(self) -> bool:
         source_ok = self.source_diff is None or not (
             self.source_diff.changed or self.source_diff.added or self.source_diff.removed
         )
-        return source_ok and not self.arena_changed
+        return source_ok and not self.arena_changed and overall(self.provenance) != "differs"
 
     def to_json(self) -> dict[str, Any]:
         diff = self.source_diff
@@ -230,12 +233,14 @@ class ContentReport:
                 "removed": [e.name for e in diff.removed] if diff else [],
             },
             "arena": {"checked": self.arena_checked, "changed": self.arena_changed},
+            "provenance": report(self.provenance),
         }
 
 
 def verify_content(model: Path, plan: PlanSpec, run_dir: Path, device: str = "cpu",
-                   daemon: str | None = None) -> ContentReport:
-    """Fresh full hash of the checkpoint (no digest store) against the daemon's record, and its arena."""
+                   daemon: str | None = None, expected: Path | None = None) -> ContentReport:
+    """Fresh full hash of the checkpoint (no digest store) against the daemon's record, and its arena; the
+    fresh hash's SHA-256 of each file against what was published (the Hugging Face cache, or `expected`)."""
     descriptor = pick_daemon(model, plan, run_dir, device, daemon)
     fresh = compute_key(model, plan, store=None, rehash=True)
     try:
@@ -245,4 +250,5 @@ def verify_content(model: Path, plan: PlanSpec, run_dir: Path, device: str = "cp
     except DaemonError as exc:
         raise UnavailableError(f"daemon {descriptor.name} could not be checked ({exc})") from None
     source = diff_keys(daemon_key_file(descriptor, manifest), fresh)
-    return ContentReport(descriptor.name, source, list(arena.changed), arena.checked)
+    return ContentReport(descriptor.name, source, list(arena.changed), arena.checked,
+                         verdicts_of(fresh.source, fresh.files, expected))

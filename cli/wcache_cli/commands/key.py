@@ -14,6 +14,7 @@ from wcache_cli.params import (
     DEFAULT_LAYOUT,
     DEFAULT_QUANTIZATION,
     DtypeOpt,
+    ExpectedOpt,
     JsonOpt,
     PlanOpt,
     QuantizationOpt,
@@ -40,24 +41,38 @@ def key(
     rehash: Annotated[
         bool, typer.Option("--rehash", help="Hash every byte again instead of trusting the digest store.")
     ] = False,
+    expected: ExpectedOpt = None,
     run_dir: RunDirOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Show the content fingerprint (WeightCacheKey) of a checkpoint.
 
     `wcache key MODEL --json > model.key` saves a key file that `wcache diff model.key MODEL` can later
-    compare against the checkpoint.
+    compare against the checkpoint. MODEL may be a Hugging Face repo id (Org/Name[@revision]) in the local
+    cache. Each shard's SHA-256 (computed in the same read) is judged against what the cache says the Hub
+    published: matches, differs, or unknown (not from the cache, a non-LFS file); --expected gives the digests
+    for a plain directory.
     """
     # Imported here so that building the help (every command's signature) never loads the key machinery.
+    from wcache.checkpoint.model_path import resolve_model_path
+    from wcache.checkpoint.provenance import report
+    from wcache.key.provenance import verdicts_of
+
     from wcache_cli.operands import daemon_named, key_of_checkpoint, key_of_daemon
-    from wcache_cli.render import key_table, tensors_table
+    from wcache_cli.render import key_table, provenance_table, tensors_table
 
     spec = plan_from_options(tp, rank, dtype, quantization, plan)
     daemon = daemon_named(path, run_dir)
-    key_file = key_of_daemon(daemon) if daemon is not None else key_of_checkpoint(path, spec, rehash=rehash)
+    if daemon is not None:
+        key_file, source = key_of_daemon(daemon), daemon.source
+    else:
+        key_file = key_of_checkpoint(resolve_model_path(path), spec, rehash=rehash)
+        source = key_file.source
+    provenance = report(verdicts_of(source, key_file.files, expected))
     if json:
-        out.json(key_file.to_json())
+        out.json({**key_file.to_json(), "provenance": provenance})
         return
     out.print(key_table(key_file))
+    out.print(provenance_table(provenance))
     if tensors:
         out.print(tensors_table(key_file.manifest, f"{len(key_file.manifest)} tensors"))

@@ -20,6 +20,7 @@ from wcache_cli.params import (
     DeviceOpt,
     Dtype,
     DtypeOpt,
+    ExpectedOpt,
     JsonOpt,
     Layout,
     LogFormat,
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 def _launch(
     model: Path, device: str, tp: int, dtype: Dtype, quantization: Quantization, plan: Layout, run_dir: Path,
     health_host: str, health_port: int, log_level: str, log_format: str, share_stderr: bool,
+    require_provenance: str, expected: Path | None,
 ) -> DaemonGroup:
     """Start the daemons with a progress bar on a terminal; raise with the failing rank's reason otherwise."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
@@ -55,8 +57,8 @@ def _launch(
         return start_daemons(
             model, device=device, tp=tp, dtype=dtype.value, quantization=quantization.value, layout=plan.value,
             run_dir=run_dir, health_host=health_host, health_port=health_port, log_level=log_level,
-            log_format=log_format, share_stderr=share_stderr,
-            on_progress=lambda done, total: bar.update(task, completed=done, total=total or None),
+            log_format=log_format, share_stderr=share_stderr, require_provenance=require_provenance,
+            expected=expected, on_progress=lambda done, total: bar.update(task, completed=done, total=total or None),
         )
 
 
@@ -85,6 +87,15 @@ def preload(
     log_format: Annotated[
         LogFormat, typer.Option("--log-format", help="Log lines as text or as one JSON object each.")
     ] = DEFAULT_FORMAT,
+    require_provenance: Annotated[
+        bool, typer.Option("--require-provenance", help="Refuse a checkpoint with any file whose SHA-256 differs "
+                           "from what the Hugging Face cache (or --expected) says was published; default: a warning.")
+    ] = False,
+    refuse_unknown: Annotated[
+        bool, typer.Option("--refuse-unknown", help="With --require-provenance: also refuse a file whose provenance "
+                           "is unknown (not from the cache, a non-LFS file).")
+    ] = False,
+    expected: ExpectedOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Start one daemon per TP rank holding the checkpoint's processed weights.
@@ -93,10 +104,15 @@ def preload(
     then publishes its socket. A key already served (or loading) on the device is not loaded twice: preload
     says which daemon holds it and exits 0; --replace stops that daemon first. Without --detach, preload
     stays in the foreground (SIGTERM, SIGHUP and Ctrl-C stop the daemons) and, when stderr is not a
-    terminal, the daemons' log lines go to it as well as to the run dir's logs/.
+    terminal, the daemons' log lines go to it as well as to the run dir's logs/. Each shard's SHA-256 is
+    computed in the same read and judged against the Hugging Face cache (a warning names a file that differs);
+    --require-provenance refuses to serve such a checkpoint, naming the file, and exits 1.
     """
     if force and not replace:
         raise BadInputError("--force only applies with --replace.")
+    if refuse_unknown and not require_provenance:
+        raise BadInputError("--refuse-unknown only applies with --require-provenance.")
+    requirement = ("unknown" if refuse_unknown else "differs") if require_provenance else "warn"
     # Imported here so that building the help (every command's signature) loads no daemon machinery.
     from wcache.checkpoint.model_path import resolve_model_path
     from wcache.daemon.launch import replace_daemons
@@ -118,7 +134,8 @@ def preload(
     try:
         try:
             group = _launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port,
-                           log_level.value, log_format.value, share_stderr=not detach and not out.stderr.is_terminal)
+                           log_level.value, log_format.value, share_stderr=not detach and not out.stderr.is_terminal,
+                           require_provenance=requirement, expected=expected)
         except DaemonExistsError as exc:
             if json_output:
                 out.json({"event": "exists", "reason": str(exc)})
@@ -126,6 +143,7 @@ def preload(
                 out.print(str(exc))
             return
         _print_ready(group.ready, model, device, json_output)
+        _warn_provenance(group.ready, where, expected)
         if detach:
             group.detach()
             group = None
@@ -164,6 +182,19 @@ class _StopSignal(BaseException):
 
 def _raise_stop(signum: int, frame: object) -> None:
     raise _StopSignal(signum)
+
+
+def _warn_provenance(ready: GroupReady, run_dir: Path, expected: Path | None) -> None:
+    """A warning for each file of the loaded checkpoint that differs from what was published."""
+    from wcache.ipc.rundir import census
+    from wcache.key.provenance import verdicts_of
+
+    names = {r.name for r in ready.ranks}
+    served = [d for d in census(run_dir).live if d.name in names][:1]  # every rank read the same files
+    for descriptor in served:
+        for verdict in verdicts_of(descriptor.source, descriptor.files, expected):
+            if verdict.verdict == "differs":
+                out.warning(verdict.sentence() + "; --require-provenance would refuse it.")
 
 
 def _print_ready(ready: GroupReady, model: Path, device: str, json_output: bool) -> None:

@@ -47,6 +47,7 @@ def _row(descriptor: DaemonDescriptor, answer: DaemonStatus) -> dict[str, Any]:
         "weights_bytes": stats.weights_bytes if stats else 0, "leases": stats.leases if stats else 0,
         "uptime_s": stats.uptime_s if stats else None, "health_url": descriptor.health_url,
         "health_status": _health(descriptor.health_url), "counters": stats.counters if stats else {},
+        "provenance": descriptor.provenance,
     }
 
 
@@ -56,7 +57,7 @@ def _loading_row(record: LoadingRecord) -> dict[str, Any]:
         "tp_rank": record.tp_rank, "source": record.source, "key_id": None, "state": "loading",
         "phase": record.phase, "done_bytes": record.done_bytes, "total_bytes": record.total_bytes,
         "holds_weights": False, "weights_bytes": 0, "leases": 0, "uptime_s": round(time.time() - record.started, 3),
-        "health_url": None, "health_status": None, "counters": {},
+        "health_url": None, "health_status": None, "counters": {}, "provenance": None,
     }
 
 
@@ -84,7 +85,10 @@ def status(
         typer.Option("--check", help="Exit 3 unless there are daemons and every one is ready (an exec probe)."),
     ] = False,
 ) -> None:
-    """List the daemons in the run dir: device, model, key, state, memory, leases, uptime and health.
+    """List the daemons in the run dir: device, model, key, state, origin, memory, leases, uptime and health.
+
+    origin is the checkpoint's files against what the Hub published, judged when the daemon loaded them:
+    "✓ hub" all match, "✗ DIFFERS" one does not (wcache verify --provenance names it), "?" not known.
 
     Daemons still loading are listed with their progress. Descriptors left by daemons that died are reported
     and removed. With --check, exit 0 only when at least one daemon runs and every daemon holds its weights.
@@ -109,7 +113,7 @@ def status(
         if not rows and not check:
             out.print(f"No daemons in {where}.")
         elif rows and not check:
-            out.print(_table(where, rows))
+            out.print(_table(where, rows, out.stdout.width))
     if check:
         if not rows:
             raise UnavailableError(f"no daemons in {where}.")
@@ -120,35 +124,54 @@ def status(
             out.print(f"ready: {len(rows)} daemon(s) in {where}")
 
 
-def _table(where: Path, rows: list[dict[str, Any]]) -> Table:
-    from rich.markup import escape
+# The table's columns and, for a narrow terminal, which go first (highest first; 0: never). The daemon's name
+# is what `stop` takes and holds its device and key id, so those columns go early.
+STATUS_COLUMNS = (("daemon", 0), ("device", 6), ("rank", 5), ("model", 2), ("key", 8), ("state", 1), ("origin", 1),
+                  ("memory", 3), ("leases", 4), ("uptime", 7), ("health", 4))
+
+
+def _table(where: Path, rows: list[dict[str, Any]], width: int | None = None) -> Table:
     from rich.table import Table
+    from rich.text import Text
 
-    from wcache_cli.render import human_bytes
+    from wcache_cli.fit import visible_columns
 
+    cells = [[Text.from_markup(c) for c in _cells(r)] for r in rows]
+    labels = [label for label, _ in STATUS_COLUMNS]
+    widths = [max([len(label), *(row[i].cell_len for row in cells)]) for i, label in enumerate(labels)]
+    shown = (visible_columns(widths, [drop for _, drop in STATUS_COLUMNS], width) if width is not None
+             else list(range(len(labels))))
     table = Table(title=f"daemons in {where}", title_justify="left")
-    # `stop` needs the whole name: that column never shrinks, the others wrap first.
-    widest = max(len(printable(r["name"] or "")) for r in rows)
-    table.add_column("daemon", no_wrap=True, min_width=max(widest, len("daemon")))
-    for column in ("device", "rank", "model", "key", "state", "memory", "leases", "uptime", "health"):
-        table.add_column(column)
-    for r in rows:
-        uptime = f"{r['uptime_s']:.0f} s" if isinstance(r["uptime_s"], int | float) else "?"
-        health = str(r["health_status"]) if r["health_status"] is not None else "off"
-        model = escape(printable(Path(r["source"]).name))  # a directory name may hold brackets or escapes
-        state = str(r["state"])
-        if state == "loading":
-            total = int(r["total_bytes"] or 0)
-            state = (f"loading {human_bytes(int(r['done_bytes']))}/{human_bytes(total)}" if total
-                     else f"loading ({r['phase']})")
-        elif not r["holds_weights"] and state == "ready":
-            state = "ready, no weights"
-        if unverified := int((r["counters"] or {}).get("hits_unverified", 0)):
-            state += f", {unverified} unverified hit(s)"  # --trust-daemon engines never compared checkpoints
-        name = escape(printable(r["name"])) if r["name"] else f"(pid {r['pid']})"
-        table.add_row(name, r["device"], f"{r['tp_rank']}/{r['tp_size']}", model, r["key_id"] or "-", state,
-                      human_bytes(int(r["weights_bytes"] or 0)), str(r["leases"]), uptime, health)
+    for i in shown:  # no cell is cut or wrapped: a column that does not fit is left out whole
+        table.add_column(labels[i], no_wrap=True)
+    for row in cells:
+        table.add_row(*(row[i] for i in shown))
     return table
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    """One daemon's cells, as markup."""
+    from rich.markup import escape
+
+    from wcache_cli.render import PROVENANCE_MARK, human_bytes
+
+    uptime = f"{r['uptime_s']:.0f} s" if isinstance(r["uptime_s"], int | float) else "?"
+    health = str(r["health_status"]) if r["health_status"] is not None else "off"
+    model = escape(printable(Path(r["source"]).name))  # a directory name may hold brackets or escapes
+    state = str(r["state"])
+    if state == "loading":
+        total = int(r["total_bytes"] or 0)
+        state = (f"loading {human_bytes(int(r['done_bytes']))}/{human_bytes(total)}" if total
+                 else f"loading ({r['phase']})")
+    elif not r["holds_weights"] and state == "ready":
+        state = "ready, no weights"
+    if unverified := int((r["counters"] or {}).get("hits_unverified", 0)):
+        state += f", {unverified} unverified hit(s)"  # --trust-daemon engines never compared checkpoints
+    name = escape(printable(r["name"])) if r["name"] else f"(pid {r['pid']})"
+    mark, style = PROVENANCE_MARK.get(r["provenance"] or "", ("-", "dim"))
+    return [name, escape(r["device"]), f"{r['tp_rank']}/{r['tp_size']}", model, r["key_id"] or "-",
+            escape(state), f"[{style}]{mark}[/]", human_bytes(int(r["weights_bytes"] or 0)), str(r["leases"]),
+            uptime, health]
 
 
 def stop(

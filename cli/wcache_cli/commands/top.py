@@ -91,7 +91,7 @@ def _once(source: Source, interval: float, json: bool) -> None:
         return
     from wcache_cli.top.once import once_renderable
 
-    out.print(once_renderable(snapshot, time.time(), interval))
+    out.print(once_renderable(snapshot, time.time(), interval, out.stdout.width))
 
 
 def _stream(source: Source, interval: float, count: int | None) -> None:

@@ -19,6 +19,7 @@ from wcache_cli.params import (
     DeviceOpt,
     DtypeOpt,
     Engine,
+    ExpectedOpt,
     JsonOpt,
     MaxNewTokensOpt,
     ModelArg,
@@ -53,6 +54,11 @@ def verify(
     content: Annotated[
         bool, typer.Option("--content", help="Re-hash the checkpoint and the daemon's arena against its record.")
     ] = False,
+    provenance: Annotated[
+        bool, typer.Option("--provenance", help="Check each file's SHA-256 against what the Hugging Face cache (or "
+                           "--expected) says was published; reads only shards whose SHA-256 is not known yet.")
+    ] = False,
+    expected: ExpectedOpt = None,
     prompts: Annotated[
         Path | None, typer.Option("--prompts", help="A file of prompts, one per line.", show_default=False)
     ] = None,
@@ -82,10 +88,12 @@ def verify(
     --greedy runs the same prompts at temperature 0 through an engine attached to the daemon and the same
     engine loading from disk its own way (every TP rank for --tp N) and compares token ids, per prompt, to
     the first divergent position. --content re-hashes the checkpoint without the digest store and has the
-    daemon re-hash its arena, listing every differing tensor.
+    daemon re-hash its arena, listing every differing tensor, and judges each file's SHA-256 against what was
+    published. --provenance needs no daemon: each shard's SHA-256 (from the digest store, else read) against
+    the Hugging Face cache's record of it, or against --expected for a plain directory.
     """
-    if not greedy and not content:
-        raise BadInputError("choose what to verify: --greedy, --content, or both.")
+    if not greedy and not content and not provenance:
+        raise BadInputError("choose what to verify: --greedy, --content, --provenance, or several.")
     # Imported here so that building the help (every command's signature) loads no verify machinery.
     from wcache.checkpoint.model_path import resolve_model_path
 
@@ -93,11 +101,28 @@ def verify(
     where = run_dir_or_default(run_dir)
     document: dict[str, Any] = {}
     failed = False
+    if provenance:
+        from wcache.checkpoint.provenance import report
+        from wcache.key.provenance import verdicts_of
+
+        from wcache_cli.operands import key_of_checkpoint
+
+        spec = plan_from_options(tp, rank, dtype, quantization, plan)
+        key_file = key_of_checkpoint(model, spec)
+        if any(f.sha256 is None for f in key_file.files):  # receipts from before SHA-256 was recorded
+            key_file = key_of_checkpoint(model, spec, rehash=True)
+        provenance_report = report(verdicts_of(key_file.source, key_file.files, expected))
+        document["provenance"] = provenance_report
+        failed |= provenance_report["verdict"] == "differs"
+        if not json:
+            from wcache_cli.render import provenance_table
+
+            out.print(provenance_table(provenance_report))
     if content:
         from wcache.verify import verify_content
 
         spec = plan_from_options(tp, rank, dtype, quantization, plan)
-        content_report = verify_content(model, spec, where, device, daemon).to_json()
+        content_report = verify_content(model, spec, where, device, daemon, expected).to_json()
         document["content"] = content_report
         failed |= not content_report["ok"]
         if not json:

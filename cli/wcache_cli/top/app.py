@@ -29,6 +29,7 @@ from wcache.monitor.snapshot import EventRow, Snapshot
 
 from wcache_cli.top.source import Source
 from wcache_cli.top.view import (
+    FLEXIBLE_WIDTH,
     PANEL_BY_ID,
     PANELS,
     FilterError,
@@ -39,11 +40,15 @@ from wcache_cli.top.view import (
     counts_line,
     default_sort,
     event_detail,
+    fitted_columns,
+    natural_widths,
     rates_line,
     render_rows,
 )
 
 EXPORT_DIR_ENV = "WCACHE_TOP_EXPORT_DIR"
+# A table's width that holds no column: its rounded border (two cells) and its vertical scrollbar (one).
+TABLE_CHROME = 3
 NO_EVENT = "Select an event (Tab to the feed, then ↑/↓) to see its reason and key diff."
 
 # Longer explanations for the help screen, by action; every binding of TopApp must have one.
@@ -261,6 +266,15 @@ class TopApp(App[None]):
             self._texts[selector] = signature
             self.query_one(selector, Static).update(text)
 
+    def _table_width(self, table: DataTable[Any]) -> int:
+        """The table's outer width once laid out, else the screen's (the first render comes before layout)."""
+        return table.size.width or self.size.width
+
+    def on_resize(self) -> None:
+        # Which columns fit changes with the width: render again once the new layout has sized the tables.
+        self._signatures.clear()
+        self.call_after_refresh(self.render_all)
+
     def render_panel(self, panel: Panel[Any]) -> None:
         table = self.query_one(f"#{panel.id}", DataTable)
         sort = self.sorts[panel.id]
@@ -272,7 +286,16 @@ class TopApp(App[None]):
         table.border_title = f"{panel.title} ({shown})"
         table.border_subtitle = f"sorted by {panel.columns[sort.column].label} {sort.arrow}"
         labels = tuple(column_label(panel, i, sort) for i in range(len(panel.columns)))
-        signature = (labels, tuple((r.key, tuple((c.plain, str(c.style)) for c in r.cells)) for r in rows))
+        # Columns that do not fit the table's width are left out whole: a DataTable would scroll them off-screen.
+        width = self._table_width(table)
+        columns = fitted_columns(panel, labels, rows, width, per_column=2 * table.cell_padding, fixed=TABLE_CHROME)
+        # A flexible column (a summary) takes what the others leave; the detail pane shows all of it.
+        natural = natural_widths(labels, rows)
+        rest = width - TABLE_CHROME - sum(natural[i] + 2 * table.cell_padding for i in columns
+                                          if not panel.columns[i].flexible)
+        flexible_width = max(FLEXIBLE_WIDTH, rest - 2 * table.cell_padding)
+        signature = (labels, tuple(columns), flexible_width,
+                     tuple((r.key, tuple((c.plain, str(c.style)) for c in r.cells)) for r in rows))
         if self._signatures.get(panel.id) == signature:
             return  # nothing visible changed: repainting a table is most of the dashboard's CPU
         self._signatures[panel.id] = signature
@@ -280,13 +303,15 @@ class TopApp(App[None]):
         self._rendering = True
         try:
             table.clear(columns=True)
-            for i, column in enumerate(panel.columns):
-                table.add_column(Text(labels[i], justify=column.justify), key=str(i))
+            for i in columns:
+                table.add_column(Text(labels[i], justify=panel.columns[i].justify), key=str(i),
+                                 width=flexible_width if panel.columns[i].flexible else None)
             keys = []
             for row in rows:
                 cells = []
-                for column, cell in zip(panel.columns, row.cells, strict=True):
-                    cell.justify = column.justify
+                for i in columns:
+                    cell = row.cells[i]
+                    cell.justify = panel.columns[i].justify
                     cells.append(cell)
                 table.add_row(*cells, key=row.key)
                 keys.append(row.key)

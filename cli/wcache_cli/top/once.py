@@ -17,21 +17,26 @@ from wcache_cli.top.view import (
     counts_line,
     default_sort,
     diff_lines,
+    fitted_columns,
     render_rows,
 )
 
 
-def _table(panel: Panel[object], snapshot: Snapshot, now: float, limit: int | None = None) -> Table:
+def _table(panel: Panel[object], snapshot: Snapshot, now: float, limit: int | None = None,
+           width: int | None = None) -> Table:
     rows = render_rows(panel, snapshot, default_sort(panel), None, now)
     shown = rows[:limit] if limit is not None else rows
     title = panel.title if len(shown) == len(rows) else f"{panel.title} (latest {len(shown)} of {len(rows)})"
     table = Table(title=title, title_justify="left", title_style="bold")
-    for column in panel.columns:
-        table.add_column(column.label, justify=column.justify)
+    # Columns that do not fit are left out whole, and those shown are never cut or wrapped (but a summary).
+    columns = fitted_columns(panel, [c.label for c in panel.columns], shown, width)
+    for i in columns:
+        column = panel.columns[i]
+        table.add_column(column.label, justify=column.justify, no_wrap=not column.flexible)
     for row in shown:
-        table.add_row(*row.cells)
+        table.add_row(*(row.cells[i] for i in columns))
     if not rows:
-        table.add_row(Text("none", style="dim"), *[""] * (len(panel.columns) - 1))
+        table.add_row(Text("none", style="dim"), *[""] * (len(columns) - 1))
     return table
 
 
@@ -52,14 +57,15 @@ def _why(snapshot: Snapshot, now: float) -> RenderableType | None:
     return Group(Text("Why (latest warnings and errors)", style="bold"), text)
 
 
-def once_renderable(snapshot: Snapshot, now: float, waited_s: float) -> RenderableType:
+def once_renderable(snapshot: Snapshot, now: float, waited_s: float, width: int | None = None) -> RenderableType:
+    """The panels as tables; with `width`, each shows the columns that fit it (see view.fitted_columns)."""
     parts: list[RenderableType] = [
         Text(f"wcache top · {printable(snapshot.run_dir)} · {counts_line(snapshot)}", style="bold"),
         *(Text(alert, style="bold red") for alert in snapshot.alerts),
     ]
     for panel in PANELS:
         limit = FEED_LIMIT if panel is PANEL_BY_ID["events"] else None
-        parts.append(_table(panel, snapshot, now, limit))
+        parts.append(_table(panel, snapshot, now, limit, width))
     why = _why(snapshot, now)
     if why is not None:
         parts.append(why)

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from rich.text import Text
 from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
 
+from wcache_cli.fit import RICH_FIXED, RICH_PER_COLUMN, visible_columns
 from wcache_cli.output import printable
-from wcache_cli.render import human_bytes
+from wcache_cli.render import PROVENANCE_MARK, human_bytes
 
 if TYPE_CHECKING:
     from rich.console import JustifyMethod
@@ -106,6 +107,13 @@ def state(d: DaemonRow) -> Text:
     return Text(d.state, style=style)
 
 
+def provenance(d: DaemonRow) -> Text:
+    """Its files against what the Hub published: ✓ all match, ✗ one differs (wcache verify --provenance names
+    it), ? not known (not from the Hugging Face cache, a non-LFS file)."""
+    mark, style = PROVENANCE_MARK.get(d.provenance or "", ("-", "dim"))
+    return Text(mark, style=style)
+
+
 def misses(d: DaemonRow) -> Text:
     """Misses against hellos: a daemon that engines keep missing is holding the wrong key for them."""
     asked = d.hits + d.misses
@@ -146,6 +154,9 @@ class Column(Generic[R]):
     cell: Callable[[R, float], Text]
     key: Callable[[R], Any]
     justify: JustifyMethod = "left"
+    # On a narrow terminal the columns of highest `drop` go first; 0: never dropped (what commands take).
+    drop: int = 0
+    flexible: bool = False  # wraps to fit (a summary); only FLEXIBLE_WIDTH of it counts when fitting
 
 
 def _has_prefix(e: EngineRow) -> bool:
@@ -153,20 +164,22 @@ def _has_prefix(e: EngineRow) -> bool:
 
 
 DAEMON_COLUMNS: tuple[Column[DaemonRow], ...] = (
-    Column("device", lambda d, _: Text(d.device), lambda d: d.device),
-    Column("rank", lambda d, _: Text(f"{d.tp_rank}/{d.tp_size}"), lambda d: (d.tp_size, d.tp_rank)),
-    Column("model", lambda d, _: shown(d.model), lambda d: d.model),
+    Column("device", lambda d, _: Text(d.device), lambda d: d.device, drop=1),
+    Column("rank", lambda d, _: Text(f"{d.tp_rank}/{d.tp_size}"), lambda d: (d.tp_size, d.tp_rank),
+           drop=5),
+    Column("model", lambda d, _: shown(d.model), lambda d: d.model, drop=3),
     Column("key id", lambda d, _: Text(d.key_id, style="cyan"), lambda d: d.key_id),
-    Column("state", lambda d, _: state(d), lambda d: d.state),
+    Column("state", lambda d, _: state(d), lambda d: d.state, drop=1),
+    Column("origin", lambda d, _: provenance(d), lambda d: d.provenance or "", drop=2),
     Column("memory", lambda d, _: Text(human_bytes(d.weights_bytes)) if d.alive else off(),
-           lambda d: d.weights_bytes if d.alive else None, "right"),
+           lambda d: d.weights_bytes if d.alive else None, "right", drop=2),
     Column("leases", lambda d, _: Text(str(d.leases)) if d.alive else off(),
-           lambda d: d.leases if d.alive else None, "right"),
+           lambda d: d.leases if d.alive else None, "right", drop=4),
     Column("uptime", lambda d, _: Text(duration(d.uptime_s), style="" if d.uptime_s is not None else "dim"),
-           lambda d: d.uptime_s, "right"),
-    Column("misses", lambda d, _: misses(d), lambda d: d.misses, "right"),
-    Column("health", lambda d, _: health(d), lambda d: (d.alive, d.health_status or 0)),
-    Column("pid", lambda d, _: Text(str(d.pid), style="dim"), lambda d: d.pid, "right"),
+           lambda d: d.uptime_s, "right", drop=6),
+    Column("misses", lambda d, _: misses(d), lambda d: d.misses, "right", drop=7),
+    Column("health", lambda d, _: health(d), lambda d: (d.alive, d.health_status or 0), drop=4),
+    Column("pid", lambda d, _: Text(str(d.pid), style="dim"), lambda d: d.pid, "right", drop=8),
 )
 
 def address(e: EngineRow) -> str:
@@ -184,29 +197,31 @@ def engine_pid(e: EngineRow) -> int | None:
 ENGINE_COLUMNS: tuple[Column[EngineRow], ...] = (
     Column("where", lambda e, _: Text(address(e)), address),
     Column("pid", lambda e, _: Text(str(engine_pid(e)), style="dim") if engine_pid(e) else Text("scraped", style="dim"),
-           lambda e: engine_pid(e), "right"),
-    Column("kind", lambda e, _: Text(e.kind), lambda e: e.kind),
-    Column("model", lambda e, _: shown(e.model), lambda e: e.model),
-    Column("weights", lambda e, _: weights(e), lambda e: e.weights),
-    Column("mode", lambda e, _: plain(e.mode), lambda e: e.mode),
-    Column("daemon", lambda e, _: plain(e.daemon), lambda e: e.daemon),
-    Column("attach", lambda e, _: attach_ms(e), lambda e: e.attach_ms, "right"),
+           lambda e: engine_pid(e), "right", drop=7),
+    Column("kind", lambda e, _: Text(e.kind), lambda e: e.kind, drop=6),
+    Column("model", lambda e, _: shown(e.model), lambda e: e.model, drop=4),
+    Column("weights", lambda e, _: weights(e), lambda e: e.weights, drop=1),
+    Column("mode", lambda e, _: plain(e.mode), lambda e: e.mode, drop=5),
+    Column("daemon", lambda e, _: plain(e.daemon), lambda e: e.daemon, drop=2),
+    Column("attach", lambda e, _: attach_ms(e), lambda e: e.attach_ms, "right", drop=3),
     Column("up", lambda e, _: Text("up", style="green") if e.up else Text("down", style="bold red"),
-           lambda e: e.up),
+           lambda e: e.up, drop=1),
 )
 
 REPLAY_COLUMNS: tuple[Column[EngineRow], ...] = (
     Column("engine", lambda e, _: Text(address(e)), address),
     Column("hit % (interval)", lambda e, _: percent(e.hit_rate_interval, present=_has_prefix(e)),
-           lambda e: e.hit_rate_interval, "right"),
+           lambda e: e.hit_rate_interval, "right", drop=1),
     Column("hit % (overall)", lambda e, _: percent(e.hit_rate_overall, present=_has_prefix(e)),
-           lambda e: e.hit_rate_overall, "right"),
-    Column("adopted", lambda e, _: count(e.adopted_hits_total), lambda e: e.adopted_hits_total, "right"),
+           lambda e: e.hit_rate_overall, "right", drop=2),
+    Column("adopted", lambda e, _: count(e.adopted_hits_total), lambda e: e.adopted_hits_total, "right",
+           drop=3),
     Column("replayed tok", lambda e, _: count(e.replayed_tokens_total), lambda e: e.replayed_tokens_total,
-           "right"),
-    Column("prefill saved", lambda e, _: count(e.prefill_saved_total), lambda e: e.prefill_saved_total, "right"),
+           "right", drop=4),
+    Column("prefill saved", lambda e, _: count(e.prefill_saved_total), lambda e: e.prefill_saved_total, "right",
+           drop=5),
     Column("history", lambda e, _: sparkline(e.hit_rate_history, present=_has_prefix(e)),
-           lambda e: e.hit_rate_history[-1] if e.hit_rate_history else None),
+           lambda e: e.hit_rate_history[-1] if e.hit_rate_history else None, drop=6),
 )
 
 
@@ -216,9 +231,10 @@ def _severity_text(value: str, e: EventRow) -> Text:
 
 EVENT_COLUMNS: tuple[Column[EventRow], ...] = (
     Column("when", lambda e, now: Text(clock_time(e.ts, now), style="dim"), lambda e: e.ts, "right"),
-    Column("severity", lambda e, _: _severity_text(e.severity, e), lambda e: SEVERITY_RANK.get(e.severity, 0)),
-    Column("kind", lambda e, _: _severity_text(e.kind, e), lambda e: e.kind),
-    Column("summary", lambda e, _: _severity_text(e.summary, e), lambda e: e.summary),
+    Column("severity", lambda e, _: _severity_text(e.severity, e), lambda e: SEVERITY_RANK.get(e.severity, 0),
+           drop=2),
+    Column("kind", lambda e, _: _severity_text(e.kind, e), lambda e: e.kind, drop=1),
+    Column("summary", lambda e, _: _severity_text(e.summary, e), lambda e: e.summary, flexible=True),
 )
 
 
@@ -328,6 +344,24 @@ def render_rows(panel: Panel[R], snapshot: Snapshot, sort: Sort, row_filter: Row
         seen[key] = seen.get(key, 0) + 1
         rendered.append(RenderedRow(key if seen[key] == 1 else f"{key}#{seen[key]}", cells, row))
     return rendered
+
+
+FLEXIBLE_WIDTH = 24
+
+
+def fitted_columns(panel: Panel[Any], labels: Sequence[str], rows: Sequence[RenderedRow], width: int | None, *,
+                   per_column: int = RICH_PER_COLUMN, fixed: int = RICH_FIXED) -> list[int]:
+    """The panel's columns that fit `width` (all with None): whole columns dropped by priority, never cut."""
+    if width is None:
+        return list(range(len(panel.columns)))
+    widths = [min(natural, FLEXIBLE_WIDTH) if column.flexible else natural
+              for column, natural in zip(panel.columns, natural_widths(labels, rows), strict=True)]
+    return visible_columns(widths, [c.drop for c in panel.columns], width, per_column=per_column, fixed=fixed)
+
+
+def natural_widths(labels: Sequence[str], rows: Sequence[RenderedRow]) -> list[int]:
+    """Each column's width with nothing cut: its widest cell or its label."""
+    return [max([len(label), *(row.cells[i].cell_len for row in rows)]) for i, label in enumerate(labels)]
 
 
 def column_label(panel: Panel[Any], index: int, sort: Sort) -> str:

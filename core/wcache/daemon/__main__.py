@@ -10,7 +10,9 @@ import signal
 import sys
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
+from wcache.checkpoint.provenance import FileVerdict, counts, overall
 from wcache.daemon.argv import LoadArgs
 from wcache.daemon.server import DaemonServer
 from wcache.errors import EXIT_UNAVAILABLE, WcacheError
@@ -29,6 +31,7 @@ from wcache.ipc.status_pipe import Exists, Failed, ProgressReporter, RankReady, 
 from wcache.key.cache_key import KeyFile
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import HashProgress
+from wcache.key.provenance import require, verdicts_of
 from wcache.load.loader import load_rank
 from wcache.monitor.events import append_event
 from wcache.monitor.logs import configure as configure_logging
@@ -78,14 +81,19 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_term)
     try:
         run_dir = ensure_run_dir(args.run_dir)
-        spec = LoadArgs.from_namespace(args).plan_spec(args.rank)
+        load = LoadArgs.from_namespace(args)
+        spec = load.plan_spec(args.rank)
         board = LoadingBoard(run_dir, LoadingRecord(
             pid=os.getpid(), pid_created=process_created(os.getpid()) or 0.0, source=str(args.model.absolute()),
             device=args.device, tp_size=args.tp, tp_rank=args.rank, supervisor_pid=args.supervisor_pid,
             started=time.time(), phase="starting"))
         locks: list[int] = []  # held (open) for the life of the process
+        judged: list[FileVerdict] = []
 
         def own_key(key_file: KeyFile) -> None:
+            # Before the daemon claims its name: a refused checkpoint leaves nothing behind.
+            judged[:] = verdicts_of(key_file.source, key_file.files, load.expected)
+            require(tuple(judged), load.require_provenance, str(args.model))  # type: ignore[arg-type]
             name = daemon_name(args.device, key_file.key.short_id)
             locks.append(hold_daemon_lock(run_dir, name, args.device))
             log.info("key %s: this process is daemon %s", key_file.key.short_id, name)
@@ -104,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             key=key_file.key, plan=key_file.plan, config=key_file.config, source=key_file.source,
             socket=str(socket_path(run_dir, name)), health_url=args.health_url,
             supervisor_pid=args.supervisor_pid, started=datetime.now(UTC).isoformat(timespec="seconds"),
-            weights_bytes=loaded.arena.total_bytes,
+            weights_bytes=loaded.arena.total_bytes, files=key_file.files,
+            provenance=overall(judged) if judged else None,
         )
         server = DaemonServer(loaded, descriptor, run_dir)
         server.bind()
@@ -140,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if board is not None:
             board.remove()  # ready (the descriptor says the rest) or gone
+    _report_provenance(run_dir, descriptor, judged)
     append_event(run_dir, "ready", daemon=descriptor.name, key_id=descriptor.key_id, rank=args.rank,
                  device=args.device, source=descriptor.source, weights_bytes=descriptor.weights_bytes,
                  load_s=round(loaded.load_seconds, 3))
@@ -152,6 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     server.serve_forever()  # returns at once, cleaning up, if a stop came during loading
     log.info("stopped: daemon %s", descriptor.name)
     return 0
+
+
+def _report_provenance(run_dir: Path, descriptor: DaemonDescriptor, judged: list[FileVerdict]) -> None:
+    """The verdict as an event, and a warning naming each file that differs or is unknown."""
+    if not judged:
+        return
+    append_event(run_dir, "provenance", daemon=descriptor.name, key_id=descriptor.key_id,
+                 verdict=overall(judged), counts=counts(judged),
+                 differs=[v.name for v in judged if v.verdict == "differs"],
+                 unknown=[v.name for v in judged if v.verdict == "unknown"])
+    for verdict in judged:
+        if verdict.verdict == "differs":
+            log.warning("provenance: %s", verdict.sentence())
+        elif verdict.verdict == "unknown":
+            log.info("provenance: %s", verdict.sentence())
 
 
 if __name__ == "__main__":

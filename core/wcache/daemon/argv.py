@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from wcache.key.provenance import REQUIREMENTS
 from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from wcache.plan.spec import PlanSpec
 
@@ -30,6 +31,8 @@ class LoadArgs:
     log_level: str = DEFAULT_LOG_LEVEL
     log_format: str = DEFAULT_LOG_FORMAT
     log_file: Path | None = None
+    require_provenance: str = "warn"  # key.provenance.Requirement
+    expected: Path | None = None  # the user's expected digests (SHA256SUMS or a saved key file)
 
     def to_argv(self) -> list[str]:
         return [
@@ -37,6 +40,8 @@ class LoadArgs:
             "--tp", str(self.tp), "--dtype", self.dtype, "--quantization", self.quantization, "--plan", self.plan,
             "--log-level", self.log_level, "--log-format", self.log_format,
             *(["--log-file", str(self.log_file)] if self.log_file is not None else []),
+            "--require-provenance", self.require_provenance,
+            *(["--expected", str(self.expected)] if self.expected is not None else []),
         ]
 
     def for_rank(self, device: str, run_dir: Path, log_file: Path) -> LoadArgs:
@@ -60,6 +65,8 @@ class LoadArgs:
         parser.add_argument("--log-level", choices=LOG_LEVELS, default=LoadArgs.log_level)
         parser.add_argument("--log-format", choices=LOG_FORMATS, default=LoadArgs.log_format)
         parser.add_argument("--log-file", type=Path, default=None)
+        parser.add_argument("--require-provenance", choices=REQUIREMENTS, default=LoadArgs.require_provenance)
+        parser.add_argument("--expected", type=Path, default=None)
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> LoadArgs:

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from wcache.attach_options import MODES
+from wcache.checkpoint.provenance import VERDICTS
 from wcache.ipc.http_server import HTTPRequestError, QuietHandler, make_http_server
 from wcache.monitor.daemon_status import collect
 
@@ -96,6 +97,9 @@ class _StatsCollector(Collector):
         served = CounterMetricFamily("wcache_bytes_served", "Bytes of weights mapped or copied by engines.",
                                      labels=labels)
         bad = CounterMetricFamily("wcache_bad_frames", "Connections dropped for malformed frames.", labels=labels)
+        provenance = GaugeMetricFamily(
+            "wcache_daemon_provenance", "1 for the verdict on the rank's files against what the Hub published "
+            "(matches, differs, unknown), judged at load.", labels=[*labels, "verdict"])
         for r in ranks:
             values = [str(r.get("tp_rank", "")), str(r.get("key_id", ""))]
             counters = r.get("counters", {})
@@ -112,7 +116,10 @@ class _StatsCollector(Collector):
                     misses.add_metric([*values, name.removeprefix("misses_")], float(count))
             served.add_metric(values, float(counters.get("bytes_served", 0)))
             bad.add_metric(values, float(counters.get("bad_frames", 0)))
-        yield from (ready, live, weights, leases, attaches, hits, unverified, misses, served, bad)
+            if r.get("provenance") in VERDICTS:
+                for verdict in VERDICTS:
+                    provenance.add_metric([*values, verdict], 1.0 if r["provenance"] == verdict else 0.0)
+        yield from (ready, live, weights, leases, attaches, hits, unverified, misses, served, bad, provenance)
 
 
 def serve_health(table: RankTable, host: str, port: int,

@@ -117,6 +117,7 @@ def start_daemons(
     run_dir: Path | None = None, health_host: str = "127.0.0.1", health_port: int = 0,
     on_progress: ProgressCallback | None = None, log_level: str = LoadArgs.log_level,
     log_format: str = LoadArgs.log_format, share_stderr: bool = False, env: Mapping[str, str] | None = None,
+    require_provenance: str = LoadArgs.require_provenance, expected: Path | None = None,
 ) -> DaemonGroup:
     """Start a supervisor with one daemon per TP rank and return once every rank is ready.
 
@@ -127,6 +128,9 @@ def start_daemons(
     Raises DaemonExistsError (exit code 0) when a daemon already holds (or is loading) a rank's key, having
     started nothing that stays; PreloadFailedError with the failing rank's reason (and its exit code)
     otherwise. Ctrl-C (or any exception while waiting) stops the ranks before it propagates.
+
+    `require_provenance` ("warn", "differs", "unknown": key.provenance) is what each rank refuses to serve
+    when a file's SHA-256 is not what the Hugging Face cache (or the `expected` digests) say.
     """
     from wcache.checkpoint.model_path import resolve_model_path
 
@@ -137,7 +141,8 @@ def start_daemons(
     log_path = logs / f"supervisor-{os.getpid()}.log"
     load = LoadArgs(model=path.absolute(), run_dir=where, device=device, tp=tp, dtype=dtype,
                     quantization=quantization, plan=layout, log_level=log_level, log_format=log_format,
-                    log_file=log_path)
+                    log_file=log_path, require_provenance=require_provenance,
+                    expected=expected.absolute() if expected is not None else None)
     command = _supervisor_command(load, health_host, health_port, share_stderr)
     with log_path.open("a") as log_file:
         # A session of its own: Ctrl-C here reaches the supervisor only through us, so it can stop cleanly.

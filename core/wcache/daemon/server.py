@@ -436,7 +436,7 @@ class DaemonServer:
                 leases=len(self.shared.leases), uptime_s=round(time.time() - self.started, 3),
                 load_s=round(self.loaded.load_seconds, 3), counters=dict(self.shared.counters),
                 connections=self.shared.clients, release_queued=self.shared.release is not None,
-                released=self.shared.released,
+                released=self.shared.released, provenance=d.provenance,
             )
 
     def _handle_stats(self, client: _Client, request: Stats) -> Reply:

@@ -149,6 +149,8 @@ class StatsReply(Message):
     """One daemon's state and counters: what `wcache status`, `wcache top` and the health endpoints show."""
 
     TYPE: ClassVar[str] = "stats"
+    # A daemon that judged no provenance sends what daemons always sent.
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"provenance"})
     name: str
     pid: int
     device: str
@@ -166,6 +168,7 @@ class StatsReply(Message):
     connections: int
     release_queued: bool
     released: ReleasedTo | None
+    provenance: str | None = None  # its files against what the Hub published, at load (checkpoint.provenance)
 
 
 @dataclass(frozen=True, slots=True)

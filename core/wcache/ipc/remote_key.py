@@ -17,4 +17,5 @@ def daemon_key_file(descriptor: DaemonDescriptor, tensors: tuple[TensorDigest, .
         source=f"daemon {descriptor.name} ({descriptor.source})",
         created=descriptor.started,
         wcache_version="",
+        files_source=descriptor.files,
     )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from wcache.checkpoint.provenance import FileDigest, Verdict
 from wcache.errors import EXIT_OK, BadInputError, WcacheError
 from wcache.ipc.codec import Wire
 from wcache.ipc.protocol import ProtocolError
@@ -97,6 +98,8 @@ class DaemonDescriptor(Wire):
     supervisor_pid: int | None
     started: str
     weights_bytes: int
+    files: tuple[FileDigest, ...] = ()  # each shard's size and SHA-256, as read by this daemon's pass
+    provenance: Verdict | None = None  # the files against the Hugging Face cache (or --expected), at load
 
     def __post_init__(self) -> None:
         # A pid of 0 or less would signal a process group, or every process we may signal.

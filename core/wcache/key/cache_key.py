@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from wcache.canonical import digest_of
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
 from wcache.checkpoint.model_config import config_digest
+from wcache.checkpoint.provenance import FileDigest, FilesSource, build_files
 from wcache.errors import BadInputError, KeyFileError
 from wcache.plan.spec import PlanSpec
 
@@ -71,10 +72,16 @@ class KeyFile:
     created: str
     wcache_version: str
     stats: FingerprintStats | None = None
+    # Each shard's size and SHA-256, for provenance; informational, outside the key (a key file may lack them).
+    files_source: FilesSource = field(default=(), repr=False, compare=False)
 
     @cached_property
     def manifest(self) -> tuple[TensorDigest, ...]:
         return build_manifest(self.manifest_source)
+
+    @cached_property
+    def files(self) -> tuple[FileDigest, ...]:
+        return build_files(self.files_source)
 
     @property
     def total_bytes(self) -> int:
@@ -96,6 +103,7 @@ class KeyFile:
                 "total_bytes": self.total_bytes,
             },
             "tensors": [e.to_json() for e in self.manifest],
+            "files": [f.to_json() for f in self.files],
         }
 
     @classmethod
@@ -108,9 +116,10 @@ class KeyFile:
             manifest = tuple(TensorDigest.from_json(t) for t in data["tensors"])
             plan = PlanSpec.from_json(data["plan"])
             info = data["info"]
+            files = tuple(FileDigest.from_json(f) for f in data.get("files", ()))  # older key files have none
             result = cls(key=key, plan=plan, config=data["config"], manifest_source=manifest,
                          source=str(info["source"]), created=str(info["created"]),
-                         wcache_version=str(info["wcache_version"]))
+                         wcache_version=str(info["wcache_version"]), files_source=files)
         except (AttributeError, KeyError, TypeError, ValueError, OverflowError, BadInputError) as exc:
             raise KeyFileError(f"{origin} is not a wcache key file ({exc}).") from None
         # A hand-edited key file must not pass for the checkpoint it claims to describe.

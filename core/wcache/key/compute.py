@@ -15,6 +15,7 @@ from wcache.checkpoint.dtypes import SAFETENSORS_TO_PLAN
 from wcache.checkpoint.files import CheckpointLayout, locate
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
 from wcache.checkpoint.model_config import canonical_config, config_digest, config_dtype
+from wcache.checkpoint.provenance import FilesSource
 from wcache.checkpoint.safetensors_header import TensorInfo
 from wcache.errors import CheckpointError
 from wcache.key.cache_key import FORMAT_VERSION, KeyFile, WeightCacheKey
@@ -54,7 +55,7 @@ def compute_key(
         except CheckpointChangedError:
             continue
         return make_key_file(path, layout, fingerprint.manifest_source, plan or PlanSpec(), fingerprint.stats,
-                             root=fingerprint.root)
+                             root=fingerprint.root, files=fingerprint.files_source)
     raise CheckpointError(f"{path} had files replaced every time its key was computed ({MAX_ATTEMPTS} tries); "
                           "try again once it stays put.")
 
@@ -96,6 +97,7 @@ def make_key_file(
     stats: FingerprintStats | None,
     *,
     root: str | None = None,
+    files: FilesSource = (),
 ) -> KeyFile:
     """Assemble the key of a fingerprinted checkpoint; "auto" dtype resolves to the checkpoint's own.
 
@@ -117,4 +119,5 @@ def make_key_file(
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         wcache_version=wcache.__version__,
         stats=stats,
+        files_source=files,
     )

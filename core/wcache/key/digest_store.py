@@ -22,6 +22,9 @@ from wcache.key.shard_hash import FileIdentity, ShardRecord
 
 log = logging.getLogger("wcache")
 
+# The tables' layout. A record's payload grew an optional "s" (the file's SHA-256) without a new version:
+# a store written before reads on, its records lacking "s" stand for files whose SHA-256 is not known yet, and
+# the next pass that reads such a file adds it.
 SCHEMA_VERSION = "1"
 DB_NAME = "digests.sqlite3"
 # Racy-git rule: a file written within this window of the moment its hashing began may be written again
@@ -77,7 +80,9 @@ def encode_record(record: ShardRecord) -> bytes:
         [t.name, t.dtype, list(t.shape), t.start, t.end, digest]
         for t, digest in zip(record.header.tensors, record.digests, strict=True)
     ]
-    payload = {"h": record.header.header_bytes, "m": record.header.metadata, "t": tensors}
+    payload: dict[str, Any] = {"h": record.header.header_bytes, "m": record.header.metadata, "t": tensors}
+    if record.sha256 is not None:
+        payload["s"] = record.sha256
     return msgpack.packb(payload, use_bin_type=True)
 
 
@@ -90,11 +95,15 @@ def decode_record(blob: bytes, path: Path, identity: FileIdentity, hashed_at_ns:
         tensors = tuple(TensorInfo(str(n), str(d), tuple(map(int, s)), int(a), int(b)) for n, d, s, a, b, _ in rows)
         digests = tuple(str(row[5]) for row in rows)
         header = ShardHeader(header_bytes=int(payload["h"]), metadata=dict(payload["m"]), tensors=tensors)
+        sha256 = payload.get("s")
+        if sha256 is not None and (not isinstance(sha256, str) or len(sha256) != 64 or not _HEX.issuperset(sha256)):
+            return None
     except Exception:  # any way a cached blob fails to decode means the same thing: no receipt
         return None
     if PREFIX_BYTES + header.header_bytes + header.data_bytes != identity.size:
         return None
-    return ShardRecord(path=path, identity=identity, header=header, digests=digests, hashed_at_ns=hashed_at_ns)
+    return ShardRecord(path=path, identity=identity, header=header, digests=digests, hashed_at_ns=hashed_at_ns,
+                       sha256=sha256)
 
 
 class DigestStore:
@@ -116,6 +125,22 @@ class DigestStore:
     @property
     def enabled(self) -> bool:
         return self._conn is not None
+
+    @property
+    def disabled_reason(self) -> str | None:
+        """Why the store is not used (one clause), or None while it is."""
+        return self._disabled_reason
+
+    def integrity_problem(self) -> str | None:
+        """What SQLite's quick check finds wrong with the database, or None (`wcache doctor`)."""
+        with self._lock:
+            if self._conn is None:
+                return self._disabled_reason
+            try:
+                rows = self._conn.execute("PRAGMA quick_check").fetchall()
+            except sqlite3.DatabaseError as exc:
+                return str(exc)
+            return None if rows == [("ok",)] else "; ".join(str(r[0]) for r in rows[:3])
 
     def close(self) -> None:
         if self._conn is not None:

@@ -18,6 +18,7 @@ import blake3
 from wcache.checkpoint.files import INDEX_NAME, SINGLE_NAME, CheckpointLayout, check_index
 from wcache.checkpoint.identity import FileIdentity
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
+from wcache.checkpoint.provenance import FileDigest, FilesSource, broken_link_sentence
 from wcache.errors import CheckpointError
 from wcache.key.digest_store import DigestStore, is_trusted
 from wcache.key.shard_hash import ShardRecord, hash_shard
@@ -61,6 +62,7 @@ class Fingerprint:
     root: str
     manifest_source: ManifestSource
     stats: FingerprintStats
+    files_source: FilesSource = ()  # each shard's size and SHA-256 (provenance)
 
     @cached_property
     def manifest(self) -> tuple[TensorDigest, ...]:
@@ -74,11 +76,19 @@ def _stat_one(layout: CheckpointLayout, path: Path) -> FileIdentity:
             raise CheckpointError(f"{path} is not a regular file.")
         return FileIdentity.of(st)
     except FileNotFoundError:
+        _raise_if_broken_link(path)
         if layout.weight_map is None and path.name == SINGLE_NAME and path.parent == layout.root:
             raise CheckpointError(f"{layout.root} holds neither {SINGLE_NAME} nor {INDEX_NAME}.") from None
         raise CheckpointError(f"{layout.root / INDEX_NAME} lists shard {path.name}, which does not exist.") from None
     except OSError as exc:
+        _raise_if_broken_link(path)
         raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
+
+
+def _raise_if_broken_link(path: Path) -> None:
+    broken = broken_link_sentence(path)
+    if broken is not None:
+        raise CheckpointError(broken) from None
 
 
 def _stat_all(layout: CheckpointLayout) -> list[FileIdentity]:
@@ -221,7 +231,8 @@ def fingerprint_checkpoint(
                                      shards_hashed=0, bytes_hashed=0, seconds=time.perf_counter() - began,
                                      root_from_store=True)
             # Built once however many ask (a key file, an "auto" dtype without a config dtype).
-            return Fingerprint(root, cache(partial(_manifest_behind, layout, identities, store, root)), stats)
+            return Fingerprint(root, cache(partial(_manifest_behind, layout, identities, store, root)), stats,
+                               cache(partial(_files_behind, layout, identities, store)))
     return _fingerprint_from_records(layout, identities, store, rehash, progress, began)
 
 
@@ -250,7 +261,33 @@ def _fingerprint_from_records(
         bytes_hashed=sum(r.header.data_bytes for r in hashed),
         seconds=time.perf_counter() - began,
     )
-    return Fingerprint(root, manifest, stats)
+    return Fingerprint(root, manifest, stats, files_of(layout, records))
+
+
+def files_of(layout: CheckpointLayout, records: Mapping[Path, ShardRecord]) -> tuple[FileDigest, ...]:
+    """Each shard's name (under the checkpoint's directory), size and SHA-256, in layout order."""
+    return tuple(FileDigest(_name_under(layout.root, path), records[path].identity.size, records[path].sha256)
+                 for path in layout.shards)
+
+
+def _name_under(root: Path, path: Path) -> str:
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:  # a single .safetensors file given by its own path
+        return path.name
+
+
+def _files_behind(layout: CheckpointLayout, identities: list[FileIdentity], store: DigestStore
+                  ) -> tuple[FileDigest, ...]:
+    """The files' SHA-256 of a key whose root came from the store: from the receipts, where it holds them."""
+    reopened = None if store.enabled else DigestStore.open(store.directory)  # the caller closed it since
+    try:
+        records = (reopened or store).lookup_many(list(zip(layout.shards, identities, strict=True)))
+    finally:
+        if reopened is not None:
+            reopened.close()
+    return tuple(FileDigest(_name_under(layout.root, p), i.size, records[p].sha256 if p in records else None)
+                 for p, i in zip(layout.shards, identities, strict=True))
 
 
 def _records(

@@ -21,8 +21,10 @@ from pathlib import Path
 import blake3
 
 from wcache.checkpoint.identity import FileIdentity
+from wcache.checkpoint.provenance import broken_link_sentence
 from wcache.checkpoint.safetensors_header import ShardHeader, TensorInfo, read_header
 from wcache.errors import CheckpointError
+from wcache.key.file_digest import FileSha256
 
 # Reads are this size, and progress is reported per read, so a single multi-GB tensor still moves the bar; a
 # chunk this small stays in the CPU's cache between the read that copies it and the hash that consumes it.
@@ -45,6 +47,7 @@ class ShardRecord:
     header: ShardHeader
     digests: tuple[str, ...]
     hashed_at_ns: int  # when reading the file began, not when hashing ended
+    sha256: str | None = None  # the whole file's, as the Hub names an LFS blob; None where it was not computed
 
 
 def tensor_hasher(nbytes: int) -> blake3.blake3:
@@ -63,18 +66,27 @@ def _chunk_buffer() -> memoryview:
     return buffer
 
 
-def _hash_tensor(shard: OpenShard, tensor: TensorInfo, on_bytes: BytesCallback | None) -> str:
-    """Read one tensor in chunks into this thread's buffer and hash each chunk as it arrives."""
+def _hash_tensor(shard: OpenShard, tensor: TensorInfo, on_bytes: BytesCallback | None,
+                 file_sha: FileSha256 | None = None) -> str:
+    """Read one tensor in chunks into this thread's buffer and hash each chunk as it arrives (and hand it to
+    the file's SHA-256, which hashes or copies it before the buffer is reused)."""
     hasher = tensor_hasher(tensor.nbytes)
     buffer = _chunk_buffer()
     done = 0
-    while done < tensor.nbytes:
-        chunk = buffer[: min(CHUNK_BYTES, tensor.nbytes - done)]
-        shard.read_into(tensor, done, chunk)
-        hasher.update(chunk)
-        done += len(chunk)
-        if on_bytes is not None:
-            on_bytes(len(chunk))
+    try:
+        while done < tensor.nbytes:
+            chunk = buffer[: min(CHUNK_BYTES, tensor.nbytes - done)]
+            shard.read_into(tensor, done, chunk)
+            hasher.update(chunk)
+            if file_sha is not None:
+                file_sha.feed(shard.header.data_start + tensor.start + done, chunk)
+            done += len(chunk)
+            if on_bytes is not None:
+                on_bytes(len(chunk))
+    except BaseException:
+        if file_sha is not None:
+            file_sha.abandon()  # the other readers must not wait for bytes that will never come
+        raise
     return hasher.hexdigest()
 
 
@@ -94,9 +106,13 @@ class OpenShard:
         try:
             # O_NONBLOCK: opening a FIFO planted as a shard must fail below, not wait for a writer forever.
             self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except FileNotFoundError:
-            raise CheckpointError(f"{path} does not exist.") from None
         except OSError as exc:
+            # A link leading nowhere (a deleted cache blob, a loop) says so; anything else is what open said.
+            broken = broken_link_sentence(path)
+            if broken is not None:
+                raise CheckpointError(broken) from None
+            if isinstance(exc, FileNotFoundError):
+                raise CheckpointError(f"{path} does not exist.") from None
             raise CheckpointError(f"{path} cannot be opened ({exc.strerror}).") from None
         self._forgotten = 0  # forget_read() has dropped the file's pages before this offset
         try:
@@ -128,7 +144,18 @@ class OpenShard:
     def read_into(self, tensor: TensorInfo, start: int, buffer: memoryview) -> None:
         """Fill `buffer` with the tensor's bytes from byte `start` of its data on; a file that is now too short
         for them is a CheckpointError."""
-        position = self.header.data_start + tensor.start + start
+        self.read_at(self.header.data_start + tensor.start + start, buffer)
+
+    def start_sha256(self) -> FileSha256:
+        """A SHA-256 of the whole file, fed its prefix and header here; the tensors' bytes follow as read."""
+        file_sha = FileSha256(self.identity.size)
+        head = memoryview(bytearray(self.header.data_start))
+        self.read_at(0, head)
+        file_sha.feed(0, head)
+        return file_sha
+
+    def read_at(self, position: int, buffer: memoryview) -> None:
+        """Fill `buffer` with the file's bytes from `position` on; a file now too short is a CheckpointError."""
         done, wanted = 0, len(buffer)
         while done < wanted:
             try:
@@ -164,12 +191,15 @@ class OpenShard:
         with contextlib.suppress(OSError):
             os.posix_fadvise(self._fd, offset, nbytes, advice)
 
-    def hash_tensors(self, pool: Executor, on_bytes: BytesCallback | None = None) -> tuple[str, ...]:
-        """BLAKE3 of every tensor, in header order, hashed concurrently."""
-        futures = [pool.submit(_hash_tensor, self, tensor, on_bytes) for tensor in self.header.tensors]
+    def hash_tensors(self, pool: Executor, on_bytes: BytesCallback | None = None,
+                     file_sha: FileSha256 | None = None) -> tuple[str, ...]:
+        """BLAKE3 of every tensor, in header order, hashed concurrently; with `file_sha`, the file's SHA-256
+        from the same reads (tensors are submitted by offset, so the one whose bytes come next has started)."""
+        by_offset = sorted(range(len(self.header.tensors)), key=lambda i: self.header.tensors[i].start)
+        futures = {i: pool.submit(_hash_tensor, self, self.header.tensors[i], on_bytes, file_sha) for i in by_offset}
         # Every task must finish before the descriptor can close, even when one of them failed.
-        wait(futures)
-        return tuple(f.result() for f in futures)
+        wait(futures.values())
+        return tuple(futures[i].result() for i in range(len(self.header.tensors)))
 
     def unchanged(self) -> bool:
         """Whether the file read through this descriptor still has the identity it had when opened.
@@ -183,14 +213,16 @@ class OpenShard:
         except OSError:
             return False
 
-    def record(self, digests: tuple[str, ...]) -> ShardRecord:
-        return ShardRecord(self.path, self.identity, self.header, digests, self.opened_ns)
+    def record(self, digests: tuple[str, ...], sha256: str | None = None) -> ShardRecord:
+        return ShardRecord(self.path, self.identity, self.header, digests, self.opened_ns, sha256)
 
 
 def _hash_once(path: Path, pool: Executor, on_bytes: BytesCallback | None) -> tuple[ShardRecord, bool]:
     """One attempt; returns the record and whether the file stayed the same while it was read."""
     with OpenShard(path) as shard:
-        record = shard.record(shard.hash_tensors(pool, on_bytes))
+        file_sha = shard.start_sha256()
+        digests = shard.hash_tensors(pool, on_bytes, file_sha)
+        record = shard.record(digests, file_sha.hexdigest())
         return record, shard.unchanged()
 
 

@@ -24,6 +24,7 @@ from wcache.key.fingerprint import (
     FingerprintStats,
     HashProgress,
     check_read_files,
+    files_of,
     hashed_state,
     manifest_of,
     store_root_if_trusted,
@@ -71,18 +72,23 @@ class CheckpointReader:
         receipts = {}
         for shard in self.shards:
             receipt = store.lookup(shard.path, shard.identity)
-            if receipt is None or receipt.header != shard.header:
+            # A receipt from before SHA-256 was recorded: the pass computes it, and the key follows the pass.
+            if receipt is None or receipt.header != shard.header or receipt.sha256 is None:
                 return None
             receipts[shard.path] = receipt
         return receipts
 
-    def records(self, digests: dict[str, str]) -> tuple[dict[Path, ShardRecord], str]:
-        """Each shard's record from one pass's digests, once every file read is known to have stayed as it was
-        opened, and the checkpoint state they describe (config.json and the index still the files read)."""
+    def records(self, digests: dict[str, str], sha256: dict[Path, str | None] | None = None
+                ) -> tuple[dict[Path, ShardRecord], str]:
+        """Each shard's record from one pass's digests (and files' SHA-256), once every file read is known to
+        have stayed as it was opened, and the checkpoint state they describe (config.json and the index still
+        the files read)."""
         changed = [s.path for s in self.shards if not s.unchanged()]
         if changed:
             raise CheckpointError(f"{changed[0]} changed while it was being loaded; load it again once written.")
-        records = {s.path: s.record(tuple(digests[t.name] for t in s.header.tensors)) for s in self.shards}
+        files = sha256 or {}
+        records = {s.path: s.record(tuple(digests[t.name] for t in s.header.tensors), files.get(s.path))
+                   for s in self.shards}
         # The files were opened without a stat before: the state the load started from is that of the opens.
         state = hashed_state(self.layout, [s.identity for s in self.shards], records)
         check_read_files(self.layout)
@@ -98,6 +104,8 @@ def _check_receipts(records: dict[Path, ShardRecord], receipts: dict[Path, Shard
                 raise CheckpointError(
                     f"{path} changed while it was being loaded (tensor {tensor.name!r}); load it again once written."
                 )
+        if record.sha256 is not None and record.sha256 != receipts[path].sha256:
+            raise CheckpointError(f"{path} changed while it was being loaded; load it again once written.")
 
 
 def processed_digest(tensor: torch.Tensor) -> str:
@@ -125,13 +133,14 @@ class LoadedRank:
 
 def load_rank(
     path: Path, spec: PlanSpec, device: str, store: DigestStore | None, progress: HashProgress | None = None,
-    on_key: Callable[[KeyFile], None] | None = None,
+    on_key: Callable[[KeyFile], None] | None = None, file_sha256: bool = True,
 ) -> LoadedRank:
     """Read and hash the checkpoint in one pass that also fills a fresh arena on `device` with the plan's outputs.
 
     `on_key` runs once the key is known, and what it raises ends the load: before any arena memory is taken when
     the digest store holds a trusted receipt for every shard (the pass then checks the bytes against them), else
     after the pass, before the rank can serve. Receipts are stored only for a pass that read unchanged files.
+    `file_sha256` off skips each shard's SHA-256 (what benchmarks/provenance.py compares against).
     """
     began = time.perf_counter()
     layout = locate(path)
@@ -141,7 +150,8 @@ def load_rank(
         receipts = reader.trusted_receipts(store)
         if receipts is not None:
             stats = FingerprintStats(num_shards, num_shards, 0, 0, time.perf_counter() - began)
-            key_file = make_key_file(path, layout, manifest_of(layout, receipts), spec, stats)
+            key_file = make_key_file(path, layout, manifest_of(layout, receipts), spec, stats,
+                                     files=files_of(layout, receipts))
             if on_key is not None:
                 on_key(key_file)
             resolved, manifest = key_file.plan, key_file.manifest
@@ -156,13 +166,14 @@ def load_rank(
                 progress.start(sum(s.identity.size for s in reader.shards), num_shards)
             read_back = arena.bytes_at if isinstance(arena, CpuArena) else None
             result = fill_in_one_pass(plan, reader.shards, arena.write_at, {e.name: e.offset for e in entries},
-                                      progress, read_back)
-            records, state = reader.records(result.digests)
+                                      progress, read_back, file_sha256)
+            records, state = reader.records(result.digests, result.sha256)
             if receipts is not None:
                 _check_receipts(records, receipts)
             else:
                 stats = FingerprintStats(num_shards, 0, num_shards, data_bytes, time.perf_counter() - began)
-                key_file = make_key_file(path, layout, manifest_of(layout, records), spec, stats)
+                key_file = make_key_file(path, layout, manifest_of(layout, records), spec, stats,
+                                         files=files_of(layout, records))
                 if store is not None:
                     store.put_many(list(records.values()))
                 if on_key is not None:

@@ -23,12 +23,14 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wcache.checkpoint.dtypes import TORCH_ITEMSIZE, TORCH_NAMES
 from wcache.checkpoint.safetensors_header import TensorInfo
 from wcache.ipc.arena import torch_dtype
+from wcache.key.file_digest import FileSha256
 from wcache.key.fingerprint import HashProgress
 from wcache.key.shard_hash import CHUNK_BYTES, OpenShard, tensor_hasher
 from wcache.plan.processing import OutputSpec, ProcessingPlan
@@ -214,6 +216,7 @@ class PassResult:
 
     digests: dict[str, str]  # checkpoint tensor name → BLAKE3 of its bytes
     processed: dict[str, str]  # output name → BLAKE3 of the bytes written for it
+    sha256: dict[Path, str | None] = field(default_factory=dict)  # shard → SHA-256 of the whole file
 
 
 class _Aborted(Exception):
@@ -261,8 +264,11 @@ class _Pass:
     """The reader (the calling thread) and a pool that hashes, computes and writes behind it."""
 
     def __init__(self, plan: ProcessingPlan, shards: Sequence[OpenShard], write: ArenaWrite,
-                 offsets: Mapping[str, int], progress: HashProgress | None, read_back: ArenaRead | None) -> None:
+                 offsets: Mapping[str, int], progress: HashProgress | None, read_back: ArenaRead | None,
+                 file_sha256: bool = True) -> None:
         self.plan = plan
+        self.file_sha256 = file_sha256
+        self.sha256: dict[Path, str | None] = {}
         self.shards = shards
         self.write = write
         self.read_back = read_back
@@ -285,6 +291,8 @@ class _Pass:
         # the pass's longest chain: they get a thread of their own, and the pool's workers hash and compute.
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wcache-write")
         self.writes = _Lane(self, self.writer)
+        # Each file's SHA-256 is one stream in file order, as long as the checkpoint: a thread of its own.
+        self.sha_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wcache-sha256")
 
     # -- tasks ---------------------------------------------------------------------------------------------
 
@@ -338,12 +346,18 @@ class _Pass:
             for shard in self.shards:
                 shard.advise_sequential()
             current: OpenShard | None = None
+            file_sha: tuple[_Lane, FileSha256] | None = None
             for shard, tensor in file_order(self.shards):
-                if current is not None and shard is not current:
-                    current.forget_all()
+                if shard is not current:
+                    if current is not None:
+                        self._finish_file(current, file_sha)
+                        current.forget_all()
+                    # The reader goes through each file in order: its SHA-256 is a lane fed every chunk in turn.
+                    file_sha = (_Lane(self, self.sha_thread), shard.start_sha256()) if self.file_sha256 else None
                 current = shard
-                self._read(shard, tensor)
+                self._read(shard, tensor, file_sha)
             if current is not None:
+                self._finish_file(current, file_sha)
                 current.forget_all()
             for name, nbytes in self.schedule.stacked.items():
                 if nbytes == 0:  # an empty output: no write will start its hash
@@ -356,6 +370,7 @@ class _Pass:
                     self.cond.wait()
             self.pool.shutdown()
             self.writer.shutdown()
+            self.sha_thread.shutdown()
             self.buffers_pool.clear()
         if self.error is not None:
             raise self.error
@@ -363,9 +378,22 @@ class _Pass:
             source = copied_source(self.plan, output)
             if source is not None:
                 self.processed[output.name] = self.digests[source]
-        return PassResult(self.digests, self.processed)
+        return PassResult(self.digests, self.processed, self.sha256)
 
-    def _read(self, shard: OpenShard, tensor: TensorInfo) -> None:
+    def _finish_file(self, shard: OpenShard, file_sha: tuple[_Lane, FileSha256] | None) -> None:
+        if file_sha is not None:
+            lane, digest = file_sha
+            lane.submit(lambda: self._finish_sha(shard.path, digest))
+
+    def _finish_sha(self, path: Path, digest: FileSha256) -> None:
+        with self.cond:
+            self.sha256[path] = digest.hexdigest()
+
+    def _sha_chunk(self, digest: FileSha256, offset: int, chunk: memoryview, hold: _Hold) -> None:
+        digest.feed(offset, chunk)
+        self.drop(hold)
+
+    def _read(self, shard: OpenShard, tensor: TensorInfo, file_sha: tuple[_Lane, FileSha256] | None = None) -> None:
         """Read one tensor chunk by chunk; each chunk is hashed (in order) and its bytes written wherever outputs
         hold them, and the whole tensor is kept only for outputs computed from it."""
         spans = self.schedule.spans.get(tensor.name, ())
@@ -384,19 +412,23 @@ class _Pass:
             # (arena offset, chunk offset, bytes, span) for every span this chunk has bytes of
             runs = [(self.offsets[s.output] + s.at + lo - s.start, lo - start, hi - lo, s)
                     for s in spans if (lo := max(start, s.start)) < (hi := min(end, s.start + s.nbytes))]
+            users = 1 + len(runs) + (file_sha is not None)
             if whole is not None and whole_hold is not None:
                 chunk, hold = whole[start:end], whole_hold
                 with self.cond:
-                    hold.refs += 1 + len(runs)
+                    hold.refs += users
             else:
                 base = self._take(size, wait=True)
                 chunk = base[:size]
-                hold = _Hold(1 + len(runs), functools.partial(self._give, base, size))
+                hold = _Hold(users, functools.partial(self._give, base, size))
             shard.read_into(tensor, start, chunk)
             shard.forget_read(tensor, end)
             if self.progress is not None:
                 self.progress.advance(size)
             lane.submit(functools.partial(self._hash_chunk, hasher, chunk, hold))
+            if file_sha is not None:
+                file_sha[0].submit(functools.partial(self._sha_chunk, file_sha[1],
+                                                     shard.header.data_start + tensor.start + start, chunk, hold))
             for at, lo, n, span in runs:
                 self.writes.submit(functools.partial(self._write, at, chunk[lo : lo + n], hold, span.output))
         lane.submit(lambda: self._finish_digest(tensor.name, hasher))
@@ -482,13 +514,14 @@ class _Pass:
 
 def fill_in_one_pass(plan: ProcessingPlan, shards: Sequence[OpenShard], write: ArenaWrite,
                      offsets: Mapping[str, int], progress: HashProgress | None = None,
-                     read_back: ArenaRead | None = None) -> PassResult:
+                     read_back: ArenaRead | None = None, file_sha256: bool = True) -> PassResult:
     """Read every tensor of `shards` once, hash it, and write every output of `plan` at `offsets[output.name]`.
 
     With `read_back`, outputs made of checkpoint bytes unchanged are written straight from the read buffers and
-    need no torch; without (a CUDA arena), only outputs that are one tensor whole are.
+    need no torch; without (a CUDA arena), only outputs that are one tensor whole are. With `file_sha256`, each
+    shard's SHA-256 (what the Hub names an LFS file by) comes from the same buffers, on a thread of its own.
     """
-    return _Pass(plan, shards, write, offsets, progress, read_back).run()
+    return _Pass(plan, shards, write, offsets, progress, read_back, file_sha256).run()
 
 
 def read_outputs(plan: ProcessingPlan, shards: Sequence[OpenShard]) -> dict[str, torch.Tensor]:

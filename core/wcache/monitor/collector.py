@@ -46,7 +46,7 @@ STORM_WINDOW_S = 60.0
 # Shown in the feed; engine_counters is bookkeeping for rates, not news.
 FEED_KINDS = frozenset({
     "preload", "ready", "preload_failed", "attach_hit", "attach_miss", "fallback", "release", "stop",
-    "daemon_exited", "daemon_lost",
+    "daemon_exited", "daemon_lost", "provenance",
 })
 
 
@@ -124,6 +124,12 @@ def summarize(event: dict[str, Any]) -> EventRow:
     elif kind == "preload_failed":
         severity = "error"
         summary = f"preload of {event.get('source', '?')} failed: {event.get('reason', '')}"
+    elif kind == "provenance":
+        verdict = event.get("verdict", "?")
+        severity = "warning" if verdict == "differs" else "info"
+        named = event.get("differs") or []
+        which = f": {', '.join(map(str, named))} differ from what was published" if named else ""
+        summary = f"provenance of {event.get('daemon', '?')}: {verdict}{which}"
     elif kind == "attach_hit":
         total_ms = (event.get("timings_ms") or {}).get("total")
         timing = f", {total_ms:.1f} ms" if isinstance(total_ms, int | float) else ""
@@ -305,6 +311,7 @@ class Collector:
             health_status=status if stats is not None else None, alive=stats is not None,
             hits=counters.get("hits", 0),
             misses=sum(v for k, v in counters.items() if k.startswith("misses_")),
+            provenance=d.provenance,
         )
 
     def _delta(self, target: EngineTarget, samples: Samples, names: tuple[str, ...]) -> float | None:

@@ -5,7 +5,8 @@ Schema (`Snapshot.to_json()`), version `wcache.top/1`:
   only one sample yet, so rates are null and totals are since start), run_dir,
   daemons[]: name, pid, device, tp_rank, tp_size, model, key_id, state ("loading" while it loads), weights_bytes,
              leases, uptime_s, health_status (HTTP code or null), alive, hits, misses (hellos since start),
-             loaded_fraction (0..1 while loading, else null)
+             loaded_fraction (0..1 while loading, else null), provenance (its files against what the Hub
+             published, at load: matches | differs | unknown, null while loading or for a daemon that did not say)
   engines[]: id, url, kind ("wcache" | "vllm"), model, up, weights (attach outcome: hit | miss | fallback |
              disk | null), mode, daemon, attach_ms, prefix_queries_total, prefix_hits_total,
              hit_rate_interval, hit_rate_overall, adopted_hits_total, replayed_tokens_total,
@@ -41,6 +42,7 @@ class DaemonRow:
     hits: int = 0
     misses: int = 0
     loaded_fraction: float | None = None
+    provenance: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,206 @@
+"""Whether each checkpoint file holds what its publisher released: its SHA-256 against an expected value.
+
+The expected value comes, offline, from the local Hugging Face cache, which names an LFS file's blob by its
+etag, the file's SHA-256: a snapshot entry is a link to `blobs/<etag>`. Exactly one link is read. huggingface_hub
+2.4 may make `blobs/<etag>` itself a link into a shared store named by the Xet hash, a different function of
+the bytes, so nothing past the first link is ever taken for a digest. A plain directory has no expected value
+unless the user gives one: a `SHA256SUMS`-style file or a saved key file (its `files`).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from wcache.errors import BadInputError
+
+Verdict = Literal["matches", "differs", "unknown"]
+VERDICTS: tuple[Verdict, ...] = ("matches", "differs", "unknown")
+REPO_DIR_PREFIXES = ("models--", "datasets--", "spaces--")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_GIT_SHA1 = re.compile(r"^[0-9a-f]{40}$")
+# One line of `sha256sum` output: digest, a space, a space or "*" (binary mode), the name.
+_SUMS_LINE = re.compile(r"^\\?([0-9a-fA-F]{64}) [ *](.+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class FileDigest:
+    """One checkpoint file: its name under the checkpoint's directory, its size and its SHA-256 (None: not
+    computed, e.g. a receipt from before wcache recorded it)."""
+
+    name: str
+    size: int
+    sha256: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size, "sha256": self.sha256}
+
+    @classmethod
+    def from_json(cls, data: Any) -> FileDigest:
+        sha = data["sha256"]
+        if sha is not None and not _SHA256.match(str(sha)):
+            raise ValueError(f"sha256 {sha!r} is not 64 hex digits")
+        return cls(name=str(data["name"]), size=int(data["size"]), sha256=None if sha is None else str(sha))
+
+
+# The files' digests, or what reads them (a key whose root came from the digest store reads receipts only if asked).
+FilesSource = tuple[FileDigest, ...] | Callable[[], tuple[FileDigest, ...]]
+
+
+def build_files(source: FilesSource) -> tuple[FileDigest, ...]:
+    return source if isinstance(source, tuple) else source()
+
+
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """What a file should hash to and who says so; `sha256` None with `why` when nothing says."""
+
+    sha256: str | None
+    origin: str  # "hub" (the cache's etag), "given" (the user's file), or "none"
+    why: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FileVerdict:
+    name: str
+    verdict: Verdict
+    sha256: str | None
+    expected: str | None
+    origin: str
+    why: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "verdict": self.verdict, "sha256": self.sha256, "expected": self.expected,
+                "origin": self.origin, "why": self.why}
+
+    def sentence(self) -> str:
+        if self.verdict == "matches":
+            return f"{self.name} matches {'the Hub' if self.origin == 'hub' else 'the given digest'}"
+        if self.verdict == "differs":
+            source = "the Hub published" if self.origin == "hub" else "the given digest says"
+            return (f"{self.name} differs from what {source} (SHA-256 {(self.sha256 or '')[:12]}…, expected "
+                    f"{(self.expected or '')[:12]}…)")
+        return f"{self.name}: unknown ({self.why})"
+
+
+def hub_repo_of(path: Path) -> Path | None:
+    """The Hugging Face cache repo directory (`models--Org--Name`) that `path` is a snapshot entry of, or None."""
+    absolute = Path(os.path.abspath(path))  # noqa: PTH100  (lexical: never follow the links being judged)
+    for parent in absolute.parents:
+        if parent.name == "snapshots" and parent.parent.name.startswith(REPO_DIR_PREFIXES):
+            return parent.parent
+    return None
+
+
+def hub_expected(path: Path) -> Expected:
+    """The SHA-256 that the local Hugging Face cache records for snapshot file `path`, reading one link."""
+    repo = hub_repo_of(path)
+    if repo is None:
+        return Expected(None, "none", "not from the Hugging Face cache; give the expected digests with --expected")
+    absolute = Path(os.path.abspath(path))  # noqa: PTH100
+    try:
+        target = str(absolute.readlink())
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return Expected(None, "none", "a copy, not a link to a cache blob: the cache names no digest for it")
+        raise BadInputError(f"{path} cannot be read as a link ({exc.strerror}).") from None
+    blob = Path(os.path.normpath(absolute.parent / target))
+    if blob.parent != repo / "blobs":
+        return Expected(None, "none", f"its link points to {target}, not into {repo.name}/blobs")
+    etag = blob.name
+    if _SHA256.match(etag):
+        return Expected(etag, "hub")
+    if _GIT_SHA1.match(etag):
+        return Expected(None, "none", "not an LFS file: the Hub names it by its git SHA-1, not its SHA-256")
+    return Expected(None, "none", f"its blob name {etag!r} is not a digest")
+
+
+def broken_link_sentence(path: Path) -> str | None:
+    """One sentence for a checkpoint file that is a link leading nowhere (dangling, or looping), else None."""
+    if not path.is_symlink():
+        return None
+    try:
+        path.stat()
+    except FileNotFoundError:
+        return (f"{path} is a link (to {path.readlink()}) that leads to no file: a Hugging Face cache blob was "
+                "deleted or moved; download the file again.")
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"{path} is a link that loops back on itself; remove it and download the file again."
+        return None
+    return None
+
+
+def read_expected(path: Path) -> dict[str, str]:
+    """Expected SHA-256 by file name from a `SHA256SUMS`-style file (`sha256sum` output) or a saved key file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInputError(f"{path} cannot be read as a list of expected digests ({exc}).") from None
+    if text.lstrip().startswith("{"):
+        try:
+            files = [FileDigest.from_json(entry) for entry in json.loads(text)["files"]]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            raise BadInputError(f"{path} is a JSON file but not a wcache key file with files' SHA-256 "
+                                "(save one with: wcache key MODEL --json > model.key).") from None
+        return {f.name: f.sha256 for f in files if f.sha256 is not None}
+    expected: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        match = _SUMS_LINE.match(line)
+        if match is None:
+            raise BadInputError(f"{path} line {number} is not a `sha256sum` line (64 hex digits, two spaces, a name).")
+        name = match.group(2).removeprefix("./")
+        expected[name] = match.group(1).lower()
+    if not expected:
+        raise BadInputError(f"{path} lists no digests.")
+    return expected
+
+
+def judge(root: Path, files: Iterable[FileDigest], given: Mapping[str, str] | None = None) -> tuple[FileVerdict, ...]:
+    """A verdict per file: against `given` (by name) when the user gave digests, else against the cache."""
+    verdicts = []
+    for entry in files:
+        if given is not None:
+            sha = given.get(entry.name) or given.get(Path(entry.name).name)
+            expected = (Expected(sha, "given") if sha
+                        else Expected(None, "none", "the given file lists no digest for it"))
+        else:
+            expected = hub_expected(root / entry.name)
+        if expected.sha256 is None:
+            verdicts.append(FileVerdict(entry.name, "unknown", entry.sha256, None, expected.origin, expected.why))
+        elif entry.sha256 is None:
+            verdicts.append(FileVerdict(entry.name, "unknown", None, expected.sha256, expected.origin,
+                                        "its SHA-256 has not been computed yet; run wcache verify --provenance"))
+        else:
+            verdict: Verdict = "matches" if entry.sha256 == expected.sha256 else "differs"
+            verdicts.append(FileVerdict(entry.name, verdict, entry.sha256, expected.sha256, expected.origin, ""))
+    return tuple(verdicts)
+
+
+def overall(verdicts: Iterable[FileVerdict]) -> Verdict:
+    """The checkpoint's verdict: differs if any file does, matches if every file does, else unknown."""
+    seen = {v.verdict for v in verdicts}
+    if "differs" in seen:
+        return "differs"
+    return "matches" if seen == {"matches"} else "unknown"
+
+
+def counts(verdicts: Iterable[FileVerdict]) -> dict[str, int]:
+    found: dict[str, int] = dict.fromkeys(VERDICTS, 0)
+    for v in verdicts:
+        found[v.verdict] += 1
+    return found
+
+
+def report(verdicts: Iterable[FileVerdict]) -> dict[str, Any]:
+    """The JSON form every command prints: the overall verdict, counts and each file's verdict."""
+    listed = tuple(verdicts)
+    return {"verdict": overall(listed), "counts": counts(listed), "files": [v.to_json() for v in listed]}
