@@ -12,7 +12,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import psutil
 from wcache.daemon.argv import LoadArgs
 from wcache.errors import EXIT_UNAVAILABLE, BadInputError, UnavailableError, WcacheError
 from wcache.ipc.client import DaemonError, request_once
+from wcache.ipc.interpreter import python_module_argv
 from wcache.ipc.loading import LoadingRecord, read_loading
 from wcache.ipc.messages import Shutdown, Stats
 from wcache.ipc.protocol import ProtocolError
@@ -90,10 +90,10 @@ class DaemonGroup:
 
 
 def _supervisor_command(load: LoadArgs, health_host: str, health_port: int, share_stderr: bool) -> list[str]:
-    return [
-        sys.executable, "-m", "wcache.daemon.supervisor", *load.to_argv(), "--health-host", health_host,
-        "--health-port", str(health_port), *(["--foreground"] if share_stderr else []),
-    ]
+    return python_module_argv(
+        "wcache.daemon.supervisor", *load.to_argv(), "--health-host", health_host, "--health-port",
+        str(health_port), *(["--foreground"] if share_stderr else []),
+    )
 
 
 def _follow(stream: IO[str], on_progress: ProgressCallback | None) -> GroupReady | Exists | Failed | None:

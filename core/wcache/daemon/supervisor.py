@@ -20,6 +20,7 @@ from wcache.daemon.argv import LoadArgs
 from wcache.daemon.health import RankTable, serve_health
 from wcache.errors import EXIT_UNAVAILABLE, WcacheError
 from wcache.ipc.http_server import http_url
+from wcache.ipc.interpreter import python_module_argv
 from wcache.ipc.protocol import ProtocolError
 from wcache.ipc.rundir import census, ensure_run_dir
 from wcache.ipc.status_pipe import FROM_RANK, Exists, Failed, GroupReady, Progress, RankReady, StatusWriter, parse_line
@@ -115,10 +116,10 @@ class Supervisor:
         logs = self.run_dir / "logs"
         logs.mkdir(mode=0o700, exist_ok=True)
         log_path = logs / f"preload-{os.getpid()}-rank{rank}.log"
-        command = [
-            sys.executable, "-m", "wcache.daemon", *LoadArgs.from_namespace(a).for_rank(device, self.run_dir, log_path)
-            .to_argv(), "--rank", str(rank), "--health-url", health_url, "--supervisor-pid", str(os.getpid()),
-        ]
+        command = python_module_argv(
+            "wcache.daemon", *LoadArgs.from_namespace(a).for_rank(device, self.run_dir, log_path).to_argv(),
+            "--rank", str(rank), "--health-url", health_url, "--supervisor-pid", str(os.getpid()),
+        )
         # In the foreground the ranks share our stderr (journald, `docker logs`); their log file is kept too.
         log_file = None if a.foreground else log_path.open("a")
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
