@@ -24,7 +24,7 @@ from wcache.daemon.argv import LoadArgs
 from wcache.errors import EXIT_UNAVAILABLE, BadInputError, UnavailableError, WcacheError
 from wcache.ipc.client import DaemonError, request_once
 from wcache.ipc.interpreter import python_module_argv
-from wcache.ipc.loading import LoadingRecord, read_loading
+from wcache.ipc.loading import LoadingRecord, read_loading, record_lock_path
 from wcache.ipc.messages import Shutdown, Stats
 from wcache.ipc.protocol import ProtocolError
 from wcache.ipc.rundir import (
@@ -33,6 +33,8 @@ from wcache.ipc.rundir import (
     census,
     default_run_dir,
     ensure_run_dir,
+    lock_held,
+    lock_path,
     matches,
     process_created,
     read_descriptors,
@@ -164,42 +166,51 @@ def start_daemons(
 
 
 def stop_daemon(descriptor: DaemonDescriptor, *, force: bool = False) -> int:
-    """Ask a daemon to stop and wait until it has; returns the lease count when it refused (else 0)."""
+    """Ask a daemon to stop and wait until it has; returns the lease count when it refused (else 0).
+
+    Through its socket and its lock, never its pid: the daemon may run in another pid namespace."""
     try:
         reply = request_once(descriptor.socket, Shutdown(force=force))
     except DaemonError as exc:
         raise UnavailableError(f"daemon {descriptor.name} did not answer ({exc})") from None
     if not reply.stopping:
         return reply.leases or 1
-    wait_exit(descriptor.pid, descriptor.name)
+    wait_exit(daemon_lock(descriptor), descriptor.name)
     return 0
 
 
-def stop_loading(record: LoadingRecord) -> None:
-    """Stop a rank that is still loading and wait until it has; it removes its own files on the way out."""
-    # No socket yet: the pid, checked against the start time it recorded, is the handle.
+def daemon_lock(descriptor: DaemonDescriptor) -> Path:
+    """The lock the daemon holds while it runs, beside the socket it published (both in its run dir)."""
+    return lock_path(Path(descriptor.socket).parent, descriptor.name)
+
+
+def stop_loading(run_dir: Path, record: LoadingRecord) -> None:
+    """Stop a rank that is still loading and wait until it has; it removes its own files on the way out.
+
+    No socket yet, so the pid (checked against the start time it recorded) is the only handle: a rank whose
+    lock is held but whose pid is not that process here runs in another pid namespace, and UnavailableError
+    says so without signalling anyone."""
+    name = record.name or f"pid {record.pid}"
     created = process_created(record.pid)
-    if created is not None and abs(created - record.pid_created) < 0.01:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(record.pid, signal.SIGTERM)
-        wait_exit(record.pid, record.name or f"pid {record.pid}")
+    if created is None or abs(created - record.pid_created) >= 0.01:
+        if not lock_held(record_lock_path(run_dir, record.pid)):
+            return  # it finished or died meanwhile
+        what = f"daemon {record.name}" if record.name else "a rank"
+        raise UnavailableError(f"{what} is loading in another pid namespace (pid {record.pid} there), so it cannot "
+                               "be signalled from here; stop it where it runs, or here once it is ready.")
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(record.pid, signal.SIGTERM)
+    wait_exit(record_lock_path(run_dir, record.pid), name)
 
 
-def wait_exit(pid: int, name: str) -> None:
-    """Wait until process `pid` (daemon `name`) has exited; UnavailableError when it does not in time."""
-    try:
-        process = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
+def wait_exit(lock: Path, name: str) -> None:
+    """Wait until the process holding `lock` (daemon or rank `name`) has exited; UnavailableError when it does
+    not in time. The lock is released by the kernel when the process is gone, in whatever pid namespace."""
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            if process.status() == psutil.STATUS_ZOMBIE:
-                return
-        except psutil.NoSuchProcess:
-            return
+    while lock_held(lock):
+        if time.monotonic() >= deadline:
+            raise UnavailableError(f"daemon {name} did not exit within {STOP_TIMEOUT_S:g} s of being asked to stop.")
         time.sleep(0.05)
-    raise UnavailableError(f"daemon {name} (pid {pid}) did not exit within {STOP_TIMEOUT_S} s.")
 
 
 def lease_count(descriptor: DaemonDescriptor) -> int:
@@ -226,7 +237,7 @@ def replace_daemons(source: Path, devices: list[str], run_dir: Path, *, force: b
     for descriptor in ready:
         stop_daemon(descriptor, force=True)
     for record in loading:
-        stop_loading(record)
+        stop_loading(run_dir, record)
     return [d.name for d in ready] + [r.name or f"pid {r.pid}" for r in loading]
 
 
@@ -282,7 +293,7 @@ def stop_daemons(
             if descriptor.tp_size == 1:
                 raise
             # Its supervisor is already stopping it with the rest of its group: that is what we asked for.
-            wait_exit(descriptor.pid, descriptor.name)
+            wait_exit(daemon_lock(descriptor), descriptor.name)
             leases = 0
         if leases:
             refused.append(f"{descriptor.name} ({leases} lease(s))")
