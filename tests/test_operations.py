@@ -336,3 +336,19 @@ def test_a_busy_served_engine_logs_a_stats_line_like_vllm(tmp_path: Path) -> Non
             server.send_signal(signal.SIGTERM)
             _, stderr = server.communicate(timeout=30)
     assert "Avg prompt throughput" in stderr and "Avg generation throughput" in stderr, stderr
+
+
+def test_a_rank_killed_while_loading_is_one_sentence_exit_3_and_leaves_no_files(rig: DaemonRig, tiny: Path) -> None:
+    preload = _start_preload(rig, tiny, "--detach", stderr=subprocess.PIPE)
+    pid = _loading_rank(rig)
+    os.kill(pid, signal.SIGKILL)
+    _, stderr = preload.communicate(timeout=60)
+    assert preload.returncode == 3, stderr
+    [line] = stderr.strip().splitlines()
+    assert line.startswith(f"error: rank 0 (pid {pid}) was killed by SIGKILL while loading; its log is "), line
+    log = Path(line.removesuffix(".").rsplit("its log is ", 1)[1])
+    assert log.is_file() and log.parent == rig.run_dir / "logs"
+    left = sorted(p.name for p in rig.run_dir.rglob("*") if p.suffix in (".json", ".sock") and p.is_file()
+                  and p.parent.name != "logs")
+    assert left == [], left
+    assert rig.status()["daemons"] == []

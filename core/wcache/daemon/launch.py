@@ -35,9 +35,11 @@ from wcache.ipc.rundir import (
     ensure_run_dir,
     lock_held,
     lock_path,
+    lock_taken_if_free,
     matches,
     process_created,
     read_descriptors,
+    remove_daemon_files,
 )
 from wcache.ipc.status_pipe import FROM_SUPERVISOR, Exists, Failed, GroupReady, Progress, parse_line
 
@@ -162,7 +164,28 @@ def start_daemons(
         error = PreloadFailedError(reason.rstrip(".") + ".")
         error.exit_code = outcome.exit_code if outcome else EXIT_UNAVAILABLE
         raise error
+    _refuse_a_lost_rank(DaemonGroup(path, process, outcome, where))
     return DaemonGroup(path, process, outcome, where)
+
+
+def _refuse_a_lost_rank(group: DaemonGroup) -> None:
+    """A rank killed between saying ready and now: stop the rest and say which, never "ready"."""
+    from wcache.daemon.supervisor import rank_log_path
+
+    lost = [r for r in group.ready.by_rank() if not lock_held(lock_path(group.run_dir, r.name))]
+    if not lost:
+        return
+    group.terminate()
+    for r in lost:
+        with lock_taken_if_free(lock_path(group.run_dir, r.name)) as free:
+            if free:
+                remove_daemon_files(group.run_dir, r.name)
+    first = lost[0]
+    log = rank_log_path(group.run_dir, group.supervisor.pid, first.rank)
+    error = PreloadFailedError(f"rank {first.rank} (daemon {first.name}) exited right after it became ready, so "
+                               f"nothing was left running; its log is {log}.")
+    error.exit_code = EXIT_UNAVAILABLE
+    raise error
 
 
 def stop_daemon(descriptor: DaemonDescriptor, *, force: bool = False) -> int:

@@ -162,3 +162,20 @@ def read_loading(run_dir: Path) -> list[LoadingRecord]:
                 continue
         found.append(record)
     return found
+
+
+def forget_dead_rank(run_dir: Path, pid: int) -> str | None:
+    """Remove the record of rank `pid` if it died loading (its lock is free); the daemon name it had taken."""
+    path = _record_path(run_dir, pid)
+    with lock_taken_if_free(record_lock_path(run_dir, pid)) as free:
+        if not free:
+            return None
+        name = None
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as f:
+                name = LoadingRecord.from_json(json.loads(f.read(MAX_RECORD_BYTES))).name
+        for stale in (path, record_lock_path(run_dir, pid)):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+        return name
