@@ -9,11 +9,12 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -195,7 +196,12 @@ def stop_daemon(descriptor: DaemonDescriptor, *, force: bool = False) -> int:
     try:
         reply = request_once(descriptor.socket, Shutdown(force=force))
     except DaemonError as exc:
-        raise UnavailableError(f"daemon {descriptor.name} did not answer ({exc})") from None
+        # Already stopping (its socket goes first), asked by someone else or by its supervisor: wait it out.
+        try:
+            wait_exit(daemon_lock(descriptor), descriptor.name)
+        except UnavailableError:
+            raise UnavailableError(f"daemon {descriptor.name} did not answer ({exc})") from None
+        return 0
     if not reply.stopping:
         return reply.leases or 1
     wait_exit(daemon_lock(descriptor), descriptor.name)
@@ -244,21 +250,54 @@ def lease_count(descriptor: DaemonDescriptor) -> int:
         return 0
 
 
+def checkpoint_identity(source: str | os.PathLike[str]) -> str:
+    """What --replace takes as one checkpoint: the real path (symlinks and `..` resolved), with every revision
+    of a repo in a Hugging Face cache (`models--Org--Name/snapshots/<revision>`) taken as the same one."""
+    path = Path(os.path.abspath(source))  # noqa: PTH100  (what a daemon records as its source)
+    # A file's directory is resolved, not the file: in a Hugging Face snapshot it is a link into blobs/.
+    real = Path(os.path.realpath(path.parent)) / path.name if path.is_file() else Path(os.path.realpath(path))
+    parts = real.parts
+    for i in range(1, len(parts) - 1):
+        if parts[i] == "snapshots" and parts[i - 1].startswith("models--"):
+            return str(Path(*parts[:i]))
+    return str(real)
+
+
+# Held by a `preload --replace` from before it stops the old daemons until the new ones are ready (or failed):
+# two replaces at once then run one after the other, so each stops a whole group and starts one.
+REPLACE_LOCK = "replace.lock"
+
+
+@contextlib.contextmanager
+def replacing(run_dir: Path) -> Iterator[None]:
+    """Serialize replaces in `run_dir`: blocks while another `preload --replace` there stops and starts."""
+    fd = os.open(run_dir / REPLACE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def replace_daemons(source: Path, devices: list[str], run_dir: Path, *, force: bool = False) -> list[str]:
-    """Stop every daemon of checkpoint `source` on `devices`, ready or still loading; returns their names.
+    """Stop every daemon of checkpoint `source` (as `checkpoint_identity` tells) on `devices`, ready or still
+    loading, each with its whole TP group; returns their names.
 
     Refuses (nothing stopped) while engines hold zero-copy leases on any of them, unless `force`.
     """
-    wanted = str(source.absolute())
-    ready = [d for d in census(run_dir).live if d.source == wanted and d.device in devices]
-    loading = [r for r in read_loading(run_dir) if r.source == wanted and r.device in devices]
+    wanted = checkpoint_identity(source)
+    live = census(run_dir).live
+    matched = [d for d in live if checkpoint_identity(d.source) == wanted and d.device in devices]
+    ready: list[DaemonDescriptor] = []
+    for descriptor in matched:
+        ready += [d for d in group_of(descriptor, live) if d not in ready]
+    loading = [r for r in read_loading(run_dir) if checkpoint_identity(r.source) == wanted and r.device in devices]
     if not force:
         held = [f"{d.name} ({n} lease(s))" for d in ready if (n := lease_count(d))]
         if held:
             raise UnavailableError(f"engines hold leases on {', '.join(held)}; detach them first, or replace "
                                    "with --force.")
-    for descriptor in ready:
-        stop_daemon(descriptor, force=True)
+    stop_daemons(ready, force=True)
     for record in loading:
         stop_loading(run_dir, record)
     return [d.name for d in ready] + [r.name or f"pid {r.pid}" for r in loading]
