@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import shlex
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 
 import psutil
@@ -119,3 +122,44 @@ def test_a_rank_loading_in_another_namespace_is_listed_and_not_signalled(rig: Da
     finally:
         os.kill(pid, signal.SIGCONT)
     assert preload.wait(timeout=60) == 0
+
+
+def _serving_url(engine: subprocess.Popen[str], timeout: float = 120.0) -> str:
+    """The base URL from the engine's SERVING line; fails if it exits or stays silent for `timeout`."""
+    assert engine.stdout is not None
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([engine.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        line = engine.stdout.readline() if ready else ""
+        if ready and not line:
+            raise AssertionError(f"the engine exited ({engine.wait()}) before serving: {seen}")
+        seen.append(line)
+        if line.startswith("SERVING "):
+            return line.split()[1].removesuffix("/v1/completions")
+    raise AssertionError(f"no SERVING line within {timeout} s: {seen}")
+
+
+def test_top_shows_an_engine_served_from_another_pid_namespace(rig: DaemonRig) -> None:
+    """`top` in a third namespace, where the engine's pid is no process at all (once it was taken as dead)."""
+    tiny = write_checkpoint("tiny", rig.base / "tiny")
+    [daemon] = rig.preload(tiny)
+    # A shell as the namespace's first process runs 60 others first, so the engine's pid there is past any
+    # pid (or thread id) the namespace `top` runs in will have.
+    serve = " ".join(shlex.quote(a) for a in [*WCACHE, "attach", str(tiny), "--serve", "--port", "0", "--run-dir",
+                                              str(rig.run_dir)])
+    engine = subprocess.Popen([*UNSHARE, "sh", "-c", f"for i in $(seq 60); do /bin/true; done; {serve}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                              env=environment(rig.env))
+    try:
+        url = _serving_url(engine)
+        top = _in_new_namespace(rig, "top", "--json", "--once", "--run-dir", str(rig.run_dir), "--interval", "0.3")
+        assert top.returncode == 0, top.stderr
+        [served] = [e for e in json.loads(top.stdout)["engines"] if e["url"] == url]
+        assert served["up"] and served["weights"] == "hit" and served["daemon"] == daemon.name
+    finally:
+        # The shell is its namespace's init and ignores SIGTERM from here: stop the engine itself.
+        for child in psutil.Process(engine.pid).children(recursive=True):
+            if "wcache_cli.main" in " ".join(child.cmdline()):
+                child.send_signal(signal.SIGTERM)
+        engine.wait(timeout=60)
