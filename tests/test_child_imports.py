@@ -21,12 +21,12 @@ from daemon_fixtures import (
     daemon_rig,
     nothing_survives,  # noqa: F401
 )
-from helpers import CLI_TIMEOUT_S, environment
+from helpers import CLI_TIMEOUT_S, environment, plant_wcache
 from wcache.ipc.interpreter import python_module_argv
 from wcache_dev.synth import write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKER = "planted-code-ran"
+MARKER = "planted-code-ran"  # written by the planted package if anything imports it
 
 
 @pytest.fixture
@@ -35,21 +35,12 @@ def rig() -> Iterator[DaemonRig]:
         yield made
 
 
-def _planted(where: Path, marker: Path) -> Path:
-    """A directory holding a `wcache/` package and a `wcache.py`, each recording that it was imported."""
-    where.mkdir()
-    code = f"open({str(marker)!r}, 'a').write(__file__ + '\\n')\n"
-    (where / "wcache").mkdir()
-    (where / "wcache" / "__init__.py").write_text(code)
-    (where / "wcache" / "daemon").mkdir()
-    (where / "wcache" / "daemon" / "__init__.py").write_text(code)
-    (where / "wcache" / "daemon" / "__main__.py").write_text(code)
-    (where / "wcache.py").write_text(code)
-    return where
-
-
 def _clone(where: Path) -> Path:
-    """A directory holding a clone of this project named `wcache`: a namespace package without `__version__`."""
+    """A directory holding a clone of this project named `wcache`: a namespace package without `__version__`.
+
+    It shadows an editable install (found by a meta-path finder, after every `sys.path` entry), not a
+    package on `PYTHONPATH` or in site-packages: this case fails without `-P` where the suite runs on the
+    editable install."""
     where.mkdir()
     clone = where / "wcache"
     (clone / "core" / "wcache").mkdir(parents=True)
@@ -82,7 +73,7 @@ def test_every_python_child_is_started_through_the_one_argv_helper() -> None:
 @pytest.mark.parametrize("layout", ["planted", "clone"])
 def test_preload_from_a_directory_holding_wcache_runs_the_installed_package(rig: DaemonRig, layout: str) -> None:
     marker = rig.base / MARKER
-    cwd = _planted(rig.base / "cwd", marker) if layout == "planted" else _clone(rig.base / "cwd")
+    cwd = plant_wcache(rig.base / "cwd", marker) if layout == "planted" else _clone(rig.base / "cwd")
     tiny = write_checkpoint("tiny", rig.base / "tiny")
     result = _wcache(cwd, rig, "preload", str(tiny), "--detach", "--json", "--run-dir", str(rig.run_dir))
     assert result.returncode == 0, result.stderr
@@ -96,7 +87,7 @@ def test_preload_from_a_directory_holding_wcache_runs_the_installed_package(rig:
 
 def test_tp2_engine_ranks_from_a_directory_holding_wcache_run_the_installed_package(rig: DaemonRig) -> None:
     marker = rig.base / MARKER
-    cwd = _planted(rig.base / "cwd", marker)
+    cwd = plant_wcache(rig.base / "cwd", marker)
     tiny = write_checkpoint("tiny", rig.base / "tiny")
     result = _wcache(cwd, rig, "attach", str(tiny), "--tp", "2", "--prompt", "hi", "--run-dir", str(rig.run_dir))
     assert result.returncode == 0, result.stderr
