@@ -36,6 +36,8 @@ from wcache.ipc.rundir import (
     DESCRIPTOR_SUFFIX,
     DaemonDescriptor,
     daemon_name,
+    lock_held,
+    lock_path,
     process_created,
     read_descriptors,
     socket_path,
@@ -150,13 +152,16 @@ class DaemonRig:
     def publish_stand_in(self, device: str = "cpu", key_id: str = "3fa9c0de12ab") -> DaemonDescriptor:
         """A descriptor published as a ready daemon publishes it (`write_descriptor`), for a process that sleeps.
 
-        `census` counts it live (its pid runs and started when the descriptor says), so it serves whatever only
-        lists daemons; nothing listens on its socket. The process carries the base path, so cleanup kills it.
+        The process holds the daemon's lock as a daemon does, so `census` counts it live; nothing listens on its
+        socket. The process carries the base path, so cleanup kills it.
         """
-        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", str(self.base)],
-                                   stdin=subprocess.DEVNULL)
-        created = wait_for(lambda: process_created(process.pid), what="the stand-in to start")
         name = daemon_name(device, key_id)
+        lock = lock_path(self.run_dir, name)
+        hold = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
+                "fcntl.flock(fd, fcntl.LOCK_EX); time.sleep(600)")
+        process = subprocess.Popen([sys.executable, "-c", hold, str(lock), str(self.base)], stdin=subprocess.DEVNULL)
+        created = wait_for(lambda: process_created(process.pid), what="the stand-in to start")
+        wait_for(lambda: lock_held(lock), what="the stand-in to hold its lock")
         descriptor = DaemonDescriptor(
             name=name, pid=process.pid, pid_created=created, device=device, tp_size=1, tp_rank=0, key_id=key_id,
             key=WeightCacheKey(checkpoint=key_id, config=key_id, plan=key_id, format=1), plan=PlanSpec(), config=None,

@@ -115,6 +115,19 @@ def run_python(code: str, *args: str, env: EnvOverrides | None = None, timeout: 
                           env=environment(env), timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+def plant_wcache(where: Path, marker: Path) -> Path:
+    """A new directory holding a `wcache/` package and a `wcache.py`, each appending to `marker` when imported:
+    run from there, a child that puts the working directory on `sys.path` would run them."""
+    where.mkdir()
+    code = f"open({str(marker)!r}, 'a').write(__file__ + '\\n')\n"
+    for package in (where / "wcache", where / "wcache" / "daemon", where / "wcache" / "integrations"):
+        package.mkdir()
+        (package / "__init__.py").write_text(code)
+    (where / "wcache" / "daemon" / "__main__.py").write_text(code)
+    (where / "wcache.py").write_text(code)
+    return where
+
+
 def wait_past_racy_window() -> None:
     """Sleep until files written now are old enough for their receipts to be trusted."""
     time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)

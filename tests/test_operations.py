@@ -336,3 +336,93 @@ def test_a_busy_served_engine_logs_a_stats_line_like_vllm(tmp_path: Path) -> Non
             server.send_signal(signal.SIGTERM)
             _, stderr = server.communicate(timeout=30)
     assert "Avg prompt throughput" in stderr and "Avg generation throughput" in stderr, stderr
+
+
+def test_a_rank_killed_while_loading_is_one_sentence_exit_3_and_leaves_no_files(rig: DaemonRig, tiny: Path) -> None:
+    preload = _start_preload(rig, tiny, "--detach", stderr=subprocess.PIPE)
+    pid = _loading_rank(rig)
+    os.kill(pid, signal.SIGKILL)
+    _, stderr = preload.communicate(timeout=60)
+    assert preload.returncode == 3, stderr
+    [line] = stderr.strip().splitlines()
+    assert line.startswith(f"error: rank 0 (pid {pid}) was killed by SIGKILL while loading; its log is "), line
+    log = Path(line.removesuffix(".").rsplit("its log is ", 1)[1])
+    assert log.is_file() and log.parent == rig.run_dir / "logs"
+    left = sorted(p.name for p in rig.run_dir.rglob("*") if p.suffix in (".json", ".sock") and p.is_file()
+                  and p.parent.name != "logs")
+    assert left == [], left
+    assert rig.status()["daemons"] == []
+
+
+def _ranks_running(rig: DaemonRig) -> list[int]:
+    """Pids of the rank daemons of this rig that run (zombies excluded)."""
+    found = []
+    for process in psutil.process_iter():
+        command = " ".join(_cmd(process))
+        if "wcache.daemon " in command and str(rig.base) in command:
+            with contextlib.suppress(psutil.Error):
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    found.append(process.pid)
+    return found
+
+
+def _replace(rig: DaemonRig, model: str, *options: str, env: dict[str, str] | None = None,
+             ) -> subprocess.CompletedProcess[str]:
+    return rig.cli("preload", model, "--detach", "--replace", "--run-dir", str(rig.run_dir), *options, env=env)
+
+
+@pytest.mark.parametrize("spelling", ["symlink", "dotdot"])
+def test_replace_through_another_spelling_of_the_path_leaves_one_daemon(rig: DaemonRig, tiny: Path,
+                                                                         spelling: str) -> None:
+    [old] = rig.preload(tiny)
+    if spelling == "symlink":
+        other = rig.base / "current"
+        other.symlink_to(tiny)
+    else:
+        (rig.base / "elsewhere").mkdir()
+        other = rig.base / "elsewhere" / ".." / tiny.name
+    replaced = _replace(rig, str(other))
+    assert replaced.returncode == 0, replaced.stderr
+    assert f"stopped {old.name} to replace it" in replaced.stderr
+    [new] = rig.descriptors()
+    assert new.pid != old.pid and _ranks_running(rig) == [new.pid]
+
+
+def test_replace_of_a_hugging_face_id_whose_main_moved_stops_the_old_revision(rig: DaemonRig) -> None:
+    repo = rig.base / "hub" / "models--Org--Tiny"
+    revisions = ["1" * 40, "2" * 40]
+    for seed, revision in enumerate(revisions):  # two revisions, two different keys
+        write_checkpoint("tiny", repo / "snapshots" / revision, seed=seed)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revisions[0])
+    env = {"HF_HUB_CACHE": str(rig.base / "hub"), "HF_HUB_OFFLINE": "1"}
+    first = rig.cli("preload", "Org/Tiny", "--detach", "--run-dir", str(rig.run_dir), env=env)
+    assert first.returncode == 0, first.stderr
+    [old] = rig.descriptors()
+    (repo / "refs" / "main").write_text(revisions[1])
+    replaced = _replace(rig, "Org/Tiny", env=env)
+    assert replaced.returncode == 0, replaced.stderr
+    assert f"stopped {old.name} to replace it" in replaced.stderr
+    [new] = rig.descriptors()
+    assert new.source == str(repo / "snapshots" / revisions[1]) and new.key_id != old.key_id
+    assert _ranks_running(rig) == [new.pid]
+
+
+def test_replace_of_a_tp2_group_leaves_one_group(rig: DaemonRig, tiny: Path) -> None:
+    old = rig.preload(tiny, "--tp", "2")
+    replaced = _replace(rig, str(tiny), "--tp", "2")
+    assert replaced.returncode == 0, replaced.stderr
+    assert all(f"stopped {d.name} to replace it" in replaced.stderr for d in old)
+    new = rig.descriptors()
+    assert len(new) == 2 and not {d.pid for d in new} & {d.pid for d in old}
+    assert sorted(_ranks_running(rig)) == sorted(d.pid for d in new)
+
+
+def test_two_replaces_at_once_end_in_one_daemon_and_both_succeed(rig: DaemonRig, tiny: Path) -> None:
+    [old] = rig.preload(tiny)
+    both = [_start_preload(rig, tiny, "--detach", "--replace", stderr=subprocess.PIPE) for _ in range(2)]
+    results = [p.communicate(timeout=120) for p in both]
+    assert [p.returncode for p in both] == [0, 0], results
+    assert all("READY" in stdout for stdout, _ in results), results
+    [new] = rig.descriptors()
+    assert new.pid != old.pid and _ranks_running(rig) == [new.pid]

@@ -35,6 +35,7 @@ from daemon_fixtures import (
     nothing_survives,  # noqa: F401
     wait_for,
 )
+from helpers import plant_wcache
 from wcache.errors import BadInputError
 from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_tokens
 from wcache.ipc.rundir import DaemonDescriptor
@@ -117,6 +118,9 @@ def test_changed_copy_misses_and_serves_its_own_tokens(vllm_rig: VllmRig, monkey
     rig = vllm_rig.rig
     for name, value in IN_PROCESS_ENGINE.items():
         monkeypatch.setenv(name, value)  # greedy_tokens hands this environment to vLLM
+    # Run from a directory holding a `wcache/` package: the runner must import the installed one.
+    marker = rig.base / "planted-code-ran"
+    monkeypatch.chdir(plant_wcache(rig.base / "cwd", marker))
     runs = [
         vllm_rig.run(vllm_rig.unserved_copy, load_format="wcache", extra_config=vllm_rig.extra()),
         vllm_rig.run(vllm_rig.unserved_copy),
@@ -125,6 +129,7 @@ def test_changed_copy_misses_and_serves_its_own_tokens(vllm_rig: VllmRig, monkey
     # Three engines that share nothing: started side by side, each in its own process.
     with ThreadPoolExecutor(len(runs)) as pool:
         cached, disk, original = pool.map(greedy_tokens, runs)
+    assert not marker.exists(), marker.read_text()
     assert cached.tokens == disk.tokens, "the fallback must serve the copy's own weights"
     assert cached.tokens != original.tokens, "the zeroed lm_head must change the tokens"
     [warning] = [line for line in cached.log.splitlines() if "wcache: weight cache miss" in line]

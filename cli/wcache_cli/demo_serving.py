@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from wcache.daemon.launch import start_daemons, stop_daemon, terminate_started
+from wcache.ipc.interpreter import python_module_argv
 from wcache.ipc.rundir import ENGINES_DIR, census, ensure_run_dir
 
 from wcache_cli.output import out
@@ -58,8 +58,8 @@ def leave_serving(original: Path, modified: Path, workdir: Path, run_dir: Path) 
     (workdir / STATE_NAME).write_text(json.dumps(state))
     with (workdir / "engine.log").open("ab") as log:
         engine = subprocess.Popen(
-            [sys.executable, "-m", "wcache_cli.main", "attach", str(original), "--serve", "--port", "0",
-             "--run-dir", str(run_dir)],
+            python_module_argv("wcache_cli.main", "attach", str(original), "--serve", "--port", "0", "--run-dir",
+                               str(run_dir)),
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
     state["engine_pid"] = engine.pid

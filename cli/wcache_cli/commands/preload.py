@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -115,7 +116,7 @@ def preload(
     requirement = ("unknown" if refuse_unknown else "differs") if require_provenance else "warn"
     # Imported here so that building the help (every command's signature) loads no daemon machinery.
     from wcache.checkpoint.model_path import resolve_model_path
-    from wcache.daemon.launch import replace_daemons
+    from wcache.daemon.launch import replace_daemons, replacing
     from wcache.daemon.sd_notify import Notifier
     from wcache.daemon.supervisor import rank_devices
     from wcache.ipc.rundir import DaemonExistsError, ensure_run_dir
@@ -123,8 +124,16 @@ def preload(
     model = resolve_model_path(model)
     where = ensure_run_dir(run_dir_or_default(run_dir))
     warn_if_exposed(health_host, "--health-host", "/health, /metrics and /stats")
+    # Held from stopping the old group until the new one is ready: concurrent replaces take turns.
+    serial = contextlib.ExitStack()
     if replace:
-        for name in replace_daemons(model, rank_devices(device, tp), where, force=force):
+        serial.enter_context(replacing(where))
+        try:
+            replaced = replace_daemons(model, rank_devices(device, tp), where, force=force)
+        except BaseException:
+            serial.close()
+            raise
+        for name in replaced:
             out.hint(f"stopped {printable(name)} to replace it")
     notifier = Notifier.take_from_environment()  # systemd's Type=notify; taken before any child inherits it
     # SIGTERM and SIGHUP (systemd, supervisord, `timeout`, `docker stop`, a closed terminal) stop every rank we
@@ -142,6 +151,8 @@ def preload(
             else:
                 out.print(str(exc))
             return
+        finally:
+            serial.close()  # ready or failed: the next replace may go ahead
         _print_ready(group.ready, model, device, json_output)
         _warn_provenance(group.ready, where, expected)
         if detach:
@@ -171,6 +182,7 @@ def preload(
         signal.signal(stop.signum, signal.SIG_DFL)
         os.kill(os.getpid(), stop.signum)
     finally:
+        serial.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 

@@ -198,14 +198,19 @@ def stop(
     where = run_dir_or_default(run_dir)
     targets = stop_targets(where, None if all_daemons else ident, group=group)
     loading = read_loading(where) if all_daemons and where.exists() else []
+    unreachable: list[UnavailableError] = []  # ranks loading in another pid namespace: the rest still stop
     for record in loading:
-        stop_loading(record)
+        try:
+            stop_loading(where, record)
+        except UnavailableError as exc:
+            unreachable.append(exc)
+            continue
         out.print(f"stopped {printable(record.name or f'pid {record.pid}')} (it was loading)")
-    if not targets:
-        if loading:
-            return
-        if all_daemons:
-            out.print(f"No daemons in {where}.")
-            return
-        raise UnavailableError(f"no running daemon matches {ident!r} in {where}; `wcache status` lists them.")
-    stop_daemons(targets, force=force, on_stopped=lambda name: out.print(f"stopped {name}"))
+    if targets:
+        stop_daemons(targets, force=force, on_stopped=lambda name: out.print(f"stopped {name}"))
+    elif not loading:
+        if not all_daemons:
+            raise UnavailableError(f"no running daemon matches {ident!r} in {where}; `wcache status` lists them.")
+        out.print(f"No daemons in {where}.")
+    if unreachable:
+        raise unreachable[0]

@@ -9,12 +9,12 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -24,7 +24,8 @@ import psutil
 from wcache.daemon.argv import LoadArgs
 from wcache.errors import EXIT_UNAVAILABLE, BadInputError, UnavailableError, WcacheError
 from wcache.ipc.client import DaemonError, request_once
-from wcache.ipc.loading import LoadingRecord, read_loading
+from wcache.ipc.interpreter import python_module_argv
+from wcache.ipc.loading import LoadingRecord, read_loading, record_lock_path
 from wcache.ipc.messages import Shutdown, Stats
 from wcache.ipc.protocol import ProtocolError
 from wcache.ipc.rundir import (
@@ -33,9 +34,13 @@ from wcache.ipc.rundir import (
     census,
     default_run_dir,
     ensure_run_dir,
+    lock_held,
+    lock_path,
+    lock_taken_if_free,
     matches,
     process_created,
     read_descriptors,
+    remove_daemon_files,
 )
 from wcache.ipc.status_pipe import FROM_SUPERVISOR, Exists, Failed, GroupReady, Progress, parse_line
 
@@ -90,10 +95,10 @@ class DaemonGroup:
 
 
 def _supervisor_command(load: LoadArgs, health_host: str, health_port: int, share_stderr: bool) -> list[str]:
-    return [
-        sys.executable, "-m", "wcache.daemon.supervisor", *load.to_argv(), "--health-host", health_host,
-        "--health-port", str(health_port), *(["--foreground"] if share_stderr else []),
-    ]
+    return python_module_argv(
+        "wcache.daemon.supervisor", *load.to_argv(), "--health-host", health_host, "--health-port",
+        str(health_port), *(["--foreground"] if share_stderr else []),
+    )
 
 
 def _follow(stream: IO[str], on_progress: ProgressCallback | None) -> GroupReady | Exists | Failed | None:
@@ -165,46 +170,81 @@ def start_daemons(
         error = PreloadFailedError(reason.rstrip(".") + ".")
         error.exit_code = outcome.exit_code if outcome else EXIT_UNAVAILABLE
         raise error
+    _refuse_a_lost_rank(DaemonGroup(path, process, outcome, where))
     return DaemonGroup(path, process, outcome, where)
 
 
+def _refuse_a_lost_rank(group: DaemonGroup) -> None:
+    """A rank killed between saying ready and now: stop the rest and say which, never "ready"."""
+    from wcache.daemon.supervisor import rank_log_path
+
+    lost = [r for r in group.ready.by_rank() if not lock_held(lock_path(group.run_dir, r.name))]
+    if not lost:
+        return
+    group.terminate()
+    for r in lost:
+        with lock_taken_if_free(lock_path(group.run_dir, r.name)) as free:
+            if free:
+                remove_daemon_files(group.run_dir, r.name)
+    first = lost[0]
+    log = rank_log_path(group.run_dir, group.supervisor.pid, first.rank)
+    error = PreloadFailedError(f"rank {first.rank} (daemon {first.name}) exited right after it became ready, so "
+                               f"nothing was left running; its log is {log}.")
+    error.exit_code = EXIT_UNAVAILABLE
+    raise error
+
+
 def stop_daemon(descriptor: DaemonDescriptor, *, force: bool = False) -> int:
-    """Ask a daemon to stop and wait until it has; returns the lease count when it refused (else 0)."""
+    """Ask a daemon to stop and wait until it has; returns the lease count when it refused (else 0).
+
+    Through its socket and its lock, never its pid: the daemon may run in another pid namespace."""
     try:
         reply = request_once(descriptor.socket, Shutdown(force=force))
     except DaemonError as exc:
-        raise UnavailableError(f"daemon {descriptor.name} did not answer ({exc})") from None
+        # Already stopping (its socket goes first), asked by someone else or by its supervisor: wait it out.
+        try:
+            wait_exit(daemon_lock(descriptor), descriptor.name)
+        except UnavailableError:
+            raise UnavailableError(f"daemon {descriptor.name} did not answer ({exc})") from None
+        return 0
     if not reply.stopping:
         return reply.leases or 1
-    wait_exit(descriptor.pid, descriptor.name)
+    wait_exit(daemon_lock(descriptor), descriptor.name)
     return 0
 
 
-def stop_loading(record: LoadingRecord) -> None:
-    """Stop a rank that is still loading and wait until it has; it removes its own files on the way out."""
-    # No socket yet: the pid, checked against the start time it recorded, is the handle.
+def daemon_lock(descriptor: DaemonDescriptor) -> Path:
+    """The lock the daemon holds while it runs, beside the socket it published (both in its run dir)."""
+    return lock_path(Path(descriptor.socket).parent, descriptor.name)
+
+
+def stop_loading(run_dir: Path, record: LoadingRecord) -> None:
+    """Stop a rank that is still loading and wait until it has; it removes its own files on the way out.
+
+    No socket yet, so the pid (checked against the start time it recorded) is the only handle: a rank whose
+    lock is held but whose pid is not that process here runs in another pid namespace, and UnavailableError
+    says so without signalling anyone."""
+    name = record.name or f"pid {record.pid}"
     created = process_created(record.pid)
-    if created is not None and abs(created - record.pid_created) < 0.01:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(record.pid, signal.SIGTERM)
-        wait_exit(record.pid, record.name or f"pid {record.pid}")
+    if created is None or abs(created - record.pid_created) >= 0.01:
+        if not lock_held(record_lock_path(run_dir, record.pid)):
+            return  # it finished or died meanwhile
+        what = f"daemon {record.name}" if record.name else "a rank"
+        raise UnavailableError(f"{what} is loading in another pid namespace (pid {record.pid} there), so it cannot "
+                               "be signalled from here; stop it where it runs, or here once it is ready.")
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(record.pid, signal.SIGTERM)
+    wait_exit(record_lock_path(run_dir, record.pid), name)
 
 
-def wait_exit(pid: int, name: str) -> None:
-    """Wait until process `pid` (daemon `name`) has exited; UnavailableError when it does not in time."""
-    try:
-        process = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
+def wait_exit(lock: Path, name: str) -> None:
+    """Wait until the process holding `lock` (daemon or rank `name`) has exited; UnavailableError when it does
+    not in time. The lock is released by the kernel when the process is gone, in whatever pid namespace."""
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            if process.status() == psutil.STATUS_ZOMBIE:
-                return
-        except psutil.NoSuchProcess:
-            return
+    while lock_held(lock):
+        if time.monotonic() >= deadline:
+            raise UnavailableError(f"daemon {name} did not exit within {STOP_TIMEOUT_S:g} s of being asked to stop.")
         time.sleep(0.05)
-    raise UnavailableError(f"daemon {name} (pid {pid}) did not exit within {STOP_TIMEOUT_S} s.")
 
 
 def lease_count(descriptor: DaemonDescriptor) -> int:
@@ -215,23 +255,56 @@ def lease_count(descriptor: DaemonDescriptor) -> int:
         return 0
 
 
+def checkpoint_identity(source: str | os.PathLike[str]) -> str:
+    """What --replace takes as one checkpoint: the real path (symlinks and `..` resolved), with every revision
+    of a repo in a Hugging Face cache (`models--Org--Name/snapshots/<revision>`) taken as the same one."""
+    path = Path(os.path.abspath(source))  # noqa: PTH100  (what a daemon records as its source)
+    # A file's directory is resolved, not the file: in a Hugging Face snapshot it is a link into blobs/.
+    real = Path(os.path.realpath(path.parent)) / path.name if path.is_file() else Path(os.path.realpath(path))
+    parts = real.parts
+    for i in range(1, len(parts) - 1):
+        if parts[i] == "snapshots" and parts[i - 1].startswith("models--"):
+            return str(Path(*parts[:i]))
+    return str(real)
+
+
+# Held by a `preload --replace` from before it stops the old daemons until the new ones are ready (or failed):
+# two replaces at once then run one after the other, so each stops a whole group and starts one.
+REPLACE_LOCK = "replace.lock"
+
+
+@contextlib.contextmanager
+def replacing(run_dir: Path) -> Iterator[None]:
+    """Serialize replaces in `run_dir`: blocks while another `preload --replace` there stops and starts."""
+    fd = os.open(run_dir / REPLACE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def replace_daemons(source: Path, devices: list[str], run_dir: Path, *, force: bool = False) -> list[str]:
-    """Stop every daemon of checkpoint `source` on `devices`, ready or still loading; returns their names.
+    """Stop every daemon of checkpoint `source` (as `checkpoint_identity` tells) on `devices`, ready or still
+    loading, each with its whole TP group; returns their names.
 
     Refuses (nothing stopped) while engines hold zero-copy leases on any of them, unless `force`.
     """
-    wanted = str(source.absolute())
-    ready = [d for d in census(run_dir).live if d.source == wanted and d.device in devices]
-    loading = [r for r in read_loading(run_dir) if r.source == wanted and r.device in devices]
+    wanted = checkpoint_identity(source)
+    live = census(run_dir).live
+    matched = [d for d in live if checkpoint_identity(d.source) == wanted and d.device in devices]
+    ready: list[DaemonDescriptor] = []
+    for descriptor in matched:
+        ready += [d for d in group_of(descriptor, live) if d not in ready]
+    loading = [r for r in read_loading(run_dir) if checkpoint_identity(r.source) == wanted and r.device in devices]
     if not force:
         held = [f"{d.name} ({n} lease(s))" for d in ready if (n := lease_count(d))]
         if held:
             raise UnavailableError(f"engines hold leases on {', '.join(held)}; detach them first, or replace "
                                    "with --force.")
-    for descriptor in ready:
-        stop_daemon(descriptor, force=True)
+    stop_daemons(ready, force=True)
     for record in loading:
-        stop_loading(record)
+        stop_loading(run_dir, record)
     return [d.name for d in ready] + [r.name or f"pid {r.pid}" for r in loading]
 
 
@@ -287,7 +360,7 @@ def stop_daemons(
             if descriptor.tp_size == 1:
                 raise
             # Its supervisor is already stopping it with the rest of its group: that is what we asked for.
-            wait_exit(descriptor.pid, descriptor.name)
+            wait_exit(daemon_lock(descriptor), descriptor.name)
             leases = 0
         if leases:
             refused.append(f"{descriptor.name} ({leases} lease(s))")

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from wcache.ipc.arena import CpuArena
+from wcache.ipc.arena import ArenaClosedError, CpuArena
 from wcache.ipc.messages import (
     REQUESTS,
     ArenaReport,
@@ -126,6 +126,8 @@ class DaemonServer:
         self.started = time.time()
         self._listener: socket.socket | None = None
         self._next_ident = 0
+        # Two content checks at once would take every core from the probes; a second waits for the first.
+        self._checking = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -412,16 +414,21 @@ class DaemonServer:
         return ReleaseReply(state=state, release_queued=pending), ()
 
     def _handle_check_arena(self, client: _Client, request: CheckArena) -> Reply:
-        """Re-hash every processed tensor in the arena against the digest recorded when it was built."""
-        from wcache.load.loader import processed_digest
+        """Re-hash every processed tensor in the arena against the digest recorded when it was built.
+
+        Outside the shared lock, and one check at a time: hashing a large arena takes seconds, and hellos,
+        stats and the health probes must answer meanwhile (a kubelet gives a probe 1 s)."""
+        from wcache.load.loader import changed_in_arena
 
         with self.shared.lock:
             ready = self.shared.state == "ready"
-            if ready:
-                tensors = self.loaded.arena.tensors(self.loaded.entries)
-                changed = tuple(name for name, tensor in tensors.items()
-                                if processed_digest(tensor) != self.loaded.processed_digests[name])
-                return ArenaReport(checked=len(tensors), changed=changed), ()
+        if ready:
+            try:
+                with self._checking:
+                    changed = changed_in_arena(self.loaded.arena, self.loaded.entries, self.loaded.processed_digests)
+                return ArenaReport(checked=len(self.loaded.entries), changed=changed), ()
+            except ArenaClosedError:
+                pass  # released to a copy-mode engine, or stopping, before the check began
         return ErrorReply(f"{self._released_message()}; nothing to check"), ()
 
     def stats(self) -> StatsReply:

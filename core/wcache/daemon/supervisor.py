@@ -15,13 +15,16 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from wcache.daemon.argv import LoadArgs
 from wcache.daemon.health import RankTable, serve_health
 from wcache.errors import EXIT_UNAVAILABLE, WcacheError
 from wcache.ipc.http_server import http_url
+from wcache.ipc.interpreter import python_module_argv
+from wcache.ipc.loading import forget_dead_rank
 from wcache.ipc.protocol import ProtocolError
-from wcache.ipc.rundir import census, ensure_run_dir
+from wcache.ipc.rundir import census, ensure_run_dir, lock_path, lock_taken_if_free, remove_daemon_files
 from wcache.ipc.status_pipe import FROM_RANK, Exists, Failed, GroupReady, Progress, RankReady, StatusWriter, parse_line
 from wcache.monitor.events import append_event
 from wcache.monitor.logs import configure as configure_logging
@@ -50,6 +53,7 @@ class _Rank:
     rank: int
     device: str
     process: subprocess.Popen[str]
+    log_path: Path
     done: int = 0
     total: int = 0
     ready: RankReady | None = None
@@ -112,13 +116,12 @@ class Supervisor:
 
     def _spawn(self, rank: int, device: str, health_url: str) -> _Rank:
         a = self.args
-        logs = self.run_dir / "logs"
-        logs.mkdir(mode=0o700, exist_ok=True)
-        log_path = logs / f"preload-{os.getpid()}-rank{rank}.log"
-        command = [
-            sys.executable, "-m", "wcache.daemon", *LoadArgs.from_namespace(a).for_rank(device, self.run_dir, log_path)
-            .to_argv(), "--rank", str(rank), "--health-url", health_url, "--supervisor-pid", str(os.getpid()),
-        ]
+        log_path = rank_log_path(self.run_dir, os.getpid(), rank)
+        log_path.parent.mkdir(mode=0o700, exist_ok=True)
+        command = python_module_argv(
+            "wcache.daemon", *LoadArgs.from_namespace(a).for_rank(device, self.run_dir, log_path).to_argv(),
+            "--rank", str(rank), "--health-url", health_url, "--supervisor-pid", str(os.getpid()),
+        )
         # In the foreground the ranks share our stderr (journald, `docker logs`); their log file is kept too.
         log_file = None if a.foreground else log_path.open("a")
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
@@ -126,7 +129,7 @@ class Supervisor:
         if log_file is not None:
             log_file.close()
         log.info("started rank %d on %s (pid %d, log %s)", rank, device, process.pid, log_path)
-        state = _Rank(rank, device, process)
+        state = _Rank(rank, device, process, log_path)
         threading.Thread(target=self._follow, args=(state,), daemon=True).start()
         return state
 
@@ -156,6 +159,8 @@ class Supervisor:
                     state.failure_code = message.exit_code if message.exit_code > 0 else 1
                 self.changed.notify_all()
         code = state.process.wait()
+        if state.ready is None:
+            self._clean_after(state)
         with self.changed:
             state.exit_code = code
             self.changed.notify_all()
@@ -178,16 +183,25 @@ class Supervisor:
                 for r in self.ranks:
                     if r.exists is not None:
                         return r.exists, 0
-                    if r.failure is not None or (r.exit_code is not None and r.ready is None):
-                        reason = r.failure or f"rank {r.rank} exited with code {r.exit_code} while loading."
-                        # The rank's own verdict (bad input 2, unavailable 3) when it gave one.
-                        code = r.failure_code if r.failure else (r.exit_code or 1)
-                        return f"rank {r.rank}: {reason}", code
+                    if r.failure is not None:
+                        # The rank's own verdict (bad input 2, unavailable 3).
+                        return f"rank {r.rank}: {r.failure}", r.failure_code
+                    if r.exit_code is not None and r.ready is None:
+                        return _death(r), EXIT_UNAVAILABLE
                 if self.stopping:
                     return "preload was stopped before every rank was ready.", 1
                 if all(r.ready is not None for r in self.ranks):
                     return None
                 self.changed.wait(0.5)
+
+    def _clean_after(self, state: _Rank) -> None:
+        """A rank that died before it was ready leaves nothing behind: its loading record, and the socket and
+        descriptor it may have published just before (its lock, free now, says nobody else owns them)."""
+        name = forget_dead_rank(self.run_dir, state.process.pid)
+        if name is not None:
+            with lock_taken_if_free(lock_path(self.run_dir, name)) as free:
+                if free:
+                    remove_daemon_files(self.run_dir, name)
 
     def _terminate_all(self) -> None:
         for r in self.ranks:
@@ -207,6 +221,23 @@ class Supervisor:
             self.stopping = True
             self.changed.notify_all()
         threading.Thread(target=self._terminate_all, daemon=True).start()
+
+
+def rank_log_path(run_dir: Path, supervisor_pid: int, rank: int) -> Path:
+    return run_dir / "logs" / f"preload-{supervisor_pid}-rank{rank}.log"
+
+
+def _death(r: _Rank) -> str:
+    """Why a rank that sent no reason is gone, as a user can act on it: how it ended, and where its log is."""
+    code = r.exit_code or 0
+    if code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    return f"rank {r.rank} (pid {r.process.pid}) {how} while loading; its log is {r.log_path}"
 
 
 def _arguments(argv: list[str]) -> argparse.Namespace:

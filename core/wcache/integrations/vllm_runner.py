@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from wcache.errors import UnavailableError
+from wcache.ipc.interpreter import python_module_argv
 
 # Small enough for the CPU backend on a laptop-sized machine; vLLM's own default takes 92% of RAM.
 DEFAULT_KV_CACHE_GIB = "1"
@@ -68,7 +69,7 @@ def greedy_tokens(run: VllmRun, timeout: float | None = None) -> VllmResult:
         with log_path.open("w") as log:
             # vLLM's engine core and workers inherit the log, not a pipe: nothing waits on their output.
             process = subprocess.Popen(
-                [sys.executable, "-m", "wcache.integrations.vllm_runner", str(spec)], stdin=subprocess.DEVNULL,
+                python_module_argv("wcache.integrations.vllm_runner", str(spec)), stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
             try:

@@ -2,12 +2,15 @@
 
 A rank writes `<run dir>/loading/<pid>.json` when it starts, rewrites it (atomically, at most every
 `UPDATE_INTERVAL_S`) as bytes are read, hashed and processed, and removes it once it publishes its descriptor
-or exits. A record whose process is gone (or whose pid was reused) is stale and removed by the next reader.
+or exits. Beside it the rank holds a lock on `<pid>.lock` for as long as it runs; a record whose lock nobody
+holds is stale and removed by the next reader. The lock, not the pid, says whether the rank lives: a reader
+in another pid namespace (a container sharing the run dir) does not see the pid, or sees another process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -17,7 +20,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from wcache.ipc.rundir import process_created
+from wcache.ipc.rundir import LOCK_SUFFIX, lock_taken_if_free
 
 log = logging.getLogger("wcache")
 
@@ -66,12 +69,31 @@ def _record_path(run_dir: Path, pid: int) -> Path:
     return run_dir / LOADING_DIR / f"{pid}.json"
 
 
+def record_lock_path(run_dir: Path, pid: int) -> Path:
+    return run_dir / LOADING_DIR / f"{pid}{LOCK_SUFFIX}"
+
+
+def _hold_record_lock(path: Path) -> int:
+    """Lock `path` for this process's life; a reader that found it stale may unlink it meanwhile: lock anew."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # blocks only while a reader checks it, microseconds
+        try:
+            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
 class LoadingBoard:
     """One rank's record, kept current; also a HashProgress, so the loader's byte counts move it."""
 
     def __init__(self, run_dir: Path, record: LoadingRecord) -> None:
         self._path = _record_path(run_dir, record.pid)
         self._path.parent.mkdir(mode=0o700, exist_ok=True)
+        self._lock_path = record_lock_path(run_dir, record.pid)
+        self._lock_fd: int | None = _hold_record_lock(self._lock_path)  # before the record: readers trust it
         self._record = record
         self._lock = threading.Lock()
         self._written = 0.0
@@ -91,8 +113,12 @@ class LoadingBoard:
         self._write(force=True)
 
     def remove(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._path.unlink()
+        for path in (self._path, self._lock_path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _write(self, *, force: bool = False) -> None:
         with self._lock:
@@ -127,10 +153,29 @@ def read_loading(run_dir: Path) -> list[LoadingRecord]:
         except (OSError, ValueError, TypeError) as exc:
             log.warning("Ignoring unreadable loading record %s (%s).", path, exc)
             continue
-        created = process_created(record.pid)
-        if created is None or abs(created - record.pid_created) >= 0.01:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            continue
+        lock = record_lock_path(run_dir, record.pid)
+        with lock_taken_if_free(lock) as free:
+            if free:  # removed while we hold the lock, so a rank reusing the pid locks a file of its own
+                for stale in (path, lock):
+                    with contextlib.suppress(FileNotFoundError):
+                        stale.unlink()
+                continue
         found.append(record)
     return found
+
+
+def forget_dead_rank(run_dir: Path, pid: int) -> str | None:
+    """Remove the record of rank `pid` if it died loading (its lock is free); the daemon name it had taken."""
+    path = _record_path(run_dir, pid)
+    with lock_taken_if_free(record_lock_path(run_dir, pid)) as free:
+        if not free:
+            return None
+        name = None
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as f:
+                name = LoadingRecord.from_json(json.loads(f.read(MAX_RECORD_BYTES))).name
+        for stale in (path, record_lock_path(run_dir, pid)):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+        return name

@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import stat
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,29 +147,64 @@ class DaemonExistsError(WcacheError):
     exit_code = EXIT_OK
 
 
+def lock_path(run_dir: Path, name: str) -> Path:
+    return run_dir / f"{name}{LOCK_SUFFIX}"
+
+
+# How long a starting daemon retries a lock that is busy: a reader deciding liveness holds it for microseconds.
+_LOCK_RETRY_S = 0.5
+
+
 def hold_daemon_lock(run_dir: Path, name: str, device: str) -> int:
     """Own `<name>.lock` for this process's life (the returned descriptor), or DaemonExistsError naming the owner.
 
     One daemon per key and device: whoever holds the lock may replace a socket or descriptor of that name,
     nobody else. The lock file is never removed, so two processes can never lock two different files of the
-    same name.
+    same name. The lock is also what says the daemon lives (`lock_held`): a lock is seen by every pid
+    namespace that shares the run dir, a pid is not.
     """
-    path = run_dir / f"{name}{LOCK_SUFFIX}"
+    path = lock_path(run_dir, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    deadline = time.monotonic() + _LOCK_RETRY_S
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        state = "serves" if descriptor_path(run_dir, name).exists() else "is loading"
-        raise DaemonExistsError(f"daemon {name} (pid {owner}) already {state} this key on {device}; nothing more "
-                                "was started.") from None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                state = "serves" if descriptor_path(run_dir, name).exists() else "is loading"
+                raise DaemonExistsError(f"daemon {name} (pid {owner}) already {state} this key on {device}; "
+                                        "nothing more was started.") from None
     except BaseException:
         os.close(fd)
         raise
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+@contextlib.contextmanager
+def lock_taken_if_free(path: Path) -> Iterator[bool]:
+    """True, holding the lock for the block, when no process holds `path`'s lock (or the file is missing);
+    False when one does, in this pid namespace or any other sharing the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # missing, or a link no daemon could have locked (they open with O_NOFOLLOW)
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def remove_daemon_files(run_dir: Path, name: str) -> None:
@@ -186,19 +223,12 @@ def process_created(pid: int) -> float | None:
         return None
 
 
-def is_alive(descriptor: DaemonDescriptor) -> bool:
-    """Alive means the pid runs and started when the descriptor says; a reused pid is not our daemon."""
-    created = process_created(descriptor.pid)
-    if created is None:
-        return False
-    import psutil
-
-    try:
-        if psutil.Process(descriptor.pid).status() == psutil.STATUS_ZOMBIE:
-            return False
-    except psutil.Error:
-        return False
-    return abs(created - descriptor.pid_created) < 0.01
+def lock_held(path: Path) -> bool:
+    """Whether a live process holds `path`'s lock: how wcache tells a running daemon or loading rank from a
+    dead one. Never a pid lookup, which another pid namespace (a daemon in its own container sharing the run
+    dir) answers wrongly."""
+    with lock_taken_if_free(path) as free:
+        return not free
 
 
 def read_descriptors(run_dir: Path) -> list[DaemonDescriptor]:
@@ -226,12 +256,17 @@ class Census:
 
 
 def census(run_dir: Path, *, clean: bool = True) -> Census:
-    """List daemons; descriptors of dead daemons are removed along with their sockets when `clean`."""
+    """List daemons; descriptors of dead daemons are removed along with their sockets when `clean`.
+
+    Dead is a lock nobody holds (`lock_held`); the files are removed while we hold it, so a daemon of the
+    same name that starts meanwhile waits for us instead of losing the descriptor it just wrote.
+    """
     live, stale = [], []
     for descriptor in read_descriptors(run_dir):
-        if is_alive(descriptor):
-            live.append(descriptor)
-        else:
+        with lock_taken_if_free(lock_path(run_dir, descriptor.name)) as free:
+            if not free:
+                live.append(descriptor)
+                continue
             stale.append(descriptor)
             if clean:
                 remove_daemon_files(run_dir, descriptor.name)

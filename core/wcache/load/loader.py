@@ -119,6 +119,33 @@ def processed_digest(tensor: torch.Tensor) -> str:
     return hasher.hexdigest()
 
 
+# A content check hashes the arena in pieces of this size: bounded work per call, never the whole arena at once.
+CHECK_CHUNK_BYTES = 16 << 20
+
+
+def changed_in_arena(arena: CpuArena | CudaArena, entries: tuple[ArenaEntry, ...],
+                     digests: dict[str, str]) -> tuple[str, ...]:
+    """The tensors whose bytes in the arena no longer hash to `digests` (what processed_digest gave at build).
+
+    A CPU arena is hashed from the daemon's map directly: no torch (a daemon that never needed it does not
+    import it for a check), and BLAKE3 releases the GIL, so the daemon's other threads answer meanwhile.
+    ArenaClosedError when the arena is closed (released or stopping) before the check begins.
+    """
+    if isinstance(arena, CudaArena):
+        return tuple(name for name, tensor in arena.tensors(entries).items()
+                     if processed_digest(tensor) != digests[name])
+    changed = []
+    for entry in entries:
+        hasher = tensor_hasher(entry.nbytes)
+        # The view keeps the map alive: a release that closes the arena meanwhile unmaps it only afterwards.
+        with arena.bytes_at(entry.offset, entry.nbytes) as data:
+            for start in range(0, entry.nbytes, CHECK_CHUNK_BYTES):
+                hasher.update(data[start : start + CHECK_CHUNK_BYTES])
+        if hasher.hexdigest() != digests[entry.name]:
+            changed.append(entry.name)
+    return tuple(changed)
+
+
 @dataclass
 class LoadedRank:
     """What a daemon holds for one rank."""

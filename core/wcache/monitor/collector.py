@@ -177,6 +177,9 @@ class EngineTarget:
     url: str
     metrics_url: str
     announced: dict[str, Any] | None
+    # Announced by a pid this namespace does not see: an engine in another container sharing the run dir, or
+    # one that died without removing its file. Shown only while it answers.
+    unseen: bool = False
 
 
 def http_get(url: str) -> tuple[int | None, bytes | None]:
@@ -237,9 +240,8 @@ class Collector:
                 pid, url = int(announced["pid"]), str(announced["url"])
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            if not psutil.pid_exists(pid):
-                continue  # an engine that died without removing its file
-            targets.append(EngineTarget(f"pid {pid}", url, metrics_url(url), announced))
+            unseen = not psutil.pid_exists(pid)
+            targets.append(EngineTarget(f"pid {pid}", url, metrics_url(url), announced, unseen))
         known = {t.metrics_url for t in targets}
         for url in self.scrape:
             if metrics_url(url) not in known:
@@ -287,7 +289,8 @@ class Collector:
         daemons = tuple(self._daemon_row(d, s, health) for d, s in zip(descriptors, stats, strict=True))
         daemons += tuple(_loading_row(r) for r in (read_loading(self.run_dir) if self.run_dir.exists() else []))
         self._delta_keys = set()
-        engines = tuple(self._engine_row(t, scraped[t.id].result()) for t in targets)
+        engines = tuple(self._engine_row(t, text) for t in targets
+                        if (text := scraped[t.id].result()) is not None or not t.unseen)
         self._deltas.forget(self._delta_keys)  # engines and series that went away start over if they return
         return Snapshot(
             taken_at=time.time(), interval_s=self.interval_s,
