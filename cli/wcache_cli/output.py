@@ -13,13 +13,21 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 PIPE_WIDTH = 200
-# C0 controls but newline and tab, DEL and C1: what a terminal would act on (escape sequences, OSC 8 links…).
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# What a terminal would act on or a reader be misled by: C0 controls (escape sequences, OSC 8 links, and the
+# newlines that would forge a line of output), DEL and C1, the line and paragraph separators, and the
+# bidirectional controls that make text display in another order than it is read (U+202E and its kin).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 
 
 def printable(text: str) -> str:
-    """Text from outside (a path, a name) as it may be shown on a terminal: control characters as \\xNN."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    """Text from outside (a path, a name, a forged record's field) as it may be shown on a terminal, on one line:
+    control characters as \\xNN, bidirectional ones as \\uNNNN."""
+    return _CONTROL.sub(_escaped, text)
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def reader_gone() -> None:

@@ -140,13 +140,15 @@ def _table(where: Path, rows: list[dict[str, Any]]) -> Table:
         if state == "loading":
             total = int(r["total_bytes"] or 0)
             state = (f"loading {human_bytes(int(r['done_bytes']))}/{human_bytes(total)}" if total
-                     else f"loading ({r['phase']})")
+                     else f"loading ({escape(printable(r['phase']))})")
         elif not r["holds_weights"] and state == "ready":
             state = "ready, no weights"
         if unverified := int((r["counters"] or {}).get("hits_unverified", 0)):
             state += f", {unverified} unverified hit(s)"  # --trust-daemon engines never compared checkpoints
         name = escape(printable(r["name"])) if r["name"] else f"(pid {r['pid']})"
-        table.add_row(name, r["device"], f"{r['tp_rank']}/{r['tp_size']}", model, r["key_id"] or "-", state,
+        # Every string here comes from a file in the run dir, which anything running as this user may forge.
+        table.add_row(name, escape(printable(r["device"])), f"{r['tp_rank']}/{r['tp_size']}", model,
+                      escape(printable(r["key_id"] or "-")), state,
                       human_bytes(int(r["weights_bytes"] or 0)), str(r["leases"]), uptime, health)
     return table
 

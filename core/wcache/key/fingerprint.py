@@ -15,7 +15,7 @@ from typing import Protocol
 
 import blake3
 
-from wcache.checkpoint.files import INDEX_NAME, SINGLE_NAME, CheckpointLayout, check_index
+from wcache.checkpoint.files import INDEX_NAME, SINGLE_NAME, CheckpointLayout, check_index, why_missing
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
 from wcache.errors import CheckpointError
 from wcache.key.digest_store import DigestStore, is_trusted
@@ -72,9 +72,12 @@ def _stat_one(layout: CheckpointLayout, path: Path) -> FileIdentity:
             raise CheckpointError(f"{path} is not a regular file.")
         return FileIdentity.of(st)
     except FileNotFoundError:
-        if layout.weight_map is None and path.name == SINGLE_NAME and path.parent == layout.root:
+        if layout.weight_map is not None:
+            raise CheckpointError(f"{layout.root / INDEX_NAME} lists shard {path.name}, which {why_missing(path)}.") \
+                from None
+        if path.name == SINGLE_NAME and path.parent == layout.root and not path.is_symlink():
             raise CheckpointError(f"{layout.root} holds neither {SINGLE_NAME} nor {INDEX_NAME}.") from None
-        raise CheckpointError(f"{layout.root / INDEX_NAME} lists shard {path.name}, which does not exist.") from None
+        raise CheckpointError(f"{path} {why_missing(path)}.") from None
     except OSError as exc:
         raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
 

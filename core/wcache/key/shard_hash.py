@@ -20,6 +20,7 @@ from pathlib import Path
 
 import blake3
 
+from wcache.checkpoint.files import why_missing
 from wcache.checkpoint.safetensors_header import ShardHeader, TensorInfo, read_header
 from wcache.errors import CheckpointError
 
@@ -109,7 +110,7 @@ class OpenShard:
             # O_NONBLOCK: opening a FIFO planted as a shard must fail below, not wait for a writer forever.
             self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
-            raise CheckpointError(f"{path} does not exist.") from None
+            raise CheckpointError(f"{path} {why_missing(path)}.") from None
         except OSError as exc:
             raise CheckpointError(f"{path} cannot be opened ({exc.strerror}).") from None
         self._forgotten = 0  # forget_read() has dropped the file's pages before this offset
