@@ -134,7 +134,8 @@ def write_descriptor(run_dir: Path, descriptor: DaemonDescriptor) -> Path:
     """Write atomically (temp file, then rename), mode 0600."""
     final = descriptor_path(run_dir, descriptor.name)
     temporary = final.with_suffix(f".tmp-{os.getpid()}")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    # O_NOFOLLOW: a link planted at the temporary name would have the daemon write wherever it points.
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(descriptor.to_wire(), f, indent=2)
     temporary.replace(final)
