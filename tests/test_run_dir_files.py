@@ -20,6 +20,7 @@ import psutil
 import pytest
 from helpers import cli_env, kill_and_wait, wcache_in_process
 from wcache.ipc.loading import LOADING_DIR
+from wcache.ipc.rundir import DaemonDescriptor, write_descriptor
 from wcache.monitor.events import append_event, events_path, rotated_path
 
 LOADING_WARNING = "Ignoring unreadable loading record"
@@ -173,3 +174,18 @@ def test_a_log_that_cannot_rotate_stays_bounded(run_dir: Path, monkeypatch: pyte
     assert events_path(run_dir).stat().st_size < limit + line_bytes
     assert "Could not write" not in caplog.text
     assert 1 <= caplog.text.count("Could not rotate") <= 20
+
+
+def test_a_link_planted_where_a_descriptor_is_written_is_not_written_through(run_dir: Path, tmp_path: Path) -> None:
+    descriptor = DaemonDescriptor.from_wire({
+        "name": "cpu-aaaaaaaaaaaa", "pid": os.getpid(), "pid_created": 1.0, "device": "cpu", "tp_size": 1,
+        "tp_rank": 0, "key_id": "aaaaaaaaaaaa", "key": {"checkpoint": "a", "config": "b", "plan": "c", "format": 1},
+        "plan": {}, "config": None, "source": "/nowhere", "socket": "/nowhere.sock", "health_url": None,
+        "supervisor_pid": None, "started": "2026-12-01T00:00:00Z", "weights_bytes": 0,
+    })
+    target = tmp_path / "someone-elses.conf"
+    target.write_text("untouched\n")
+    (run_dir / f"{descriptor.name}.tmp-{os.getpid()}").symlink_to(target)
+    with pytest.raises(OSError):
+        write_descriptor(run_dir, descriptor)
+    assert target.read_text() == "untouched\n" and not (run_dir / f"{descriptor.name}.json").exists()
