@@ -111,21 +111,34 @@ def test_a_symlinked_loading_dir_is_not_followed(run_dir: Path, tmp_path: Path) 
 # -- descriptors -------------------------------------------------------------------------------------------
 
 
+def dead_descriptor(**changes: Any) -> dict[str, Any]:
+    """A descriptor of a daemon that is not running (no process has pid 4,000,000 here)."""
+    return {
+        "name": "cpu-aaaaaaaaaaaa", "pid": 4_000_000, "pid_created": 1.0, "device": "cpu", "tp_size": 1,
+        "tp_rank": 0, "key_id": "aaaaaaaaaaaa", "key": {"checkpoint": "a", "config": "b", "plan": "c", "format": 1},
+        "plan": {}, "config": None, "source": "/nowhere", "socket": "/nowhere.sock", "health_url": None,
+        "supervisor_pid": None, "started": "2026-12-01T00:00:00Z", "weights_bytes": 0, **changes,
+    }
+
+
 def test_a_descriptor_named_outside_the_run_dir_removes_nothing_there(run_dir: Path, tmp_path: Path) -> None:
     # A dead daemon's descriptor is cleaned up by name: `../victim` removed ../victim.json and ../victim.sock.
     victims = [tmp_path / "victim.json", tmp_path / "victim.sock"]
     for victim in victims:
         victim.write_text("keep me")
-    descriptor = {
-        "name": "../victim", "pid": 4_000_000, "pid_created": 1.0, "device": "cpu", "tp_size": 1, "tp_rank": 0,
-        "key_id": "aaaaaaaaaaaa", "key": {"checkpoint": "a", "config": "b", "plan": "c", "format": 1}, "plan": {},
-        "config": None, "source": "/nowhere", "socket": "/nowhere.sock", "health_url": None,
-        "supervisor_pid": None, "started": "2026-12-01T00:00:00Z", "weights_bytes": 0,
-    }
-    (run_dir / "cpu-aaaaaaaaaaaa.json").write_text(json.dumps(descriptor))
+    (run_dir / "cpu-aaaaaaaaaaaa.json").write_text(json.dumps(dead_descriptor(name="../victim")))
     status = wcache_in_process("status", "--run-dir", str(run_dir), env=cli_env(tmp_path / "cache"))
     assert_read_cleanly(status, "names daemon '../victim', not its own file")
     assert all(victim.read_text() == "keep me" for victim in victims)
+
+
+def test_a_descriptor_that_is_a_symlink_is_not_followed(run_dir: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps(dead_descriptor()))
+    (run_dir / "cpu-aaaaaaaaaaaa.json").symlink_to(elsewhere)
+    status = wcache_in_process("status", "--json", "--run-dir", str(run_dir), env=cli_env(tmp_path / "cache"))
+    assert_read_cleanly(status, "cpu-aaaaaaaaaaaa.json (it is a symlink)")
+    assert json.loads(status.stdout)["stale_removed"] == [] and elsewhere.exists()
 
 
 # -- the event log -----------------------------------------------------------------------------------------
@@ -177,12 +190,7 @@ def test_a_log_that_cannot_rotate_stays_bounded(run_dir: Path, monkeypatch: pyte
 
 
 def test_a_link_planted_where_a_descriptor_is_written_is_not_written_through(run_dir: Path, tmp_path: Path) -> None:
-    descriptor = DaemonDescriptor.from_wire({
-        "name": "cpu-aaaaaaaaaaaa", "pid": os.getpid(), "pid_created": 1.0, "device": "cpu", "tp_size": 1,
-        "tp_rank": 0, "key_id": "aaaaaaaaaaaa", "key": {"checkpoint": "a", "config": "b", "plan": "c", "format": 1},
-        "plan": {}, "config": None, "source": "/nowhere", "socket": "/nowhere.sock", "health_url": None,
-        "supervisor_pid": None, "started": "2026-12-01T00:00:00Z", "weights_bytes": 0,
-    })
+    descriptor = DaemonDescriptor.from_wire(dead_descriptor())
     target = tmp_path / "someone-elses.conf"
     target.write_text("untouched\n")
     (run_dir / f"{descriptor.name}.tmp-{os.getpid()}").symlink_to(target)

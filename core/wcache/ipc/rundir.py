@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -230,7 +231,12 @@ def run_subdir(run_dir: Path, name: str) -> Path | None:
 def read_run_file(path: Path, limit: int) -> Any:
     """The JSON of a small file in the run dir, read without following a link, blocking on a FIFO or reading past
     `limit` bytes; OSError or ValueError (FileNotFoundError when it is gone) for anything that is not such a file."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError("it is a symlink") from None
+        raise
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError("it is not a regular file")
