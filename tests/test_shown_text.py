@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -105,3 +107,23 @@ def test_forged_records_are_shown_escaped_in_tables(tmp_path: Path) -> None:
         assert result.returncode == 0, result.stderr
         assert not any(raw in result.stdout + result.stderr for raw in RAW), result.stdout
         assert "\\u202eevil" in result.stdout
+
+
+def test_stop_names_a_forged_rank_escaped(tmp_path: Path) -> None:
+    # `stop --all` stops ranks still loading and says which, by the name their record gives.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    (run_dir / LOADING_DIR).mkdir(mode=0o700)
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = {"pid": rank.pid, "pid_created": psutil.Process(rank.pid).create_time(), "source": "/m",
+                  "device": "cpu", "tp_size": 1, "tp_rank": 0, "supervisor_pid": None, "started": 1.0,
+                  "phase": "loading", "done_bytes": 0, "total_bytes": 0, "name": f"[bold]{HOSTILE}"}
+        (run_dir / LOADING_DIR / f"{rank.pid}.json").write_text(json.dumps(record))
+        stop = wcache_in_process("stop", "--all", "--run-dir", str(run_dir), env=cli_env(tmp_path / "cache"))
+        assert stop.returncode == 0, stop.stderr
+        assert not any(raw in stop.stdout for raw in RAW), repr(stop.stdout)
+        assert "stopped [bold]\\u202eevil" in stop.stdout  # markup in a name is shown, not applied
+    finally:
+        rank.kill()
+        rank.wait()

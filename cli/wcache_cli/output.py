@@ -38,7 +38,8 @@ def reader_gone() -> None:
     raise SystemExit(0)
 
 
-def _escape(text: str) -> str:
+def literal(text: str) -> str:
+    """Text from outside as rich markup that shows it as is: escaped for the terminal, and no `[tag]` acts."""
     from rich.markup import escape
 
     return escape(printable(text))
@@ -82,13 +83,13 @@ class Output:
         self.stdout.print(*renderables)
 
     def error(self, message: str) -> None:
-        self.stderr.print(f"[bold red]error:[/] {_escape(message)}")
+        self.stderr.print(f"[bold red]error:[/] {literal(message)}")
 
     def warning(self, message: str) -> None:
-        self.stderr.print(f"[yellow]warning:[/] {_escape(message)}")
+        self.stderr.print(f"[yellow]warning:[/] {literal(message)}")
 
     def hint(self, message: str) -> None:
-        self.stderr.print(f"[dim]{_escape(message)}[/]")
+        self.stderr.print(f"[dim]{literal(message)}[/]")
 
 
 out = Output()

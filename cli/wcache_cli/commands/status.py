@@ -10,7 +10,7 @@ import typer
 from wcache.errors import BadInputError, UnavailableError
 
 from wcache_cli.completers import daemon_ids
-from wcache_cli.output import out, printable
+from wcache_cli.output import literal, out, printable
 from wcache_cli.params import JsonOpt, RunDirOpt, run_dir_or_default
 
 if TYPE_CHECKING:
@@ -121,7 +121,6 @@ def status(
 
 
 def _table(where: Path, rows: list[dict[str, Any]]) -> Table:
-    from rich.markup import escape
     from rich.table import Table
 
     from wcache_cli.render import human_bytes
@@ -135,20 +134,20 @@ def _table(where: Path, rows: list[dict[str, Any]]) -> Table:
     for r in rows:
         uptime = f"{r['uptime_s']:.0f} s" if isinstance(r["uptime_s"], int | float) else "?"
         health = str(r["health_status"]) if r["health_status"] is not None else "off"
-        model = escape(printable(Path(r["source"]).name))  # a directory name may hold brackets or escapes
+        model = literal(Path(r["source"]).name)  # a directory name may hold brackets or escapes
         state = str(r["state"])
         if state == "loading":
             total = int(r["total_bytes"] or 0)
             state = (f"loading {human_bytes(int(r['done_bytes']))}/{human_bytes(total)}" if total
-                     else f"loading ({escape(printable(r['phase']))})")
+                     else f"loading ({literal(r['phase'])})")
         elif not r["holds_weights"] and state == "ready":
             state = "ready, no weights"
         if unverified := int((r["counters"] or {}).get("hits_unverified", 0)):
             state += f", {unverified} unverified hit(s)"  # --trust-daemon engines never compared checkpoints
-        name = escape(printable(r["name"])) if r["name"] else f"(pid {r['pid']})"
+        name = literal(r["name"]) if r["name"] else f"(pid {r['pid']})"
         # Every string here comes from a file in the run dir, which anything running as this user may forge.
-        table.add_row(name, escape(printable(r["device"])), f"{r['tp_rank']}/{r['tp_size']}", model,
-                      escape(printable(r["key_id"] or "-")), state,
+        table.add_row(name, literal(r["device"]), f"{r['tp_rank']}/{r['tp_size']}", model,
+                      literal(r["key_id"] or "-"), state,
                       human_bytes(int(r["weights_bytes"] or 0)), str(r["leases"]), uptime, health)
     return table
 
@@ -179,7 +178,7 @@ def stop(
     loading = read_loading(where) if all_daemons and where.exists() else []
     for record in loading:
         stop_loading(record)
-        out.print(f"stopped {printable(record.name or f'pid {record.pid}')} (it was loading)")
+        out.print(f"stopped {literal(record.name or f'pid {record.pid}')} (it was loading)")
     if not targets:
         if loading:
             return
@@ -187,4 +186,4 @@ def stop(
             out.print(f"No daemons in {where}.")
             return
         raise UnavailableError(f"no running daemon matches {ident!r} in {where}; `wcache status` lists them.")
-    stop_daemons(targets, force=force, on_stopped=lambda name: out.print(f"stopped {name}"))
+    stop_daemons(targets, force=force, on_stopped=lambda name: out.print(f"stopped {literal(name)}"))
