@@ -3,7 +3,8 @@
 A dangling symlink exists (it is what the user must mend), so no message may say the path does not exist. A
 forged record's fields (descriptors, loading records, events) may hold bidirectional controls (U+202E shows
 text in another order than it is read), newlines (a forged line of output) and escape sequences: each reaches
-the terminal escaped, in errors as in tables.
+the terminal escaped, in errors as in tables. And a directory vLLM loads is one wcache keys: dotfiles beside
+the shards are not shards.
 """
 
 from __future__ import annotations
