@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from daemon_fixtures import (
@@ -58,15 +60,32 @@ def test_without_a_wait_the_same_attach_misses_at_once(rig: DaemonRig) -> None:
 @pytest.mark.parametrize(("options", "message"), [
     ({"fallbak": True}, "unknown wcache option 'fallbak' in here; the options are fallback, mode"),
     ({"mode": "mmap"}, "mode must be zero_copy or copy, not 'mmap'"),
-    ({"wait_s": -1}, "wait_s must be zero or more seconds"),
+    ({"wait_s": -1}, "wait_s must be from 0 to 86400 seconds, not -1"),
     ({"wait_s": True}, "wait_s in here cannot be True"),
     ({"fallback": "yes"}, "fallback in here cannot be 'yes'"),
     ({"daemon": 3}, "daemon in here cannot be 3"),
-])
-def test_attach_options_say_what_is_wrong(options: dict[str, object], message: str) -> None:
+    # A wait that never ends, and one no float holds (float() of it raised OverflowError).
+    ({"wait_s": math.nan}, "wait_s must be from 0 to 86400 seconds, not nan"),
+    ({"wait_s": math.inf}, "wait_s must be from 0 to 86400 seconds, not inf"),
+    ({"wait_s": 10**400}, "wait_s must be from 0 to 86400 seconds, not 1000000000"),
+    ({"wait_s": 10**5000}, "not an integer of thousands of digits"),
+    # vLLM hands its model_loader_extra_config over as parsed: any JSON value, not only an object.
+    ([{"mode": "copy"}], "here must be a JSON object of wcache options, not [{'mode': 'copy'}]"),
+    ("mode=copy", "here must be a JSON object of wcache options, not 'mode=copy'"),
+    (3, "here must be a JSON object of wcache options, not 3"),
+], ids=["unknown", "mode", "negative-wait", "bool-wait", "str-fallback", "int-daemon", "nan-wait", "inf-wait",
+        "huge-wait", "huger-wait", "list", "string", "number"])
+def test_attach_options_say_what_is_wrong(options: object, message: str) -> None:
     with pytest.raises(BadInputError) as failure:
-        AttachOptions.from_mapping(options, "here")
-    assert message in str(failure.value)
+        AttachOptions.from_mapping(options, "here")  # type: ignore[arg-type]
+    assert message in str(failure.value) and len(str(failure.value)) < 200
+
+
+@pytest.mark.parametrize("wait_s", [math.nan, math.inf, 10**400], ids=["nan", "inf", "huge"])
+def test_attach_refuses_a_wait_without_end(wait_s: float, tmp_path: Path) -> None:
+    # wcache.attach checks its wait as the integrations do, before it looks for any daemon.
+    with pytest.raises(BadInputError, match="wait_s must be from 0 to 86400 seconds"):
+        attach(tmp_path / "nowhere", run_dir=tmp_path, wait_s=wait_s)
 
 
 def test_attach_options_round_trip() -> None:

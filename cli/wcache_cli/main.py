@@ -13,8 +13,18 @@ from wcache_cli.state import state
 
 
 class _StderrWarnings(logging.Handler):
+    """Warnings on stderr, each once: `top` and `status --check` read the run dir on every poll, and one
+    unreadable file is one warning, not one per poll."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self._seen: set[str] = set()
+
     def emit(self, record: logging.LogRecord) -> None:
-        out.warning(record.getMessage())
+        message = record.getMessage()
+        if message not in self._seen:
+            self._seen.add(message)
+            out.warning(message)
 
 
 def main() -> None:

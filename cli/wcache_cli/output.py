@@ -13,13 +13,21 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 PIPE_WIDTH = 200
-# C0 controls but newline and tab, DEL and C1: what a terminal would act on (escape sequences, OSC 8 links…).
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# What a terminal would act on or a reader be misled by: C0 controls (escape sequences, OSC 8 links, and the
+# newlines that would forge a line of output), DEL and C1, the line and paragraph separators, and the
+# bidirectional controls that make text display in another order than it is read (U+202E and its kin).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 
 
 def printable(text: str) -> str:
-    """Text from outside (a path, a name) as it may be shown on a terminal: control characters as \\xNN."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    """Text from outside (a path, a name, a forged record's field) as it may be shown on a terminal, on one line:
+    control characters as \\xNN, bidirectional ones as \\uNNNN."""
+    return _CONTROL.sub(_escaped, text)
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def reader_gone() -> None:
@@ -30,7 +38,8 @@ def reader_gone() -> None:
     raise SystemExit(0)
 
 
-def _escape(text: str) -> str:
+def literal(text: str) -> str:
+    """Text from outside as rich markup that shows it as is: escaped for the terminal, and no `[tag]` acts."""
     from rich.markup import escape
 
     return escape(printable(text))
@@ -74,13 +83,13 @@ class Output:
         self.stdout.print(*renderables)
 
     def error(self, message: str) -> None:
-        self.stderr.print(f"[bold red]error:[/] {_escape(message)}")
+        self.stderr.print(f"[bold red]error:[/] {literal(message)}")
 
     def warning(self, message: str) -> None:
-        self.stderr.print(f"[yellow]warning:[/] {_escape(message)}")
+        self.stderr.print(f"[yellow]warning:[/] {literal(message)}")
 
     def hint(self, message: str) -> None:
-        self.stderr.print(f"[dim]{_escape(message)}[/]")
+        self.stderr.print(f"[dim]{literal(message)}[/]")
 
 
 out = Output()

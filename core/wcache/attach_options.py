@@ -7,7 +7,7 @@ One owner for their names, defaults and checks, so `--model-loader-extra-config 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,18 @@ from wcache.errors import BadInputError
 MODES = ("zero_copy", "copy")
 # The engines that attach (wcache's reference engine first: the default), as `verify --engine` names them.
 ENGINES = ("reference", "vllm", "transformers")
+# The longest an attach waits for a daemon that is still loading: a day is far past any real load.
+MAX_WAIT_S = 86_400
+SHOWN_CHARS = 40
+
+
+def _shown(value: Any) -> str:
+    """A value from the user as an error sentence shows it: its repr, cut short (a 400-digit int, a long list)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's 4,300-digit limit for conversion to text
+        return "an integer of thousands of digits"
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}…"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +44,11 @@ class AttachOptions:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise BadInputError(f"wcache option mode must be {' or '.join(MODES)}, not {self.mode!r}.")
-        if self.wait_s < 0:
-            raise BadInputError(f"wcache option wait_s must be zero or more seconds, not {self.wait_s}.")
+        # A chained comparison refuses NaN (every comparison with it is false), infinity and a 400-digit int
+        # alike, without turning any of them into a float first (which overflows).
+        if type(self.wait_s) not in (int, float) or not 0 <= self.wait_s <= MAX_WAIT_S:
+            raise BadInputError(f"wcache option wait_s must be from 0 to {MAX_WAIT_S} seconds, not "
+                                f"{_shown(self.wait_s)}.")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -42,7 +57,11 @@ class AttachOptions:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None, where: str) -> AttachOptions:
         """Options from a user's mapping; `where` names it in the error (e.g. "model_loader_extra_config")."""
-        data = dict(data or {})
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise BadInputError(f"{where} must be a JSON object of wcache options, not {_shown(data)}.")
+        data = dict(data)
         unknown = sorted(set(data) - set(cls.names()))
         if unknown:
             raise BadInputError(
@@ -55,12 +74,11 @@ class AttachOptions:
         for name, value in data.items():
             # bool is an int: a wait of True seconds is a mistake, not one second.
             if not isinstance(value, expected[name]) or (name == "wait_s" and isinstance(value, bool)):
-                raise BadInputError(f"wcache option {name} in {where} cannot be {value!r}.")
+                raise BadInputError(f"wcache option {name} in {where} cannot be {_shown(value)}.")
         if data.get("run_dir") is not None:
             data["run_dir"] = str(data["run_dir"])
-        if "wait_s" in data:
-            data["wait_s"] = float(data["wait_s"])
-        return cls(**data)
+        options = cls(**data)  # checks wait_s before it becomes a float: a huge int would overflow
+        return replace(options, wait_s=float(options.wait_s))
 
     def to_mapping(self) -> dict[str, Any]:
         """The options as a user hands them to another engine's integration (vLLM's extra config, transformers'

@@ -10,7 +10,7 @@ import typer
 from wcache.errors import BadInputError, UnavailableError
 
 from wcache_cli.completers import daemon_ids
-from wcache_cli.output import out, printable
+from wcache_cli.output import literal, out
 from wcache_cli.params import JsonOpt, RunDirOpt, run_dir_or_default
 
 if TYPE_CHECKING:
@@ -150,27 +150,26 @@ def _table(where: Path, rows: list[dict[str, Any]], width: int | None = None) ->
 
 
 def _cells(r: dict[str, Any]) -> list[str]:
-    """One daemon's cells, as markup."""
-    from rich.markup import escape
-
+    """One daemon's cells, as markup. Every string here comes from a file in the run dir, which anything
+    running as this user may forge: shown through `literal`."""
     from wcache_cli.render import PROVENANCE_MARK, human_bytes
 
     uptime = f"{r['uptime_s']:.0f} s" if isinstance(r["uptime_s"], int | float) else "?"
     health = str(r["health_status"]) if r["health_status"] is not None else "off"
-    model = escape(printable(Path(r["source"]).name))  # a directory name may hold brackets or escapes
+    model = literal(Path(r["source"]).name)  # a directory name may hold brackets or escapes
     state = str(r["state"])
     if state == "loading":
         total = int(r["total_bytes"] or 0)
         state = (f"loading {human_bytes(int(r['done_bytes']))}/{human_bytes(total)}" if total
-                 else f"loading ({r['phase']})")
+                 else f"loading ({literal(r['phase'])})")
     elif not r["holds_weights"] and state == "ready":
         state = "ready, no weights"
     if unverified := int((r["counters"] or {}).get("hits_unverified", 0)):
         state += f", {unverified} unverified hit(s)"  # --trust-daemon engines never compared checkpoints
-    name = escape(printable(r["name"])) if r["name"] else f"(pid {r['pid']})"
+    name = literal(r["name"]) if r["name"] else f"(pid {r['pid']})"
     mark, style = PROVENANCE_MARK.get(r["provenance"] or "", ("-", "dim"))
-    return [name, escape(r["device"]), f"{r['tp_rank']}/{r['tp_size']}", model, r["key_id"] or "-",
-            escape(state), f"[{style}]{mark}[/]", human_bytes(int(r["weights_bytes"] or 0)), str(r["leases"]),
+    return [name, literal(r["device"]), f"{r['tp_rank']}/{r['tp_size']}", model, literal(r["key_id"] or "-"),
+            state, f"[{style}]{mark}[/]", human_bytes(int(r["weights_bytes"] or 0)), str(r["leases"]),
             uptime, health]
 
 
@@ -205,9 +204,9 @@ def stop(
         except UnavailableError as exc:
             unreachable.append(exc)
             continue
-        out.print(f"stopped {printable(record.name or f'pid {record.pid}')} (it was loading)")
+        out.print(f"stopped {literal(record.name or f'pid {record.pid}')} (it was loading)")
     if targets:
-        stop_daemons(targets, force=force, on_stopped=lambda name: out.print(f"stopped {name}"))
+        stop_daemons(targets, force=force, on_stopped=lambda name: out.print(f"stopped {literal(name)}"))
     elif not loading:
         if not all_daemons:
             raise UnavailableError(f"no running daemon matches {ident!r} in {where}; `wcache status` lists them.")

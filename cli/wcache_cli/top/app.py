@@ -27,6 +27,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Input, Static
 from wcache.monitor.snapshot import EventRow, Snapshot
 
+from wcache_cli.output import printable
 from wcache_cli.top.source import Source
 from wcache_cli.top.view import (
     FLEXIBLE_WIDTH,
@@ -249,7 +250,7 @@ class TopApp(App[None]):
         self._update("#status", line)
         alerts = shown.alerts if shown is not None else ()
         self.query_one("#banner", Static).display = self.paused or bool(alerts)
-        banner = Text(" · ".join(alerts), style="bold") if alerts else Text()
+        banner = Text(printable(" · ".join(alerts)), style="bold") if alerts else Text()
         if self.paused:
             taken = f" from {now - shown.taken_at:.0f} s ago" if shown is not None else ""
             banner = Text(

@@ -61,7 +61,7 @@ def once_renderable(snapshot: Snapshot, now: float, waited_s: float, width: int 
     """The panels as tables; with `width`, each shows the columns that fit it (see view.fitted_columns)."""
     parts: list[RenderableType] = [
         Text(f"wcache top · {printable(snapshot.run_dir)} · {counts_line(snapshot)}", style="bold"),
-        *(Text(alert, style="bold red") for alert in snapshot.alerts),
+        *(Text(printable(alert), style="bold red") for alert in snapshot.alerts),
     ]
     for panel in PANELS:
         limit = FEED_LIMIT if panel is PANEL_BY_ID["events"] else None

@@ -130,7 +130,7 @@ def shown(value: str, style: str = "") -> Text:
 def weights(e: EngineRow) -> Text:
     if e.weights is None:
         return off()
-    return Text(e.weights, style=WEIGHTS_STYLE.get(e.weights, ""))
+    return shown(e.weights, style=WEIGHTS_STYLE.get(e.weights, ""))
 
 
 def attach_ms(e: EngineRow) -> Text:
@@ -140,7 +140,7 @@ def attach_ms(e: EngineRow) -> Text:
 
 
 def plain(value: str | None) -> Text:
-    return off() if value is None else Text(value)
+    return off() if value is None else shown(value)
 
 
 # -- columns --------------------------------------------------------------------------------------------------
@@ -164,11 +164,11 @@ def _has_prefix(e: EngineRow) -> bool:
 
 
 DAEMON_COLUMNS: tuple[Column[DaemonRow], ...] = (
-    Column("device", lambda d, _: Text(d.device), lambda d: d.device, drop=1),
+    Column("device", lambda d, _: shown(d.device), lambda d: d.device, drop=1),
     Column("rank", lambda d, _: Text(f"{d.tp_rank}/{d.tp_size}"), lambda d: (d.tp_size, d.tp_rank),
            drop=5),
     Column("model", lambda d, _: shown(d.model), lambda d: d.model, drop=3),
-    Column("key id", lambda d, _: Text(d.key_id, style="cyan"), lambda d: d.key_id),
+    Column("key id", lambda d, _: shown(d.key_id, style="cyan"), lambda d: d.key_id),
     Column("state", lambda d, _: state(d), lambda d: d.state, drop=1),
     Column("origin", lambda d, _: provenance(d), lambda d: d.provenance or "", drop=2),
     Column("memory", lambda d, _: Text(human_bytes(d.weights_bytes)) if d.alive else off(),
@@ -195,7 +195,7 @@ def engine_pid(e: EngineRow) -> int | None:
 
 
 ENGINE_COLUMNS: tuple[Column[EngineRow], ...] = (
-    Column("where", lambda e, _: Text(address(e)), address),
+    Column("where", lambda e, _: shown(address(e)), address),
     Column("pid", lambda e, _: Text(str(engine_pid(e)), style="dim") if engine_pid(e) else Text("scraped", style="dim"),
            lambda e: engine_pid(e), "right", drop=7),
     Column("kind", lambda e, _: Text(e.kind), lambda e: e.kind, drop=6),
@@ -209,7 +209,7 @@ ENGINE_COLUMNS: tuple[Column[EngineRow], ...] = (
 )
 
 REPLAY_COLUMNS: tuple[Column[EngineRow], ...] = (
-    Column("engine", lambda e, _: Text(address(e)), address),
+    Column("engine", lambda e, _: shown(address(e)), address),
     Column("hit % (interval)", lambda e, _: percent(e.hit_rate_interval, present=_has_prefix(e)),
            lambda e: e.hit_rate_interval, "right", drop=1),
     Column("hit % (overall)", lambda e, _: percent(e.hit_rate_overall, present=_has_prefix(e)),
@@ -402,7 +402,7 @@ def diff_lines(diff: dict[str, Any]) -> list[str]:
             lines.extend(f"  {name}" for name in names[:DIFF_NAMES])
             if isinstance(total, int) and total > min(len(names), DIFF_NAMES):
                 lines.append(f"  … and {total - min(len(names), DIFF_NAMES)} more")
-    return lines
+    return [printable(line) for line in lines]  # tensor and field names come from the event log
 
 
 def event_detail(event: EventRow, now: float) -> Text:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import math
+import errno
 import os
 import stat
 from collections.abc import Mapping
@@ -14,6 +13,7 @@ from typing import Any
 
 import blake3
 
+from wcache.canonical import NonFiniteNumberError, loads_finite
 from wcache.checkpoint.identity import FileIdentity
 from wcache.checkpoint.safetensors_header import ShardHeader
 from wcache.errors import CheckpointError
@@ -57,7 +57,9 @@ class _Read:
     identity: FileIdentity
 
 
-def _read_small_file(path: Path) -> _Read | None:
+def read_small_file(path: Path, limit: int = MAX_JSON_BYTES, what: str = "a model's JSON") -> _Read | None:
+    """A small regular file's bytes and identity (None where there is none); CheckpointError once it passes
+    `limit`."""
     # os.open/os.read rather than Path.read_bytes: on a remote filesystem every extra ioctl (isatty) and lookup
     # is a round trip, and these two files are on the warm path. O_NONBLOCK and the S_ISREG check: a FIFO must
     # be refused, not waited on, and a device (/dev/zero) must not be read until memory runs out.
@@ -72,19 +74,23 @@ def _read_small_file(path: Path) -> _Read | None:
         chunks, size = [], 0
         # The first read asks for exactly the size fstat saw: a read that ends within the known size spares a
         # FUSE client the size refresh (a round trip) that a read past it costs. Reading still goes on to EOF.
-        want = min(st.st_size, MAX_JSON_BYTES + 1) or 1 << 20
-        if ONE_REQUEST_BYTES < st.st_size <= MAX_JSON_BYTES and (head := _read_concurrently(fd, st.st_size)):
+        want = min(st.st_size, limit + 1) or 1 << 20
+        if ONE_REQUEST_BYTES < st.st_size <= limit and (head := _read_concurrently(fd, st.st_size)):
             chunks, size, want = [head], len(head), 1 << 20
             os.lseek(fd, size, os.SEEK_SET)
         while chunk := os.read(fd, want):
             size += len(chunk)
-            if size > MAX_JSON_BYTES:
-                raise CheckpointError(f"{path} is over {MAX_JSON_BYTES >> 20} MiB, too large for a model's JSON.")
+            if size > limit:
+                raise CheckpointError(f"{path} is over {_size(limit)}, too large for {what}.")
             chunks.append(chunk)
             want = 1 << 20
         return _Read(path, b"".join(chunks), FileIdentity.of(st))
     finally:
         os.close(fd)
+
+
+def _size(limit: int) -> str:
+    return f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit} bytes"
 
 
 def _read_concurrently(fd: int, size: int) -> bytes | None:
@@ -117,35 +123,20 @@ def _read_index(path: Path) -> tuple[Any, str | None, _Read | None]:
 
 def _read_checked(path: Path) -> _Read | None:
     try:
-        return _read_small_file(path)
+        return read_small_file(path)
     except OSError as exc:
         raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
 
 
 def _parse_json(path: Path, what: str, text: bytes) -> Any:
     try:
-        return json.loads(text, parse_constant=_non_finite, parse_float=_finite_float)
-    except _NonFiniteError as exc:
+        return loads_finite(text)
+    except NonFiniteNumberError as exc:
         # Canonical JSON, and so the key, has no NaN or Infinity; a config holding one has no defined key.
         raise CheckpointError(f"{path} holds the number {exc}, which has no canonical form, so the {what} "
                               "cannot be keyed; write a finite number or null.") from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+    except ValueError as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc}), so the {what} cannot be read.") from None
-
-
-class _NonFiniteError(Exception):
-    pass
-
-
-def _non_finite(constant: str) -> float:
-    raise _NonFiniteError(constant)
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise _NonFiniteError(text)
-    return value
 
 
 def locate(path: Path) -> CheckpointLayout:
@@ -178,11 +169,28 @@ def _identities(*reads: _Read | None) -> tuple[tuple[Path, FileIdentity], ...]:
     return tuple((read.path, read.identity) for read in reads if read is not None)
 
 
+def why_missing(path: Path) -> str:
+    """What to say of a path whose open or stat found nothing: "does not exist", unless it is a dangling symlink,
+    which exists (and is what the user has to mend)."""
+    try:
+        target = path.readlink()
+    except OSError:
+        return "does not exist"
+    try:
+        path.stat()
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"is a symlink to {target}, which loops back on itself"
+    if (target if target.is_absolute() else path.parent / target).is_symlink():
+        return f"is a symlink to {target}, which leads to no file"  # a chain: its last link dangles
+    return f"is a symlink to {target}, which does not exist"
+
+
 def _mode_of(path: Path) -> int:
     try:
         return path.stat().st_mode
     except FileNotFoundError:
-        raise CheckpointError(f"{path} does not exist.") from None
+        raise CheckpointError(f"{path} {why_missing(path)}.") from None
     except OSError as exc:
         raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
 
@@ -205,9 +213,11 @@ def _unindexed_shards(path: Path) -> tuple[Path, ...]:
     if single.exists() or single.is_symlink():
         # The shard's stat happens later with all the others; an unreadable file is reported there.
         return (single,)
-    # No index and no model.safetensors: every *.safetensors in the directory, as vLLM globs them.
+    # No index and no model.safetensors: every *.safetensors in the directory, as vLLM globs them; its glob skips
+    # dotfiles, and so do we (macOS leaves `._model-00001-of-00002.safetensors` beside every copied shard).
     try:
-        names = sorted(entry.name for entry in os.scandir(path) if entry.name.endswith(".safetensors"))
+        names = sorted(entry.name for entry in os.scandir(path)
+                       if entry.name.endswith(".safetensors") and not entry.name.startswith("."))
     except OSError as exc:
         raise CheckpointError(f"{path} cannot be listed ({exc.strerror}).") from None
     if names:

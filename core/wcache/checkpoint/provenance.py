@@ -121,22 +121,6 @@ def hub_expected(path: Path) -> Expected:
     return Expected(None, "none", f"its blob name {etag!r} is not a digest")
 
 
-def broken_link_sentence(path: Path) -> str | None:
-    """One sentence for a checkpoint file that is a link leading nowhere (dangling, or looping), else None."""
-    if not path.is_symlink():
-        return None
-    try:
-        path.stat()
-    except FileNotFoundError:
-        return (f"{path} is a link (to {path.readlink()}) that leads to no file: a Hugging Face cache blob was "
-                "deleted or moved; download the file again.")
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return f"{path} is a link that loops back on itself; remove it and download the file again."
-        return None
-    return None
-
-
 def read_expected(path: Path) -> dict[str, str]:
     """Expected SHA-256 by file name from a `SHA256SUMS`-style file (`sha256sum` output) or a saved key file."""
     try:

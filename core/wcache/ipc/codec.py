@@ -10,6 +10,7 @@ field. Checkers are built once per class, not per message.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -130,7 +131,13 @@ def _exact(kind: type) -> Check:
 def _float(value: Any, where: str) -> float:
     if type(value) not in (int, float):
         raise _fail(where, f"is {type(value).__name__}, not a number")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int of hundreds of digits: no float holds it
+        raise _fail(where, "is too large for a number") from None
+    if not math.isfinite(number):
+        raise _fail(where, f"is {number}, not a finite number")
+    return number
 
 
 def _any(value: Any, where: str) -> Any:

@@ -20,13 +20,20 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from wcache.ipc.rundir import LOCK_SUFFIX, lock_taken_if_free
+from wcache.canonical import INT64_BITS
+from wcache.ipc.rundir import LOCK_SUFFIX, is_pid, lock_taken_if_free, read_run_file, run_subdir
 
 log = logging.getLogger("wcache")
 
 LOADING_DIR = "loading"
 UPDATE_INTERVAL_S = 0.5
 MAX_RECORD_BYTES = 64 * 1024
+MAX_COUNT = 1 << INT64_BITS
+
+
+def _is_time(value: Any) -> bool:
+    """A time.time() value: a finite number (read_run_file already refused NaN and Infinity) within a float's range."""
+    return type(value) in (int, float) and 0 <= value < MAX_COUNT
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,16 +55,23 @@ class LoadingRecord:
 
     @classmethod
     def from_json(cls, data: Any) -> LoadingRecord:
+        """A record from its parsed file; ValueError naming the first field that no rank would have written."""
         if not isinstance(data, dict) or set(data) != {f.name for f in fields(cls)}:
             raise ValueError("it is not a loading record")
         record = cls(**data)
-        ints = (record.pid, record.tp_size, record.tp_rank, record.done_bytes, record.total_bytes)
-        if not all(type(v) is int for v in ints) or record.pid <= 0:
-            raise ValueError("a count is not an integer")
+        # Bounded as well as typed: the numbers go into arithmetic, psutil and the tables, where an unbounded one
+        # (a 400-digit pid_created, a null start) would fail far from here.
+        if not is_pid(record.pid) or not (record.supervisor_pid is None or is_pid(record.supervisor_pid)):
+            raise ValueError("a pid is not a process id")
+        counts = (record.tp_size, record.tp_rank, record.done_bytes, record.total_bytes)
+        if not all(type(v) is int and 0 <= v < MAX_COUNT for v in counts) or record.tp_size == 0:
+            raise ValueError("a count is not a non-negative integer")
+        if not all(_is_time(v) for v in (record.pid_created, record.started)):
+            raise ValueError("a time is not a number of seconds")
         if not all(isinstance(v, str) for v in (record.source, record.device, record.phase)):
             raise ValueError("a name is not a string")
-        if not isinstance(record.name, str | None) or not isinstance(record.pid_created, int | float):
-            raise ValueError("a field has the wrong type")
+        if not isinstance(record.name, str | None):
+            raise ValueError("the name is not a string")
         return record
 
     @property
@@ -73,7 +87,7 @@ def record_lock_path(run_dir: Path, pid: int) -> Path:
     return run_dir / LOADING_DIR / f"{pid}{LOCK_SUFFIX}"
 
 
-def _hold_record_lock(path: Path) -> int:
+def hold_record_lock(path: Path) -> int:
     """Lock `path` for this process's life; a reader that found it stale may unlink it meanwhile: lock anew."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -91,9 +105,13 @@ class LoadingBoard:
 
     def __init__(self, run_dir: Path, record: LoadingRecord) -> None:
         self._path = _record_path(run_dir, record.pid)
-        self._path.parent.mkdir(mode=0o700, exist_ok=True)
+        with contextlib.suppress(OSError):  # what is there instead is refused just below
+            self._path.parent.mkdir(mode=0o700, exist_ok=True)
+        # A symlink planted as loading/ is never written through (run_subdir warned once); the load goes on.
+        self._visible = run_subdir(run_dir, LOADING_DIR) is not None
         self._lock_path = record_lock_path(run_dir, record.pid)
-        self._lock_fd: int | None = _hold_record_lock(self._lock_path)  # before the record: readers trust it
+        # Before the record: readers trust a record whose lock is held.
+        self._lock_fd: int | None = hold_record_lock(self._lock_path) if self._visible else None
         self._record = record
         self._lock = threading.Lock()
         self._written = 0.0
@@ -113,6 +131,8 @@ class LoadingBoard:
         self._write(force=True)
 
     def remove(self) -> None:
+        if not self._visible:
+            return
         for path in (self._path, self._lock_path):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -123,7 +143,7 @@ class LoadingBoard:
     def _write(self, *, force: bool = False) -> None:
         with self._lock:
             now = time.monotonic()
-            if not force and now - self._written < UPDATE_INTERVAL_S:
+            if not self._visible or (not force and now - self._written < UPDATE_INTERVAL_S):
                 return
             self._written = now
             temporary = self._path.with_suffix(".tmp")
@@ -139,19 +159,17 @@ class LoadingBoard:
 
 def read_loading(run_dir: Path) -> list[LoadingRecord]:
     """The records of ranks still loading, by pid; stale and unreadable records are removed or skipped."""
-    where = run_dir / LOADING_DIR
-    if not where.is_dir():
+    where = run_subdir(run_dir, LOADING_DIR)
+    if where is None:
         return []
     found = []
     for path in sorted(where.glob("*.json")):
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-            with os.fdopen(fd, "rb") as f:
-                record = LoadingRecord.from_json(json.loads(f.read(MAX_RECORD_BYTES)))
+            record = _read_record(path)
         except FileNotFoundError:
             continue  # the rank became ready while we listed
-        except (OSError, ValueError, TypeError) as exc:
-            log.warning("Ignoring unreadable loading record %s (%s).", path, exc)
+        except (OSError, ValueError) as exc:
+            log.warning("Ignoring unreadable loading record %s (%s).", path, getattr(exc, "strerror", None) or exc)
             continue
         lock = record_lock_path(run_dir, record.pid)
         with lock_taken_if_free(lock) as free:
@@ -166,16 +184,20 @@ def read_loading(run_dir: Path) -> list[LoadingRecord]:
 
 def forget_dead_rank(run_dir: Path, pid: int) -> str | None:
     """Remove the record of rank `pid` if it died loading (its lock is free); the daemon name it had taken."""
+    if run_subdir(run_dir, LOADING_DIR) is None:
+        return None
     path = _record_path(run_dir, pid)
     with lock_taken_if_free(record_lock_path(run_dir, pid)) as free:
         if not free:
             return None
         name = None
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-            with os.fdopen(fd, "rb") as f:
-                name = LoadingRecord.from_json(json.loads(f.read(MAX_RECORD_BYTES))).name
+        with contextlib.suppress(OSError, ValueError):
+            name = _read_record(path).name
         for stale in (path, record_lock_path(run_dir, pid)):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
         return name
+
+
+def _read_record(path: Path) -> LoadingRecord:
+    return LoadingRecord.from_json(read_run_file(path, MAX_RECORD_BYTES))

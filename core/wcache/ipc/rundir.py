@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from wcache.canonical import INT64_BITS, loads_finite
 from wcache.checkpoint.provenance import FileDigest, Verdict
 from wcache.errors import EXIT_OK, BadInputError, WcacheError
 from wcache.ipc.codec import Wire
@@ -30,6 +32,10 @@ LOCK_SUFFIX = ".lock"
 ENGINES_DIR = "engines"
 # AF_UNIX paths are limited to 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
+# A descriptor holds a key, a plan and a model's config: kilobytes. Anything far larger is not one.
+MAX_DESCRIPTOR_BYTES = 1 << 20
+# Linux's PID_MAX_LIMIT: no pid is this large, so a file naming one was not written by a process of ours.
+PID_LIMIT = 1 << 22
 
 
 class RunDirError(BadInputError):
@@ -105,7 +111,7 @@ class DaemonDescriptor(Wire):
 
     def __post_init__(self) -> None:
         # A pid of 0 or less would signal a process group, or every process we may signal.
-        if self.pid <= 0 or (self.supervisor_pid is not None and self.supervisor_pid <= 0):
+        if not is_pid(self.pid) or not (self.supervisor_pid is None or is_pid(self.supervisor_pid)):
             raise ValueError(f"pid {self.pid} is not a process id")
 
 
@@ -134,7 +140,8 @@ def write_descriptor(run_dir: Path, descriptor: DaemonDescriptor) -> Path:
     """Write atomically (temp file, then rename), mode 0600."""
     final = descriptor_path(run_dir, descriptor.name)
     temporary = final.with_suffix(f".tmp-{os.getpid()}")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    # O_NOFOLLOW: a link planted at the temporary name would have the daemon write wherever it points.
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(descriptor.to_wire(), f, indent=2)
     temporary.replace(final)
@@ -213,6 +220,11 @@ def remove_daemon_files(run_dir: Path, name: str) -> None:
             path.unlink()
 
 
+def is_pid(value: object) -> bool:
+    """Whether `value` can be a process id: an int in 1..PID_LIMIT-1 (0 and less would signal process groups)."""
+    return type(value) is int and 0 < value < PID_LIMIT
+
+
 def process_created(pid: int) -> float | None:
     """The start time psutil reports for `pid`, or None when no such process runs."""
     import psutil  # here, not at the top: listing an empty run dir should not pay for it
@@ -231,6 +243,44 @@ def lock_held(path: Path) -> bool:
         return not free
 
 
+def run_subdir(run_dir: Path, name: str) -> Path | None:
+    """`<run dir>/<name>` when it is a directory of its own, else None; a symlink there is refused with a warning,
+    never followed: what its records name (pids to signal, files to remove) would then come from anywhere."""
+    path = run_dir / name
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("Ignoring %s (%s).", path, exc.strerror)
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        log.warning("Ignoring %s: it is %s, not a directory.", path, "a symlink" if stat.S_ISLNK(st.st_mode)
+                    else "not a directory")
+        return None
+    return path
+
+
+def read_run_file(path: Path, limit: int) -> Any:
+    """The JSON of a small file in the run dir, read without following a link, blocking on a FIFO or reading past
+    `limit` bytes; OSError or ValueError (FileNotFoundError when it is gone) for anything that is not such a file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError("it is a symlink") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("it is not a regular file")
+        # One byte past the cap tells a file that is too large from one that fits exactly; nothing is parsed
+        # before the size is known to be reasonable.
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"it is larger than {limit // 1024} KiB")
+    return loads_finite(data, int_bits=INT64_BITS)
+
+
 def read_descriptors(run_dir: Path) -> list[DaemonDescriptor]:
     """Every readable descriptor in the run dir, sorted by name; unreadable ones are warned about."""
     if not run_dir.exists():
@@ -239,11 +289,18 @@ def read_descriptors(run_dir: Path) -> list[DaemonDescriptor]:
     found = []
     for path in sorted(run_dir.glob(f"*{DESCRIPTOR_SUFFIX}")):
         try:
-            found.append(DaemonDescriptor.from_wire(json.loads(path.read_text())))
+            descriptor = DaemonDescriptor.from_wire(read_run_file(path, MAX_DESCRIPTOR_BYTES))
         except FileNotFoundError:
             continue  # removed by its daemon while we listed
         except (OSError, ValueError, ProtocolError) as exc:
-            log.warning("Ignoring unreadable daemon descriptor %s (%s).", path, exc)
+            log.warning("Ignoring unreadable daemon descriptor %s (%s).", path, getattr(exc, "strerror", None) or exc)
+            continue
+        # The name is what stale cleanup and `stop` turn back into paths: a descriptor must name its own file,
+        # never `../elsewhere`, or cleaning it up would remove files outside the run dir.
+        if descriptor.name != path.name.removesuffix(DESCRIPTOR_SUFFIX):
+            log.warning("Ignoring daemon descriptor %s: it names daemon %r, not its own file.", path, descriptor.name)
+            continue
+        found.append(descriptor)
     return found
 
 

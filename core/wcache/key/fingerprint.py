@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
@@ -15,10 +16,10 @@ from typing import Protocol
 
 import blake3
 
-from wcache.checkpoint.files import INDEX_NAME, SINGLE_NAME, CheckpointLayout, check_index
+from wcache.checkpoint.files import INDEX_NAME, SINGLE_NAME, CheckpointLayout, check_index, why_missing
 from wcache.checkpoint.identity import FileIdentity
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
-from wcache.checkpoint.provenance import FileDigest, FilesSource, broken_link_sentence
+from wcache.checkpoint.provenance import FileDigest, FilesSource
 from wcache.errors import CheckpointError
 from wcache.key.digest_store import DigestStore, is_trusted
 from wcache.key.shard_hash import ShardRecord, hash_shard
@@ -76,19 +77,16 @@ def _stat_one(layout: CheckpointLayout, path: Path) -> FileIdentity:
             raise CheckpointError(f"{path} is not a regular file.")
         return FileIdentity.of(st)
     except FileNotFoundError:
-        _raise_if_broken_link(path)
-        if layout.weight_map is None and path.name == SINGLE_NAME and path.parent == layout.root:
+        if layout.weight_map is not None:
+            raise CheckpointError(f"{layout.root / INDEX_NAME} lists shard {path.name}, which {why_missing(path)}.") \
+                from None
+        if path.name == SINGLE_NAME and path.parent == layout.root and not path.is_symlink():
             raise CheckpointError(f"{layout.root} holds neither {SINGLE_NAME} nor {INDEX_NAME}.") from None
-        raise CheckpointError(f"{layout.root / INDEX_NAME} lists shard {path.name}, which does not exist.") from None
+        raise CheckpointError(f"{path} {why_missing(path)}.") from None
     except OSError as exc:
-        _raise_if_broken_link(path)
+        if exc.errno == errno.ELOOP:
+            raise CheckpointError(f"{path} {why_missing(path)}.") from None
         raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
-
-
-def _raise_if_broken_link(path: Path) -> None:
-    broken = broken_link_sentence(path)
-    if broken is not None:
-        raise CheckpointError(broken) from None
 
 
 def _stat_all(layout: CheckpointLayout) -> list[FileIdentity]:

@@ -8,6 +8,7 @@ FUSE filesystems that refuse mmap (ENODEV) read like any other.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import stat
@@ -20,8 +21,8 @@ from pathlib import Path
 
 import blake3
 
+from wcache.checkpoint.files import why_missing
 from wcache.checkpoint.identity import FileIdentity
-from wcache.checkpoint.provenance import broken_link_sentence
 from wcache.checkpoint.safetensors_header import ShardHeader, TensorInfo, read_header
 from wcache.errors import CheckpointError
 from wcache.key.file_digest import FileSha256
@@ -106,13 +107,11 @@ class OpenShard:
         try:
             # O_NONBLOCK: opening a FIFO planted as a shard must fail below, not wait for a writer forever.
             self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} {why_missing(path)}.") from None
         except OSError as exc:
-            # A link leading nowhere (a deleted cache blob, a loop) says so; anything else is what open said.
-            broken = broken_link_sentence(path)
-            if broken is not None:
-                raise CheckpointError(broken) from None
-            if isinstance(exc, FileNotFoundError):
-                raise CheckpointError(f"{path} does not exist.") from None
+            if exc.errno == errno.ELOOP:
+                raise CheckpointError(f"{path} {why_missing(path)}.") from None
             raise CheckpointError(f"{path} cannot be opened ({exc.strerror}).") from None
         self._forgotten = 0  # forget_read() has dropped the file's pages before this offset
         try:

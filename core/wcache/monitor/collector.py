@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import json
 import os
 import stat
 import time
@@ -24,7 +23,7 @@ from typing import Any
 import psutil
 
 from wcache.ipc.loading import LoadingRecord, read_loading
-from wcache.ipc.rundir import ENGINES_DIR, DaemonDescriptor, read_descriptors
+from wcache.ipc.rundir import ENGINES_DIR, DaemonDescriptor, is_pid, read_descriptors, read_run_file, run_subdir
 from wcache.monitor.daemon_status import DaemonStatus, collect
 from wcache.monitor.events import events_path, parse_event, rotated_path
 from wcache.monitor.prometheus import Samples, label_value, parse_metrics, total
@@ -40,6 +39,9 @@ PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total
 # The metric families a poll reads; the rest of a /metrics page is skipped before parsing.
 FAMILIES = ("vllm:prefix_cache_", "vllm:gpu_prefix_cache_", "wcache:")
 MAX_EVENTS = 500
+MAX_ANNOUNCEMENT_BYTES = 64 << 10  # an engine's file in engines/: a pid, a URL, its attach report
+# The most of the log one poll reads: MAX_EVENTS events of a few hundred bytes each, with room to spare.
+MAX_TAIL_BYTES = 4 << 20
 # A fallback storm: this many engines falling back to disk within the window raises a banner in `top`.
 STORM_FALLBACKS = 5
 STORM_WINDOW_S = 60.0
@@ -61,15 +63,18 @@ class EventTail:
 
     def read_new(self) -> list[dict[str, Any]]:
         try:
-            st = self.path.stat()
+            st = os.lstat(self.path)
         except FileNotFoundError:
             return []
-        if not stat.S_ISREG(st.st_mode):  # a FIFO or directory in its place: nothing to tail, never a hang
+        if not stat.S_ISREG(st.st_mode):  # a FIFO, directory or link in its place: nothing to tail, never a hang
             return []
         data = b""
         if st.st_ino != self._inode or st.st_size < self._offset:
             data = self._rest_of_rotated()
             self._inode, self._offset = st.st_ino, 0
+        if st.st_size - self._offset > MAX_TAIL_BYTES:
+            # Only the newest events are shown: skip to the last MAX_TAIL_BYTES (the first line there is torn).
+            data, self._partial, self._offset = b"", b"", st.st_size - MAX_TAIL_BYTES
         if st.st_size > self._offset:
             with self.path.open("rb") as f:
                 f.seek(self._offset)
@@ -131,8 +136,8 @@ def summarize(event: dict[str, Any]) -> EventRow:
         which = f": {', '.join(map(str, named))} differ from what was published" if named else ""
         summary = f"provenance of {event.get('daemon', '?')}: {verdict}{which}"
     elif kind == "attach_hit":
-        total_ms = (event.get("timings_ms") or {}).get("total")
-        timing = f", {total_ms:.1f} ms" if isinstance(total_ms, int | float) else ""
+        total_ms = _number(_mapping(event.get("timings_ms")).get("total"))
+        timing = f", {total_ms:.1f} ms" if total_ms is not None else ""
         summary = f"hit {event.get('daemon', '?')} ({event.get('mode', '?')}{timing})"
         if event.get("verified") is False:
             # --trust-daemon: the checkpoint was never compared with the daemon's, so it may not be the same.
@@ -142,6 +147,21 @@ def summarize(event: dict[str, Any]) -> EventRow:
         subject = event.get("daemon") or event.get("source") or ""
         summary = f"{kind.replace('_', ' ')} {subject}".strip()
     return EventRow(ts=float(event.get("ts", 0.0)), kind=kind, severity=severity, summary=summary, detail=detail)
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    """A field another process wrote that should be an object; anything else reads as empty."""
+    return value if isinstance(value, dict) else {}
+
+
+def _number(value: Any) -> float | None:
+    """A field that should be a number of milliseconds; anything else (a string, a flag) reads as absent."""
+    return float(value) if type(value) in (int, float) else None
+
+
+def _text(value: Any) -> str | None:
+    """A field that should be a string; anything else reads as absent."""
+    return value if isinstance(value, str) else None
 
 
 def _loading_row(record: LoadingRecord) -> DaemonRow:
@@ -233,14 +253,16 @@ class Collector:
 
     def _engine_targets(self) -> list[EngineTarget]:
         targets = []
-        directory = self.run_dir / ENGINES_DIR
-        for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        directory = run_subdir(self.run_dir, ENGINES_DIR)
+        for path in sorted(directory.glob("*.json")) if directory is not None else []:
             try:
-                announced = json.loads(path.read_text())
-                pid, url = int(announced["pid"]), str(announced["url"])
+                announced = read_run_file(path, MAX_ANNOUNCEMENT_BYTES)
+                pid, url = announced["pid"], announced["url"]
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            unseen = not psutil.pid_exists(pid)
+            if not is_pid(pid) or not isinstance(url, str):
+                continue
+            unseen = not psutil.pid_exists(pid)  # another pid namespace's engine is shown while it answers
             targets.append(EngineTarget(f"pid {pid}", url, metrics_url(url), announced, unseen))
         known = {t.metrics_url for t in targets}
         for url in self.scrape:
@@ -349,16 +371,17 @@ class Collector:
         if interval_rate is not None:
             history.append(interval_rate)
         announced = target.announced or {}
-        attach = announced.get("attach") or {}
-        weights = attach.get("outcome") or label_value(samples, "wcache:engine_weights_info", "outcome")
+        attach = _mapping(announced.get("attach"))
+        weights = _text(attach.get("outcome")) or label_value(samples, "wcache:engine_weights_info", "outcome")
         is_wcache = target.announced is not None or "wcache:replayed_tokens_total" in samples
         return EngineRow(
             id=target.id, url=target.url, kind="wcache" if is_wcache else "vllm",
             model=str(announced.get("model")
                       or next((m for n in PREFIX_QUERIES if (m := label_value(samples, n, "model_name"))), None)
                       or "?"),
-            up=text is not None, weights=weights, mode=attach.get("mode"), daemon=attach.get("daemon"),
-            attach_ms=(attach.get("timings_ms") or {}).get("total"),
+            up=text is not None, weights=weights, mode=_text(attach.get("mode")),
+            daemon=_text(attach.get("daemon")),
+            attach_ms=_number(_mapping(attach.get("timings_ms")).get("total")),
             prefix_queries_total=queries, prefix_hits_total=hits,
             hit_rate_interval=interval_rate, hit_rate_overall=ratio(hits, queries),
             adopted_hits_total=total(samples, "wcache:prefix_cache_adopted_hits_total"),

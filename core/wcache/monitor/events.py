@@ -19,11 +19,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from wcache.canonical import INT64_BITS, loads_finite
+
 log = logging.getLogger("wcache")
 
 EVENTS_NAME = "events.jsonl"
 ROTATED_SUFFIX = ".1"
 DEFAULT_MAX_EVENTS_BYTES = 16 * 1024 * 1024
+# Seconds since the epoch no event can be from (the year 5138): a larger ts is a forged line, not a time to show.
+MAX_TS = 1e11
 KINDS = frozenset({
     "preload", "ready", "preload_failed", "attach_hit", "attach_miss", "fallback", "release", "stop",
     "daemon_exited", "daemon_lost", "engine_counters", "group_stopped", "provenance",
@@ -47,22 +51,34 @@ def max_events_bytes() -> int:
 
 
 def _rotate_if_full(path: Path, fd: int) -> None:
-    """Move a full log aside; the lock on the old file makes exactly one of several writers do it."""
+    """Move a full log aside; the lock on the old file makes exactly one of several writers do it.
+
+    Where the rename fails (something that is not a file holds the rotated name, a read-only directory) the log
+    is emptied instead: it loses its older events, but it never grows past the bound.
+    """
     if os.fstat(fd).st_size < max_events_bytes():
         return
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        with contextlib.suppress(FileNotFoundError):
-            # Another writer may have rotated it while we waited: then the path names a fresh file.
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                path.replace(rotated_path(path))
+        # Another writer may have rotated it while we waited: then the path names a fresh file.
+        if os.lstat(path).st_ino != os.fstat(fd).st_ino:
+            return
+        try:
+            path.replace(rotated_path(path))
+        except OSError as exc:
+            os.ftruncate(fd, 0)
+            log.warning("Could not rotate %s to %s (%s); emptied it instead, so it stays under %d bytes.", path,
+                        rotated_path(path).name, exc.strerror, max_events_bytes())
+    except FileNotFoundError:
+        pass
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def _open_log(path: Path, flags: int) -> int:
-    """Open the log without blocking on a FIFO planted in its place, and refuse anything but a regular file."""
-    fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    """Open the log without following a link, blocking on a FIFO planted in its place, or taking anything but a
+    regular file: a symlink named events.jsonl would have every writer append to whatever it points at."""
+    fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW, 0o600)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file")
@@ -75,17 +91,30 @@ def append_event(run_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:
         raise ValueError(f"unknown event kind {kind!r}")
     event = {"ts": round(time.time(), 6), "kind": kind, "pid": os.getpid(), **fields}
     line = (json.dumps(event, ensure_ascii=False, default=str) + "\n").encode()
+    path = events_path(run_dir)
     try:
         # One write() on an O_APPEND descriptor: concurrent writers never interleave within a line.
-        fd = _open_log(events_path(run_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        fd = _open_log(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    except OSError as exc:
+        log.warning("Could not write the %s event to %s (%s).", kind, path, _reason(exc))
+        return event
+    try:
         try:
             os.write(fd, line)
-            _rotate_if_full(events_path(run_dir), fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        log.warning("Could not write the %s event to %s (%s).", kind, events_path(run_dir), exc.strerror)
+        except OSError as exc:
+            log.warning("Could not write the %s event to %s (%s).", kind, path, _reason(exc))
+            return event
+        with contextlib.suppress(OSError):  # the event is written; a failed rotation warned on its own
+            _rotate_if_full(path, fd)
+    finally:
+        os.close(fd)
     return event
+
+
+def _reason(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "it is a symlink"
+    return exc.strerror or str(exc)
 
 
 def read_events(run_dir: Path) -> Iterator[dict[str, Any]]:
@@ -96,12 +125,16 @@ def read_events(run_dir: Path) -> Iterator[dict[str, Any]]:
 
 
 def parse_event(line: bytes | str) -> dict[str, Any] | None:
-    """One line of the log as an event, or None for a torn or foreign line (not JSON, or without a kind)."""
+    """One line of the log as an event, or None for a torn or foreign line: not JSON, a number without a finite
+    value (NaN, 1e400), or no kind and time to sort and show it by."""
     try:
-        event = json.loads(line)
-    except (ValueError, RecursionError):
+        event = loads_finite(line, int_bits=INT64_BITS)
+    except ValueError:
         return None
-    return event if isinstance(event, dict) and isinstance(event.get("kind"), str) else None
+    if not isinstance(event, dict) or not isinstance(event.get("kind"), str):
+        return None
+    ts = event.get("ts")
+    return event if isinstance(ts, int | float) and not isinstance(ts, bool) and 0 <= ts < MAX_TS else None
 
 
 def _read_log(path: Path) -> Iterator[dict[str, Any]]:
@@ -111,7 +144,7 @@ def _read_log(path: Path) -> Iterator[dict[str, Any]]:
     except FileNotFoundError:
         return
     except OSError as exc:
-        log.warning("Cannot read events from %s (%s).", path, exc.strerror)
+        log.warning("Cannot read events from %s (%s).", path, _reason(exc))
         return
     try:
         with os.fdopen(fd, "rb") as f:
