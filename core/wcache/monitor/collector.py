@@ -46,7 +46,7 @@ STORM_WINDOW_S = 60.0
 # Shown in the feed; engine_counters is bookkeeping for rates, not news.
 FEED_KINDS = frozenset({
     "preload", "ready", "preload_failed", "attach_hit", "attach_miss", "fallback", "release", "stop",
-    "daemon_exited", "daemon_lost",
+    "daemon_exited", "daemon_lost", "engine_switch", "switch_refused",
 })
 
 
@@ -124,6 +124,13 @@ def summarize(event: dict[str, Any]) -> EventRow:
     elif kind == "preload_failed":
         severity = "error"
         summary = f"preload of {event.get('source', '?')} failed: {event.get('reason', '')}"
+    elif kind == "engine_switch":
+        summary = (f"engine {event.get('engine_pid', '?')} switched {event.get('previous_key_id', '?')} → "
+                   f"{event.get('key_id', '?')} ({event.get('source', '?')})")
+    elif kind == "switch_refused":
+        severity = "warning"
+        summary = (f"engine {event.get('engine_pid', '?')} refused a switch to {event.get('source', '?')}: "
+                   f"{event.get('reason', '')}")
     elif kind == "attach_hit":
         total_ms = (event.get("timings_ms") or {}).get("total")
         timing = f", {total_ms:.1f} ms" if isinstance(total_ms, int | float) else ""
