@@ -15,7 +15,7 @@ from wcache.engine.model import Transformer
 from wcache_dev.synth import write_checkpoint
 
 # 80 tokens of shared prefix (five blocks of 16, past tiny's 32-token window) then a tail.
-PROMPT = list(range(40, 120)) + [7, 8, 9]
+PROMPT = [*range(40, 120), 7, 8, 9]
 
 
 def test_blocks_recorded_under_other_weights_never_match() -> None:
