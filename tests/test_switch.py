@@ -128,6 +128,10 @@ def test_switch_serves_the_new_weights_with_a_cache_of_their_own(versions: Versi
 
         hits = by_weights(server.url, "wcache:prefix_cache_hits_by_weights_total")
         assert hits[keys[0]] == 64 and hits[keys[1]] == 0
+        top = rig.cli("top", "--once", "--json", "--interval", "0.2", "--run-dir", str(rig.run_dir), as_json=True)
+        (row,) = [e for e in top["engines"] if e["url"] == server.url]
+        assert row["key_id"] == keys[1]
+        assert [key for key, _ in row["hit_rate_by_weights"]] == [keys[1], keys[0]]
         switched = [e for e in rig.events("engine_switch") if e.get("engine_pid") == server.process.pid]
         assert [(e["previous_key_id"], e["key_id"]) for e in switched] == [(keys[0], keys[1])]
 

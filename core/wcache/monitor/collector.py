@@ -27,7 +27,7 @@ from wcache.ipc.loading import LoadingRecord, read_loading
 from wcache.ipc.rundir import ENGINES_DIR, DaemonDescriptor, read_descriptors
 from wcache.monitor.daemon_status import DaemonStatus, collect
 from wcache.monitor.events import events_path, parse_event, rotated_path
-from wcache.monitor.prometheus import Samples, label_value, parse_metrics, total
+from wcache.monitor.prometheus import Samples, by_label, label_value, parse_metrics, total
 from wcache.monitor.rates import CounterDeltas, ratio
 from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
 
@@ -349,6 +349,7 @@ class Collector:
         attach = announced.get("attach") or {}
         weights = attach.get("outcome") or label_value(samples, "wcache:engine_weights_info", "outcome")
         is_wcache = target.announced is not None or "wcache:replayed_tokens_total" in samples
+        key_id = announced.get("key_id") or label_value(samples, "wcache:engine_weights_info", "key_id") or None
         return EngineRow(
             id=target.id, url=target.url, kind="wcache" if is_wcache else "vllm",
             model=str(announced.get("model")
@@ -363,4 +364,13 @@ class Collector:
             prefill_saved_total=total(samples, "wcache:prefill_tokens_saved_total"),
             swa_cached_bytes=total(samples, "wcache:swa_cached_bytes"),
             hit_rate_history=tuple(history),
+            key_id=key_id, hit_rate_by_weights=_hit_rates_by_weights(samples, key_id),
         )
+
+
+def _hit_rates_by_weights(samples: Samples, current: str | None) -> tuple[tuple[str, float | None], ...]:
+    """Each weights key's overall hit rate, the engine's current key first, then by key."""
+    queries = by_label(samples, "wcache:prefix_cache_queries_by_weights_total", "weights")
+    hits = by_label(samples, "wcache:prefix_cache_hits_by_weights_total", "weights")
+    order = sorted(queries, key=lambda key: (key != current, key))
+    return tuple((key or "unkeyed", ratio(hits.get(key), queries[key])) for key in order)
