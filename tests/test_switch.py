@@ -84,6 +84,24 @@ def at_version_0(versions: Versions) -> None:
     versions.become(0)
 
 
+@pytest.fixture(scope="module")
+def server(versions: Versions) -> Iterator[Server]:
+    """One engine for every test. Without bounded replay: an adopted hit then reuses stored KV exactly, so every
+    answer, hit or not, must equal its version's cold tokens (a replayed window may differ by design; the
+    in-process tests/test_weight_versions.py covers replay)."""
+    with serving(versions.rig, versions.path, "--no-swa-bounded-replay") as running:
+        yield running
+
+
+@pytest.fixture
+def engine(versions: Versions, server: Server) -> Server:
+    """The module's engine, serving version 0 whatever the test before switched it to."""
+    if http_status(f"{server.url}/v1/weights")[1]["key_id"] != versions.keys[0]:  # type: ignore[index]
+        code, answer = switch_http(server, versions.path)
+        assert code == 200, answer
+    return server
+
+
 def complete(server: Server, prompt: str) -> dict[str, Any]:
     code, answer = post(server.url, json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS}).encode())
     assert code == 200, answer
@@ -102,83 +120,84 @@ def by_weights(url: str, name: str) -> dict[str, float]:
             if s.name == name}
 
 
-def test_switch_serves_the_new_weights_with_a_cache_of_their_own(versions: Versions) -> None:
-    rig, keys = versions.rig, versions.keys
-    with serving(rig, versions.path) as server:
-        assert http_status(f"{server.url}/v1/weights")[1]["key_id"] == keys[0]  # type: ignore[index]
-        complete(server, PROMPTS[0])
-        assert complete(server, PROMPTS[0])["wcache"]["hit_tokens"] == 64
+def test_switch_serves_the_new_weights_with_a_cache_of_their_own(versions: Versions, engine: Server) -> None:
+    rig, keys, server = versions.rig, versions.keys, engine
+    hits_before = by_weights(server.url, "wcache:prefix_cache_hits_by_weights_total")
+    switches_before = len(rig.events("engine_switch"))
+    assert http_status(f"{server.url}/v1/weights")[1]["key_id"] == keys[0]  # type: ignore[index]
+    complete(server, PROMPTS[0])
+    assert complete(server, PROMPTS[0])["wcache"]["hit_tokens"] == 64
 
-        versions.become(1)
-        result = rig.cli("switch", server.url, str(versions.path), "--json", as_json=True)
-        assert (result["previous"]["key_id"], result["current"]["key_id"]) == (keys[0], keys[1])
-        assert result["attach"]["outcome"] == "hit" and result["current"]["model"] == str(versions.path)
-        answer = complete(server, PROMPTS[0])
-        assert answer["wcache"]["weights_key"] == keys[1]
-        assert answer["wcache"]["hit_tokens"] == 0, "a block computed under version 0 hit under version 1"
-        assert answer["choices"][0]["token_ids"] == versions.expected[keys[1]][0]
-        code, claimed = http_status(f"{server.url}/v1/weights")
-        assert code == 200 and isinstance(claimed, dict) and claimed["key_id"] == keys[1]
-        announced = json.loads((rig.run_dir / "engines" / f"{server.process.pid}.json").read_text())
-        assert announced["key_id"] == keys[1] and announced["attach"]["daemon"] == f"cpu-{keys[1]}"
+    versions.become(1)
+    result = rig.cli("switch", server.url, str(versions.path), "--json", as_json=True)
+    assert (result["previous"]["key_id"], result["current"]["key_id"]) == (keys[0], keys[1])
+    assert result["attach"]["outcome"] == "hit" and result["current"]["model"] == str(versions.path)
+    answer = complete(server, PROMPTS[0])
+    assert answer["wcache"]["weights_key"] == keys[1]
+    assert answer["wcache"]["hit_tokens"] == 0, "a block computed under version 0 hit under version 1"
+    assert answer["choices"][0]["token_ids"] == versions.expected[keys[1]][0]
+    code, claimed = http_status(f"{server.url}/v1/weights")
+    assert code == 200 and isinstance(claimed, dict) and claimed["key_id"] == keys[1]
+    announced = json.loads((rig.run_dir / "engines" / f"{server.process.pid}.json").read_text())
+    assert announced["key_id"] == keys[1] and announced["attach"]["daemon"] == f"cpu-{keys[1]}"
 
-        checked = rig.cli("verify", server.url, "--greedy", "--json", as_json=True)
-        assert checked["ok"] and checked["greedy"]["attach"]["key_id"] == keys[1]
-        assert len(checked["greedy"]["prompts"]) == 4
+    checked = rig.cli("verify", server.url, "--greedy", "--json", as_json=True)
+    assert checked["ok"] and checked["greedy"]["attach"]["key_id"] == keys[1]
+    assert len(checked["greedy"]["prompts"]) == 4
 
-        hits = by_weights(server.url, "wcache:prefix_cache_hits_by_weights_total")
-        assert hits[keys[0]] == 64 and hits[keys[1]] == 0
-        top = rig.cli("top", "--once", "--json", "--interval", "0.2", "--run-dir", str(rig.run_dir), as_json=True)
-        (row,) = [e for e in top["engines"] if e["url"] == server.url]
-        assert row["key_id"] == keys[1]
-        assert [key for key, _ in row["hit_rate_by_weights"]] == [keys[1], keys[0]]
-        switched = [e for e in rig.events("engine_switch") if e.get("engine_pid") == server.process.pid]
-        assert [(e["previous_key_id"], e["key_id"]) for e in switched] == [(keys[0], keys[1])]
+    hits = by_weights(server.url, "wcache:prefix_cache_hits_by_weights_total")
+    assert hits[keys[0]] - hits_before.get(keys[0], 0) == 64 and hits[keys[1]] == hits_before.get(keys[1], 0)
+    top = rig.cli("top", "--once", "--json", "--interval", "0.2", "--run-dir", str(rig.run_dir), as_json=True)
+    (row,) = [e for e in top["engines"] if e["url"] == server.url]
+    assert row["key_id"] == keys[1]
+    assert [key for key, _ in row["hit_rate_by_weights"]] == [keys[1], keys[0]]
+    switched = rig.events("engine_switch")[switches_before:]
+    assert [(e["engine_pid"], e["previous_key_id"], e["key_id"]) for e in switched] == [
+        (server.process.pid, keys[0], keys[1])]
 
 
-def test_a_switch_nothing_serves_is_refused_and_the_engine_keeps_serving(versions: Versions) -> None:
-    rig, keys = versions.rig, versions.keys
+def test_a_switch_nothing_serves_is_refused_and_the_engine_keeps_serving(versions: Versions, engine: Server) -> None:
+    rig, keys, server = versions.rig, versions.keys, engine
     other = rig.base / "other-architecture"
     write_checkpoint("small", other)
-    with serving(rig, versions.path) as server:
-        versions.become(2)  # version 2 has no daemon
-        refused = rig.cli("switch", server.url, str(versions.path))
-        assert refused.returncode == 3, refused.stderr
-        assert f"still serving {keys[0]}" in refused.stderr and "differs in checkpoint" in refused.stderr
-        versions.become(0)
-        assert complete(server, PROMPTS[1])["choices"][0]["token_ids"] == versions.expected[keys[0]][1]
+    versions.become(2)  # version 2 has no daemon
+    refused = rig.cli("switch", server.url, str(versions.path))
+    assert refused.returncode == 3, refused.stderr
+    assert f"still serving {keys[0]}" in refused.stderr and "differs in checkpoint" in refused.stderr
+    versions.become(0)
+    assert complete(server, PROMPTS[1])["choices"][0]["token_ids"] == versions.expected[keys[0]][1]
 
-        architecture = rig.cli("switch", server.url, str(other))
-        assert architecture.returncode == 2 and "another architecture" in architecture.stderr
-        nobody = rig.cli("switch", server.url, "--daemon", "cpu-000000000000")
-        assert nobody.returncode == 3 and "0 running daemons" in nobody.stderr
-        for body in (b"{}", b'{"model": 3}', b'{"model": "relative/path"}', b'{"mdl": "/x"}', b"[]"):
-            code, answer = post(server.url, body, "/v1/weights")
-            assert code == 400 and answer["error"]["message"], (body, answer)
-        code, claimed = http_status(f"{server.url}/v1/weights")
-        assert isinstance(claimed, dict) and claimed["key_id"] == keys[0]
-        assert complete(server, PROMPTS[2])["choices"][0]["token_ids"] == versions.expected[keys[0]][2]
-        assert [e["reason"] for e in rig.events("switch_refused")], "the refusal is an event"
-
-
-def test_verify_of_a_served_engine_finds_a_claim_the_checkpoint_no_longer_backs(versions: Versions) -> None:
-    rig, keys = versions.rig, versions.keys
-    with serving(rig, versions.path) as server:
-        versions.become(1)  # the files change under the engine, which still serves version 0
-        stale = rig.cli("verify", server.url, "--greedy", "--json")
-        versions.become(0)
-        assert stale.returncode == 1, stale.stderr
-        report = json.loads(stale.stdout)["greedy"]
-        assert f"claims key {keys[0]}" in report["problem"] and keys[1] in report["problem"]
-        assert rig.cli("verify", server.url, "--greedy", "--num-prompts", "2").returncode == 0
-        assert rig.cli("verify", server.url, "--content").returncode == 2
+    architecture = rig.cli("switch", server.url, str(other))
+    assert architecture.returncode == 2 and "another architecture" in architecture.stderr
+    nobody = rig.cli("switch", server.url, "--daemon", "cpu-000000000000")
+    assert nobody.returncode == 3 and "0 running daemons" in nobody.stderr
+    for body in (b"{}", b'{"model": 3}', b'{"model": "relative/path"}', b'{"mdl": "/x"}', b"[]"):
+        code, answer = post(server.url, body, "/v1/weights")
+        assert code == 400 and answer["error"]["message"], (body, answer)
+    code, claimed = http_status(f"{server.url}/v1/weights")
+    assert isinstance(claimed, dict) and claimed["key_id"] == keys[0]
+    assert complete(server, PROMPTS[2])["choices"][0]["token_ids"] == versions.expected[keys[0]][2]
+    assert [e["reason"] for e in rig.events("switch_refused")], "the refusal is an event"
 
 
-def test_a_hundred_switches_under_load_never_mix_versions(versions: Versions) -> None:
+def test_verify_of_a_served_engine_finds_a_claim_the_checkpoint_no_longer_backs(versions: Versions,
+                                                                                engine: Server) -> None:
+    rig, keys, server = versions.rig, versions.keys, engine
+    versions.become(1)  # the files change under the engine, which still serves version 0
+    stale = rig.cli("verify", server.url, "--greedy", "--json")
+    versions.become(0)
+    assert stale.returncode == 1, stale.stderr
+    report = json.loads(stale.stdout)["greedy"]
+    assert f"claims key {keys[0]}" in report["problem"] and keys[1] in report["problem"]
+    assert rig.cli("verify", server.url, "--greedy", "--num-prompts", "2").returncode == 0
+    assert rig.cli("verify", server.url, "--content").returncode == 2
+
+
+def test_a_hundred_switches_under_load_never_mix_versions(versions: Versions, engine: Server) -> None:
     """Concurrent shared-prefix requests while the one path alternates between versions 0 and 1 and the engine
-    switches after each rewrite. Replay is off, so a hit reuses stored KV exactly and every answer must equal
-    the cold tokens of the version that ran it; a block of the other version hitting would break that."""
-    rig, keys = versions.rig, versions.keys
+    switches after each rewrite. Every answer must equal the cold tokens of the version that ran it; a block
+    of the other version hitting would break that."""
+    keys, server = versions.keys, engine
     answers: list[tuple[int, dict[str, Any]]] = []
     failures: list[str] = []
     stop = threading.Event()
@@ -193,32 +212,31 @@ def test_a_hundred_switches_under_load_never_mix_versions(versions: Versions) ->
             answers.append((index, answer))
             turn += 1
 
-    with serving(rig, versions.path, "--no-swa-bounded-replay") as server:
-        threads = [threading.Thread(target=client, args=(n,)) for n in range(3)]
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        for n in range(SWITCHES):
+            version = (n + 1) % 2
+            versions.become(version)
+            code, result = switch_http(server, versions.path)
+            assert code == 200 and result["current"]["key_id"] == keys[version], result
+    finally:
+        stop.set()
         for thread in threads:
-            thread.start()
-        try:
-            for n in range(SWITCHES):
-                version = (n + 1) % 2
-                versions.become(version)
-                code, result = switch_http(server, versions.path)
-                assert code == 200 and result["current"]["key_id"] == keys[version], result
-        finally:
-            stop.set()
-            for thread in threads:
-                thread.join(timeout=60)
-        assert not failures, failures[:3]
-        wrong = [(i, a["wcache"]["weights_key"], a["choices"][0]["token_ids"]) for i, a in answers
-                 if a["choices"][0]["token_ids"] != versions.expected[a["wcache"]["weights_key"]][i]]
-        assert not wrong, f"{len(wrong)} of {len(answers)} answers are not their version's tokens: {wrong[:3]}"
-        served = {a["wcache"]["weights_key"] for _, a in answers}
-        assert served == set(keys[:2]), served
-        hits = by_weights(server.url, "wcache:prefix_cache_hits_by_weights_total")
-        assert hits[keys[0]] > 0 and hits[keys[1]] > 0, "the cache still serves each version its own blocks"
-        code, text = http_status(f"{server.url}/metrics")
-        assert isinstance(text, str) and "wcache:prefix_cache_cross_version_refusals_total" in text
-        refusals = [s.value for f in text_string_to_metric_families(text) for s in f.samples
-                    if s.name == "wcache:prefix_cache_cross_version_refusals_total"]
-        assert refusals == [0.0]
-        print(f"{SWITCHES} switches, {len(answers)} answers, "
-              f"{sum(1 for _, a in answers if a['wcache']['hit_tokens'])} with prefix hits")
+            thread.join(timeout=60)
+    assert not failures, failures[:3]
+    wrong = [(i, a["wcache"]["weights_key"], a["choices"][0]["token_ids"]) for i, a in answers
+             if a["choices"][0]["token_ids"] != versions.expected[a["wcache"]["weights_key"]][i]]
+    assert not wrong, f"{len(wrong)} of {len(answers)} answers are not their version's tokens: {wrong[:3]}"
+    served = {a["wcache"]["weights_key"] for _, a in answers}
+    assert served == set(keys[:2]), served
+    hits = by_weights(server.url, "wcache:prefix_cache_hits_by_weights_total")
+    assert hits[keys[0]] > 0 and hits[keys[1]] > 0, "the cache still serves each version its own blocks"
+    code, text = http_status(f"{server.url}/metrics")
+    assert isinstance(text, str) and "wcache:prefix_cache_cross_version_refusals_total" in text
+    refusals = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "wcache:prefix_cache_cross_version_refusals_total"]
+    assert refusals == [0.0]
+    print(f"{SWITCHES} switches, {len(answers)} answers, "
+          f"{sum(1 for _, a in answers if a['wcache']['hit_tokens'])} with prefix hits")
