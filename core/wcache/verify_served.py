@@ -12,7 +12,7 @@ bounded replay an adopted hit recomputes one window only, as on the served side.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wcache.engine.client import call_engine
 from wcache.errors import BadInputError, UnavailableError
@@ -20,8 +20,14 @@ from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
 from wcache.verify import GreedyReport, PromptResult, compare_prompts
 
+if TYPE_CHECKING:
+    from wcache.engine import EngineConfig
 
-def _claim(url: str) -> tuple[Path, WeightCacheKey, PlanSpec, dict[str, Any], dict[str, Any]]:
+
+def _claim(url: str) -> tuple[Path, WeightCacheKey, PlanSpec, EngineConfig, dict[str, Any]]:
+    """What the engine at `url` says it serves: checkpoint, key, plan, its cache settings, and the document."""
+    from wcache.engine import EngineConfig
+
     document = call_engine(url, "GET", "/v1/weights")
     try:
         if document.get("tp_size") != 1:
@@ -30,7 +36,7 @@ def _claim(url: str) -> tuple[Path, WeightCacheKey, PlanSpec, dict[str, Any], di
         if document.get("model") is None or document.get("key") is None or document.get("plan") is None:
             raise BadInputError(f"the engine at {url} does not say which keyed checkpoint it serves.")
         return (Path(document["model"]), WeightCacheKey(**document["key"]), PlanSpec.from_json(document["plan"]),
-                dict(document.get("engine_config") or {}), document)
+                EngineConfig(**(document.get("engine_config") or {})), document)
     except (TypeError, ValueError) as exc:
         raise UnavailableError(f"the engine at {url} describes its weights in a form wcache does not read "
                                f"({exc}).") from None
@@ -38,7 +44,7 @@ def _claim(url: str) -> tuple[Path, WeightCacheKey, PlanSpec, dict[str, Any], di
 
 def verify_served(url: str, prompts: list[str], max_new_tokens: int) -> GreedyReport:
     """Greedy tokens of the engine at `url` against a disk load of the checkpoint it claims, per prompt."""
-    from wcache.engine import Engine, EngineConfig
+    from wcache.engine import Engine
     from wcache.engine.engine import checkpoint_model
     from wcache.key.compute import compute_key
     from wcache.key.digest_store import DigestStore
@@ -46,7 +52,7 @@ def verify_served(url: str, prompts: list[str], max_new_tokens: int) -> GreedyRe
 
     if not prompts:
         raise BadInputError("there are no prompts to verify with.")
-    model, claimed, plan, engine_config, document = _claim(url)
+    model, claimed, plan, config, document = _claim(url)
     attach = {**(document.get("attach") or {}), "engine": "reference (served)", "url": url, "model": str(model),
               "key_id": claimed.short_id}
     with DigestStore.open() as store:
@@ -59,7 +65,6 @@ def verify_served(url: str, prompts: list[str], max_new_tokens: int) -> GreedyRe
     model_config, tokenizer = checkpoint_model(model)
     if tokenizer is None:
         raise BadInputError(f"{model} has no tokenizer to encode the prompts.")
-    config = EngineConfig(**engine_config)
     served: list[list[int]] = []
     disk: list[list[int]] = []
     problem = None

@@ -31,7 +31,8 @@ def switch(
     3) and the engine keeps serving its old weights. Prefix-cache blocks are keyed by the weights' content key,
     so none computed under the old weights can hit after the switch.
     """
-    from wcache.engine.client import call_engine
+    from wcache.engine.client import EngineRequestError, call_engine
+    from wcache.errors import UnavailableError
 
     if model is None and daemon is None:
         raise BadInputError("name the weights to switch to: MODEL, --daemon, or both.")
@@ -43,7 +44,13 @@ def switch(
         body["model"] = str(resolve_model_path(model).absolute())
     if daemon is not None:
         body["daemon"] = daemon
-    result = call_engine(url, "POST", "/v1/weights", body)
+    try:
+        result = call_engine(url, "POST", "/v1/weights", body)
+    except EngineRequestError as exc:
+        if exc.status != 404:
+            raise
+        raise UnavailableError(f"{url} has no /v1/weights: it is not a wcache reference engine (a vLLM engine "
+                               "switches with wcache.integrations.vllm_switch.switch).") from None
     if json:
         out.json(result)
         return
