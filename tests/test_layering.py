@@ -33,11 +33,13 @@ ALLOWED: dict[str, set[str]] = {
     "daemon_choice": FOUNDATION | {"plan", "key", "ipc"},
     "doctor": FOUNDATION | {"key", "ipc"},
     "attach": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach_options", "daemon_choice"},
-    "engine": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options"},
+    "engine": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options",
+                            "daemon_choice"},
     "integrations": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach",
                                   "attach_options", "daemon_choice"},
     "verify": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options",
                             "daemon_choice", "engine", "integrations"},
+    "verify_served": FOUNDATION | {"plan", "key", "load", "engine", "verify"},
 }
 
 

@@ -19,11 +19,16 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers import assert_one_error_sentence, cli_env, wcache_in_process
-from wcache.ipc.loading import LOADING_DIR
+from wcache.ipc.loading import LOADING_DIR, hold_record_lock, record_lock_path
 from wcache.monitor.events import events_path
 
 HOSTILE = "\u202eevil\x1b[31m\nerror: forged line"
 RAW = ("\u202e", "\x1b", "\nerror: forged")
+# A stand-in for a loading rank: it holds its record's lock, as a rank does (a record whose lock is free is a
+# dead rank's, removed by the next reader), and says so once it does.
+HOLDS_ITS_LOCK = ("import os, sys, time; from wcache.ipc.loading import hold_record_lock, record_lock_path; "
+                  "from pathlib import Path; hold_record_lock(record_lock_path(Path(sys.argv[1]), os.getpid())); "
+                  "print('locked', flush=True); time.sleep(60)")
 
 
 @pytest.fixture
@@ -98,12 +103,16 @@ def test_forged_records_are_shown_escaped_in_tables(tmp_path: Path) -> None:
     record = {"pid": me, "pid_created": psutil.Process(me).create_time(), "source": f"/models/{HOSTILE}",
               "device": HOSTILE, "tp_size": 1, "tp_rank": 0, "supervisor_pid": None, "started": 1.0,
               "phase": HOSTILE, "done_bytes": 0, "total_bytes": 0, "name": HOSTILE}
+    lock = hold_record_lock(record_lock_path(run_dir, me))
     (run_dir / LOADING_DIR / f"{me}.json").write_text(json.dumps(record))
     events_path(run_dir).write_text(json.dumps({"ts": 1.0, "kind": "attach_miss", "device": HOSTILE,
                                                 "reason": HOSTILE}) + "\n")
     env = cli_env(tmp_path / "cache")
-    status = wcache_in_process("status", "--run-dir", str(run_dir), env=env)
-    top = wcache_in_process("top", "--once", "--interval", "0.1", "--run-dir", str(run_dir), env=env)
+    try:
+        status = wcache_in_process("status", "--run-dir", str(run_dir), env=env)
+        top = wcache_in_process("top", "--once", "--interval", "0.1", "--run-dir", str(run_dir), env=env)
+    finally:
+        os.close(lock)
     for result in (status, top):
         assert result.returncode == 0, result.stderr
         assert not any(raw in result.stdout + result.stderr for raw in RAW), result.stdout
@@ -115,8 +124,9 @@ def test_stop_names_a_forged_rank_escaped(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
     (run_dir / LOADING_DIR).mkdir(mode=0o700)
-    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    rank = subprocess.Popen([sys.executable, "-c", HOLDS_ITS_LOCK, str(run_dir)], stdout=subprocess.PIPE, text=True)
     try:
+        assert rank.stdout is not None and rank.stdout.readline() == "locked\n"
         record = {"pid": rank.pid, "pid_created": psutil.Process(rank.pid).create_time(), "source": "/m",
                   "device": "cpu", "tp_size": 1, "tp_rank": 0, "supervisor_pid": None, "started": 1.0,
                   "phase": "loading", "done_bytes": 0, "total_bytes": 0, "name": f"[bold]{HOSTILE}"}

@@ -229,7 +229,7 @@ ENGINE_SCHEMA: dict[str, tuple[Any, ...]] = {
     **{name: (*NUMBER, None) for name in (
         "prefix_queries_total", "prefix_hits_total", "hit_rate_interval", "hit_rate_overall",
         "adopted_hits_total", "replayed_tokens_total", "prefill_saved_total", "swa_cached_bytes")},
-    "hit_rate_history": (list,),
+    "hit_rate_history": (list,), "key_id": (str, None), "hit_rate_by_weights": (list,),
 }
 EVENT_SCHEMA: dict[str, tuple[Any, ...]] = {
     "ts": NUMBER, "kind": (str,), "severity": (str,), "summary": (str,), "detail": (dict,),
@@ -334,7 +334,8 @@ def test_once_tables_say_off_and_how_rates_were_measured(tmp_path: Path) -> None
     assert "Replay and prefix cache" in text and "40.0 %" in text
     assert "waited between two samples" in text and "0.2 s" in text
     row = next(line for line in text.splitlines() if line.startswith("│ 127.0.0.1:") and "%" in line)
-    assert row.count(" off ") == 3  # adopted, replayed and prefill saved: vLLM does not export them
+    # adopted, replayed, prefill saved and hit % by weights: vLLM does not export them
+    assert row.count(" off ") == 4
 
 
 def test_bad_option_combinations_exit_2(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from wcache_cli.commands.doctor import doctor
 from wcache_cli.commands.key import key
 from wcache_cli.commands.preload import preload
 from wcache_cli.commands.status import status, stop
+from wcache_cli.commands.switch import switch
 from wcache_cli.commands.top import top
 from wcache_cli.commands.verify import verify
 from wcache_cli.state import state
@@ -86,6 +87,7 @@ app.command(cls=_WcacheCommand)(stop)
 app.command(cls=_WcacheCommand)(attach)
 app.command(cls=_WcacheCommand)(key)
 app.command(cls=_WcacheCommand)(diff)
+app.command(cls=_WcacheCommand)(switch)
 app.command(cls=_WcacheCommand)(verify)
 app.command(cls=_WcacheCommand)(top)
 app.command(cls=_WcacheCommand)(doctor)

@@ -39,7 +39,9 @@ def print_greedy(report: dict[str, Any]) -> None:
         preview = r["prompt"] if len(r["prompt"]) <= 48 else r["prompt"][:45] + "…"
         table.add_row(str(r["index"]), preview, verdict)
     out.print(table)
-    if report["all_match"]:
+    if report.get("problem"):
+        out.print(f"[red]MISMATCH[/] {report['problem']}")
+    elif report["all_match"]:
         out.print("[green]VERIFIED[/] cached and disk weights give the same greedy tokens")
     else:
         out.print("[red]MISMATCH[/] the cached weights are not this checkpoint's weights")

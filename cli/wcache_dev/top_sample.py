@@ -56,6 +56,7 @@ def _engines(step: int) -> tuple[EngineRow, ...]:
             prefix_hits_total=h, hit_rate_interval=0.825, hit_rate_overall=h / q, adopted_hits_total=310 + 10 * step,
             replayed_tokens_total=9_920 + 320 * step, prefill_saved_total=80_000 + 3_000 * step,
             swa_cached_bytes=1_048_576, hit_rate_history=_history(step, (0.62, 0.71, 0.78, 0.80, 0.83, 0.825)),
+            key_id="3f9a1c2b7d10", hit_rate_by_weights=(("3f9a1c2b7d10", 0.71), ("8be0d4471c2a", 0.64)),
         ),
         EngineRow(
             id="pid 4243", url="http://127.0.0.1:8002", kind="wcache", model="tiny", up=True, weights="fallback",

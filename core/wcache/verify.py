@@ -55,13 +55,15 @@ class GreedyReport:
 
     results: list[PromptResult]
     attach: dict[str, Any] = field(default_factory=dict)
+    problem: str | None = None  # a difference found before or beside the tokens (a served engine's claim)
 
     @property
     def all_match(self) -> bool:
-        return all(r.match for r in self.results)
+        return self.problem is None and all(r.match for r in self.results)
 
     def to_json(self) -> dict[str, Any]:
-        return {"all_match": self.all_match, "attach": self.attach, "prompts": [asdict(r) for r in self.results]}
+        return {"all_match": self.all_match, "attach": self.attach, "problem": self.problem,
+                "prompts": [asdict(r) for r in self.results]}
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -87,12 +89,13 @@ def _run_prompts(tp: Any, model: Path, plan: dict[str, Any], prompts: list[str],
         from_cache = [cached.generate(ids, max_new_tokens).token_ids for ids in encoded]
         from_disk = [disk.generate(ids, max_new_tokens).token_ids for ids in encoded]
         report = cached.attach_report
-        return GreedyReport(_compare(prompts, from_cache, from_disk), report.to_json() if report is not None else {})
+        attach = report.to_json() if report is not None else {}
+        return GreedyReport(compare_prompts(prompts, from_cache, from_disk), attach)
     finally:
         cached.close()
 
 
-def _compare(prompts: list[str], cached: list[list[int]], disk: list[list[int]]) -> list[PromptResult]:
+def compare_prompts(prompts: list[str], cached: list[list[int]], disk: list[list[int]]) -> list[PromptResult]:
     results = []
     for index, (prompt, a, b) in enumerate(zip(prompts, cached, disk, strict=True)):
         divergence = _first_divergence(a, b)
@@ -135,7 +138,7 @@ def _verify_vllm(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens
         disk = greedy_tokens(base).tokens
     except VllmRunError as exc:
         raise UnavailableError(f"vLLM could not load {model} from disk: {exc}") from None
-    return GreedyReport(_compare(prompts, cached, disk), attach)
+    return GreedyReport(compare_prompts(prompts, cached, disk), attach)
 
 
 def _verify_transformers(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int,
@@ -165,7 +168,7 @@ def _verify_transformers(model: Path, plan: PlanSpec, prompts: list[str], max_ne
     disk = [generate(disk_model, p) for p in prompts]
     report = cached_model.wcache_report.to_json()
     cached_model._wcache_weights.close()
-    return GreedyReport(_compare(prompts, cached, disk), {**report, "engine": "transformers"})
+    return GreedyReport(compare_prompts(prompts, cached, disk), {**report, "engine": "transformers"})
 
 
 def verify_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int, engine: str = "reference",

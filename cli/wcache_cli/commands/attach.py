@@ -89,7 +89,7 @@ def attach(
         spec = plan_from_options(tp, 0, dtype, quantization, plan)
         check_tp_fits(model, spec)
         if serve:
-            warn_if_exposed(host, "--host", "completions and metrics")
+            warn_if_exposed(host, "--host", "completions, metrics and weight switches")
             _serve(model, spec.to_json(), engine_config, options, device, host, port, where)
         else:
             _generate(model, spec.to_json(), engine_config, options, device, prompt or "", max_new_tokens, json)

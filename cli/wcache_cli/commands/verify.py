@@ -22,7 +22,6 @@ from wcache_cli.params import (
     ExpectedOpt,
     JsonOpt,
     MaxNewTokensOpt,
-    ModelArg,
     ModeOpt,
     PlanOpt,
     QuantizationOpt,
@@ -46,8 +45,16 @@ def _read_prompts(path: Path) -> list[str]:
     return prompts
 
 
+ServedModelArg = Annotated[
+    str,
+    typer.Argument(help="Model directory, .safetensors file, Hugging Face repo id (Org/Name[@revision]) in the local "
+                   "Hugging Face cache, or the URL (http://HOST:PORT) of an engine `wcache attach --serve` runs.",
+                   show_default=False),
+]
+
+
 def verify(
-    model: ModelArg,
+    model: ServedModelArg,
     greedy: Annotated[
         bool, typer.Option("--greedy", help="Compare greedy tokens of a cached engine and a disk engine.")
     ] = False,
@@ -91,13 +98,19 @@ def verify(
     daemon re-hash its arena, listing every differing tensor, and judges each file's SHA-256 against what was
     published. --provenance needs no daemon: each shard's SHA-256 (from the digest store, else read) against
     the Hugging Face cache's record of it, or against --expected for a plain directory.
+
+    Given an engine's URL, --greedy checks the running engine: its tokens through its own API against a disk
+    engine of the checkpoint and key it says it serves (GET /v1/weights), under its own plan and cache settings.
     """
     if not greedy and not content and not provenance:
         raise BadInputError("choose what to verify: --greedy, --content, --provenance, or several.")
+    if model.startswith(("http://", "https://")):
+        _verify_served(model, content, engine, prompts, num_prompts, max_new_tokens, json)
+        return
     # Imported here so that building the help (every command's signature) loads no verify machinery.
     from wcache.checkpoint.model_path import resolve_model_path
 
-    model = resolve_model_path(model)
+    checkpoint = resolve_model_path(model)
     where = run_dir_or_default(run_dir)
     document: dict[str, Any] = {}
     failed = False
@@ -108,9 +121,9 @@ def verify(
         from wcache_cli.operands import key_of_checkpoint
 
         spec = plan_from_options(tp, rank, dtype, quantization, plan)
-        key_file = key_of_checkpoint(model, spec)
+        key_file = key_of_checkpoint(checkpoint, spec)
         if any(f.sha256 is None for f in key_file.files):  # receipts from before SHA-256 was recorded
-            key_file = key_of_checkpoint(model, spec, rehash=True)
+            key_file = key_of_checkpoint(checkpoint, spec, rehash=True)
         provenance_report = report(verdicts_of(key_file.source, key_file.files, expected))
         document["provenance"] = provenance_report
         failed |= provenance_report["verdict"] == "differs"
@@ -122,7 +135,7 @@ def verify(
         from wcache.verify import verify_content
 
         spec = plan_from_options(tp, rank, dtype, quantization, plan)
-        content_report = verify_content(model, spec, where, device, daemon, expected).to_json()
+        content_report = verify_content(checkpoint, spec, where, device, daemon, expected).to_json()
         document["content"] = content_report
         failed |= not content_report["ok"]
         if not json:
@@ -137,9 +150,9 @@ def verify(
 
         texts = _read_prompts(prompts) if prompts is not None else default_prompts(num_prompts)
         spec = plan_from_options(tp, 0 if tp > 1 else rank, dtype, quantization, plan)
-        check_tp_fits(model, spec)
+        check_tp_fits(checkpoint, spec)
         options = AttachOptions(mode=mode.value, trust_daemon=trust_daemon, daemon=daemon, run_dir=str(where))
-        greedy_report = verify_greedy(model, spec, texts, max_new_tokens, engine.value, options=options,
+        greedy_report = verify_greedy(checkpoint, spec, texts, max_new_tokens, engine.value, options=options,
                                       device=device).to_json()
         document["greedy"] = greedy_report
         failed |= not greedy_report["all_match"]
@@ -150,4 +163,26 @@ def verify(
     if json:
         out.json({"ok": not failed, **document})
     if failed:
+        raise typer.Exit(EXIT_DIFFERENCE)
+
+
+def _verify_served(url: str, content: bool, engine: Engine, prompts: Path | None, num_prompts: int,
+                   max_new_tokens: int, json: bool) -> None:
+    """`verify URL --greedy`: the running engine at URL against a disk engine of the checkpoint it claims."""
+    from wcache.verify import default_prompts
+    from wcache.verify_served import verify_served
+
+    if content:
+        raise BadInputError("--content checks a daemon against a checkpoint; give the checkpoint, not an engine URL.")
+    if engine.value != DEFAULT_ENGINE.value:
+        raise BadInputError("an engine URL is a served reference engine; drop --engine.")
+    texts = _read_prompts(prompts) if prompts is not None else default_prompts(num_prompts)
+    report = verify_served(url, texts, max_new_tokens).to_json()
+    if json:
+        out.json({"ok": report["all_match"], "greedy": report})
+    else:
+        from wcache_cli.verify_report import print_greedy
+
+        print_greedy(report)
+    if not report["all_match"]:
         raise typer.Exit(EXIT_DIFFERENCE)

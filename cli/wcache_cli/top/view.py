@@ -143,6 +143,20 @@ def plain(value: str | None) -> Text:
     return off() if value is None else shown(value)
 
 
+def by_weights(e: EngineRow) -> Text:
+    """Overall hit rate per weights key the engine served, its current key first (bold); "off" for engines that
+    do not count by weights (vLLM)."""
+    if not e.hit_rate_by_weights:
+        return off()
+    text = Text()
+    for n, (key, rate) in enumerate(e.hit_rate_by_weights):
+        if n:
+            text.append(" · ", style="dim")
+        shown_rate = NOT_YET if rate is None else f"{rate * 100:.0f} %"
+        text.append(f"{key[:8]} {shown_rate}", style="bold" if key == e.key_id else "")
+    return text
+
+
 # -- columns --------------------------------------------------------------------------------------------------
 
 
@@ -222,6 +236,7 @@ REPLAY_COLUMNS: tuple[Column[EngineRow], ...] = (
            drop=5),
     Column("history", lambda e, _: sparkline(e.hit_rate_history, present=_has_prefix(e)),
            lambda e: e.hit_rate_history[-1] if e.hit_rate_history else None, drop=6),
+    Column("hit % by weights", lambda e, _: by_weights(e), lambda e: e.key_id, drop=7),
 )
 
 

@@ -1,4 +1,10 @@
-"""Paged KV block accounting with a chained-hash prefix cache and LRU eviction (pure Python, no torch)."""
+"""Paged KV block accounting with a chained-hash prefix cache and LRU eviction (pure Python, no torch).
+
+Block hashes are namespaced by the content key of the weights that computed them: the chain starts from
+`weights_root(key)`, so KV computed under one checkpoint can never match a lookup under another, even when the
+path, the name and the tokens are the same. Each cached block also records that key, and a lookup refuses a
+block recorded under other weights (counted, never adopted) should two chains ever collide.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +18,19 @@ import blake3
 ROOT_HASH = b"\x00" * 16
 
 
-def chain_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
-    """One hash per full block; each covers its parent's hash, so equal hashes mean equal prefixes."""
+def weights_root(weights: str | None) -> bytes:
+    """The chain's first parent for KV computed under the weights with content key digest `weights` (None:
+    weights without a key, e.g. tensors handed to the engine directly)."""
+    if weights is None:
+        return ROOT_HASH
+    return blake3.blake3(b"wcache-kv-namespace\0" + weights.encode()).digest(length=16)
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, root: bytes = ROOT_HASH) -> list[bytes]:
+    """One hash per full block; each covers its parent's hash, so equal hashes mean equal prefixes computed
+    under the same weights (`root`, from `weights_root`)."""
     hashes = []
-    parent = ROOT_HASH
+    parent = root
     for start in range(0, len(tokens) - block_size + 1, block_size):
         block = array("q", tokens[start : start + block_size]).tobytes()
         parent = blake3.blake3(parent + block).digest(length=16)
@@ -32,6 +47,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: bytes | None = None
+    weights: str | None = None  # the content key of the weights whose KV the block holds, while cached
 
 
 class BlockManager:
@@ -46,6 +62,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
+        self.cross_version_refusals = 0  # cached blocks a lookup found under other weights (never adopted)
 
     @property
     def num_free(self) -> int:
@@ -55,12 +72,15 @@ class BlockManager:
     def num_cached(self) -> int:
         return len(self._cached)
 
-    def match(self, hashes: Sequence[bytes]) -> list[int]:
-        """Block ids of the longest cached prefix of `hashes` (stops at the first miss)."""
+    def match(self, hashes: Sequence[bytes], weights: str | None = None) -> list[int]:
+        """Block ids of the longest cached prefix of `hashes` computed under `weights` (stops at the first miss)."""
         found = []
         for h in hashes:
             block_id = self._cached.get(h)
             if block_id is None:
+                break
+            if self.blocks[block_id].weights != weights:
+                self.cross_version_refusals += 1
                 break
             found.append(block_id)
         return found
@@ -83,15 +103,18 @@ class BlockManager:
             if self._cached.get(block.hash) == block_id:
                 del self._cached[block.hash]
             block.hash = None
+            block.weights = None
         block.ref_count = 1
         return block_id
 
-    def register(self, block_id: int, block_hash: bytes) -> bool:
-        """Make a filled block findable; False when an equal block is already cached (the first one stays)."""
+    def register(self, block_id: int, block_hash: bytes, weights: str | None = None) -> bool:
+        """Make a filled block findable; False when an equal block is already cached (the first one stays).
+        `weights` is the content key of the weights that computed its KV."""
         if block_hash in self._cached:
             return self._cached[block_hash] == block_id
         block = self.blocks[block_id]
         block.hash = block_hash
+        block.weights = weights
         self._cached[block_hash] = block_id
         return True
 

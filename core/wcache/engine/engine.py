@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from wcache.attach_options import AttachOptions
-from wcache.engine.block_manager import BlockManager, chain_hashes
+from wcache.engine.block_manager import BlockManager, chain_hashes, weights_root
 from wcache.engine.config import EngineConfig, ModelConfig
 from wcache.engine.kv_cache import PagedKV, SequenceKV, StepAttention
 from wcache.engine.model import Transformer
@@ -19,6 +19,7 @@ from wcache.engine.parallel import TensorParallel
 from wcache.engine.threads import restored_threads, step_threads, use_threads
 from wcache.engine.tokenizer import Tokenizer, load_tokenizer
 from wcache.errors import CheckpointError
+from wcache.key.cache_key import WeightCacheKey
 
 
 @dataclass
@@ -41,6 +42,31 @@ class EngineCounters:
         return asdict(self)
 
 
+@dataclass
+class WeightsCounters:
+    """Prefix-cache lookups and hits (tokens) of the requests one version of the weights served."""
+
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ServedWeights:
+    """The weights an engine runs: the checkpoint they came from and its content key (None: handed over unkeyed)."""
+
+    source: Path | None = None
+    key: WeightCacheKey | None = None
+
+    @property
+    def namespace(self) -> str | None:
+        """What the prefix cache is namespaced by: the full key digest."""
+        return self.key.digest if self.key is not None else None
+
+    @property
+    def key_id(self) -> str | None:
+        return self.key.short_id if self.key is not None else None
+
+
 @dataclass(frozen=True, slots=True)
 class Generation:
     """One request's result and what the cache did for it."""
@@ -51,6 +77,7 @@ class Generation:
     adopted: bool
     replayed_tokens: int
     prefill_tokens: int
+    weights_key: str | None = None  # the short key of the weights that ran the whole request
 
 
 @dataclass
@@ -66,7 +93,7 @@ class Engine:
 
     def __init__(self, model_config: ModelConfig, weights: Mapping[str, torch.Tensor],
                  engine_config: EngineConfig | None = None, tp: TensorParallel | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, served: ServedWeights | None = None) -> None:
         self.model_config = model_config
         self.config = engine_config or EngineConfig()
         self.tp = tp or TensorParallel()
@@ -82,20 +109,26 @@ class Engine:
                           self.model.num_kv_heads, self.model.head_dim, self.model.dtype)
         self._swa_bytes_per_block = 0 if self.replay else self.kv.bytes_per_block(model_config.sliding_layers)
         self.counters = EngineCounters()
+        self.weights_counters: dict[str, WeightsCounters] = {}  # by short key; "" for unkeyed weights
         self.lock = threading.Lock()
+        self.switch_lock = threading.Lock()  # one weight switch at a time (engine.switch)
         self._keepalive: Any = None  # e.g. the attach lease that backs zero-copy weights
+        self.served = served or ServedWeights()
+        self._root = weights_root(self.served.namespace)
+        # What a switch attaches with: the plan, options and device this engine attached with (None: it did not).
+        self.attach_plan: Any = None
+        self.attach_options: AttachOptions | None = None
+        self.device = "cpu"
 
     # -- construction --------------------------------------------------------------------------------
 
     @classmethod
     def from_weights(cls, checkpoint: Path, weights: Mapping[str, torch.Tensor],
-                     engine_config: EngineConfig | None = None, tp: TensorParallel | None = None) -> Engine:
-        from wcache.checkpoint.files import locate
-
-        layout = locate(checkpoint)
-        if layout.config is None:
-            raise CheckpointError(f"{checkpoint} has no config.json; the engine needs the architecture it names.")
-        return cls(ModelConfig.from_hf(layout.config), weights, engine_config, tp, load_tokenizer(layout.root))
+                     engine_config: EngineConfig | None = None, tp: TensorParallel | None = None,
+                     key: WeightCacheKey | None = None) -> Engine:
+        """An engine over `weights` made from `checkpoint`, whose content key is `key` (None: not keyed)."""
+        model_config, tokenizer = checkpoint_model(checkpoint)
+        return cls(model_config, weights, engine_config, tp, tokenizer, ServedWeights(checkpoint, key))
 
     @classmethod
     def from_disk(cls, checkpoint: Path, plan: Any = None, engine_config: EngineConfig | None = None,
@@ -109,7 +142,7 @@ class Engine:
         spec = plan or PlanSpec(tp_size=(tp or TensorParallel()).size, tp_rank=(tp or TensorParallel()).rank)
         with DigestStore.open() as store:
             key_file = compute_key(checkpoint, spec, store=store)
-        return cls.from_weights(checkpoint, load_from_disk(key_file, checkpoint), engine_config, tp)
+        return cls.from_weights(checkpoint, load_from_disk(key_file, checkpoint), engine_config, tp, key_file.key)
 
     @classmethod
     def from_attach(cls, checkpoint: Path, plan: Any = None, engine_config: EngineConfig | None = None,
@@ -123,9 +156,24 @@ class Engine:
         spec = plan or PlanSpec(tp_size=(tp or TensorParallel()).size, tp_rank=(tp or TensorParallel()).rank)
         with DigestStore.open() as store:
             attached = attach_with(checkpoint, spec, options or AttachOptions(), device=device, store=store)
-        engine = cls.from_weights(checkpoint, attached.tensors, engine_config, tp)
+        try:
+            engine = cls.from_weights(checkpoint, attached.tensors, engine_config, tp, attached.key_file.key)
+        except BaseException:
+            attached.close()
+            raise
         engine._keepalive = attached
+        engine.attach_plan, engine.attach_options, engine.device = spec, options or AttachOptions(), device
         return engine
+
+    def install(self, model: Transformer, tokenizer: Tokenizer | None, served: ServedWeights,
+                keepalive: Any) -> Any:
+        """Run later requests on `model` (built for this engine's config); the keepalive it replaced is returned
+        for the caller to close. Taken between requests: the one running finishes on the weights it began with."""
+        with self.lock:
+            previous = self._keepalive
+            self.model, self.tokenizer, self.served, self._keepalive = model, tokenizer, served, keepalive
+            self._root = weights_root(served.namespace)
+            return previous
 
     @property
     def attach_report(self) -> Any:
@@ -156,8 +204,8 @@ class Engine:
         if not self.config.enable_prefix_caching:
             return []
         # Cap the hit below the prompt length: the last prompt token is always computed for its logits.
-        hashes = chain_hashes(tokens, self.config.block_size)[: (len(tokens) - 1) // self.config.block_size]
-        return self.blocks.match(hashes)
+        hashes = chain_hashes(tokens, self.config.block_size, self._root)
+        return self.blocks.match(hashes[: (len(tokens) - 1) // self.config.block_size], self.served.namespace)
 
     def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Cold logits of every prompt position (no prefix cache read or written): [len, vocab]."""
@@ -183,6 +231,8 @@ class Engine:
         hit_blocks = self._lookup(prompt)
         hit = len(hit_blocks) * self.config.block_size
         c.prefix_queries += len(prompt)
+        by_weights = self.weights_counters.setdefault(self.served.key_id or "", WeightsCounters())
+        by_weights.prefix_queries += len(prompt)
         c.lookup_hits += hit
         adopted = hit > 0
         if self.replay and 0 < hit <= self.window:
@@ -196,6 +246,7 @@ class Engine:
             start = hit - min(self.window, hit) if self.replay else hit
             c.adopted_hits += 1
             c.prefix_hits += hit
+            by_weights.prefix_hits += hit
             c.replayed_tokens += hit - start
         write_floor = hit if adopted else 0
         try:
@@ -220,13 +271,14 @@ class Engine:
             # Tail first: LRU then evicts a prefix from its end, and what stays cached is still a matchable prefix.
             self.blocks.release(request.kv.block_table[::-1])
         c.swa_cached_bytes = self._swa_bytes_per_block * self.blocks.num_cached
-        return Generation(generated, len(prompt), hit, adopted, (hit - start) if adopted else 0, len(prompt) - start)
+        return Generation(generated, len(prompt), hit, adopted, (hit - start) if adopted else 0, len(prompt) - start,
+                          self.served.key_id)
 
     def _register(self, request: _Request) -> None:
         """Make every full block whose KV is stored findable by later requests."""
-        hashes = chain_hashes(request.tokens[: request.computed], self.config.block_size)
+        hashes = chain_hashes(request.tokens[: request.computed], self.config.block_size, self._root)
         for block_id, block_hash in zip(request.kv.block_table, hashes, strict=False):
-            self.blocks.register(block_id, block_hash)
+            self.blocks.register(block_id, block_hash, self.served.namespace)
 
     # -- text ----------------------------------------------------------------------------------------
 
@@ -235,3 +287,13 @@ class Engine:
             raise ValueError("this engine has no tokenizer")
         generation = self.generate(self.tokenizer.encode(prompt), max_new_tokens)
         return self.tokenizer.decode(generation.token_ids), generation
+
+
+def checkpoint_model(checkpoint: Path) -> tuple[ModelConfig, Tokenizer | None]:
+    """The architecture `checkpoint`'s config.json names, and its tokenizer (None when it has none)."""
+    from wcache.checkpoint.files import locate
+
+    layout = locate(checkpoint)
+    if layout.config is None:
+        raise CheckpointError(f"{checkpoint} has no config.json; the engine needs the architecture it names.")
+    return ModelConfig.from_hf(layout.config), load_tokenizer(layout.root)

@@ -1,4 +1,8 @@
-"""An OpenAI-compatible completions endpoint for the reference engine, with /health and /metrics.
+"""An OpenAI-compatible completions endpoint for the reference engine, with /health, /metrics and /v1/weights.
+
+`GET /v1/weights` says which checkpoint and content key the engine serves; `POST /v1/weights` with
+{"model": PATH} or {"daemon": ID} switches it to another daemon's weights between requests (engine.switch),
+or answers 409 with the reason and keeps serving what it had.
 
 Metric names follow vLLM where the meaning is the same (`vllm:prefix_cache_queries`, ...) and carry a
 `wcache:` prefix for what vLLM does not export (replay), so one dashboard reads this engine and vLLM alike.
@@ -13,7 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,7 @@ from prometheus_client.registry import Collector
 
 from wcache.engine.block_manager import KVCacheFullError
 from wcache.engine.engine import Engine, Generation
+from wcache.errors import UnavailableError, WcacheError
 from wcache.ipc.http_server import HTTPRequestError, QuietHandler, make_http_server
 from wcache.ipc.rundir import ENGINES_DIR
 from wcache.monitor.events import append_event
@@ -45,6 +50,7 @@ class ServedEngine:
     engine: Engine
     model_name: str
     generate: Callable[[list[int], int], Generation]  # the TP-aware entry (rank 0 drives the others)
+    on_switch: Callable[[ServedEngine], object] | None = None  # after the engine moved to other weights
 
 
 class _EngineCollector(Collector):
@@ -81,11 +87,27 @@ class _EngineCollector(Collector):
         yield counter("wcache:prefill_tokens_saved", "Prompt tokens not computed thanks to the cache.",
                       c.prefill_tokens_saved)
         yield gauge("wcache:swa_cached_bytes", "Sliding-window KV held for cached prefixes.", c.swa_cached_bytes)
-        report = self.served.engine.attach_report
+        engine = self.served.engine
+        by_labels = [*labels, "weights"]
+        queries = CounterMetricFamily("wcache:prefix_cache_queries_by_weights",
+                                      "Prompt tokens looked up, by the content key of the weights serving them.",
+                                      labels=by_labels)
+        hits = CounterMetricFamily("wcache:prefix_cache_hits_by_weights",
+                                   "Prompt tokens of adopted prefix-cache hits, by the weights' content key.",
+                                   labels=by_labels)
+        for key_id, counted in list(engine.weights_counters.items()):
+            queries.add_metric([*values, key_id], counted.prefix_queries)
+            hits.add_metric([*values, key_id], counted.prefix_hits)
+        yield queries
+        yield hits
+        yield counter("wcache:prefix_cache_cross_version_refusals",
+                      "Cached blocks a lookup found under other weights and refused (0 unless hashes collide).",
+                      engine.blocks.cross_version_refusals)
+        report = engine.attach_report
         info = GaugeMetricFamily("wcache:engine_weights_info", "Where this engine's weights came from.",
-                                 labels=[*labels, "outcome", "mode", "daemon"])
+                                 labels=[*labels, "outcome", "mode", "daemon", "key_id"])
         info.add_metric([*values, report.outcome if report else "disk", report.mode if report else "",
-                         (report.daemon or "") if report else ""], 1.0)
+                         (report.daemon or "") if report else "", engine.served.key_id or ""], 1.0)
         yield info
         yield gauge("wcache:daemon_lost", "1 after the daemon backing zero-copy weights went away.",
                     1.0 if report is not None and report.daemon_lost else 0.0)
@@ -138,8 +160,51 @@ def _completion(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
         "usage": {"prompt_tokens": generation.prompt_tokens, "completion_tokens": len(generation.token_ids),
                   "total_tokens": generation.prompt_tokens + len(generation.token_ids)},
         "wcache": {"hit_tokens": generation.hit_tokens, "adopted": generation.adopted,
-                   "replayed_tokens": generation.replayed_tokens, "prefill_tokens": generation.prefill_tokens},
+                   "replayed_tokens": generation.replayed_tokens, "prefill_tokens": generation.prefill_tokens,
+                   "weights_key": generation.weights_key},
     }
+
+
+def weights_document(engine: Engine) -> dict[str, Any]:
+    """GET /v1/weights: the checkpoint and key the engine serves, under which plan, and how it got them."""
+    from wcache.engine.switch import weights_json
+
+    report = engine.attach_report
+    plan = engine.attach_plan
+    return {"object": "weights", **weights_json(engine.served), "plan": plan.to_json() if plan is not None else None,
+            "tp_size": engine.tp.size, "device": engine.device, "engine_config": asdict(engine.config),
+            "attach": report.to_json() if report else None}
+
+
+def _switch(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
+    """POST /v1/weights: move the engine to {"model": PATH} and/or {"daemon": ID}; 409 when nothing serves it."""
+    from wcache.checkpoint.model_path import looks_like_repo_id, resolve_model_path
+    from wcache.engine.switch import SwitchMissError, daemon_source, switch_weights
+
+    model, daemon = body.get("model"), body.get("daemon")
+    unknown = sorted(set(body) - {"model", "daemon"})
+    if unknown:
+        raise RequestError(f"unknown field {unknown[0]!r}; send model (a checkpoint path) and/or daemon (an id)")
+    if model is None and daemon is None:
+        raise RequestError("name the weights to switch to: model (a checkpoint path) and/or daemon (an id)")
+    for name, value in (("model", model), ("daemon", daemon)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise RequestError(f"{name} must be a non-empty string")
+    try:
+        if model is not None and not (Path(model).is_absolute() or looks_like_repo_id(model)):
+            raise RequestError("model must be an absolute path or a repo id: the server's working directory is "
+                               "not the client's")
+        checkpoint = resolve_model_path(model) if model is not None else daemon_source(served.engine, str(daemon))
+        result = switch_weights(served.engine, checkpoint, daemon)
+    except SwitchMissError as exc:
+        raise HTTPRequestError(str(exc), 409) from None
+    except UnavailableError as exc:
+        raise HTTPRequestError(str(exc), 503) from None
+    except WcacheError as exc:
+        raise RequestError(str(exc)) from None
+    if served.on_switch is not None:
+        served.on_switch(served)
+    return {"object": "weights_switch", **result.to_json()}
 
 
 def make_server(served: ServedEngine, host: str, port: int,
@@ -164,6 +229,8 @@ def make_server(served: ServedEngine, host: str, port: int,
                 self.send_json(200 if ok else 503, {"status": "ok" if ok else "weights lost", "daemon_lost": lost})
             elif path == "/metrics":
                 self.send_metrics(registry)
+            elif path == "/v1/weights":
+                self.send_json(200, weights_document(served.engine))
             elif path == "/v1/models":
                 self.send_json(200, {"object": "list", "data": [{"id": served.model_name, "object": "model",
                                                                  "owned_by": "wcache"}]})
@@ -172,6 +239,9 @@ def make_server(served: ServedEngine, host: str, port: int,
 
         def do_POST(self) -> None:
             path = self.route()
+            if path == "/v1/weights":
+                self.send_json(200, _switch(served, self.read_json_object(MAX_BODY_BYTES)))
+                return
             if path != "/v1/completions":
                 raise HTTPRequestError(f"no route {path}", 404)
             body = self.read_json_object(MAX_BODY_BYTES)
@@ -245,16 +315,17 @@ def stats_line(before: dict[str, int], after: dict[str, int], seconds: float, ru
             f"Prefix cache hit rate: {hit_rate:.1f}%, KV cache usage: {usage:.1f}%")
 
 
-def write_engine_descriptor(run_dir: Path, url: str, served: ServedEngine, source: str) -> Path:
-    """Announce the engine in the run dir so `wcache top` can find and scrape it."""
+def write_engine_descriptor(run_dir: Path, url: str, served: ServedEngine) -> Path:
+    """Announce the engine in the run dir so `wcache top` can find and scrape it (again after a switch)."""
     report = served.engine.attach_report
+    source = str(served.engine.served.source)
     directory = run_dir / ENGINES_DIR
     directory.mkdir(mode=0o700, exist_ok=True)
     path = directory / f"{os.getpid()}.json"
     document = {
         "pid": os.getpid(), "url": url, "model": served.model_name, "source": source,
         "attach": report.to_json() if report is not None else {"outcome": "disk"},
-        "started": time.time(),
+        "key_id": served.engine.served.key_id, "started": time.time(),
     }
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(document))

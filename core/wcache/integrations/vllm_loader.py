@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -150,6 +151,12 @@ class WcacheModelLoader(BaseModelLoader):
             logger.info("wcache: no daemon memory to account for (%s)", exc)
             return 0
         return daemon.weights_bytes
+
+    def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """vLLM's in-place reload (`reload_weights`, what `wcache.integrations.vllm_switch.switch` runs)."""
+        from wcache.integrations.vllm_switch import daemon_weights
+
+        return daemon_weights(self, model, model_config)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         """In-place reload: the daemon's tensors copied in under checkpoint names, else vLLM's disk loader."""

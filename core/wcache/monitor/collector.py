@@ -26,7 +26,7 @@ from wcache.ipc.loading import LoadingRecord, read_loading
 from wcache.ipc.rundir import ENGINES_DIR, DaemonDescriptor, is_pid, read_descriptors, read_run_file, run_subdir
 from wcache.monitor.daemon_status import DaemonStatus, collect
 from wcache.monitor.events import events_path, parse_event, rotated_path
-from wcache.monitor.prometheus import Samples, label_value, parse_metrics, total
+from wcache.monitor.prometheus import Samples, by_label, label_value, parse_metrics, total
 from wcache.monitor.rates import CounterDeltas, ratio
 from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
 
@@ -48,7 +48,7 @@ STORM_WINDOW_S = 60.0
 # Shown in the feed; engine_counters is bookkeeping for rates, not news.
 FEED_KINDS = frozenset({
     "preload", "ready", "preload_failed", "attach_hit", "attach_miss", "fallback", "release", "stop",
-    "daemon_exited", "daemon_lost", "provenance",
+    "daemon_exited", "daemon_lost", "provenance", "engine_switch", "switch_refused",
 })
 
 
@@ -135,6 +135,13 @@ def summarize(event: dict[str, Any]) -> EventRow:
         named = event.get("differs") or []
         which = f": {', '.join(map(str, named))} differ from what was published" if named else ""
         summary = f"provenance of {event.get('daemon', '?')}: {verdict}{which}"
+    elif kind == "engine_switch":
+        summary = (f"engine {event.get('engine_pid', '?')} switched {event.get('previous_key_id', '?')} → "
+                   f"{event.get('key_id', '?')} ({event.get('source', '?')})")
+    elif kind == "switch_refused":
+        severity = "warning"
+        summary = (f"engine {event.get('engine_pid', '?')} refused a switch to {event.get('source', '?')}: "
+                   f"{event.get('reason', '')}")
     elif kind == "attach_hit":
         total_ms = _number(_mapping(event.get("timings_ms")).get("total"))
         timing = f", {total_ms:.1f} ms" if total_ms is not None else ""
@@ -374,6 +381,7 @@ class Collector:
         attach = _mapping(announced.get("attach"))
         weights = _text(attach.get("outcome")) or label_value(samples, "wcache:engine_weights_info", "outcome")
         is_wcache = target.announced is not None or "wcache:replayed_tokens_total" in samples
+        key_id = announced.get("key_id") or label_value(samples, "wcache:engine_weights_info", "key_id") or None
         return EngineRow(
             id=target.id, url=target.url, kind="wcache" if is_wcache else "vllm",
             model=str(announced.get("model")
@@ -389,4 +397,13 @@ class Collector:
             prefill_saved_total=total(samples, "wcache:prefill_tokens_saved_total"),
             swa_cached_bytes=total(samples, "wcache:swa_cached_bytes"),
             hit_rate_history=tuple(history),
+            key_id=key_id, hit_rate_by_weights=_hit_rates_by_weights(samples, key_id),
         )
+
+
+def _hit_rates_by_weights(samples: Samples, current: str | None) -> tuple[tuple[str, float | None], ...]:
+    """Each weights key's overall hit rate, the engine's current key first, then by key."""
+    queries = by_label(samples, "wcache:prefix_cache_queries_by_weights_total", "weights")
+    hits = by_label(samples, "wcache:prefix_cache_hits_by_weights_total", "weights")
+    order = sorted(queries, key=lambda key: (key != current, key))
+    return tuple((key or "unkeyed", ratio(hits.get(key), queries[key])) for key in order)

@@ -30,7 +30,8 @@ DEFAULT_MAX_EVENTS_BYTES = 16 * 1024 * 1024
 MAX_TS = 1e11
 KINDS = frozenset({
     "preload", "ready", "preload_failed", "attach_hit", "attach_miss", "fallback", "release", "stop",
-    "daemon_exited", "daemon_lost", "engine_counters", "group_stopped", "provenance",
+    "daemon_exited", "daemon_lost", "engine_counters", "group_stopped", "provenance", "engine_switch",
+    "switch_refused",
 })
 
 

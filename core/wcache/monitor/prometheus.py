@@ -54,3 +54,13 @@ def label_value(samples: Samples, name: str, label: str) -> str | None:
             if key == label:
                 return value
     return None
+
+
+def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
+    """A series summed by the value of one of its labels (series without that label are left out)."""
+    sums: defaultdict[str, float] = defaultdict(float)
+    for labels, value in samples.get(name, {}).items():
+        for key, found in labels:
+            if key == label:
+                sums[found] += value
+    return dict(sums)

@@ -11,7 +11,8 @@ Schema (`Snapshot.to_json()`), version `wcache.top/1`:
              disk | null), mode, daemon, attach_ms, prefix_queries_total, prefix_hits_total,
              hit_rate_interval, hit_rate_overall, adopted_hits_total, replayed_tokens_total,
              prefill_saved_total, swa_cached_bytes, hit_rate_history[] — any of these is null ("off") when
-             the engine does not export the series
+             the engine does not export the series; key_id (of the weights it serves now) and
+             hit_rate_by_weights[] ([key id, overall hit rate or null] per weights key it served, current first)
   events[]: ts, kind, severity (info | warning | error), summary, detail{}
   alerts[]: one sentence each, for what needs a person now (a storm of fallbacks, unverified hits)
 """
@@ -65,6 +66,9 @@ class EngineRow:
     prefill_saved_total: float | None
     swa_cached_bytes: float | None
     hit_rate_history: tuple[float, ...] = ()
+    key_id: str | None = None  # the content key of the weights the engine serves now (a wcache engine)
+    # Overall prefix-cache hit rate per weights key, the current key first: (key id, hit rate or None).
+    hit_rate_by_weights: tuple[tuple[str, float | None], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +101,9 @@ class Snapshot:
             "rates": self.rates,
             "run_dir": self.run_dir,
             "daemons": [_plain(d) for d in self.daemons],
-            "engines": [{**_plain(e), "hit_rate_history": list(e.hit_rate_history)} for e in self.engines],
+            "engines": [{**_plain(e), "hit_rate_history": list(e.hit_rate_history),
+                         "hit_rate_by_weights": [list(pair) for pair in e.hit_rate_by_weights]}
+                        for e in self.engines],
             "events": [{**_plain(e), "detail": dict(e.detail)} for e in self.events],
             "alerts": list(self.alerts),
         }

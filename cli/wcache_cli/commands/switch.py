@@ -1,0 +1,59 @@
+"""`wcache switch`: move a served reference engine to another daemon's weights without a restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from wcache.errors import BadInputError
+
+from wcache_cli.output import out
+from wcache_cli.params import DaemonOpt, JsonOpt
+
+
+def switch(
+    url: Annotated[str, typer.Argument(help="The engine's URL (http://HOST:PORT), as `attach --serve` prints it.",
+                                       show_default=False)],
+    model: Annotated[
+        Path | None,
+        typer.Argument(help="Checkpoint to serve from the next request on (directory, .safetensors file or repo "
+                       "id); optional with --daemon, whose checkpoint it then is.", show_default=False,
+                       readable=False),
+    ] = None,
+    daemon: DaemonOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Switch a served engine to the weights a daemon holds for MODEL, between requests.
+
+    The request running finishes on the old weights; the next one runs on the new. The switch never falls
+    back to disk: when no daemon holds MODEL's key under the engine's plan it is refused with the reason (exit
+    3) and the engine keeps serving its old weights. Prefix-cache blocks are keyed by the weights' content key,
+    so none computed under the old weights can hit after the switch.
+    """
+    from wcache.engine.client import EngineRequestError, call_engine
+    from wcache.errors import UnavailableError
+
+    if model is None and daemon is None:
+        raise BadInputError("name the weights to switch to: MODEL, --daemon, or both.")
+    body: dict[str, str] = {}
+    if model is not None:
+        from wcache.checkpoint.model_path import resolve_model_path
+
+        # Absolute: the engine resolves paths in its own working directory, not this shell's.
+        body["model"] = str(resolve_model_path(model).absolute())
+    if daemon is not None:
+        body["daemon"] = daemon
+    try:
+        result = call_engine(url, "POST", "/v1/weights", body)
+    except EngineRequestError as exc:
+        if exc.status != 404:
+            raise
+        raise UnavailableError(f"{url} has no /v1/weights: it is not a wcache reference engine (a vLLM engine "
+                               "switches with wcache.integrations.vllm_switch.switch).") from None
+    if json:
+        out.json(result)
+        return
+    previous, current = result["previous"], result["current"]
+    out.print(f"SWITCHED {url}: {previous['key_id']} → {current['key_id']} ({current['model']}, daemon "
+              f"{result['attach']['daemon']}) in {result['switch_ms']:.1f} ms")

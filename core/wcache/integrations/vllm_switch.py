@@ -1,0 +1,99 @@
+"""Switch a running vLLM engine to another checkpoint's daemon without a restart.
+
+`switch(llm, model)` runs vLLM's own in-place reload on every worker (`collective_rpc("reload_weights")`,
+vLLM ≥ 0.32) with the `wcache` load format: each rank attaches the daemon holding `model`'s key under the
+engine's plan and its tensors are loaded under checkpoint names through the model's `load_weights`, with
+vLLM's post-processing (the CPU backend's oneDNN repack) re-run as after a disk load. No checkpoint byte is
+read. The prefix cache is reset afterwards, so no KV computed under the old weights is reused.
+
+A switch never falls back to disk: when no daemon serves the new checkpoint, every rank refuses before any
+layer is touched (the attach is made when vLLM asks the loader for its weights, before the reload starts),
+the engine keeps its old weights and `switch` raises with wcache's reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from wcache.checkpoint.model_path import resolve_model_path
+from wcache.errors import UnavailableError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from vllm.config import ModelConfig
+
+    from wcache.integrations.vllm_loader import WcacheModelLoader
+
+LOAD_FORMAT = "wcache"
+
+
+class VllmSwitchError(UnavailableError):
+    """vLLM could not move to the new checkpoint's daemon; it keeps serving its previous weights."""
+
+
+def switch(llm: Any, model: str | Path, **options: Any) -> None:
+    """Move the offline `vllm.LLM` engine `llm` to the weights a daemon holds for `model`, in place.
+
+    `options` are wcache's attach options (`mode`, `daemon`, `run_dir`, `trust_daemon`, …) for this and later
+    switches; an engine started with another load format is switched to `wcache` first. Raises
+    VllmSwitchError, the engine unchanged, when no daemon serves `model`.
+    """
+    from wcache.attach_options import AttachOptions
+
+    path = resolve_model_path(model).absolute()
+    load_config = llm.llm_engine.vllm_config.load_config
+    current = dict(load_config.model_loader_extra_config or {}) if load_config.load_format == LOAD_FORMAT else {}
+    extra = {**current, **options}
+    AttachOptions.from_mapping(extra, "switch options")  # one sentence for a bad option, before any worker runs
+    if load_config.load_format != LOAD_FORMAT or options:
+        override = {"load_config": {"load_format": LOAD_FORMAT, "model_loader_extra_config": extra}}
+        llm.collective_rpc("update_config", args=(override,))
+        load_config.load_format, load_config.model_loader_extra_config = LOAD_FORMAT, extra
+    try:
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path), "is_checkpoint_format": True})
+    except Exception as exc:  # a worker's error, re-raised by vLLM in this process with the worker's message
+        raise VllmSwitchError(f"vLLM keeps its previous weights, no switch to {path}: {_reason(exc)}") from None
+    llm.reset_prefix_cache()
+    llm.llm_engine.vllm_config.model_config.model = str(path)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    # vLLM wraps a worker's exception in its own; the wcache sentence is the last line of it.
+    return text.splitlines()[-1].removeprefix("wcache: ").rstrip(".")
+
+
+def daemon_weights(loader: WcacheModelLoader, model: nn.Module,
+                   model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """What the loader gives vLLM's in-place reload: the daemon's tensors for `model_config.model` under
+    checkpoint names. Attaches now, before vLLM touches a layer, and refuses (no fallback) on a miss."""
+    from vllm.config import get_current_vllm_config
+
+    from wcache.integrations.vllm_loader import CannotAttachError
+
+    previous = getattr(model, "_wcache_weights", None)
+    try:
+        weights = loader._attach(get_current_vllm_config(), model_config)
+    except CannotAttachError as exc:
+        # vLLM already pointed the config at the new path; the engine still runs the old checkpoint's weights.
+        if previous is not None:
+            model_config.model = previous.key_file.source
+        raise CannotAttachError(f"{exc}".rstrip(".")) from None
+    return _load_then_release(model, weights, previous)
+
+
+def _load_then_release(model: nn.Module, weights: Any, previous: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        yield from weights.checkpoint_tensors().items()
+    except BaseException:
+        weights.close()
+        raise
+    # The new lease is what the engine holds now (the daemon counts it); the old daemon may go once it ends.
+    model._wcache_weights = weights
+    if previous is not None:
+        with contextlib.suppress(Exception):
+            previous.close()

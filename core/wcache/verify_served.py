@@ -1,0 +1,87 @@
+"""`wcache verify URL --greedy`: a running reference engine's tokens, through its own HTTP API, against a disk
+engine of the checkpoint it claims to serve (GET /v1/weights).
+
+The claim is checked first: the checkpoint's key on disk now must be the key the engine states, else the disk
+engine would load other weights and the comparison would prove nothing. Each prompt then goes through the
+engine's completions API as token ids; its answer names the weights that ran it (a switch in between is a
+difference). The served engine may answer from its prefix cache: the disk engine, with the same cache
+settings, first computes the prefix the served engine reported as its hit, so both run the same steps. With
+bounded replay an adopted hit recomputes one window only, as on the served side.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from wcache.engine.client import call_engine
+from wcache.errors import BadInputError, UnavailableError
+from wcache.key.cache_key import WeightCacheKey
+from wcache.plan.spec import PlanSpec
+from wcache.verify import GreedyReport, PromptResult, compare_prompts
+
+if TYPE_CHECKING:
+    from wcache.engine import EngineConfig
+
+
+def _claim(url: str) -> tuple[Path, WeightCacheKey, PlanSpec, EngineConfig, dict[str, Any]]:
+    """What the engine at `url` says it serves: checkpoint, key, plan, its cache settings, and the document."""
+    from wcache.engine import EngineConfig
+
+    document = call_engine(url, "GET", "/v1/weights")
+    try:
+        if document.get("tp_size") != 1:
+            raise BadInputError(f"the engine at {url} runs TP {document.get('tp_size')}; verifying a served "
+                                "tensor-parallel engine is not implemented.")
+        if document.get("model") is None or document.get("key") is None or document.get("plan") is None:
+            raise BadInputError(f"the engine at {url} does not say which keyed checkpoint it serves.")
+        return (Path(document["model"]), WeightCacheKey(**document["key"]), PlanSpec.from_json(document["plan"]),
+                EngineConfig(**(document.get("engine_config") or {})), document)
+    except (TypeError, ValueError) as exc:
+        raise UnavailableError(f"the engine at {url} describes its weights in a form wcache does not read "
+                               f"({exc}).") from None
+
+
+def verify_served(url: str, prompts: list[str], max_new_tokens: int) -> GreedyReport:
+    """Greedy tokens of the engine at `url` against a disk load of the checkpoint it claims, per prompt."""
+    from wcache.engine import Engine
+    from wcache.engine.engine import checkpoint_model
+    from wcache.key.compute import compute_key
+    from wcache.key.digest_store import DigestStore
+    from wcache.load.loader import load_from_disk
+
+    if not prompts:
+        raise BadInputError("there are no prompts to verify with.")
+    model, claimed, plan, config, document = _claim(url)
+    attach = {**(document.get("attach") or {}), "engine": "reference (served)", "url": url, "model": str(model),
+              "key_id": claimed.short_id}
+    with DigestStore.open() as store:
+        key_file = compute_key(model, plan, store=store)
+    if key_file.key != claimed:
+        return GreedyReport([], attach, f"the engine claims key {claimed.short_id} for {model}, but that "
+                            f"checkpoint's key is now {key_file.key.short_id}: its files changed since the engine "
+                            "attached them")
+    weights = load_from_disk(key_file, model)
+    model_config, tokenizer = checkpoint_model(model)
+    if tokenizer is None:
+        raise BadInputError(f"{model} has no tokenizer to encode the prompts.")
+    served: list[list[int]] = []
+    disk: list[list[int]] = []
+    problem = None
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt)
+        answer = call_engine(url, "POST", "/v1/completions",
+                             {"prompt": ids, "max_tokens": max_new_tokens, "temperature": 0})
+        extension = answer.get("wcache") or {}
+        if extension.get("weights_key") != claimed.short_id:
+            problem = (f"the engine answered with weights {extension.get('weights_key')}, not the "
+                       f"{claimed.short_id} it claimed: it switched during the verification")
+        served.append(list(answer["choices"][0]["token_ids"]))
+        # A fresh disk engine per prompt over the same tensors: its cache holds exactly the served hit.
+        engine = Engine(model_config, weights, config, tokenizer=tokenizer)
+        hit = int(extension.get("hit_tokens") or 0)
+        if hit:
+            engine.generate(ids[:hit], 1)
+        disk.append(engine.generate(ids, max_new_tokens).token_ids)
+    results: list[PromptResult] = compare_prompts(prompts, served, disk)
+    return GreedyReport(results, attach, problem)
