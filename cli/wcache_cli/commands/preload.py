@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from wcache.errors import BadInputError, UnavailableError
 
+from wcache_cli.completers import daemon_ids
 from wcache_cli.output import out, printable
 from wcache_cli.params import (
     DEFAULT_DTYPE,
@@ -24,7 +25,7 @@ from wcache_cli.params import (
     Layout,
     LogFormat,
     LogLevel,
-    ModelArg,
+    OptionalModelArg,
     PlanOpt,
     Quantization,
     QuantizationOpt,
@@ -61,7 +62,7 @@ def _launch(
 
 
 def preload(
-    model: ModelArg,
+    model: OptionalModelArg = None,
     device: DeviceOpt = "cpu",
     tp: TpOpt = 1,
     dtype: DtypeOpt = DEFAULT_DTYPE,
@@ -85,6 +86,15 @@ def preload(
     log_format: Annotated[
         LogFormat, typer.Option("--log-format", help="Log lines as text or as one JSON object each.")
     ] = DEFAULT_FORMAT,
+    parent: Annotated[
+        str | None, typer.Option("--from", help="Build the next version from this running daemon (name or key id "
+                                 "prefix) and --delta, instead of from MODEL.", show_default=False,
+                                 autocompletion=daemon_ids)
+    ] = None,
+    delta: Annotated[
+        Path | None, typer.Option("--delta", help="With --from: the delta file (wcache delta) to apply.",
+                                  show_default=False)
+    ] = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Start one daemon per TP rank holding the checkpoint's processed weights.
@@ -94,9 +104,19 @@ def preload(
     says which daemon holds it and exits 0; --replace stops that daemon first. Without --detach, preload
     stays in the foreground (SIGTERM, SIGHUP and Ctrl-C stop the daemons) and, when stderr is not a
     terminal, the daemons' log lines go to it as well as to the run dir's logs/.
+
+    With --from DAEMON --delta FILE (and no MODEL), a new group on the same devices with the same TP size and
+    plan starts from that daemon's arena with the delta applied, reading nothing of the checkpoint but the
+    delta; its key is the new checkpoint's content key, and the parent keeps serving its engines.
     """
     if force and not replace:
         raise BadInputError("--force only applies with --replace.")
+    if (parent is None) != (delta is None):
+        raise BadInputError("--from and --delta go together: --from DAEMON --delta FILE.")
+    if parent is not None and (model is not None or replace):
+        raise BadInputError("--from builds from a running daemon: give no MODEL (and no --replace) with it.")
+    if parent is None and model is None:
+        raise BadInputError("give a MODEL to preload, or --from DAEMON --delta FILE.")
     # Imported here so that building the help (every command's signature) loads no daemon machinery.
     from wcache.checkpoint.model_path import resolve_model_path
     from wcache.daemon.launch import replace_daemons
@@ -104,9 +124,13 @@ def preload(
     from wcache.daemon.supervisor import rank_devices
     from wcache.ipc.rundir import DaemonExistsError, ensure_run_dir
 
-    model = resolve_model_path(model)
     where = ensure_run_dir(run_dir_or_default(run_dir))
     warn_if_exposed(health_host, "--health-host", "/health, /metrics and /stats")
+    if delta is not None:
+        model = delta  # what the new version is made from, in its READY line
+    else:
+        assert model is not None
+        model = resolve_model_path(model)
     if replace:
         for name in replace_daemons(model, rank_devices(device, tp), where, force=force):
             out.hint(f"stopped {printable(name)} to replace it")
@@ -117,8 +141,17 @@ def preload(
     group: DaemonGroup | None = None  # once set (ready), a stop must reach its supervisor
     try:
         try:
-            group = _launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port,
-                           log_level.value, log_format.value, share_stderr=not detach and not out.stderr.is_terminal)
+            share = not detach and not out.stderr.is_terminal
+            if parent is not None and delta is not None:
+                from wcache.daemon.launch import start_next_version
+
+                group = start_next_version(parent, delta, run_dir=where, health_host=health_host,
+                                           health_port=health_port, log_level=log_level.value,
+                                           log_format=log_format.value, share_stderr=share)
+                device = group.descriptors()[0].device if group.descriptors() else device
+            else:
+                group = _launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port,
+                                log_level.value, log_format.value, share_stderr=share)
         except DaemonExistsError as exc:
             if json_output:
                 out.json({"event": "exists", "reason": str(exc)})

@@ -47,6 +47,7 @@ def _row(descriptor: DaemonDescriptor, answer: DaemonStatus) -> dict[str, Any]:
         "weights_bytes": stats.weights_bytes if stats else 0, "leases": stats.leases if stats else 0,
         "uptime_s": stats.uptime_s if stats else None, "health_url": descriptor.health_url,
         "health_status": _health(descriptor.health_url), "counters": stats.counters if stats else {},
+        "parent_key_id": descriptor.parent_key_id,
     }
 
 
@@ -146,7 +147,8 @@ def _table(where: Path, rows: list[dict[str, Any]]) -> Table:
         if unverified := int((r["counters"] or {}).get("hits_unverified", 0)):
             state += f", {unverified} unverified hit(s)"  # --trust-daemon engines never compared checkpoints
         name = escape(printable(r["name"])) if r["name"] else f"(pid {r['pid']})"
-        table.add_row(name, r["device"], f"{r['tp_rank']}/{r['tp_size']}", model, r["key_id"] or "-", state,
+        key = f"{r['parent_key_id']} → {r['key_id']}" if r.get("parent_key_id") else (r["key_id"] or "-")
+        table.add_row(name, r["device"], f"{r['tp_rank']}/{r['tp_size']}", model, key, state,
                       human_bytes(int(r["weights_bytes"] or 0)), str(r["leases"]), uptime, health)
     return table
 

@@ -30,6 +30,8 @@ class LoadArgs:
     log_level: str = DEFAULT_LOG_LEVEL
     log_format: str = DEFAULT_LOG_FORMAT
     log_file: Path | None = None
+    # A next version: `model` is a delta file, applied to these daemons (one name per rank, comma-separated).
+    parents: str = ""
 
     def to_argv(self) -> list[str]:
         return [
@@ -37,11 +39,16 @@ class LoadArgs:
             "--tp", str(self.tp), "--dtype", self.dtype, "--quantization", self.quantization, "--plan", self.plan,
             "--log-level", self.log_level, "--log-format", self.log_format,
             *(["--log-file", str(self.log_file)] if self.log_file is not None else []),
+            *(["--parents", self.parents] if self.parents else []),
         ]
 
     def for_rank(self, device: str, run_dir: Path, log_file: Path) -> LoadArgs:
         """What the supervisor passes on to a rank: its own device and log file."""
         return replace(self, device=device, run_dir=run_dir, log_file=log_file)
+
+    def parent_of(self, rank: int) -> str | None:
+        """The daemon whose arena rank `rank` of a next version starts from; None for a preload from disk."""
+        return self.parents.split(",")[rank] if self.parents else None
 
     def plan_spec(self, rank: int) -> PlanSpec:
         return PlanSpec(tp_size=self.tp, tp_rank=rank, dtype=self.dtype, quantization=self.quantization,
@@ -60,6 +67,7 @@ class LoadArgs:
         parser.add_argument("--log-level", choices=LOG_LEVELS, default=LoadArgs.log_level)
         parser.add_argument("--log-format", choices=LOG_FORMATS, default=LoadArgs.log_format)
         parser.add_argument("--log-file", type=Path, default=None)
+        parser.add_argument("--parents", default=LoadArgs.parents)
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> LoadArgs:

@@ -10,7 +10,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from wcache.errors import EXIT_OK, BadInputError, WcacheError
 from wcache.ipc.codec import Wire
@@ -81,6 +81,7 @@ def ensure_run_dir(path: Path) -> Path:
 class DaemonDescriptor(Wire):
     """What a ready daemon publishes about itself; static for the daemon's life."""
 
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"parent_key_id", "parent"})
     name: str
     pid: int
     pid_created: float
@@ -97,6 +98,9 @@ class DaemonDescriptor(Wire):
     supervisor_pid: int | None
     started: str
     weights_bytes: int
+    # A version built from another daemon's arena and a delta: that daemon's key id and name (its lineage).
+    parent_key_id: str | None = None
+    parent: str | None = None
 
     def __post_init__(self) -> None:
         # A pid of 0 or less would signal a process group, or every process we may signal.

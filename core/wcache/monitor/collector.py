@@ -132,6 +132,9 @@ def summarize(event: dict[str, Any]) -> EventRow:
             # --trust-daemon: the checkpoint was never compared with the daemon's, so it may not be the same.
             severity = "warning"
             summary = f"unverified {summary} for {event.get('source', '?')} (--trust-daemon)"
+    elif kind == "ready" and event.get("parent_key_id"):
+        summary = (f"version {event['parent_key_id']} → {event.get('key_id', '?')} ready in {event.get('daemon', '?')} "
+                   f"({event.get('bytes_read', '?')} bytes read)")
     else:
         subject = event.get("daemon") or event.get("source") or ""
         summary = f"{kind.replace('_', ' ')} {subject}".strip()
@@ -305,6 +308,7 @@ class Collector:
             health_status=status if stats is not None else None, alive=stats is not None,
             hits=counters.get("hits", 0),
             misses=sum(v for k, v in counters.items() if k.startswith("misses_")),
+            parent_key_id=d.parent_key_id,
         )
 
     def _delta(self, target: EngineTarget, samples: Samples, names: tuple[str, ...]) -> float | None:

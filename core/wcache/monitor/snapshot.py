@@ -41,6 +41,7 @@ class DaemonRow:
     hits: int = 0
     misses: int = 0
     loaded_fraction: float | None = None
+    parent_key_id: str | None = None  # the version this one was built from (preload --from --delta)
 
 
 @dataclass(frozen=True, slots=True)

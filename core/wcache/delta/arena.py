@@ -1,0 +1,290 @@
+"""The next version from the daemon holding the parent: its arena, copied, with a delta applied through the plan.
+
+A rank maps the parent daemon's arena as an engine does (hello with the parent's key, a zero-copy map: the lease
+keeps the parent serving and unstoppable without --force while the build runs), copies it into a fresh memfd in
+the kernel (`sendfile`, no page of it touched here), and writes each change where the plan put those elements:
+
+- an output made of checkpoint slices (fused q/k/v or gate/up row ranges, TP row or column slices, a cast, vocab
+  padding) gets the changed elements that fall inside its slices, at the coordinates the plan maps them to, cast
+  to its dtype as `ProcessingPlan.produce` would cast them;
+- an output that is computed from whole tensors (quantized weights and their scales) is made again by the plan
+  from its new sources.
+
+Every changed checkpoint tensor is then hashed as it now is, so the new key's checkpoint digest is computed, not
+taken from the delta: where the arena holds the tensor whole in its checkpoint dtype (TP 1 without a cast: every
+tensor of the default plan) it is hashed from the new arena; otherwise the parent's bytes are read from the
+parent's checkpoint on disk (checked against the parent's manifest) and patched. The digest must equal the one
+the delta names. Nothing is published until it does; a failure closes the fresh arena and leaves the parent as
+it was.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from wcache.checkpoint.dtypes import TORCH_NAMES
+from wcache.checkpoint.manifest import TensorDigest, merkle_root
+from wcache.delta.format import Change, Delta, DeltaError, read_delta
+from wcache.errors import BadInputError, CheckpointError, UnavailableError
+from wcache.ipc.arena import CpuArena, plan_layout
+from wcache.ipc.client import DaemonConnection, DaemonError
+from wcache.ipc.messages import Hello, Manifest, MapRequest, WantedKey
+from wcache.ipc.rundir import DaemonDescriptor
+from wcache.key.cache_key import KeyFile, WeightCacheKey
+from wcache.load.loader import LoadedRank, processed_digest
+from wcache.plan.processing import Piece, ProcessingPlan, build_plan
+
+if TYPE_CHECKING:
+    import torch
+
+# sendfile moves at most this much per call (Linux caps one call near 2 GiB).
+_COPY_STEP = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class NextVersion:
+    """A built rank, and what it took: the bytes read from files (the delta, and parent tensors the arena could
+    not give back), and the tensors and outputs that changed."""
+
+    loaded: LoadedRank
+    parent: DaemonDescriptor
+    bytes_read: int
+    tensors_changed: int
+    outputs_changed: int
+
+
+def find_parent(run_dir: Path, name: str) -> DaemonDescriptor:
+    """The running daemon called `name` (a new version's rank starts from it)."""
+    from wcache.ipc.rundir import census
+
+    for descriptor in census(run_dir).live:
+        if descriptor.name == name:
+            return descriptor
+    raise UnavailableError(f"daemon {name} is no longer running; nothing to build the new version from.")
+
+
+def next_key(parent: WeightCacheKey, checkpoint: str) -> WeightCacheKey:
+    """The key of the parent's config, plan and format over checkpoint digest `checkpoint`."""
+    return replace(parent, checkpoint=checkpoint)
+
+
+def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
+               on_key: Callable[[WeightCacheKey], None] | None = None) -> NextVersion:
+    """Build one rank of the next version from daemon `parent` and the delta at `delta_path`.
+
+    `on_key` runs with the key the delta claims before any arena memory is taken (a daemon takes its lock
+    there); the built arena is checked to hold exactly that key.
+    """
+    began = time.perf_counter()
+    if not parent.device == "cpu":
+        raise BadInputError(f"building a version from daemon {parent.name} on {parent.device} is not implemented; "
+                            "only CPU arenas are.")
+    connection = DaemonConnection(parent.socket)
+    arena: CpuArena | None = None
+    try:
+        try:
+            hello = connection.request(Hello.mine(WantedKey.of(parent.key)))
+            if hello.status != "hit":
+                raise UnavailableError(f"daemon {parent.name} answered {hello.status}; it no longer serves its key.")
+            manifest = connection.request(Manifest()).tensors
+        except DaemonError as exc:
+            raise UnavailableError(f"daemon {parent.name} cannot be read ({str(exc).rstrip('.')}).") from None
+        by_name = {e.name: e for e in manifest}
+        delta = read_delta(delta_path, by_name)
+        delta.check_parent(parent.key.checkpoint, f"daemon {parent.name}")
+        claimed = next_key(parent.key, delta.checkpoint)
+        if on_key is not None:
+            on_key(claimed)
+        plan = build_plan(parent.plan, parent.config, manifest)
+        entries, total = plan_layout([(o.name, o.dtype, o.shape, o.nbytes) for o in plan.outputs])
+        try:
+            reply = connection.request(MapRequest("zero_copy"))
+        except DaemonError as exc:
+            raise UnavailableError(f"daemon {parent.name} cannot be mapped ({str(exc).rstrip('.')}).") from None
+        if reply.kind != "memfd" or len(reply.fds) != 1:
+            raise UnavailableError(f"daemon {parent.name} sent no arena descriptor.")
+        parent_fd = reply.fds[0]
+        try:
+            if reply.total_bytes != total or [list(e.to_wire()) for e in entries] != [list(e) for e in reply.entries]:
+                raise UnavailableError(f"daemon {parent.name}'s arena is not laid out as its plan says; it cannot be "
+                                       "the parent of a new version.")
+            arena = CpuArena(total, "wcache-arena-next")
+            _copy(parent_fd, arena, total)
+            from wcache.ipc.arena import map_cpu_arena
+
+            parent_tensors = map_cpu_arena(os.dup(parent_fd), total, reply.entries).tensors
+        finally:
+            os.close(parent_fd)
+        new_tensors = arena.tensors(entries)
+        sources = _Sources(plan, delta, by_name, parent_tensors, new_tensors, Path(parent.source))
+        outputs = _apply(plan, delta, new_tensors, sources)
+        digests = {name: processed_digest(sources.new_full(name)) for name in delta.changes}
+        new_manifest = tuple(replace(e, digest=digests[e.name]) if e.name in digests else e for e in manifest)
+        root = merkle_root(new_manifest)
+        if root != delta.checkpoint:
+            raise DeltaError(f"applying {delta_path} to daemon {parent.name} gives checkpoint {root[:12]}, not the "
+                             f"{delta.checkpoint[:12]} the delta names; the delta is damaged.")
+        processed = {e.name: processed_digest(new_tensors[e.name]) for e in entries}
+        bytes_read = delta.file_bytes + sources.bytes_read
+        del new_tensors, parent_tensors, sources
+        gc.collect()  # the views above hold the writable map, which seal() must close
+        arena.seal()
+        key_file = KeyFile(key=claimed, plan=parent.plan, config=parent.config, manifest_source=new_manifest,
+                           source=source_label, created=datetime.now(UTC).isoformat(timespec="seconds"),
+                           wcache_version=_version())
+        loaded = LoadedRank(key_file, plan, entries, arena, processed, time.perf_counter() - began)
+        return NextVersion(loaded, parent, bytes_read, len(delta.changes), outputs)
+    except BaseException:
+        if arena is not None:
+            arena.close()
+        raise
+    finally:
+        connection.close()  # the lease on the parent ends here, built or not
+
+
+def _version() -> str:
+    import wcache
+
+    return wcache.__version__
+
+
+def _copy(source_fd: int, arena: CpuArena, total: int) -> None:
+    """The parent's arena bytes into the fresh one, copied by the kernel from page to page."""
+    done = 0
+    while done < total:
+        try:
+            sent = os.sendfile(arena.fd, source_fd, done, min(_COPY_STEP, total - done))
+        except OSError as exc:
+            raise UnavailableError(
+                f"the {total}-byte arena of the new version cannot be filled ({exc.strerror}); free some memory."
+            ) from None
+        if sent == 0:
+            raise UnavailableError("the parent's arena ended before its announced size.")
+        done += sent
+
+
+class _Sources:
+    """Whole checkpoint tensors, before and after the delta, from the cheapest place that holds them."""
+
+    def __init__(self, plan: ProcessingPlan, delta: Delta, manifest: dict[str, TensorDigest],
+                 parent_tensors: dict[str, torch.Tensor], new_tensors: dict[str, torch.Tensor],
+                 parent_source: Path) -> None:
+        self.delta = delta
+        self.manifest = manifest
+        self.parent_views = _exact_views(plan, parent_tensors, manifest)
+        self.new_views = _exact_views(plan, new_tensors, manifest)
+        self.parent_source = parent_source
+        self._made: dict[str, torch.Tensor] = {}
+        self.bytes_read = 0  # from the parent's checkpoint files, for tensors the arena cannot give back
+
+    def parent_full(self, name: str) -> torch.Tensor:
+        view = self.parent_views.get(name)
+        return view if view is not None else self._from_disk(name)
+
+    def new_full(self, name: str) -> torch.Tensor:
+        """Tensor `name` as the delta makes it; the new arena's own view once the plan has written it there."""
+        change = self.delta.changes.get(name)
+        if change is None:
+            return self.parent_full(name)
+        view = self.new_views.get(name)
+        if view is not None:
+            return view
+        made = self._made.get(name)
+        if made is None:
+            entry = self.manifest[name]
+            if change.indices is None:
+                made = change.values.reshape(entry.shape)
+            else:
+                made = self.parent_full(name).clone()
+                change.apply_to(made.reshape(-1))
+            self._made[name] = made
+        return made
+
+    def _from_disk(self, name: str) -> torch.Tensor:
+        from wcache.delta.make import read_tensor, tensor_locations
+
+        entry = self.manifest[name]
+        try:
+            shard_path, info = tensor_locations(self.parent_source)[name]
+        except (CheckpointError, KeyError):
+            raise UnavailableError(
+                f"tensor {name!r} is not held whole in the parent's arena and its checkpoint {self.parent_source} "
+                "no longer holds it; the plan cannot be re-made without it."
+            ) from None
+        tensor = read_tensor(shard_path, info).reshape(entry.shape)
+        self.bytes_read += info.nbytes
+        if processed_digest(tensor) != entry.digest:
+            raise UnavailableError(f"tensor {name!r} in {shard_path} is no longer the parent daemon's; the plan "
+                                   "cannot be re-made from it.")
+        return tensor
+
+
+def _exact_views(plan: ProcessingPlan, tensors: dict[str, torch.Tensor],
+                 manifest: dict[str, TensorDigest]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors the arena holds whole with their checkpoint dtype (their bytes, unchanged)."""
+    return {name: view for name, view in plan.checkpoint_views(tensors).items()
+            if str(view.dtype).removeprefix("torch.") == TORCH_NAMES[manifest[name].dtype]}
+
+
+def _apply(plan: ProcessingPlan, delta: Delta, tensors: dict[str, torch.Tensor], sources: _Sources) -> int:
+    """Write every change into the outputs its elements reach; returns how many outputs changed."""
+    touched = 0
+    remade = []
+    for output in plan.outputs:
+        recipe = plan.recipes[output.name]
+        if not any(p.source in delta.changes for p in recipe.pieces):
+            continue
+        touched += 1
+        if recipe.kind != "tensor":
+            remade.append(output)
+            continue
+        target = tensors[output.name]
+        row = 0
+        for piece in recipe.pieces:
+            rows = piece.length if piece.dim == 0 else piece.source_shape[0]
+            change = delta.changes.get(piece.source)
+            if change is not None:
+                _scatter(change, piece, target, row)
+            if piece.dim is None:
+                break
+            row += rows
+    # Computed outputs last: they read new sources, which the scatter above has made in the arena where it can.
+    for output in remade:
+        plan.produce(output, sources.new_full, out=tensors[output.name])
+    return touched
+
+
+def _scatter(change: Change, piece: Piece, target: torch.Tensor, row: int) -> None:
+    """The elements of `change` inside `piece`'s slice, written at rows from `row` of `target`, cast to its dtype."""
+    import torch
+
+    if change.indices is None:
+        whole = change.values.reshape(piece.source_shape)
+        if piece.dim is None:
+            target.copy_(whole)
+        else:
+            part = whole.narrow(piece.dim, piece.start, piece.length)
+            target.narrow(0, row, part.shape[0]).copy_(part)
+        return
+    values = change.values
+    if piece.dim is None:
+        target.view(-1)[change.indices] = values.to(target.dtype)
+        return
+    coords = list(torch.unravel_index(change.indices, piece.source_shape))
+    inside = (coords[piece.dim] >= piece.start) & (coords[piece.dim] < piece.start + piece.length)
+    if not bool(inside.any()):
+        return
+    coords = [c[inside] for c in coords]
+    coords[piece.dim] = coords[piece.dim] - piece.start
+    coords[0] = coords[0] + row
+    flat = torch.zeros_like(coords[0])
+    for axis, size in enumerate(target.shape):
+        flat = flat * size + coords[axis]
+    target.view(-1)[flat] = values[inside].to(target.dtype)
