@@ -27,18 +27,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from wcache.checkpoint.dtypes import TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest, merkle_root
 from wcache.delta.format import Change, Delta, DeltaError, read_delta
 from wcache.errors import BadInputError, CheckpointError, UnavailableError
-from wcache.ipc.arena import CpuArena, plan_layout
+from wcache.ipc.arena import ArenaEntry, CpuArena, plan_layout
 from wcache.ipc.client import DaemonConnection, DaemonError
 from wcache.ipc.messages import Hello, Manifest, MapRequest, WantedKey
 from wcache.ipc.rundir import DaemonDescriptor
 from wcache.key.cache_key import KeyFile, WeightCacheKey
+from wcache.key.shard_hash import tensor_hasher
 from wcache.load.loader import LoadedRank, processed_digest
+from wcache.load.single_pass import Span, byte_spans
 from wcache.plan.processing import Piece, ProcessingPlan, build_plan
 
 if TYPE_CHECKING:
@@ -117,24 +121,21 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
                                        "the parent of a new version.")
             arena = CpuArena(total, "wcache-arena-next")
             _copy(parent_fd, arena, total)
-            from wcache.ipc.arena import map_cpu_arena
-
-            parent_tensors = map_cpu_arena(os.dup(parent_fd), total, reply.entries).tensors
+            build = _Build(plan, delta, by_name, arena, entries, os.dup(parent_fd), reply.entries, Path(parent.source))
         finally:
             os.close(parent_fd)
-        new_tensors = arena.tensors(entries)
-        sources = _Sources(plan, delta, by_name, parent_tensors, new_tensors, Path(parent.source))
-        outputs = _apply(plan, delta, new_tensors, sources)
-        digests = {name: processed_digest(sources.new_full(name)) for name in delta.changes}
+        try:
+            outputs = build.apply()
+            digests = {name: build.new_digest(name) for name in delta.changes}
+            bytes_read = delta.file_bytes + build.bytes_read
+        finally:
+            build.close()  # every view of the writable map goes before seal() can close it
         new_manifest = tuple(replace(e, digest=digests[e.name]) if e.name in digests else e for e in manifest)
         root = merkle_root(new_manifest)
         if root != delta.checkpoint:
             raise DeltaError(f"applying {delta_path} to daemon {parent.name} gives checkpoint {root[:12]}, not the "
                              f"{delta.checkpoint[:12]} the delta names; the delta is damaged.")
-        processed = {e.name: processed_digest(new_tensors[e.name]) for e in entries}
-        bytes_read = delta.file_bytes + sources.bytes_read
-        del new_tensors, parent_tensors, sources
-        gc.collect()  # the views above hold the writable map, which seal() must close
+        processed = {e.name: _hash_bytes(arena, e.offset, e.nbytes) for e in entries}
         arena.seal()
         key_file = KeyFile(key=claimed, plan=parent.plan, config=parent.config, manifest_source=new_manifest,
                            source=source_label, created=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -170,19 +171,117 @@ def _copy(source_fd: int, arena: CpuArena, total: int) -> None:
         done += sent
 
 
-class _Sources:
-    """Whole checkpoint tensors, before and after the delta, from the cheapest place that holds them."""
+def _hash_bytes(arena: CpuArena, offset: int, nbytes: int) -> str:
+    """BLAKE3 of arena bytes, as `processed_digest` hashes a tensor's bytes (no torch needed)."""
+    hasher = tensor_hasher(nbytes)
+    if nbytes:
+        with arena.bytes_at(offset, nbytes) as data:
+            hasher.update(data)
+    return hasher.hexdigest()
 
-    def __init__(self, plan: ProcessingPlan, delta: Delta, manifest: dict[str, TensorDigest],
-                 parent_tensors: dict[str, torch.Tensor], new_tensors: dict[str, torch.Tensor],
+
+class _Build:
+    """One rank's new arena being changed: bytes where the plan keeps checkpoint bytes, torch where it computes.
+
+    An output made of checkpoint bytes unchanged (runs of rows, no cast: all of a TP 1 plan that casts nothing)
+    takes each change as bit patterns at byte offsets, with no torch; any other output goes through torch views
+    of both arenas, imported only then.
+    """
+
+    def __init__(self, plan: ProcessingPlan, delta: Delta, manifest: dict[str, TensorDigest], arena: CpuArena,
+                 entries: tuple[ArenaEntry, ...], parent_fd: int, parent_entries: list[Any],
                  parent_source: Path) -> None:
+        self.plan = plan
         self.delta = delta
         self.manifest = manifest
-        self.parent_views = _exact_views(plan, parent_tensors, manifest)
-        self.new_views = _exact_views(plan, new_tensors, manifest)
+        self.arena = arena
+        self.entries = entries
+        self.offsets = {e.name: e.offset for e in entries}
+        self._parent_fd = parent_fd
+        self._parent_entries = parent_entries
         self.parent_source = parent_source
-        self._made: dict[str, torch.Tensor] = {}
+        self.spans = {o.name: byte_spans(plan, o) for o in plan.outputs}
+        # Checkpoint tensors some output holds whole as their own bytes: where in the arena.
+        self.whole: dict[str, tuple[int, int]] = {}
+        for output in plan.outputs:
+            for source, span in self.spans[output.name] or ():
+                if span.start == 0 and span.nbytes == manifest[source].nbytes:
+                    self.whole.setdefault(source, (self.offsets[output.name] + span.at, span.nbytes))
+        self._torch: _TorchSide | None = None
         self.bytes_read = 0  # from the parent's checkpoint files, for tensors the arena cannot give back
+
+    def torch_side(self) -> _TorchSide:
+        if self._torch is None:
+            self._torch = _TorchSide(self)
+        return self._torch
+
+    def apply(self) -> int:
+        """Write every change into the outputs its elements reach; returns how many outputs changed."""
+        touched = 0
+        remade = []
+        for output in self.plan.outputs:
+            recipe = self.plan.recipes[output.name]
+            if not any(p.source in self.delta.changes for p in recipe.pieces):
+                continue
+            touched += 1
+            spans = self.spans[output.name]
+            if spans is not None:
+                for source, span in spans:
+                    change = self.delta.changes.get(source)
+                    if change is not None:
+                        self._write_bits(change, span, self.offsets[output.name])
+            elif recipe.kind == "tensor":
+                self.torch_side().scatter(output.name, recipe.pieces)
+            else:
+                remade.append(output)
+        # Computed outputs last: they read new sources, which the writes above have made in the arena where they can.
+        for output in remade:
+            side = self.torch_side()
+            self.plan.produce(output, side.new_full, out=side.new_tensors[output.name])
+        return touched
+
+    def _write_bits(self, change: Change, span: Span, base: int) -> None:
+        """The elements of `change` inside the run `span` of its bytes, written where the run lies in the arena."""
+        itemsize = change.itemsize
+        first, count = span.start // itemsize, span.nbytes // itemsize
+        with self.arena.bytes_at(base + span.at, span.nbytes) as view:
+            out = np.frombuffer(view, dtype=change.values.dtype)
+            if change.indices is None:
+                out[:] = change.values[first : first + count]
+            else:
+                lo, hi = np.searchsorted(change.indices, (first, first + count))
+                out[change.indices[lo:hi] - first] = change.values[lo:hi]
+            del out  # the map cannot be released while an array views it
+
+    def new_digest(self, name: str) -> str:
+        """BLAKE3 of checkpoint tensor `name` as the delta makes it: from the arena where it lies whole."""
+        where = self.whole.get(name)
+        if where is not None:
+            return _hash_bytes(self.arena, *where)
+        return processed_digest(self.torch_side().new_full(name))
+
+    def close(self) -> None:
+        if self._torch is not None:
+            self._torch = None
+            gc.collect()  # torch views hold the maps; nothing else refers to them now
+        if self._parent_fd >= 0:
+            os.close(self._parent_fd)
+            self._parent_fd = -1
+
+
+class _TorchSide:
+    """Torch views of both arenas, and whole checkpoint tensors before and after the delta, from the cheapest
+    place that holds them: the arena, else the parent's checkpoint on disk (checked against its manifest)."""
+
+    def __init__(self, build: _Build) -> None:
+        from wcache.ipc.arena import map_cpu_arena
+
+        self.build = build
+        self.new_tensors = build.arena.tensors(build.entries)
+        parent = map_cpu_arena(os.dup(build._parent_fd), build.arena.total_bytes, build._parent_entries)
+        self.parent_views = _exact_views(build.plan, parent.tensors, build.manifest)
+        self.new_views = _exact_views(build.plan, self.new_tensors, build.manifest)
+        self._made: dict[str, torch.Tensor] = {}
 
     def parent_full(self, name: str) -> torch.Tensor:
         view = self.parent_views.get(name)
@@ -190,7 +289,7 @@ class _Sources:
 
     def new_full(self, name: str) -> torch.Tensor:
         """Tensor `name` as the delta makes it; the new arena's own view once the plan has written it there."""
-        change = self.delta.changes.get(name)
+        change = self.build.delta.changes.get(name)
         if change is None:
             return self.parent_full(name)
         view = self.new_views.get(name)
@@ -198,28 +297,40 @@ class _Sources:
             return view
         made = self._made.get(name)
         if made is None:
-            entry = self.manifest[name]
+            shape = self.build.manifest[name].shape
             if change.indices is None:
-                made = change.values.reshape(entry.shape)
+                made = change.torch_values().reshape(shape)
             else:
                 made = self.parent_full(name).clone()
                 change.apply_to(made.reshape(-1))
             self._made[name] = made
         return made
 
+    def scatter(self, output: str, pieces: tuple[Piece, ...]) -> None:
+        target = self.new_tensors[output]
+        row = 0
+        for piece in pieces:
+            change = self.build.delta.changes.get(piece.source)
+            if change is not None:
+                _scatter(change, piece, target, row)
+            if piece.dim is None:
+                return
+            row += piece.length if piece.dim == 0 else piece.source_shape[0]
+
     def _from_disk(self, name: str) -> torch.Tensor:
         from wcache.delta.make import read_tensor, tensor_locations
 
-        entry = self.manifest[name]
+        entry = self.build.manifest[name]
+        source = self.build.parent_source
         try:
-            shard_path, info = tensor_locations(self.parent_source)[name]
+            shard_path, info = tensor_locations(source)[name]
         except (CheckpointError, KeyError):
             raise UnavailableError(
-                f"tensor {name!r} is not held whole in the parent's arena and its checkpoint {self.parent_source} "
-                "no longer holds it; the plan cannot be re-made without it."
+                f"tensor {name!r} is not held whole in the parent's arena and its checkpoint {source} no longer "
+                "holds it; the plan cannot be re-made without it."
             ) from None
         tensor = read_tensor(shard_path, info).reshape(entry.shape)
-        self.bytes_read += info.nbytes
+        self.build.bytes_read += info.nbytes
         if processed_digest(tensor) != entry.digest:
             raise UnavailableError(f"tensor {name!r} in {shard_path} is no longer the parent daemon's; the plan "
                                    "cannot be re-made from it.")
@@ -233,51 +344,24 @@ def _exact_views(plan: ProcessingPlan, tensors: dict[str, torch.Tensor],
             if str(view.dtype).removeprefix("torch.") == TORCH_NAMES[manifest[name].dtype]}
 
 
-def _apply(plan: ProcessingPlan, delta: Delta, tensors: dict[str, torch.Tensor], sources: _Sources) -> int:
-    """Write every change into the outputs its elements reach; returns how many outputs changed."""
-    touched = 0
-    remade = []
-    for output in plan.outputs:
-        recipe = plan.recipes[output.name]
-        if not any(p.source in delta.changes for p in recipe.pieces):
-            continue
-        touched += 1
-        if recipe.kind != "tensor":
-            remade.append(output)
-            continue
-        target = tensors[output.name]
-        row = 0
-        for piece in recipe.pieces:
-            rows = piece.length if piece.dim == 0 else piece.source_shape[0]
-            change = delta.changes.get(piece.source)
-            if change is not None:
-                _scatter(change, piece, target, row)
-            if piece.dim is None:
-                break
-            row += rows
-    # Computed outputs last: they read new sources, which the scatter above has made in the arena where it can.
-    for output in remade:
-        plan.produce(output, sources.new_full, out=tensors[output.name])
-    return touched
-
-
 def _scatter(change: Change, piece: Piece, target: torch.Tensor, row: int) -> None:
     """The elements of `change` inside `piece`'s slice, written at rows from `row` of `target`, cast to its dtype."""
     import torch
 
     if change.indices is None:
-        whole = change.values.reshape(piece.source_shape)
+        whole = change.torch_values().reshape(piece.source_shape)
         if piece.dim is None:
             target.copy_(whole)
         else:
             part = whole.narrow(piece.dim, piece.start, piece.length)
             target.narrow(0, row, part.shape[0]).copy_(part)
         return
-    values = change.values
+    values = change.torch_values()
+    indices = torch.from_numpy(change.indices)
     if piece.dim is None:
-        target.view(-1)[change.indices] = values.to(target.dtype)
+        target.view(-1)[indices] = values.to(target.dtype)
         return
-    coords = list(torch.unravel_index(change.indices, piece.source_shape))
+    coords = list(torch.unravel_index(indices, piece.source_shape))
     inside = (coords[piece.dim] >= piece.start) & (coords[piece.dim] < piece.start + piece.length)
     if not bool(inside.any()):
         return

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wcache.checkpoint.dtypes import TORCH_NAMES
+import numpy as np
+
+from wcache.checkpoint.dtypes import ITEMSIZE, TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.checkpoint.safetensors_header import TensorInfo
 from wcache.errors import BadInputError, CheckpointError
@@ -48,31 +50,56 @@ def entry_name(tensor: str, part: str) -> str:
     return f"{tensor}:{part}"
 
 
+# Same-size integer containers for element bit patterns: a delta moves bits, never values, so numpy (which has
+# no bfloat16 or float8) carries every dtype, and applying a change needs no torch.
+BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
 @dataclass(frozen=True, slots=True)
 class Change:
-    """One changed tensor: new values at sorted flat indices, or a whole replacement (`indices` None)."""
+    """One changed tensor: new elements at sorted flat indices, or all of them (`indices` None).
+
+    `values` holds the new elements' bit patterns (BITS of the dtype's size), 1-D.
+    """
 
     name: str
-    values: torch.Tensor  # 1-D new values, or the whole new tensor
-    indices: torch.Tensor | None = None
+    dtype: str  # safetensors dtype, the tensor's own
+    shape: tuple[int, ...]
+    values: np.ndarray
+    indices: np.ndarray | None = None
 
     @property
     def count(self) -> int:
         """Elements changed (all of them for a whole replacement)."""
-        return int(self.values.numel())
+        return int(self.values.size)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    def torch_values(self) -> torch.Tensor:
+        """The new elements as a 1-D tensor of the tensor's dtype (a view of `values`)."""
+        import torch
+
+        return torch.from_numpy(self.values).view(getattr(torch, TORCH_NAMES[self.dtype]))
 
     def apply_to(self, flat: torch.Tensor) -> None:
-        """Write the change into `flat`, a 1-D view of the tensor's elements (its dtype)."""
+        """Write the change into `flat`, a 1-D tensor of the tensor's elements (its dtype)."""
+        import torch
+
         if self.indices is None:
-            flat.copy_(self.values.reshape(-1))
+            flat.copy_(self.torch_values())
         else:
-            flat[self.indices] = self.values
+            flat[torch.from_numpy(self.indices)] = self.torch_values()
 
+    @classmethod
+    def of(cls, name: str, values: torch.Tensor, indices: torch.Tensor | None = None) -> Change:
+        """A change from tensors: new values (1-D, or the whole new tensor) at `indices` (int64), if given."""
+        import torch
 
-
-
-def _fail(path: Path, what: str) -> DeltaError:
-    return DeltaError(f"{path} is not a valid wcache delta: {what}.")
+        dtype = next(k for k, v in TORCH_NAMES.items() if getattr(torch, v) == values.dtype)
+        bits = values.contiguous().reshape(-1).view(getattr(torch, BITS[values.element_size()])).numpy()
+        return cls(name, dtype, tuple(values.shape), bits, None if indices is None else indices.numpy())
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +125,10 @@ class Delta(DeltaDigests):
 
     changes: dict[str, Change]
     file_bytes: int
+
+
+def _fail(path: Path, what: str) -> DeltaError:
+    return DeltaError(f"{path} is not a valid wcache delta: {what}.")
 
 
 def _open(path: Path) -> OpenShard:
@@ -139,13 +170,12 @@ def read_delta(path: Path, parent: Mapping[str, TensorDigest]) -> Delta:
         return Delta(path, digests.parent, digests.checkpoint, changes, shard.identity.size)
 
 
-def _read(shard: OpenShard, info: TensorInfo) -> torch.Tensor:
-    import torch
-
-    data = torch.empty(info.nbytes, dtype=torch.uint8)
+def _read(shard: OpenShard, info: TensorInfo) -> np.ndarray:
+    """An entry's elements as bit patterns (BITS of its dtype's size), 1-D."""
+    data = np.empty(info.nbytes, dtype=np.uint8)
     if info.nbytes:
-        shard.read_into(info, 0, data.numpy().data)
-    return data.view(getattr(torch, TORCH_NAMES[info.dtype])).reshape(info.shape)
+        shard.read_into(info, 0, data.data)
+    return data.view(BITS[ITEMSIZE[info.dtype]])
 
 
 def _change(shard: OpenShard, path: Path, name: str, found: dict[str, TensorInfo], target: TensorDigest) -> Change:
@@ -157,7 +187,7 @@ def _change(shard: OpenShard, path: Path, name: str, found: dict[str, TensorInfo
         if whole.dtype != target.dtype or tuple(whole.shape) != tuple(target.shape):
             raise _fail(path, f"the replacement of {name!r} is {whole.dtype} {list(whole.shape)}, but the parent's "
                               f"tensor is {target.dtype} {list(target.shape)}")
-        return Change(name, _read(shard, whole))
+        return Change(name, target.dtype, tuple(target.shape), _read(shard, whole))
     if INDICES not in found or VALUES not in found:
         missing = INDICES if INDICES not in found else VALUES
         raise _fail(path, f"tensor {name!r} has no {entry_name(name, missing)!r} entry")
@@ -175,26 +205,27 @@ def _change(shard: OpenShard, path: Path, name: str, found: dict[str, TensorInfo
     if int(indices[0]) < 0 or int(indices[-1]) >= numel:
         bad = int(indices[0]) if int(indices[0]) < 0 else int(indices[-1])
         raise _fail(path, f"index {bad} of {name!r} is outside its {numel} elements")
-    if indices.numel() > 1:
-        steps = indices[1:] - indices[:-1]
+    if indices.size > 1:
+        steps = np.diff(indices)
         if not bool((steps > 0).all()):
-            at = int((steps <= 0).nonzero()[0, 0]) + 1
+            at = int(np.flatnonzero(steps <= 0)[0]) + 1
             kind = "repeated" if int(steps[at - 1]) == 0 else "not sorted"
             raise _fail(path, f"the indices of {name!r} are {kind} (at position {at})")
-    return Change(name, _read(shard, value_info), indices)
+    return Change(name, target.dtype, tuple(target.shape), _read(shard, value_info), indices)
 
 
 def write_delta(path: Path, parent: str, checkpoint: str, changes: Iterator[Change]) -> int:
     """Write a delta file (through a temporary name, so a reader never sees half of one); its size in bytes."""
+    import torch
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     for change in changes:
         if change.indices is None:
-            tensors[entry_name(change.name, WHOLE)] = change.values.contiguous()
+            tensors[entry_name(change.name, WHOLE)] = change.torch_values().reshape(change.shape)
         else:
-            tensors[entry_name(change.name, INDICES)] = change.indices.contiguous()
-            tensors[entry_name(change.name, VALUES)] = change.values.contiguous()
+            tensors[entry_name(change.name, INDICES)] = torch.from_numpy(change.indices)
+            tensors[entry_name(change.name, VALUES)] = change.torch_values()
     partial = path.with_name(f".{path.name}.partial")
     try:
         save_file(tensors, str(partial), metadata={"format": FORMAT, "parent": parent, "checkpoint": checkpoint})

@@ -102,9 +102,9 @@ def make_delta(old: Path, new: Path, out: Path, store: DigestStore | None = None
             counts["elements"] += int(indices.numel())
             if indices.numel() * (itemsize + _INDEX_BYTES) >= after.numel() * itemsize:
                 counts["whole"] += 1
-                yield Change(name, after.reshape(pairs[name][1].shape))
+                yield Change.of(name, after.reshape(pairs[name][1].shape))
             else:
-                yield Change(name, after[indices].clone(), indices)
+                yield Change.of(name, after[indices], indices)
 
     size = write_delta(out, old_key.key.checkpoint, new_key.key.checkpoint, changes())
     total = sum(int(torch.Size(a.shape).numel()) for a, _ in pairs.values())
