@@ -5,11 +5,11 @@ In one run, on the ``--preset`` checkpoint (qwen3-0.6b: 1.5 GB bf16, fused plan,
 * N+1 is N after a simulated training step: ``--fraction`` (1.5%) of the elements of every tensor moved; and a
   variant with frozen embeddings (``embed_tokens`` and ``lm_head`` unchanged). ``wcache delta N N+1`` writes
   each delta, ``wcache delta --apply`` materializes N+1 from it.
-* ``wcache preload N`` holds N; ``wcache preload --from N --delta FILE``, page cache dropped first where the
-  machine allows, is timed start → READY. Bytes read: the rank's own count (the delta file plus any parent tensor
+* ``wcache preload N`` holds N; ``wcache preload --from N --delta FILE``, with the delta's and N's pages evicted
+  from the page cache first, is timed start → READY. Bytes read: the rank's own count (the delta file plus any parent tensor
   the arena could not give back) and the kernel's ``read_bytes`` of the rank process (storage reads), each against
   the delta file's size (goal ≤ 1.2×).
-* Against it: a full ``wcache preload`` of the materialized N+1 (page cache dropped, fresh digest store), and the
+* Against it: a full ``wcache preload`` of the materialized N+1 (its pages evicted, fresh digest store), and the
   memcpy floor of one arena (its bytes ``pwrite``n from memory into a fresh memfd, as preload_floor.py measures).
 * The new daemon's key against a cold key (``--rehash``) of the materialized checkpoint: equal, or the run fails.
 
@@ -36,7 +36,7 @@ import psutil
 import torch
 from bench_common import fmt_seconds, stop_preloaded, timed_preload, wcache_command, workspace
 from preload_floor import checkpoint_in_memory, fill_arena
-from restart import our_leftovers, try_drop_caches
+from restart import our_leftovers, resident_fraction
 from rich.console import Console
 from rich.table import Table
 from wcache.checkpoint import hf_names
@@ -64,9 +64,19 @@ def _read_bytes(pid: int) -> int:
     return -1
 
 
-def _drop() -> str:
-    reason = try_drop_caches()
-    return "dropped" if reason is None else f"not dropped ({reason})"
+def _evict(paths: list[Path]) -> str:
+    """The files' pages out of the page cache (written back first), and only theirs: a global drop would make
+    the rank's kernel read count mostly the Python libraries it imports."""
+    os.sync()
+    resident = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    resident = resident_fraction(paths)
+    return f"evicted, {resident:.0%} left"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 cold = _run([*cli, "key", str(made), "--rehash", "--json"],
                             {**env, "WCACHE_CACHE_DIR": str(stores / f"cold-{len(rows)}")})
                 shutil.rmtree(child)
-                cache = _drop()
+                cache = _evict([delta, *sorted(parent.glob("*.safetensors"))])
                 seconds, ready = timed_preload(
                     [*cli, "preload", "--from", parent_name, "--delta", str(delta), "--detach", "--json"], env,
                     run_dir, spawned)
@@ -124,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 kernel_read = _read_bytes(rank.pid)
                 event = next(e for e in _events(run_dir) if e.get("kind") == "ready" and e.get("daemon") == rank.name)
                 subprocess.run([*cli, "stop", rank.name], env=env, check=True, capture_output=True)
-                _drop()
+                _evict(sorted(made.glob("*.safetensors")))
                 full_s, full = timed_preload([*cli, "preload", str(made), "--detach", "--json"],
                                              {**env, "WCACHE_CACHE_DIR": str(stores / f"full-{len(rows)}")},
                                              run_dir, spawned)
@@ -176,7 +186,7 @@ def _table(rows: list[dict[str, Any]], floor_s: float, arena_bytes: int, args: a
         kernel = f"{r['kernel_read'] / 1e6:,.1f} MB" if r["kernel_read"] >= 0 else "?"
         table.add_row(
             f"{r['label']} ({s['tensors_changed']} tensors, {s['elements_changed'] / s['elements_total']:.2%} of "
-            f"elements; page cache {r['cache']})",
+            f"elements; delta and N {r['cache']})",
             f"{size / 1e6:,.1f} MB (written in {fmt_seconds(r['delta_s'])})",
             f"{r['own_read'] / 1e6:,.1f} MB / {kernel}",
             f"{r['own_read'] / size:.2f}× / " + (f"{r['kernel_read'] / size:.2f}×" if r["kernel_read"] >= 0 else "?"),
