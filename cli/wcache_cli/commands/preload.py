@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 def _launch(
     model: Path, device: str, tp: int, dtype: Dtype, quantization: Quantization, plan: Layout, run_dir: Path,
-    health_host: str, health_port: int, log_level: str, log_format: str, share_stderr: bool,
+    health_host: str, health_port: int, log_level: str, log_format: str, share_stderr: bool, scrub_interval: float,
 ) -> DaemonGroup:
     """Start the daemons with a progress bar on a terminal; raise with the failing rank's reason otherwise."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
@@ -56,7 +56,7 @@ def _launch(
         return start_daemons(
             model, device=device, tp=tp, dtype=dtype.value, quantization=quantization.value, layout=plan.value,
             run_dir=run_dir, health_host=health_host, health_port=health_port, log_level=log_level,
-            log_format=log_format, share_stderr=share_stderr,
+            log_format=log_format, share_stderr=share_stderr, scrub_interval=scrub_interval,
             on_progress=lambda done, total: bar.update(task, completed=done, total=total or None),
         )
 
@@ -95,6 +95,11 @@ def preload(
         Path | None, typer.Option("--delta", help="With --from: the delta file (wcache delta) to apply.",
                                   show_default=False)
     ] = None,
+    scrub_interval: Annotated[
+        float | None, typer.Option("--scrub-interval", min=0, show_default=False,
+                                   help="Seconds between background re-hashes of each arena (at most 5% of one core "
+                                   "while one runs); 0 turns them off [default: the daemons' own, 600].")
+    ] = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Start one daemon per TP rank holding the checkpoint's processed weights.
@@ -111,6 +116,9 @@ def preload(
     """
     if force and not replace:
         raise BadInputError("--force only applies with --replace.")
+    from wcache.daemon.argv import LoadArgs
+
+    scrub = LoadArgs.scrub_interval if scrub_interval is None else scrub_interval
     if (parent is None) != (delta is None):
         raise BadInputError("--from and --delta go together: --from DAEMON --delta FILE.")
     if parent is not None and (model is not None or replace):
@@ -147,11 +155,12 @@ def preload(
 
                 group = start_next_version(parent, delta, run_dir=where, health_host=health_host,
                                            health_port=health_port, log_level=log_level.value,
-                                           log_format=log_format.value, share_stderr=share)
+                                           log_format=log_format.value, share_stderr=share,
+                                           scrub_interval=scrub)
                 device = group.descriptors()[0].device if group.descriptors() else device
             else:
                 group = _launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port,
-                                log_level.value, log_format.value, share_stderr=share)
+                                log_level.value, log_format.value, share_stderr=share, scrub_interval=scrub)
         except DaemonExistsError as exc:
             if json_output:
                 out.json({"event": "exists", "reason": str(exc)})

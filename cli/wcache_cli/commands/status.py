@@ -47,7 +47,7 @@ def _row(descriptor: DaemonDescriptor, answer: DaemonStatus) -> dict[str, Any]:
         "weights_bytes": stats.weights_bytes if stats else 0, "leases": stats.leases if stats else 0,
         "uptime_s": stats.uptime_s if stats else None, "health_url": descriptor.health_url,
         "health_status": _health(descriptor.health_url), "counters": stats.counters if stats else {},
-        "parent_key_id": descriptor.parent_key_id,
+        "parent_key_id": descriptor.parent_key_id, "corrupt": list(stats.corrupt) if stats else [],
     }
 
 
@@ -72,6 +72,8 @@ def _unhealthy(row: dict[str, Any]) -> str | None:
         return f"daemon {name} does not answer"
     if row["state"] == "released" or not row["holds_weights"]:
         return f"daemon {name} no longer holds weights (state {row['state']})"
+    if row.get("corrupt"):
+        return f"daemon {name} found its weights changed in memory: {row['corrupt'][0]}"
     if row["health_status"] not in (None, 200):
         return f"the health server of daemon {name} answers {row['health_status']}"
     return None
@@ -144,6 +146,8 @@ def _table(where: Path, rows: list[dict[str, Any]]) -> Table:
                      else f"loading ({r['phase']})")
         elif not r["holds_weights"] and state == "ready":
             state = "ready, no weights"
+        if r.get("corrupt"):
+            state = "CORRUPT: " + "; ".join(r["corrupt"])
         if unverified := int((r["counters"] or {}).get("hits_unverified", 0)):
             state += f", {unverified} unverified hit(s)"  # --trust-daemon engines never compared checkpoints
         name = escape(printable(r["name"])) if r["name"] else f"(pid {r['pid']})"

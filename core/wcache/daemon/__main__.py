@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             parent_key_id=parent.key_id if parent is not None else None,
             parent=parent.name if parent is not None else None,
         )
-        server = DaemonServer(loaded, descriptor, run_dir)
+        server = DaemonServer(loaded, descriptor, run_dir, args.scrub_interval)
         server.bind()
         write_descriptor(run_dir, descriptor)
     except KeyboardInterrupt:

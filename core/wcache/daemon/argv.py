@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from wcache.daemon.scrub import DEFAULT_INTERVAL_S
 from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from wcache.plan.spec import PlanSpec
 
@@ -32,6 +33,7 @@ class LoadArgs:
     log_file: Path | None = None
     # A next version: `model` is a delta file, applied to these daemons (one name per rank, comma-separated).
     parents: str = ""
+    scrub_interval: float = DEFAULT_INTERVAL_S  # seconds between background re-hashes of the arena; 0: none
 
     def to_argv(self) -> list[str]:
         return [
@@ -40,6 +42,7 @@ class LoadArgs:
             "--log-level", self.log_level, "--log-format", self.log_format,
             *(["--log-file", str(self.log_file)] if self.log_file is not None else []),
             *(["--parents", self.parents] if self.parents else []),
+            "--scrub-interval", str(self.scrub_interval),
         ]
 
     def for_rank(self, device: str, run_dir: Path, log_file: Path) -> LoadArgs:
@@ -68,6 +71,7 @@ class LoadArgs:
         parser.add_argument("--log-format", choices=LOG_FORMATS, default=LoadArgs.log_format)
         parser.add_argument("--log-file", type=Path, default=None)
         parser.add_argument("--parents", default=LoadArgs.parents)
+        parser.add_argument("--scrub-interval", type=float, default=LoadArgs.scrub_interval)
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> LoadArgs:

@@ -62,7 +62,8 @@ class RankTable:
 
 def healthy(ranks: list[dict[str, Any]]) -> bool:
     """Ready: every rank is ready and holds weights (what /readyz and /health answer 200 to)."""
-    return bool(ranks) and all(r.get("state") == "ready" and r.get("holds_weights") for r in ranks)
+    return bool(ranks) and all(r.get("state") == "ready" and r.get("holds_weights") and not r.get("corrupt")
+                               for r in ranks)
 
 
 def alive(ranks: list[dict[str, Any]]) -> bool:
@@ -96,10 +97,19 @@ class _StatsCollector(Collector):
         served = CounterMetricFamily("wcache_bytes_served", "Bytes of weights mapped or copied by engines.",
                                      labels=labels)
         bad = CounterMetricFamily("wcache_bad_frames", "Connections dropped for malformed frames.", labels=labels)
+        corrupt = GaugeMetricFamily("wcache_daemon_corrupt_tensors", "Tensors the background re-check found changed "
+                                    "in memory (the rank then fails readiness).", labels=labels)
+        scrubbed = CounterMetricFamily("wcache_scrub_bytes", "Arena bytes re-hashed by the background check.",
+                                       labels=labels)
+        passes = CounterMetricFamily("wcache_scrub_passes", "Completed background re-checks of the arena.",
+                                     labels=labels)
         for r in ranks:
             values = [str(r.get("tp_rank", "")), str(r.get("key_id", ""))]
             counters = r.get("counters", {})
-            ready.add_metric(values, 1.0 if r.get("state") == "ready" and r.get("holds_weights") else 0.0)
+            ready.add_metric(values, 1.0 if healthy([r]) else 0.0)
+            corrupt.add_metric(values, float(len(r.get("corrupt", ()))))
+            scrubbed.add_metric(values, float(counters.get("scrub_bytes", 0)))
+            passes.add_metric(values, float(counters.get("scrub_passes", 0)))
             live.add_metric(values, 1.0 if rank_alive(r) else 0.0)
             weights.add_metric(values, float(r.get("weights_bytes", 0)))
             leases.add_metric(values, float(r.get("leases", 0)))
@@ -112,7 +122,8 @@ class _StatsCollector(Collector):
                     misses.add_metric([*values, name.removeprefix("misses_")], float(count))
             served.add_metric(values, float(counters.get("bytes_served", 0)))
             bad.add_metric(values, float(counters.get("bad_frames", 0)))
-        yield from (ready, live, weights, leases, attaches, hits, unverified, misses, served, bad)
+        yield from (ready, live, weights, leases, attaches, hits, unverified, misses, served, bad, corrupt, scrubbed,
+                    passes)
 
 
 def serve_health(table: RankTable, host: str, port: int,

@@ -118,6 +118,7 @@ def start_daemons(
     run_dir: Path | None = None, health_host: str = "127.0.0.1", health_port: int = 0,
     on_progress: ProgressCallback | None = None, log_level: str = LoadArgs.log_level,
     log_format: str = LoadArgs.log_format, share_stderr: bool = False, env: Mapping[str, str] | None = None,
+    scrub_interval: float = LoadArgs.scrub_interval,
 ) -> DaemonGroup:
     """Start a supervisor with one daemon per TP rank and return once every rank is ready.
 
@@ -134,14 +135,15 @@ def start_daemons(
     path = resolve_model_path(model)
     where = ensure_run_dir(run_dir or default_run_dir())
     load = LoadArgs(model=path.absolute(), run_dir=where, device=device, tp=tp, dtype=dtype,
-                    quantization=quantization, plan=layout, log_level=log_level, log_format=log_format)
+                    quantization=quantization, plan=layout, log_level=log_level, log_format=log_format,
+                    scrub_interval=scrub_interval)
     return _supervise(path, load, health_host, health_port, on_progress, share_stderr, env)
 
 
 def start_next_version(
     parent: str, delta: Path, *, run_dir: Path | None = None, health_host: str = "127.0.0.1", health_port: int = 0,
     log_level: str = LoadArgs.log_level, log_format: str = LoadArgs.log_format, share_stderr: bool = False,
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None = None, scrub_interval: float = LoadArgs.scrub_interval,
 ) -> DaemonGroup:
     """Start a new daemon group holding the group of daemon `parent` (a name or key id prefix) with the delta
     file `delta` applied: same devices, TP size and plan, built from the parent's arena, reading nothing of the
@@ -158,7 +160,7 @@ def start_next_version(
     device = "cpu" if set(devices) == {"cpu"} else "cuda:" + ",".join(d.removeprefix("cuda:") for d in devices)
     load = LoadArgs(model=delta.absolute(), run_dir=where, device=device, tp=head.tp_size, dtype=head.plan.dtype,
                     quantization=head.plan.quantization, plan=head.plan.layout, log_level=log_level,
-                    log_format=log_format, parents=",".join(d.name for d in group))
+                    log_format=log_format, parents=",".join(d.name for d in group), scrub_interval=scrub_interval)
     return _supervise(delta, load, health_host, health_port, None, share_stderr, env)
 
 

@@ -40,8 +40,7 @@ from wcache.ipc.client import DaemonConnection, DaemonError
 from wcache.ipc.messages import Hello, Manifest, MapRequest, WantedKey
 from wcache.ipc.rundir import DaemonDescriptor
 from wcache.key.cache_key import KeyFile, WeightCacheKey
-from wcache.key.shard_hash import tensor_hasher
-from wcache.load.loader import LoadedRank, processed_digest
+from wcache.load.loader import LoadedRank, arena_digest, plant_fault, processed_digest
 from wcache.load.single_pass import Span, byte_spans
 from wcache.plan.processing import Piece, ProcessingPlan, build_plan
 
@@ -135,7 +134,8 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
         if root != delta.checkpoint:
             raise DeltaError(f"applying {delta_path} to daemon {parent.name} gives checkpoint {root[:12]}, not the "
                              f"{delta.checkpoint[:12]} the delta names; the delta is damaged.")
-        processed = {e.name: _hash_bytes(arena, e.offset, e.nbytes) for e in entries}
+        processed = {e.name: arena_digest(arena, e.offset, e.nbytes) for e in entries}
+        plant_fault(arena, entries)
         arena.seal()
         key_file = KeyFile(key=claimed, plan=parent.plan, config=parent.config, manifest_source=new_manifest,
                            source=source_label, created=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -169,15 +169,6 @@ def _copy(source_fd: int, arena: CpuArena, total: int) -> None:
         if sent == 0:
             raise UnavailableError("the parent's arena ended before its announced size.")
         done += sent
-
-
-def _hash_bytes(arena: CpuArena, offset: int, nbytes: int) -> str:
-    """BLAKE3 of arena bytes, as `processed_digest` hashes a tensor's bytes (no torch needed)."""
-    hasher = tensor_hasher(nbytes)
-    if nbytes:
-        with arena.bytes_at(offset, nbytes) as data:
-            hasher.update(data)
-    return hasher.hexdigest()
 
 
 class _Build:
@@ -257,7 +248,7 @@ class _Build:
         """BLAKE3 of checkpoint tensor `name` as the delta makes it: from the arena where it lies whole."""
         where = self.whole.get(name)
         if where is not None:
-            return _hash_bytes(self.arena, *where)
+            return arena_digest(self.arena, *where)
         return processed_digest(self.torch_side().new_full(name))
 
     def close(self) -> None:

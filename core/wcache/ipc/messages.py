@@ -20,7 +20,7 @@ from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
 
 MapMode = Literal["zero_copy", "copy"]
-HelloStatus = Literal["hit", "miss", "released"]
+HelloStatus = Literal["hit", "miss", "released", "corrupt"]
 KEY_FIELDS = tuple(f.name for f in fields(WeightCacheKey))
 
 
@@ -91,6 +91,7 @@ class HelloReply(Message):
     status: HelloStatus
     mismatched: tuple[str, ...]
     daemon: DaemonSummary
+    corrupt: tuple[str, ...] = ()  # what the daemon's background re-check found changed in its arena
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +167,7 @@ class StatsReply(Message):
     connections: int
     release_queued: bool
     released: ReleasedTo | None
+    corrupt: tuple[str, ...] = ()  # tensors its background re-check found changed in memory, one sentence each
 
 
 @dataclass(frozen=True, slots=True)
