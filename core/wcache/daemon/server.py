@@ -463,6 +463,7 @@ class DaemonServer:
             if self.scrubber is not None:
                 counters["scrub_passes"] = self.scrubber.stats.passes
                 counters["scrub_bytes"] = self.scrubber.stats.bytes_hashed
+                counters["scrub_last_pass_ms"] = round(self.scrubber.stats.last_pass_s * 1000)
             return StatsReply(
                 name=d.name, pid=d.pid, device=d.device, tp_size=d.tp_size, tp_rank=d.tp_rank,
                 key_id=d.key_id, source=d.source, state=state, holds_weights=holds,

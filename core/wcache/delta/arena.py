@@ -24,6 +24,7 @@ import gc
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,6 +41,7 @@ from wcache.ipc.client import DaemonConnection, DaemonError
 from wcache.ipc.messages import Hello, Manifest, MapRequest, WantedKey
 from wcache.ipc.rundir import DaemonDescriptor
 from wcache.key.cache_key import KeyFile, WeightCacheKey
+from wcache.key.shard_hash import tensor_hasher
 from wcache.load.loader import LoadedRank, arena_digest, plant_fault, processed_digest
 from wcache.load.single_pass import Span, byte_spans
 from wcache.plan.processing import Piece, ProcessingPlan, build_plan
@@ -47,8 +49,8 @@ from wcache.plan.processing import Piece, ProcessingPlan, build_plan
 if TYPE_CHECKING:
     import torch
 
-# sendfile moves at most this much per call (Linux caps one call near 2 GiB).
-_COPY_STEP = 1 << 30
+# The arena is copied through one buffer of this size: it stays in the CPU's cache between read, patch, hash, write.
+_STREAM_CHUNK = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,12 +121,12 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
                 raise UnavailableError(f"daemon {parent.name}'s arena is not laid out as its plan says; it cannot be "
                                        "the parent of a new version.")
             arena = CpuArena(total, "wcache-arena-next")
-            _copy(parent_fd, arena, total)
             build = _Build(plan, delta, by_name, arena, entries, os.dup(parent_fd), reply.entries, Path(parent.source))
         finally:
             os.close(parent_fd)
         try:
-            outputs = build.apply()
+            outputs = build.stream()
+            outputs += build.apply_computed()
             digests = {name: build.new_digest(name) for name in delta.changes}
             bytes_read = delta.file_bytes + build.bytes_read
         finally:
@@ -134,7 +136,7 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
         if root != delta.checkpoint:
             raise DeltaError(f"applying {delta_path} to daemon {parent.name} gives checkpoint {root[:12]}, not the "
                              f"{delta.checkpoint[:12]} the delta names; the delta is damaged.")
-        processed = {e.name: arena_digest(arena, e.offset, e.nbytes) for e in entries}
+        processed = {e.name: build.processed[e.name] for e in entries}
         plant_fault(arena, entries)
         arena.seal()
         key_file = KeyFile(key=claimed, plan=parent.plan, config=parent.config, manifest_source=new_manifest,
@@ -154,21 +156,6 @@ def _version() -> str:
     import wcache
 
     return wcache.__version__
-
-
-def _copy(source_fd: int, arena: CpuArena, total: int) -> None:
-    """The parent's arena bytes into the fresh one, copied by the kernel from page to page."""
-    done = 0
-    while done < total:
-        try:
-            sent = os.sendfile(arena.fd, source_fd, done, min(_COPY_STEP, total - done))
-        except OSError as exc:
-            raise UnavailableError(
-                f"the {total}-byte arena of the new version cannot be filled ({exc.strerror}); free some memory."
-            ) from None
-        if sent == 0:
-            raise UnavailableError("the parent's arena ended before its announced size.")
-        done += sent
 
 
 class _Build:
@@ -192,12 +179,9 @@ class _Build:
         self._parent_entries = parent_entries
         self.parent_source = parent_source
         self.spans = {o.name: byte_spans(plan, o) for o in plan.outputs}
-        # Checkpoint tensors some output holds whole as their own bytes: where in the arena.
-        self.whole: dict[str, tuple[int, int]] = {}
-        for output in plan.outputs:
-            for source, span in self.spans[output.name] or ():
-                if span.start == 0 and span.nbytes == manifest[source].nbytes:
-                    self.whole.setdefault(source, (self.offsets[output.name] + span.at, span.nbytes))
+        self.processed: dict[str, str] = {}  # output → digest of its new bytes
+        self.source_digests: dict[str, str] = {}  # changed checkpoint tensor → digest, where an output holds it whole
+        self.computed: list[str] = []  # changed outputs that are not checkpoint bytes: made through torch
         self._torch: _TorchSide | None = None
         self.bytes_read = 0  # from the parent's checkpoint files, for tensors the arena cannot give back
 
@@ -206,49 +190,79 @@ class _Build:
             self._torch = _TorchSide(self)
         return self._torch
 
-    def apply(self) -> int:
-        """Write every change into the outputs its elements reach; returns how many outputs changed."""
-        touched = 0
-        remade = []
-        for output in self.plan.outputs:
-            recipe = self.plan.recipes[output.name]
-            if not any(p.source in self.delta.changes for p in recipe.pieces):
-                continue
-            touched += 1
-            spans = self.spans[output.name]
-            if spans is not None:
-                for source, span in spans:
-                    change = self.delta.changes.get(source)
-                    if change is not None:
-                        self._write_bits(change, span, self.offsets[output.name])
-            elif recipe.kind == "tensor":
-                self.torch_side().scatter(output.name, recipe.pieces)
-            else:
-                remade.append(output)
-        # Computed outputs last: they read new sources, which the writes above have made in the arena where they can.
-        for output in remade:
-            side = self.torch_side()
-            self.plan.produce(output, side.new_full, out=side.new_tensors[output.name])
-        return touched
+    def stream(self) -> int:
+        """Copy every output from the parent's arena a chunk at a time (pread into one reused buffer, pwrite out:
+        no page of either arena is mapped here), writing the changes of outputs made of checkpoint bytes into each
+        chunk on the way and hashing it: their digests, and those of the changed checkpoint tensors they hold whole.
+        Returns how many of them changed; outputs the plan computes are left for `apply_computed`."""
+        changed = 0
+        # Two buffers and a writer thread: a chunk is written while the next one is read, patched and hashed.
+        buffers = [np.empty(_STREAM_CHUNK, dtype=np.uint8) for _ in range(2)]
+        writing: list[Future[None] | None] = [None, None]
+        turn = 0
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wcache-next-write") as writer:
+            for entry in self.entries:
+                spans = self.spans[entry.name]
+                pieces = self.plan.recipes[entry.name].pieces
+                if any(p.source in self.delta.changes for p in pieces) and spans is None:
+                    self.computed.append(entry.name)
+                patches = [(source, span, self.delta.changes[source]) for source, span in spans or ()
+                           if source in self.delta.changes]
+                wholes = {source: (span, tensor_hasher(span.nbytes)) for source, span, _ in patches
+                          if span.start == 0 and span.nbytes == self.manifest[source].nbytes}
+                changed += bool(patches)
+                hasher = tensor_hasher(entry.nbytes)
+                done = 0
+                while done < entry.nbytes:
+                    n = min(_STREAM_CHUNK, entry.nbytes - done)
+                    pending = writing[turn]
+                    if pending is not None:
+                        pending.result()  # this buffer's last write is done: it may be reused
+                    chunk = buffers[turn].data[:n]
+                    _pread_exact(self._parent_fd, chunk, entry.offset + done)
+                    for _, span, change in patches:
+                        _patch(chunk, done, span, change)
+                    writing[turn] = writer.submit(self.arena.write_at, entry.offset + done, chunk)
+                    hasher.update(chunk)
+                    for whole_span, whole in wholes.values():
+                        lo, hi = max(done, whole_span.at), min(done + n, whole_span.at + whole_span.nbytes)
+                        if lo < hi:
+                            whole.update(chunk[lo - done : hi - done])
+                    done += n
+                    turn ^= 1
+                self.processed[entry.name] = hasher.hexdigest()
+                for source, (_, whole) in wholes.items():
+                    self.source_digests[source] = whole.hexdigest()
+            for pending in writing:
+                if pending is not None:
+                    pending.result()
+        return changed
 
-    def _write_bits(self, change: Change, span: Span, base: int) -> None:
-        """The elements of `change` inside the run `span` of its bytes, written where the run lies in the arena."""
-        itemsize = change.itemsize
-        first, count = span.start // itemsize, span.nbytes // itemsize
-        with self.arena.bytes_at(base + span.at, span.nbytes) as view:
-            out = np.frombuffer(view, dtype=change.values.dtype)
-            if change.indices is None:
-                out[:] = change.values[first : first + count]
-            else:
-                lo, hi = np.searchsorted(change.indices, (first, first + count))
-                out[change.indices[lo:hi] - first] = change.values[lo:hi]
-            del out  # the map cannot be released while an array views it
+    def apply_computed(self) -> int:
+        """The changed outputs that are not checkpoint bytes (casts, column slices, quantized weights), through
+        torch views of the arena as streamed; their digests hashed back. Returns how many there were."""
+        if not self.computed:
+            return 0
+        side = self.torch_side()
+        for name in self.computed:
+            recipe = self.plan.recipes[name]
+            if recipe.kind == "tensor":
+                side.scatter(name, recipe.pieces)
+        # Computed outputs last: they read new sources, which the scatter above made in the arena where it could.
+        for output in self.plan.outputs:
+            if output.name in self.computed and self.plan.recipes[output.name].kind != "tensor":
+                self.plan.produce(output, side.new_full, out=side.new_tensors[output.name])
+        for entry in self.entries:
+            if entry.name in self.computed:
+                self.processed[entry.name] = arena_digest(self.arena, entry.offset, entry.nbytes)
+        return len(self.computed)
 
     def new_digest(self, name: str) -> str:
-        """BLAKE3 of checkpoint tensor `name` as the delta makes it: from the arena where it lies whole."""
-        where = self.whole.get(name)
-        if where is not None:
-            return arena_digest(self.arena, *where)
+        """BLAKE3 of checkpoint tensor `name` as the delta makes it: hashed while streamed where an output holds
+        it whole, else made through torch."""
+        digest = self.source_digests.get(name)
+        if digest is not None:
+            return digest
         return processed_digest(self.torch_side().new_full(name))
 
     def close(self) -> None:
@@ -258,6 +272,32 @@ class _Build:
         if self._parent_fd >= 0:
             os.close(self._parent_fd)
             self._parent_fd = -1
+
+
+def _pread_exact(fd: int, buffer: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buffer):
+        got = os.preadv(fd, [buffer[done:]], offset + done)
+        if got == 0:
+            raise UnavailableError("the parent's arena ended before its announced size.")
+        done += got
+
+
+def _patch(chunk: memoryview, at: int, span: Span, change: Change) -> None:
+    """The elements of `change` that land in `chunk` (the output's bytes from `at`), through the run `span` of
+    the tensor's bytes that the output holds, as bit patterns."""
+    lo, hi = max(at, span.at), min(at + len(chunk), span.at + span.nbytes)
+    if lo >= hi:
+        return
+    itemsize = change.itemsize
+    first = (span.start + lo - span.at) // itemsize  # the tensor's element at chunk byte lo - at
+    count = (hi - lo) // itemsize
+    out = np.frombuffer(chunk, dtype=change.values.dtype, count=count, offset=lo - at)
+    if change.indices is None:
+        out[:] = change.values[first : first + count]
+    else:
+        start, stop = np.searchsorted(change.indices, (first, first + count))
+        out[change.indices[start:stop] - first] = change.values[start:stop]
 
 
 class _TorchSide:
