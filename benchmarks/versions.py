@@ -6,9 +6,9 @@ In one run, on the ``--preset`` checkpoint (qwen3-0.6b: 1.5 GB bf16, fused plan,
   variant with frozen embeddings (``embed_tokens`` and ``lm_head`` unchanged). ``wcache delta N N+1`` writes
   each delta, ``wcache delta --apply`` materializes N+1 from it.
 * ``wcache preload N`` holds N; ``wcache preload --from N --delta FILE``, with the delta's and N's pages evicted
-  from the page cache first, is timed start → READY. Bytes read: the rank's own count (the delta file plus any parent tensor
-  the arena could not give back) and the kernel's ``read_bytes`` of the rank process (storage reads), each against
-  the delta file's size (goal ≤ 1.2×).
+  from the page cache first, is timed start → READY. Bytes read: the rank's own count (the delta file plus any
+  parent tensor the arena could not give back) and the kernel's ``read_bytes`` of the rank process (storage
+  reads), each against the delta file's size (goal ≤ 1.2×).
 * Against it: a full ``wcache preload`` of the materialized N+1 (its pages evicted, fresh digest store), and the
   memcpy floor of one arena (its bytes ``pwrite``n from memory into a fresh memfd, as preload_floor.py measures).
 * The new daemon's key against a cold key (``--rehash``) of the materialized checkpoint: equal, or the run fails.

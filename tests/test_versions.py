@@ -227,8 +227,10 @@ def test_from_needs_delta_and_no_model(rig: DaemonRig, versions: dict[str, Path]
     assert result.returncode == 3 and "no running daemon" in one_sentence(result.stderr)
 
 
-def test_loaded_values_match(versions: dict[str, Path]) -> None:
-    """The materialized checkpoint holds exactly the new checkpoint's tensors."""
-    made = {k: v for shard in sorted(versions["materialized"].glob("*.safetensors")) for k, v in load_file(shard).items()}
-    want = {k: v for shard in sorted(versions["child"].glob("*.safetensors")) for k, v in load_file(shard).items()}
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v for shard in sorted(path.glob("*.safetensors")) for k, v in load_file(shard).items()}
+
+
+def test_the_materialized_checkpoint_holds_the_new_tensors(versions: dict[str, Path]) -> None:
+    made, want = _tensors(versions["materialized"]), _tensors(versions["child"])
     assert made.keys() == want.keys() and all(torch.equal(made[k], want[k]) for k in want)

@@ -47,7 +47,7 @@ def _row(descriptor: DaemonDescriptor, answer: DaemonStatus) -> dict[str, Any]:
         "weights_bytes": stats.weights_bytes if stats else 0, "leases": stats.leases if stats else 0,
         "uptime_s": stats.uptime_s if stats else None, "health_url": descriptor.health_url,
         "health_status": _health(descriptor.health_url), "counters": stats.counters if stats else {},
-        "parent_key_id": descriptor.parent_key_id, "corrupt": list(stats.corrupt) if stats else [],
+        "parent_key_id": descriptor.parent_key_id, "corrupt": list(stats.corrupt or ()) if stats else [],
     }
 
 

@@ -386,7 +386,8 @@ class DaemonServer:
         if status != "hit":
             log.info("Engine pid %s missed (%s).", client.pid, status if released else ", ".join(mismatched))
         client.matched = status == "hit"
-        return HelloReply(status=status, mismatched=tuple(mismatched), daemon=self._summary(), corrupt=corrupt), ()
+        return HelloReply(status=status, mismatched=tuple(mismatched), daemon=self._summary(),
+                          corrupt=corrupt or None), ()
 
     def _handle_manifest(self, client: _Client, request: Manifest) -> Reply:
         return ManifestReply(tensors=self.loaded.key_file.manifest, daemon=self._summary()), ()
@@ -471,7 +472,7 @@ class DaemonServer:
                 leases=len(self.shared.leases), uptime_s=round(time.time() - self.started, 3),
                 load_s=round(self.loaded.load_seconds, 3), counters=counters,
                 connections=self.shared.clients, release_queued=self.shared.release is not None,
-                released=self.shared.released, corrupt=tuple(self.shared.corrupt),
+                released=self.shared.released, corrupt=tuple(self.shared.corrupt) or None,
             )
 
     def _handle_stats(self, client: _Client, request: Stats) -> Reply:

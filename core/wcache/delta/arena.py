@@ -1,12 +1,15 @@
 """The next version from the daemon holding the parent: its arena, copied, with a delta applied through the plan.
 
-A rank maps the parent daemon's arena as an engine does (hello with the parent's key, a zero-copy map: the lease
-keeps the parent serving and unstoppable without --force while the build runs), copies it into a fresh memfd in
-the kernel (`sendfile`, no page of it touched here), and writes each change where the plan put those elements:
+A rank receives the parent daemon's arena as an engine does (hello with the parent's key, a zero-copy map: the
+lease keeps the parent serving and unstoppable without --force while the build runs), streams it into a fresh
+memfd through two reused buffers (pread, patch, hash, pwrite on a writer thread: no page of either arena is mapped,
+which on a VM costs microseconds per 4 KiB page), and writes each change where the plan put those elements:
 
-- an output made of checkpoint slices (fused q/k/v or gate/up row ranges, TP row or column slices, a cast, vocab
-  padding) gets the changed elements that fall inside its slices, at the coordinates the plan maps them to, cast
-  to its dtype as `ProcessingPlan.produce` would cast them;
+- an output made of checkpoint bytes unchanged (runs of rows: fused q/k/v and gate/up at TP 1, TP row slices, no
+  cast) gets the new bit patterns at their byte offsets while it streams, with no torch;
+- another output made of checkpoint slices (TP column slices, a cast, vocab padding) gets the changed elements
+  that fall inside its slices, at the coordinates the plan maps them to, cast to its dtype as
+  `ProcessingPlan.produce` would cast them, through torch views of the streamed arena;
 - an output that is computed from whole tensors (quantized weights and their scales) is made again by the plan
   from its new sources.
 

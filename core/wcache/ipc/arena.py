@@ -28,8 +28,6 @@ from wcache.errors import UnavailableError
 if TYPE_CHECKING:
     import torch
 
-# Linux's MADV_POPULATE_WRITE (5.14); the mmap module names it only from Python 3.13 on.
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # 256 bytes covers every SIMD width and CUDA's allocation granularity for vectorised loads.
 ALIGNMENT = 256
 
@@ -139,13 +137,6 @@ class CpuArena:
         the view is released on exit (seal() cannot close a map that is still viewed)."""
         with memoryview(self._live_map()) as whole, whole[offset : offset + nbytes] as part:
             yield part
-
-    def populate(self) -> None:
-        """Map every page of a filled arena into the daemon's writable map at once (MADV_POPULATE_WRITE), where
-        writes scattered over all of it would otherwise take a page fault per 4 KiB page. Advice only: a kernel
-        without it (before Linux 5.14) faults them in as they are touched."""
-        with contextlib.suppress(OSError, ValueError):
-            self._live_map().madvise(_MADV_POPULATE_WRITE)
 
     def tensors(self, entries: Sequence[ArenaEntry]) -> dict[str, torch.Tensor]:
         """Views in the daemon's own map: writable while filling, read-only once sealed."""

@@ -88,10 +88,13 @@ class ErrorReply(Message):
 @dataclass(frozen=True, slots=True)
 class HelloReply(Message):
     TYPE: ClassVar[str] = "hello"
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"corrupt"})
     status: HelloStatus
     mismatched: tuple[str, ...]
     daemon: DaemonSummary
-    corrupt: tuple[str, ...] = ()  # what the daemon's background re-check found changed in its arena
+    # What the daemon's background re-check found changed in its arena; absent (None) while nothing was, so a
+    # clean daemon's reply is what clients of earlier versions read.
+    corrupt: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +153,7 @@ class StatsReply(Message):
     """One daemon's state and counters: what `wcache status`, `wcache top` and the health endpoints show."""
 
     TYPE: ClassVar[str] = "stats"
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"corrupt"})
     name: str
     pid: int
     device: str
@@ -167,7 +171,7 @@ class StatsReply(Message):
     connections: int
     release_queued: bool
     released: ReleasedTo | None
-    corrupt: tuple[str, ...] = ()  # tensors its background re-check found changed in memory, one sentence each
+    corrupt: tuple[str, ...] | None = None  # tensors its background re-check found changed, one sentence each
 
 
 @dataclass(frozen=True, slots=True)
