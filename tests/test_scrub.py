@@ -41,6 +41,7 @@ def test_a_flipped_bit_is_found_named_and_refused(rig: DaemonRig, tiny_template:
     event = wait_for(lambda: rig.events("scrub_failed"), timeout=30, what="the scrub_failed event")[0]
     assert event["tensor"] == FLIPPED and event["daemon"] == daemon.name
     assert event["arena_offset"] >= 0 and FLIPPED in event["reason"]
+    assert event["byte"] == AT and f"at its byte {AT}" in event["reason"]  # located against the checkpoint
     # Readiness fails, naming the tensor; the metric counts it; stats carry it.
     code, body = http_status(f"{daemon.health_url}/readyz")
     assert code == 503 and FLIPPED in json.dumps(body)

@@ -16,10 +16,17 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from wcache.errors import WcacheError
 from wcache.ipc.arena import ArenaClosedError, ArenaEntry, CpuArena
+
+if TYPE_CHECKING:
+    from wcache.checkpoint.manifest import TensorDigest
+    from wcache.plan.processing import ProcessingPlan
 
 log = logging.getLogger("wcache.daemon")
 
@@ -39,10 +46,15 @@ class Corruption:
     nbytes: int
     block: tuple[int, int] | None  # the changed bytes [start, end) within the tensor, when a clean pass came first
     found_at: float
+    byte: int | None = None  # the first changed byte within the tensor, where the checkpoint could tell
 
     def sentence(self) -> str:
-        where = (f"in its bytes {self.block[0]}–{self.block[1]}" if self.block is not None
-                 else "(changed before the first clean pass, so not located within it)")
+        if self.byte is not None:
+            where = f"at its byte {self.byte}"
+        elif self.block is not None:
+            where = f"in its bytes {self.block[0]}–{self.block[1]}"
+        else:
+            where = "(changed before the first clean pass, and its checkpoint cannot tell where)"
         return (f"tensor {self.tensor!r} (arena offset {self.arena_offset}, {self.nbytes} bytes) changed in memory "
                 f"{where}")
 
@@ -59,13 +71,15 @@ class Scrubber:
     """The background pass of one daemon; `on_corrupt` runs once per corrupted tensor."""
 
     def __init__(self, arena: CpuArena, entries: tuple[ArenaEntry, ...], digests: dict[str, str],
-                 interval_s: float, on_corrupt: Callable[[Corruption], None], share: float = SHARE) -> None:
+                 interval_s: float, on_corrupt: Callable[[Corruption], None], share: float = SHARE,
+                 locate: Callable[[ArenaEntry], int | None] | None = None) -> None:
         self.arena = arena
         self.entries = entries
         self.digests = digests
         self.interval_s = interval_s
         self.on_corrupt = on_corrupt
         self.share = share
+        self.locate = locate
         self.stats = ScrubStats()
         self.found: dict[str, Corruption] = {}
         self._blocks: dict[str, list[int]] = {}  # tensor → CRC32 of each block, from a pass that found it clean
@@ -103,8 +117,9 @@ class Scrubber:
             if digest == self.digests[entry.name]:
                 self._blocks.setdefault(entry.name, blocks)
                 continue
-            corruption = Corruption(entry.name, entry.offset, entry.nbytes, self._locate(entry.name, blocks),
-                                    time.time())
+            block = self._locate(entry.name, blocks)
+            byte = self.locate(entry) if self.locate is not None else None
+            corruption = Corruption(entry.name, entry.offset, entry.nbytes, block, time.time(), byte)
             self.found[entry.name] = corruption
             self.on_corrupt(corruption)
         self.stats.passes += 1
@@ -145,3 +160,39 @@ class Scrubber:
 
 class _Gone(Exception):
     """The arena was released or the daemon is stopping."""
+
+
+def first_difference_from_checkpoint(plan: ProcessingPlan, manifest: Sequence[TensorDigest], source: Path,
+                                     arena: CpuArena, entry: ArenaEntry) -> int | None:
+    """The first byte of engine tensor `entry` that differs from the checkpoint it was made from, when the plan
+    made it of checkpoint bytes unchanged and the checkpoint still holds exactly the tensors it was made from
+    (each source re-hashed against the manifest first); else None. Reads those tensors: only after a
+    difference was found."""
+    import numpy as np
+    import torch
+
+    from wcache.delta.make import read_tensor, tensor_locations
+    from wcache.load.loader import processed_digest
+    from wcache.load.single_pass import byte_spans
+
+    output = next((o for o in plan.outputs if o.name == entry.name), None)
+    spans = byte_spans(plan, output) if output is not None else None
+    digests = {e.name: e.digest for e in manifest}
+    try:
+        if spans is None:
+            return None
+        where = tensor_locations(source)
+        for name, span in spans:
+            tensor = read_tensor(*where[name])
+            if processed_digest(tensor) != digests.get(name):
+                return None  # the checkpoint changed since: it cannot say what the arena held
+            expected = tensor.reshape(-1).view(torch.uint8).numpy()[span.start : span.start + span.nbytes]
+            with arena.bytes_at(entry.offset + span.at, span.nbytes) as data:
+                held = np.frombuffer(data, dtype=np.uint8)
+                differ = np.flatnonzero(held != expected)
+                del held
+            if differ.size:
+                return span.at + int(differ[0])
+    except (WcacheError, KeyError, OSError):
+        return None
+    return None

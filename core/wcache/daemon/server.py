@@ -21,8 +21,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from wcache.daemon.scrub import Corruption, Scrubber
-from wcache.ipc.arena import CpuArena
+from wcache.daemon.scrub import Corruption, Scrubber, first_difference_from_checkpoint
+from wcache.ipc.arena import ArenaEntry, CpuArena
 from wcache.ipc.messages import (
     REQUESTS,
     ArenaReport,
@@ -132,8 +132,14 @@ class DaemonServer:
         self._next_ident = 0
         self.scrubber: Scrubber | None = None
         if isinstance(loaded.arena, CpuArena):
-            self.scrubber = Scrubber(loaded.arena, loaded.entries, loaded.processed_digests, scrub_interval_s,
-                                     self._corrupted)
+            arena = loaded.arena
+            source = Path(loaded.key_file.source)
+
+            def locate(entry: ArenaEntry) -> int | None:
+                return first_difference_from_checkpoint(loaded.plan, loaded.key_file.manifest, source, arena, entry)
+
+            self.scrubber = Scrubber(arena, loaded.entries, loaded.processed_digests, scrub_interval_s,
+                                     self._corrupted, locate=locate)
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -312,7 +318,7 @@ class DaemonServer:
                   found.sentence(), holders or "none")
         append_event(self.run_dir, "scrub_failed", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
                      tensor=found.tensor, arena_offset=found.arena_offset,
-                     block=list(found.block) if found.block else None, reason=found.sentence(),
+                     block=list(found.block) if found.block else None, byte=found.byte, reason=found.sentence(),
                      lease_pids=holders)
 
     def _end_lease(self, client: _Client) -> None:
