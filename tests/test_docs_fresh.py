@@ -366,7 +366,7 @@ def expected(rig: DaemonRig, *, every_case: bool) -> dict[str, list[str]]:
     }
     if every_case:
         cases |= {
-            "wcache d": ["demo", "diff", "doctor"],
+            "wcache d": ["delta", "demo", "diff", "doctor"],
             "wcache -v k": ["key"],
             "wcache attach tiny --mode ": sorted(m.value for m in Mode),
             "wcache completion ": sorted(SHELLS),

@@ -13,6 +13,7 @@ from typer.core import TyperCommand, TyperGroup
 from wcache_cli import coercion
 from wcache_cli.commands.attach import attach
 from wcache_cli.commands.completion import completion
+from wcache_cli.commands.delta import delta
 from wcache_cli.commands.demo import demo
 from wcache_cli.commands.diff import diff
 from wcache_cli.commands.doctor import doctor
@@ -88,6 +89,7 @@ app.command(cls=_WcacheCommand)(attach)
 app.command(cls=_WcacheCommand)(key)
 app.command(cls=_WcacheCommand)(diff)
 app.command(cls=_WcacheCommand)(switch)
+app.command(cls=_WcacheCommand)(delta)
 app.command(cls=_WcacheCommand)(verify)
 app.command(cls=_WcacheCommand)(top)
 app.command(cls=_WcacheCommand)(doctor)

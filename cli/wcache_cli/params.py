@@ -36,6 +36,8 @@ ModelArg = Annotated[
     typer.Argument(help="Model directory, .safetensors file, or Hugging Face repo id (Org/Name[@revision]) in the "
                    "local Hugging Face cache.", show_default=False, readable=False),
 ]
+# MODEL where another source may stand in for it (preload --from).
+OptionalModelArg = Annotated[Path | None, ModelArg.__metadata__[0]]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size.", min=1)]
 RankOpt = Annotated[int, typer.Option("--rank", help="Tensor-parallel rank (0 ≤ rank < tp).", min=0)]
 DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Processed dtype; auto keeps the checkpoint's.")]

@@ -293,3 +293,43 @@ def overwrite_tensor_bytes(path: Path, name: str, start: int, data: bytes) -> Pa
         finally:
             os.close(fd)
     raise CheckpointError(f"{path} has no tensor {name!r}.")
+
+
+def training_step(tensors: Mapping[str, torch.Tensor], fraction: float, seed: int = 1,
+                  frozen: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """What one optimizer step does to bf16 weights, roughly: `fraction` of the elements of every tensor (but
+    those named in `frozen`) nudged by a small relative amount, chosen at random; the rest bit-identical."""
+    import torch
+
+    stepped: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name in frozen or fraction <= 0:
+            stepped[name] = tensor
+            continue
+        generator = torch.Generator().manual_seed(_tensor_seed(seed, name))
+        flat = tensor.reshape(-1).clone()
+        count = max(1, int(flat.numel() * fraction))
+        where = torch.randperm(flat.numel(), generator=generator)[:count]
+        nudge = 1.0 + 0.05 * torch.randn(count, generator=generator)
+        moved = (flat[where].float() * nudge).to(tensor.dtype)
+        # A nudge that rounds back to the same value would not be a change: those move by one ulp instead.
+        bits = moved.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+        bits[bits == flat[where].view(bits.dtype)] += 1
+        flat[where] = moved
+        stepped[name] = flat.reshape(tensor.shape)
+    return stepped
+
+
+def write_training_step(parent: Path, dest: Path, fraction: float, *, seed: int = 1,
+                        frozen: tuple[str, ...] = ()) -> Path:
+    """`parent`'s next checkpoint after `training_step`, written to `dest` with its config and tokenizer files."""
+    import shutil
+
+    tensors = read_tensors(parent)
+    config = json.loads((parent / CONFIG_NAME).read_text()) if (parent / CONFIG_NAME).exists() else None
+    shards = sorted(parent.glob("*.safetensors"))
+    written = write_tensors(training_step(tensors, fraction, seed, frozen), config, dest, len(shards))
+    for extra in parent.iterdir():
+        if extra.is_file() and not extra.name.endswith(".safetensors") and not (written / extra.name).exists():
+            shutil.copyfile(extra, written / extra.name)
+    return written

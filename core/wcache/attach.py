@@ -483,6 +483,9 @@ def _miss(local: KeyFile, found: _Found, refusal: _Refusal | None, ctx: _AttachC
 def _refusal_reason(descriptor: DaemonDescriptor, hello: HelloReply) -> str:
     """Why a daemon with our key answered hello with something other than a hit."""
     released = hello.daemon.released
+    if hello.status == "corrupt":
+        found = "; ".join(hello.corrupt or ())
+        return f"the daemon {descriptor.name} found its weights changed in memory ({found}) and refuses new attaches"
     if hello.status == "released" and released is not None:
         return (f"the daemon {descriptor.name} released its weights to a copy-mode engine "
                 f"(pid {released.client_pid}) at {released.at}")

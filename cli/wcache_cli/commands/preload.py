@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from wcache.errors import BadInputError, UnavailableError
 
+from wcache_cli.completers import daemon_ids
 from wcache_cli.output import out, printable
 from wcache_cli.params import (
     DEFAULT_DTYPE,
@@ -26,7 +27,7 @@ from wcache_cli.params import (
     Layout,
     LogFormat,
     LogLevel,
-    ModelArg,
+    OptionalModelArg,
     PlanOpt,
     Quantization,
     QuantizationOpt,
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 def _launch(
     model: Path, device: str, tp: int, dtype: Dtype, quantization: Quantization, plan: Layout, run_dir: Path,
-    health_host: str, health_port: int, log_level: str, log_format: str, share_stderr: bool,
+    health_host: str, health_port: int, log_level: str, log_format: str, share_stderr: bool, scrub_interval: float,
     require_provenance: str, expected: Path | None,
 ) -> DaemonGroup:
     """Start the daemons with a progress bar on a terminal; raise with the failing rank's reason otherwise."""
@@ -58,13 +59,14 @@ def _launch(
         return start_daemons(
             model, device=device, tp=tp, dtype=dtype.value, quantization=quantization.value, layout=plan.value,
             run_dir=run_dir, health_host=health_host, health_port=health_port, log_level=log_level,
-            log_format=log_format, share_stderr=share_stderr, require_provenance=require_provenance,
-            expected=expected, on_progress=lambda done, total: bar.update(task, completed=done, total=total or None),
+            log_format=log_format, share_stderr=share_stderr, scrub_interval=scrub_interval,
+            require_provenance=require_provenance, expected=expected,
+            on_progress=lambda done, total: bar.update(task, completed=done, total=total or None),
         )
 
 
 def preload(
-    model: ModelArg,
+    model: OptionalModelArg = None,
     device: DeviceOpt = "cpu",
     tp: TpOpt = 1,
     dtype: DtypeOpt = DEFAULT_DTYPE,
@@ -97,6 +99,20 @@ def preload(
                            "is unknown (not from the cache, a non-LFS file).")
     ] = False,
     expected: ExpectedOpt = None,
+    parent: Annotated[
+        str | None, typer.Option("--from", help="Build the next version from this running daemon (name or key id "
+                                 "prefix) and --delta, instead of from MODEL.", show_default=False,
+                                 autocompletion=daemon_ids)
+    ] = None,
+    delta: Annotated[
+        Path | None, typer.Option("--delta", help="With --from: the delta file (wcache delta) to apply.",
+                                  show_default=False)
+    ] = None,
+    scrub_interval: Annotated[
+        float | None, typer.Option("--scrub-interval", min=0, show_default=False,
+                                   help="Seconds between background re-hashes of each arena (at most 5% of one core "
+                                   "while one runs); 0 turns them off [default: the daemons' own, 600].")
+    ] = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Start one daemon per TP rank holding the checkpoint's processed weights.
@@ -108,12 +124,25 @@ def preload(
     terminal, the daemons' log lines go to it as well as to the run dir's logs/. Each shard's SHA-256 is
     computed in the same read and judged against the Hugging Face cache (a warning names a file that differs);
     --require-provenance refuses to serve such a checkpoint, naming the file, and exits 1.
+
+    With --from DAEMON --delta FILE (and no MODEL), a new group on the same devices with the same TP size and
+    plan starts from that daemon's arena with the delta applied, reading nothing of the checkpoint but the
+    delta; its key is the new checkpoint's content key, and the parent keeps serving its engines.
     """
     if force and not replace:
         raise BadInputError("--force only applies with --replace.")
     if refuse_unknown and not require_provenance:
         raise BadInputError("--refuse-unknown only applies with --require-provenance.")
     requirement = ("unknown" if refuse_unknown else "differs") if require_provenance else "warn"
+    from wcache.daemon.argv import LoadArgs
+
+    scrub = LoadArgs.scrub_interval if scrub_interval is None else scrub_interval
+    if (parent is None) != (delta is None):
+        raise BadInputError("--from and --delta go together: --from DAEMON --delta FILE.")
+    if parent is not None and (model is not None or replace):
+        raise BadInputError("--from builds from a running daemon: give no MODEL (and no --replace) with it.")
+    if parent is None and model is None:
+        raise BadInputError("give a MODEL to preload, or --from DAEMON --delta FILE.")
     # Imported here so that building the help (every command's signature) loads no daemon machinery.
     from wcache.checkpoint.model_path import resolve_model_path
     from wcache.daemon.launch import replace_daemons, replacing
@@ -121,9 +150,13 @@ def preload(
     from wcache.daemon.supervisor import rank_devices
     from wcache.ipc.rundir import DaemonExistsError, ensure_run_dir
 
-    model = resolve_model_path(model)
     where = ensure_run_dir(run_dir_or_default(run_dir))
     warn_if_exposed(health_host, "--health-host", "/health, /metrics and /stats")
+    if delta is not None:
+        model = delta  # what the new version is made from, in its READY line
+    else:
+        assert model is not None
+        model = resolve_model_path(model)
     # Held from stopping the old group until the new one is ready: concurrent replaces take turns.
     serial = contextlib.ExitStack()
     if replace:
@@ -142,9 +175,19 @@ def preload(
     group: DaemonGroup | None = None  # once set (ready), a stop must reach its supervisor
     try:
         try:
-            group = _launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port,
-                           log_level.value, log_format.value, share_stderr=not detach and not out.stderr.is_terminal,
-                           require_provenance=requirement, expected=expected)
+            share = not detach and not out.stderr.is_terminal
+            if parent is not None and delta is not None:
+                from wcache.daemon.launch import start_next_version
+
+                group = start_next_version(parent, delta, run_dir=where, health_host=health_host,
+                                           health_port=health_port, log_level=log_level.value,
+                                           log_format=log_format.value, share_stderr=share,
+                                           scrub_interval=scrub)
+                device = group.descriptors()[0].device if group.descriptors() else device
+            else:
+                group = _launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port,
+                                log_level.value, log_format.value, share_stderr=share, scrub_interval=scrub,
+                                require_provenance=requirement, expected=expected)
         except DaemonExistsError as exc:
             if json_output:
                 out.json({"event": "exists", "reason": str(exc)})

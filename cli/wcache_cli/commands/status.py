@@ -48,6 +48,7 @@ def _row(descriptor: DaemonDescriptor, answer: DaemonStatus) -> dict[str, Any]:
         "uptime_s": stats.uptime_s if stats else None, "health_url": descriptor.health_url,
         "health_status": _health(descriptor.health_url), "counters": stats.counters if stats else {},
         "provenance": descriptor.provenance,
+        "parent_key_id": descriptor.parent_key_id, "corrupt": list(stats.corrupt or ()) if stats else [],
     }
 
 
@@ -72,6 +73,8 @@ def _unhealthy(row: dict[str, Any]) -> str | None:
         return f"daemon {name} does not answer"
     if row["state"] == "released" or not row["holds_weights"]:
         return f"daemon {name} no longer holds weights (state {row['state']})"
+    if row.get("corrupt"):
+        return f"daemon {name} found its weights changed in memory: {row['corrupt'][0]}"
     if row["health_status"] not in (None, 200):
         return f"the health server of daemon {name} answers {row['health_status']}"
     return None
@@ -164,11 +167,14 @@ def _cells(r: dict[str, Any]) -> list[str]:
                  else f"loading ({literal(r['phase'])})")
     elif not r["holds_weights"] and state == "ready":
         state = "ready, no weights"
+    if r.get("corrupt"):
+        state = "CORRUPT: " + "; ".join(literal(c) for c in r["corrupt"])
     if unverified := int((r["counters"] or {}).get("hits_unverified", 0)):
         state += f", {unverified} unverified hit(s)"  # --trust-daemon engines never compared checkpoints
     name = literal(r["name"]) if r["name"] else f"(pid {r['pid']})"
+    key = literal(f"{r['parent_key_id']} → {r['key_id']}" if r.get("parent_key_id") else (r["key_id"] or "-"))
     mark, style = PROVENANCE_MARK.get(r["provenance"] or "", ("-", "dim"))
-    return [name, literal(r["device"]), f"{r['tp_rank']}/{r['tp_size']}", model, literal(r["key_id"] or "-"),
+    return [name, literal(r["device"]), f"{r['tp_rank']}/{r['tp_size']}", model, key,
             state, f"[{style}]{mark}[/]", human_bytes(int(r["weights_bytes"] or 0)), str(r["leases"]),
             uptime, health]
 

@@ -182,7 +182,7 @@ DAEMON_COLUMNS: tuple[Column[DaemonRow], ...] = (
     Column("rank", lambda d, _: Text(f"{d.tp_rank}/{d.tp_size}"), lambda d: (d.tp_size, d.tp_rank),
            drop=5),
     Column("model", lambda d, _: shown(d.model), lambda d: d.model, drop=3),
-    Column("key id", lambda d, _: shown(d.key_id, style="cyan"), lambda d: d.key_id),
+    Column("key id", lambda d, _: lineage(d), lambda d: d.key_id),
     Column("state", lambda d, _: state(d), lambda d: d.state, drop=1),
     Column("origin", lambda d, _: provenance(d), lambda d: d.provenance or "", drop=2),
     Column("memory", lambda d, _: Text(human_bytes(d.weights_bytes)) if d.alive else off(),
@@ -195,6 +195,12 @@ DAEMON_COLUMNS: tuple[Column[DaemonRow], ...] = (
     Column("health", lambda d, _: health(d), lambda d: (d.alive, d.health_status or 0), drop=4),
     Column("pid", lambda d, _: Text(str(d.pid), style="dim"), lambda d: d.pid, "right", drop=8),
 )
+
+def lineage(d: DaemonRow) -> Text:
+    """The key id, after the key it was built from for a version made from a delta (`N → N+1`)."""
+    key = shown(d.key_id, style="cyan")
+    return Text.assemble(shown(f"{d.parent_key_id} → ", style="dim"), key) if d.parent_key_id else key
+
 
 def address(e: EngineRow) -> str:
     """Where the engine listens, without the scheme: the engine's name in every table."""

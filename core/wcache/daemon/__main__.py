@@ -15,6 +15,7 @@ from pathlib import Path
 from wcache.checkpoint.provenance import FileVerdict, counts, overall
 from wcache.daemon.argv import LoadArgs
 from wcache.daemon.server import DaemonServer
+from wcache.delta.arena import build_next, find_parent
 from wcache.errors import EXIT_UNAVAILABLE, WcacheError
 from wcache.ipc.loading import LoadingBoard, LoadingRecord
 from wcache.ipc.rundir import (
@@ -28,7 +29,7 @@ from wcache.ipc.rundir import (
     write_descriptor,
 )
 from wcache.ipc.status_pipe import Exists, Failed, ProgressReporter, RankReady, StatusWriter
-from wcache.key.cache_key import KeyFile
+from wcache.key.cache_key import KeyFile, WeightCacheKey
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import HashProgress
 from wcache.key.provenance import require, verdicts_of
@@ -90,19 +91,33 @@ def main(argv: list[str] | None = None) -> int:
         locks: list[int] = []  # held (open) for the life of the process
         judged: list[FileVerdict] = []
 
-        def own_key(key_file: KeyFile) -> None:
-            # Before the daemon claims its name: a refused checkpoint leaves nothing behind.
-            judged[:] = verdicts_of(key_file.source, key_file.files, load.expected)
-            require(tuple(judged), load.require_provenance, str(args.model))  # type: ignore[arg-type]
-            name = daemon_name(args.device, key_file.key.short_id)
+        def own_key(key: WeightCacheKey) -> None:
+            name = daemon_name(args.device, key.short_id)
             locks.append(hold_daemon_lock(run_dir, name, args.device))
-            log.info("key %s: this process is daemon %s", key_file.key.short_id, name)
+            log.info("key %s: this process is daemon %s", key.short_id, name)
             assert board is not None
             board.update(name=name)
 
-        with DigestStore.open() as store:
-            loaded = load_rank(args.model, spec, args.device, store,
-                               _Both(ProgressReporter(status, rank=args.rank), board), on_key=own_key)
+        def judge_and_own(key_file: KeyFile) -> None:
+            # Before the daemon claims its name: a refused checkpoint leaves nothing behind.
+            judged[:] = verdicts_of(key_file.source, key_file.files, load.expected)
+            require(tuple(judged), load.require_provenance, str(args.model))  # type: ignore[arg-type]
+            own_key(key_file.key)
+
+        parent_name = load.parent_of(args.rank)
+        parent: DaemonDescriptor | None = None
+        if parent_name is not None:
+            parent = find_parent(run_dir, parent_name)
+            built = build_next(parent, args.model, str(args.model.absolute()), on_key=own_key)
+            loaded, bytes_read = built.loaded, built.bytes_read
+            log.info("built from daemon %s: %d tensor(s), %d output(s) changed, %d bytes read", parent.name,
+                     built.tensors_changed, built.outputs_changed, bytes_read)
+        else:
+            with DigestStore.open() as store:
+                loaded = load_rank(args.model, spec, args.device, store,
+                                   _Both(ProgressReporter(status, rank=args.rank), board),
+                                   on_key=judge_and_own)
+            bytes_read = sum(e.nbytes for e in loaded.key_file.manifest)
         board.update(phase="publishing")
         key_file = loaded.key_file
         name = daemon_name(args.device, key_file.key.short_id)
@@ -114,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             supervisor_pid=args.supervisor_pid, started=datetime.now(UTC).isoformat(timespec="seconds"),
             weights_bytes=loaded.arena.total_bytes, files=key_file.files,
             provenance=overall(judged) if judged else None,
+            parent_key_id=parent.key_id if parent is not None else None,
+            parent=parent.name if parent is not None else None,
         )
-        server = DaemonServer(loaded, descriptor, run_dir)
+        server = DaemonServer(loaded, descriptor, run_dir, args.scrub_interval)
         server.bind()
         write_descriptor(run_dir, descriptor)
     except KeyboardInterrupt:
@@ -152,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     _report_provenance(run_dir, descriptor, judged)
     append_event(run_dir, "ready", daemon=descriptor.name, key_id=descriptor.key_id, rank=args.rank,
                  device=args.device, source=descriptor.source, weights_bytes=descriptor.weights_bytes,
-                 load_s=round(loaded.load_seconds, 3))
+                 load_s=round(loaded.load_seconds, 3), bytes_read=bytes_read,
+                 **({"parent_key_id": parent.key_id, "parent": parent.name} if parent is not None else {}))
     status.emit(RankReady(rank=args.rank, name=descriptor.name, key_id=descriptor.key_id,
                           socket=descriptor.socket, weights_bytes=descriptor.weights_bytes,
                           load_s=round(loaded.load_seconds, 3)))

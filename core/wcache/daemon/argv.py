@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from wcache.daemon.scrub import DEFAULT_INTERVAL_S
 from wcache.key.provenance import REQUIREMENTS
 from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from wcache.plan.spec import PlanSpec
@@ -33,6 +34,9 @@ class LoadArgs:
     log_file: Path | None = None
     require_provenance: str = "warn"  # key.provenance.Requirement
     expected: Path | None = None  # the user's expected digests (SHA256SUMS or a saved key file)
+    # A next version: `model` is a delta file, applied to these daemons (one name per rank, comma-separated).
+    parents: str = ""
+    scrub_interval: float = DEFAULT_INTERVAL_S  # seconds between background re-hashes of the arena; 0: none
 
     def to_argv(self) -> list[str]:
         return [
@@ -42,11 +46,17 @@ class LoadArgs:
             *(["--log-file", str(self.log_file)] if self.log_file is not None else []),
             "--require-provenance", self.require_provenance,
             *(["--expected", str(self.expected)] if self.expected is not None else []),
+            *(["--parents", self.parents] if self.parents else []),
+            "--scrub-interval", str(self.scrub_interval),
         ]
 
     def for_rank(self, device: str, run_dir: Path, log_file: Path) -> LoadArgs:
         """What the supervisor passes on to a rank: its own device and log file."""
         return replace(self, device=device, run_dir=run_dir, log_file=log_file)
+
+    def parent_of(self, rank: int) -> str | None:
+        """The daemon whose arena rank `rank` of a next version starts from; None for a preload from disk."""
+        return self.parents.split(",")[rank] if self.parents else None
 
     def plan_spec(self, rank: int) -> PlanSpec:
         return PlanSpec(tp_size=self.tp, tp_rank=rank, dtype=self.dtype, quantization=self.quantization,
@@ -67,6 +77,8 @@ class LoadArgs:
         parser.add_argument("--log-file", type=Path, default=None)
         parser.add_argument("--require-provenance", choices=REQUIREMENTS, default=LoadArgs.require_provenance)
         parser.add_argument("--expected", type=Path, default=None)
+        parser.add_argument("--parents", default=LoadArgs.parents)
+        parser.add_argument("--scrub-interval", type=float, default=LoadArgs.scrub_interval)
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> LoadArgs:

@@ -63,7 +63,8 @@ class RankTable:
 
 def healthy(ranks: list[dict[str, Any]]) -> bool:
     """Ready: every rank is ready and holds weights (what /readyz and /health answer 200 to)."""
-    return bool(ranks) and all(r.get("state") == "ready" and r.get("holds_weights") for r in ranks)
+    return bool(ranks) and all(r.get("state") == "ready" and r.get("holds_weights") and not r.get("corrupt")
+                               for r in ranks)
 
 
 def alive(ranks: list[dict[str, Any]]) -> bool:
@@ -100,10 +101,19 @@ class _StatsCollector(Collector):
         provenance = GaugeMetricFamily(
             "wcache_daemon_provenance", "1 for the verdict on the rank's files against what the Hub published "
             "(matches, differs, unknown), judged at load.", labels=[*labels, "verdict"])
+        corrupt = GaugeMetricFamily("wcache_daemon_corrupt_tensors", "Tensors the background re-check found changed "
+                                    "in memory (the rank then fails readiness).", labels=labels)
+        scrubbed = CounterMetricFamily("wcache_scrub_bytes", "Arena bytes re-hashed by the background check.",
+                                       labels=labels)
+        passes = CounterMetricFamily("wcache_scrub_passes", "Completed background re-checks of the arena.",
+                                     labels=labels)
         for r in ranks:
             values = [str(r.get("tp_rank", "")), str(r.get("key_id", ""))]
             counters = r.get("counters", {})
-            ready.add_metric(values, 1.0 if r.get("state") == "ready" and r.get("holds_weights") else 0.0)
+            ready.add_metric(values, 1.0 if healthy([r]) else 0.0)
+            corrupt.add_metric(values, float(len(r.get("corrupt", ()))))
+            scrubbed.add_metric(values, float(counters.get("scrub_bytes", 0)))
+            passes.add_metric(values, float(counters.get("scrub_passes", 0)))
             live.add_metric(values, 1.0 if rank_alive(r) else 0.0)
             weights.add_metric(values, float(r.get("weights_bytes", 0)))
             leases.add_metric(values, float(r.get("leases", 0)))
@@ -119,7 +129,8 @@ class _StatsCollector(Collector):
             if r.get("provenance") in VERDICTS:
                 for verdict in VERDICTS:
                     provenance.add_metric([*values, verdict], 1.0 if r["provenance"] == verdict else 0.0)
-        yield from (ready, live, weights, leases, attaches, hits, unverified, misses, served, bad, provenance)
+        yield from (ready, live, weights, leases, attaches, hits, unverified, misses, served, bad, provenance,
+                    corrupt, scrubbed, passes)
 
 
 def serve_health(table: RankTable, host: str, port: int,

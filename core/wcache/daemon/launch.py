@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import signal
@@ -123,6 +124,7 @@ def start_daemons(
     on_progress: ProgressCallback | None = None, log_level: str = LoadArgs.log_level,
     log_format: str = LoadArgs.log_format, share_stderr: bool = False, env: Mapping[str, str] | None = None,
     require_provenance: str = LoadArgs.require_provenance, expected: Path | None = None,
+    scrub_interval: float = LoadArgs.scrub_interval,
 ) -> DaemonGroup:
     """Start a supervisor with one daemon per TP rank and return once every rank is ready.
 
@@ -141,13 +143,62 @@ def start_daemons(
 
     path = resolve_model_path(model)
     where = ensure_run_dir(run_dir or default_run_dir())
+    load = LoadArgs(model=path.absolute(), run_dir=where, device=device, tp=tp, dtype=dtype,
+                    quantization=quantization, plan=layout, log_level=log_level, log_format=log_format,
+                    scrub_interval=scrub_interval, require_provenance=require_provenance,
+                    expected=expected.absolute() if expected is not None else None)
+    return _supervise(path, load, health_host, health_port, on_progress, share_stderr, env)
+
+
+def start_next_version(
+    parent: str, delta: Path, *, run_dir: Path | None = None, health_host: str = "127.0.0.1", health_port: int = 0,
+    log_level: str = LoadArgs.log_level, log_format: str = LoadArgs.log_format, share_stderr: bool = False,
+    env: Mapping[str, str] | None = None, scrub_interval: float = LoadArgs.scrub_interval,
+) -> DaemonGroup:
+    """Start a new daemon group holding the group of daemon `parent` (a name or key id prefix) with the delta
+    file `delta` applied: same devices, TP size and plan, built from the parent's arena, reading nothing of the
+    checkpoint but the delta. The parent keeps serving. Raises as `start_daemons` does; a delta made from
+    another checkpoint is a BadInputError before anything starts.
+    """
+    from wcache.delta.format import read_digests
+
+    where = ensure_run_dir(run_dir or default_run_dir())
+    group = parent_group(where, parent)
+    head = group[0]
+    read_digests(delta).check_parent(head.key.checkpoint, f"daemon {head.name}")
+    devices = [d.device for d in group]
+    device = "cpu" if set(devices) == {"cpu"} else "cuda:" + ",".join(d.removeprefix("cuda:") for d in devices)
+    load = LoadArgs(model=delta.absolute(), run_dir=where, device=device, tp=head.tp_size, dtype=head.plan.dtype,
+                    quantization=head.plan.quantization, plan=head.plan.layout, log_level=log_level,
+                    log_format=log_format, parents=",".join(d.name for d in group), scrub_interval=scrub_interval)
+    return _supervise(delta, load, health_host, health_port, None, share_stderr, env)
+
+
+def parent_group(run_dir: Path, ident: str) -> list[DaemonDescriptor]:
+    """The whole TP group of the one running daemon `ident` names, by rank, each holding its weights."""
+    live = census(run_dir).live if run_dir.exists() else ()
+    found = [d for d in live if matches(d, ident)]
+    if not found:
+        raise UnavailableError(f"no running daemon is named {ident!r}; `wcache status` lists them.")
+    groups = {tuple(d.name for d in group_of(d, live)) for d in found}
+    if len(groups) > 1:
+        raise BadInputError(f"{ident!r} names {len(found)} daemons ({', '.join(d.name for d in found)}); give more "
+                            "of the id.")
+    group = group_of(found[0], live)
+    if len(group) != group[0].tp_size:
+        raise UnavailableError(f"daemon {found[0].name}'s tensor-parallel group has {len(group)} of its "
+                               f"{group[0].tp_size} ranks running; it cannot be the parent of a new version.")
+    return group
+
+
+def _supervise(path: Path, load: LoadArgs, health_host: str, health_port: int,
+               on_progress: ProgressCallback | None, share_stderr: bool, env: Mapping[str, str] | None) -> DaemonGroup:
+    """Run the supervisor of `load` until every rank is ready (or one failed)."""
+    where = load.run_dir
     logs = where / "logs"
     logs.mkdir(mode=0o700, exist_ok=True)
     log_path = logs / f"supervisor-{os.getpid()}.log"
-    load = LoadArgs(model=path.absolute(), run_dir=where, device=device, tp=tp, dtype=dtype,
-                    quantization=quantization, plan=layout, log_level=log_level, log_format=log_format,
-                    log_file=log_path, require_provenance=require_provenance,
-                    expected=expected.absolute() if expected is not None else None)
+    load = dataclasses.replace(load, log_file=log_path)
     command = _supervisor_command(load, health_host, health_port, share_stderr)
     with log_path.open("a") as log_file:
         # A session of its own: Ctrl-C here reaches the supervisor only through us, so it can stop cleanly.

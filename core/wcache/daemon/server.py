@@ -21,7 +21,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from wcache.ipc.arena import ArenaClosedError, CpuArena
+from wcache.daemon.scrub import Corruption, Scrubber, first_difference_from_checkpoint
+from wcache.ipc.arena import ArenaClosedError, ArenaEntry, CpuArena
 from wcache.ipc.messages import (
     REQUESTS,
     ArenaReport,
@@ -111,12 +112,15 @@ class DaemonState:
     released: ReleasedTo | None = None  # when and to whom, once carried out
     counters: Counter[str] = field(default_factory=Counter)
     stop: threading.Event = field(default_factory=threading.Event)
+    lease_pids: dict[int, int | None] = field(default_factory=dict)  # lease holder → its engine's pid
+    corrupt: list[str] = field(default_factory=list)  # what the scrubber found, one sentence per tensor
 
 
 class DaemonServer:
     """Serves one loaded rank on a Unix socket."""
 
-    def __init__(self, loaded: LoadedRank, descriptor: DaemonDescriptor, run_dir: Path) -> None:
+    def __init__(self, loaded: LoadedRank, descriptor: DaemonDescriptor, run_dir: Path,
+                 scrub_interval_s: float = 0.0) -> None:
         self.loaded = loaded
         # The map reply's entries never change: built once, not per attach (one list per tensor).
         self._wire_entries = [e.to_wire() for e in loaded.entries]
@@ -128,6 +132,16 @@ class DaemonServer:
         self._next_ident = 0
         # Two content checks at once would take every core from the probes; a second waits for the first.
         self._checking = threading.Lock()
+        self.scrubber: Scrubber | None = None
+        if isinstance(loaded.arena, CpuArena):
+            arena = loaded.arena
+            source = Path(loaded.key_file.source)
+
+            def locate(entry: ArenaEntry) -> int | None:
+                return first_difference_from_checkpoint(loaded.plan, loaded.key_file.manifest, source, arena, entry)
+
+            self.scrubber = Scrubber(arena, loaded.entries, loaded.processed_digests, scrub_interval_s,
+                                     self._corrupted, locate=locate)
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -149,6 +163,8 @@ class DaemonServer:
 
     def serve_forever(self) -> None:
         assert self._listener is not None
+        if self.scrubber is not None:
+            self.scrubber.start()
         while not self.shared.stop.is_set():
             try:
                 conn, _ = self._listener.accept()
@@ -201,6 +217,8 @@ class DaemonServer:
         self.shared.stop.set()
 
     def _shutdown(self) -> None:
+        if self.scrubber is not None:
+            self.scrubber.stop()
         if self._listener is not None:
             self._listener.close()
         remove_daemon_files(self.run_dir, self.descriptor.name)
@@ -293,10 +311,23 @@ class DaemonServer:
         self._end_lease(client)
         self._release_if_due()
 
+    def _corrupted(self, found: Corruption) -> None:
+        """The scrubber found a tensor changed in memory: refuse new attaches, and say so everywhere."""
+        with self.shared.lock:
+            self.shared.corrupt.append(found.sentence())
+            holders = sorted(pid for pid in self.shared.lease_pids.values() if pid is not None)
+        log.error("Weights changed in memory: %s; refusing new attaches (engines holding leases: %s).",
+                  found.sentence(), holders or "none")
+        append_event(self.run_dir, "scrub_failed", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
+                     tensor=found.tensor, arena_offset=found.arena_offset,
+                     block=list(found.block) if found.block else None, byte=found.byte, reason=found.sentence(),
+                     lease_pids=holders)
+
     def _end_lease(self, client: _Client) -> None:
         with self.shared.lock:
             had = client.ident in self.shared.leases
             self.shared.leases.discard(client.ident)
+            self.shared.lease_pids.pop(client.ident, None)
         if had:
             log.info("Engine pid %s detached (zero_copy).", client.pid)
             append_event(self.run_dir, "release", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
@@ -343,8 +374,12 @@ class DaemonServer:
         with self.shared.lock:
             released = self.shared.state != "ready"
             self.shared.counters["hellos"] += 1
+            corrupt = tuple(self.shared.corrupt)
         status: HelloStatus
-        if released:
+        if corrupt and not mismatched:
+            status = "corrupt"
+            self._count("misses_corrupt")
+        elif released:
             status = "released"
             self._count("misses_released")
         elif mismatched:
@@ -359,7 +394,8 @@ class DaemonServer:
         if status != "hit":
             log.info("Engine pid %s missed (%s).", client.pid, status if released else ", ".join(mismatched))
         client.matched = status == "hit"
-        return HelloReply(status=status, mismatched=tuple(mismatched), daemon=self._summary()), ()
+        return HelloReply(status=status, mismatched=tuple(mismatched), daemon=self._summary(),
+                          corrupt=corrupt or None), ()
 
     def _handle_manifest(self, client: _Client, request: Manifest) -> Reply:
         return ManifestReply(tensors=self.loaded.key_file.manifest, daemon=self._summary()), ()
@@ -375,6 +411,7 @@ class DaemonServer:
             if ready:
                 if mode == "zero_copy":
                     self.shared.leases.add(client.ident)
+                    self.shared.lease_pids[client.ident] = client.pid
                 self.shared.counters["attaches"] += 1
                 self.shared.counters[f"attaches_{mode}"] += 1
                 self.shared.counters["bytes_served"] += arena.total_bytes
@@ -436,14 +473,20 @@ class DaemonServer:
         with self.shared.lock:
             state = self.shared.state
             holds = state == "ready"
+            counters = dict(self.shared.counters)
+            if self.scrubber is not None:
+                counters["scrub_passes"] = self.scrubber.stats.passes
+                counters["scrub_bytes"] = self.scrubber.stats.bytes_hashed
+                counters["scrub_last_pass_ms"] = round(self.scrubber.stats.last_pass_s * 1000)
             return StatsReply(
                 name=d.name, pid=d.pid, device=d.device, tp_size=d.tp_size, tp_rank=d.tp_rank,
                 key_id=d.key_id, source=d.source, state=state, holds_weights=holds,
                 weights_bytes=self.loaded.arena.total_bytes if holds else 0,
                 leases=len(self.shared.leases), uptime_s=round(time.time() - self.started, 3),
-                load_s=round(self.loaded.load_seconds, 3), counters=dict(self.shared.counters),
+                load_s=round(self.loaded.load_seconds, 3), counters=counters,
                 connections=self.shared.clients, release_queued=self.shared.release is not None,
                 released=self.shared.released, provenance=d.provenance,
+                corrupt=tuple(self.shared.corrupt) or None,
             )
 
     def _handle_stats(self, client: _Client, request: Stats) -> Reply:

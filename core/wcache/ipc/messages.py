@@ -20,7 +20,7 @@ from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
 
 MapMode = Literal["zero_copy", "copy"]
-HelloStatus = Literal["hit", "miss", "released"]
+HelloStatus = Literal["hit", "miss", "released", "corrupt"]
 KEY_FIELDS = tuple(f.name for f in fields(WeightCacheKey))
 
 
@@ -88,9 +88,13 @@ class ErrorReply(Message):
 @dataclass(frozen=True, slots=True)
 class HelloReply(Message):
     TYPE: ClassVar[str] = "hello"
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"corrupt"})
     status: HelloStatus
     mismatched: tuple[str, ...]
     daemon: DaemonSummary
+    # What the daemon's background re-check found changed in its arena; absent (None) while nothing was, so a
+    # clean daemon's reply is what clients of earlier versions read.
+    corrupt: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +153,8 @@ class StatsReply(Message):
     """One daemon's state and counters: what `wcache status`, `wcache top` and the health endpoints show."""
 
     TYPE: ClassVar[str] = "stats"
-    # A daemon that judged no provenance sends what daemons always sent.
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"provenance"})
+    # A daemon that judged no provenance, or whose re-check found nothing changed, sends what daemons always sent.
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"provenance", "corrupt"})
     name: str
     pid: int
     device: str
@@ -169,6 +173,7 @@ class StatsReply(Message):
     release_queued: bool
     released: ReleasedTo | None
     provenance: str | None = None  # its files against what the Hub published, at load (checkpoint.provenance)
+    corrupt: tuple[str, ...] | None = None  # tensors its background re-check found changed, one sentence each
 
 
 @dataclass(frozen=True, slots=True)

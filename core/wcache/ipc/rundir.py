@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from wcache.canonical import INT64_BITS, loads_finite
 from wcache.checkpoint.provenance import FileDigest, Verdict
@@ -90,6 +90,7 @@ def ensure_run_dir(path: Path) -> Path:
 class DaemonDescriptor(Wire):
     """What a ready daemon publishes about itself; static for the daemon's life."""
 
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"parent_key_id", "parent"})
     name: str
     pid: int
     pid_created: float
@@ -108,6 +109,9 @@ class DaemonDescriptor(Wire):
     weights_bytes: int
     files: tuple[FileDigest, ...] = ()  # each shard's size and SHA-256, as read by this daemon's pass
     provenance: Verdict | None = None  # the files against the Hugging Face cache (or --expected), at load
+    # A version built from another daemon's arena and a delta: that daemon's key id and name (its lineage).
+    parent_key_id: str | None = None
+    parent: str | None = None
 
     def __post_init__(self) -> None:
         # A pid of 0 or less would signal a process group, or every process we may signal.

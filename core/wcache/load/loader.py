@@ -7,15 +7,18 @@ tensors. Shards are read with pread, never mapped (see shard_hash).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import blake3
+
 from wcache.checkpoint.files import CheckpointLayout, locate
 from wcache.checkpoint.manifest import TensorDigest
-from wcache.errors import CheckpointError
+from wcache.errors import BadInputError, CheckpointError
 from wcache.ipc.arena import ArenaEntry, CpuArena, CudaArena, plan_layout
 from wcache.key.cache_key import KeyFile
 from wcache.key.compute import make_key_file, resolve_plan
@@ -29,7 +32,7 @@ from wcache.key.fingerprint import (
     manifest_of,
     store_root_if_trusted,
 )
-from wcache.key.shard_hash import OpenShard, ShardRecord, tensor_hasher
+from wcache.key.shard_hash import CHUNK_BYTES, OpenShard, ShardRecord, tensor_hasher
 from wcache.load.single_pass import fill_in_one_pass, read_outputs
 from wcache.plan.processing import ProcessingPlan, build_plan
 from wcache.plan.spec import PlanSpec
@@ -119,31 +122,54 @@ def processed_digest(tensor: torch.Tensor) -> str:
     return hasher.hexdigest()
 
 
-# A content check hashes the arena in pieces of this size: bounded work per call, never the whole arena at once.
-CHECK_CHUNK_BYTES = 16 << 20
-
-
 def changed_in_arena(arena: CpuArena | CudaArena, entries: tuple[ArenaEntry, ...],
                      digests: dict[str, str]) -> tuple[str, ...]:
     """The tensors whose bytes in the arena no longer hash to `digests` (what processed_digest gave at build).
 
-    A CPU arena is hashed from the daemon's map directly: no torch (a daemon that never needed it does not
-    import it for a check), and BLAKE3 releases the GIL, so the daemon's other threads answer meanwhile.
+    A CPU arena is hashed from the daemon's map directly (arena_digest): no torch (a daemon that never needed it
+    does not import it for a check), and BLAKE3 releases the GIL, so the daemon's other threads answer meanwhile.
     ArenaClosedError when the arena is closed (released or stopping) before the check begins.
     """
     if isinstance(arena, CudaArena):
         return tuple(name for name, tensor in arena.tensors(entries).items()
                      if processed_digest(tensor) != digests[name])
-    changed = []
-    for entry in entries:
-        hasher = tensor_hasher(entry.nbytes)
-        # The view keeps the map alive: a release that closes the arena meanwhile unmaps it only afterwards.
-        with arena.bytes_at(entry.offset, entry.nbytes) as data:
-            for start in range(0, entry.nbytes, CHECK_CHUNK_BYTES):
-                hasher.update(data[start : start + CHECK_CHUNK_BYTES])
-        if hasher.hexdigest() != digests[entry.name]:
-            changed.append(entry.name)
-    return tuple(changed)
+    return tuple(e.name for e in entries if arena_digest(arena, e.offset, e.nbytes) != digests[e.name])
+
+
+def arena_digest(arena: CpuArena, offset: int, nbytes: int, *,
+                 each_chunk: Callable[[memoryview], None] | None = None) -> str:
+    """BLAKE3 of arena bytes [offset, offset + nbytes), equal to `processed_digest` of the tensor they hold, read
+    without torch. With `each_chunk`, hashes on this thread alone, CHUNK_BYTES at a time, and hands each chunk to
+    it once hashed (a background re-check paces itself there)."""
+    hasher = tensor_hasher(nbytes) if each_chunk is None else blake3.blake3()
+    done = 0
+    while done < nbytes:
+        step = nbytes - done if each_chunk is None else min(CHUNK_BYTES, nbytes - done)
+        with arena.bytes_at(offset + done, step) as data:
+            hasher.update(data)
+            if each_chunk is not None:
+                each_chunk(data)
+        done += step
+    return hasher.hexdigest()
+
+
+FAULT_ENV = "WCACHE_FAULT_FLIP"
+
+
+def plant_fault(arena: CpuArena | CudaArena, entries: tuple[ArenaEntry, ...]) -> None:
+    """Fault injection for tests and benchmarks: with WCACHE_FAULT_FLIP=TENSOR:BYTE, flip the low bit of byte BYTE
+    of engine tensor TENSOR just before the arena is sealed, after its digests were taken: what a memory error
+    does to a filled arena. Unset (always, outside tests), it does nothing."""
+    wanted = os.environ.get(FAULT_ENV)
+    if not wanted or not isinstance(arena, CpuArena):
+        return
+    name, _, at = wanted.rpartition(":")
+    entry = next((e for e in entries if e.name == name), None)
+    if entry is None or not at.isdigit() or int(at) >= entry.nbytes:
+        raise BadInputError(f"{FAULT_ENV}={wanted} does not name a byte of an engine tensor.")
+    with arena.bytes_at(entry.offset + int(at), 1) as byte:
+        flipped = bytes([byte[0] ^ 1])
+    arena.write_at(entry.offset + int(at), memoryview(flipped))
 
 
 @dataclass
@@ -208,6 +234,7 @@ def load_rank(
             if store is not None:
                 # The root too: an engine's first key after this preload then reads no receipt.
                 store_root_if_trusted(store, state, records, key_file.key.checkpoint)
+            plant_fault(arena, entries)
             if isinstance(arena, CpuArena):
                 arena.seal()
         except BaseException:

@@ -48,7 +48,7 @@ STORM_WINDOW_S = 60.0
 # Shown in the feed; engine_counters is bookkeeping for rates, not news.
 FEED_KINDS = frozenset({
     "preload", "ready", "preload_failed", "attach_hit", "attach_miss", "fallback", "release", "stop",
-    "daemon_exited", "daemon_lost", "provenance", "engine_switch", "switch_refused",
+    "daemon_exited", "daemon_lost", "provenance", "engine_switch", "switch_refused", "scrub_failed",
 })
 
 
@@ -150,6 +150,12 @@ def summarize(event: dict[str, Any]) -> EventRow:
             # --trust-daemon: the checkpoint was never compared with the daemon's, so it may not be the same.
             severity = "warning"
             summary = f"unverified {summary} for {event.get('source', '?')} (--trust-daemon)"
+    elif kind == "scrub_failed":
+        severity = "error"
+        summary = f"daemon {event.get('daemon', '?')}: {event.get('reason', 'weights changed in memory')}"
+    elif kind == "ready" and event.get("parent_key_id"):
+        summary = (f"version {event['parent_key_id']} → {event.get('key_id', '?')} ready in {event.get('daemon', '?')} "
+                   f"({event.get('bytes_read', '?')} bytes read)")
     else:
         subject = event.get("daemon") or event.get("source") or ""
         summary = f"{kind.replace('_', ' ')} {subject}".strip()
@@ -189,6 +195,10 @@ def alerts(events: Iterable[EventRow], now: float) -> tuple[str, ...]:
         last = fallbacks[-1].detail.get("reason") or "no reason recorded"
         found.append(f"FALLBACK STORM: {len(fallbacks)} engines fell back to disk in the last "
                      f"{STORM_WINDOW_S:.0f} s; the latest because {last}")
+    # Not limited to the recent window: corrupted weights stay corrupted until the daemon is replaced.
+    for event in [e for e in events if e.kind == "scrub_failed"][-3:]:
+        found.append(f"CORRUPT WEIGHTS in daemon {event.detail.get('daemon', '?')}: "
+                     f"{event.detail.get('reason', 'a tensor changed in memory')}; it refuses new attaches")
     unverified = [e for e in recent if e.kind == "attach_hit" and e.detail.get("verified") is False]
     if unverified:
         found.append(f"{len(unverified)} unverified hit(s) (--trust-daemon) in the last {STORM_WINDOW_S:.0f} s: "
@@ -336,7 +346,7 @@ class Collector:
         return DaemonRow(
             name=d.name, pid=d.pid, device=d.device, tp_rank=d.tp_rank, tp_size=d.tp_size,
             model=Path(d.source).name, key_id=d.key_id,
-            state=stats.state if stats is not None else "gone",
+            state=("corrupt" if stats.corrupt else stats.state) if stats is not None else "gone",
             weights_bytes=stats.weights_bytes if stats is not None else 0,
             leases=stats.leases if stats is not None else 0,
             uptime_s=stats.uptime_s if stats is not None else None,
@@ -344,6 +354,7 @@ class Collector:
             hits=counters.get("hits", 0),
             misses=sum(v for k, v in counters.items() if k.startswith("misses_")),
             provenance=d.provenance,
+            parent_key_id=d.parent_key_id,
         )
 
     def _delta(self, target: EngineTarget, samples: Samples, names: tuple[str, ...]) -> float | None:

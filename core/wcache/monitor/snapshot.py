@@ -44,6 +44,7 @@ class DaemonRow:
     misses: int = 0
     loaded_fraction: float | None = None
     provenance: str | None = None
+    parent_key_id: str | None = None  # the version this one was built from (preload --from --delta)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,408 @@
+"""The next version from the daemon holding the parent: its arena, copied, with a delta applied through the plan.
+
+A rank receives the parent daemon's arena as an engine does (hello with the parent's key, a zero-copy map: the
+lease keeps the parent serving and unstoppable without --force while the build runs), streams it into a fresh
+memfd through two reused buffers (pread, patch, hash, pwrite on a writer thread: no page of either arena is mapped,
+which on a VM costs microseconds per 4 KiB page), and writes each change where the plan put those elements:
+
+- an output made of checkpoint bytes unchanged (runs of rows: fused q/k/v and gate/up at TP 1, TP row slices, no
+  cast) gets the new bit patterns at their byte offsets while it streams, with no torch;
+- another output made of checkpoint slices (TP column slices, a cast, vocab padding) gets the changed elements
+  that fall inside its slices, at the coordinates the plan maps them to, cast to its dtype as
+  `ProcessingPlan.produce` would cast them, through torch views of the streamed arena;
+- an output that is computed from whole tensors (quantized weights and their scales) is made again by the plan
+  from its new sources.
+
+Every changed checkpoint tensor is then hashed as it now is, so the new key's checkpoint digest is computed, not
+taken from the delta: where the arena holds the tensor whole in its checkpoint dtype (TP 1 without a cast: every
+tensor of the default plan) it is hashed from the new arena; otherwise the parent's bytes are read from the
+parent's checkpoint on disk (checked against the parent's manifest) and patched. The digest must equal the one
+the delta names. Nothing is published until it does; a failure closes the fresh arena and leaves the parent as
+it was.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from wcache.checkpoint.dtypes import TORCH_NAMES
+from wcache.checkpoint.manifest import TensorDigest, merkle_root
+from wcache.delta.format import Change, Delta, DeltaError, read_delta
+from wcache.errors import BadInputError, CheckpointError, UnavailableError
+from wcache.ipc.arena import ArenaEntry, CpuArena, plan_layout
+from wcache.ipc.client import DaemonConnection, DaemonError
+from wcache.ipc.messages import Hello, Manifest, MapRequest, WantedKey
+from wcache.ipc.rundir import DaemonDescriptor
+from wcache.key.cache_key import KeyFile, WeightCacheKey
+from wcache.key.shard_hash import tensor_hasher
+from wcache.load.loader import LoadedRank, arena_digest, plant_fault, processed_digest
+from wcache.load.single_pass import Span, byte_spans
+from wcache.plan.processing import Piece, ProcessingPlan, build_plan
+
+if TYPE_CHECKING:
+    import torch
+
+# The arena is copied through one buffer of this size: it stays in the CPU's cache between read, patch, hash, write.
+_STREAM_CHUNK = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class NextVersion:
+    """A built rank, and what it took: the bytes read from files (the delta, and parent tensors the arena could
+    not give back), and the tensors and outputs that changed."""
+
+    loaded: LoadedRank
+    parent: DaemonDescriptor
+    bytes_read: int
+    tensors_changed: int
+    outputs_changed: int
+
+
+def find_parent(run_dir: Path, name: str) -> DaemonDescriptor:
+    """The running daemon called `name` (a new version's rank starts from it)."""
+    from wcache.ipc.rundir import census
+
+    for descriptor in census(run_dir).live:
+        if descriptor.name == name:
+            return descriptor
+    raise UnavailableError(f"daemon {name} is no longer running; nothing to build the new version from.")
+
+
+def next_key(parent: WeightCacheKey, checkpoint: str) -> WeightCacheKey:
+    """The key of the parent's config, plan and format over checkpoint digest `checkpoint`."""
+    return replace(parent, checkpoint=checkpoint)
+
+
+def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
+               on_key: Callable[[WeightCacheKey], None] | None = None) -> NextVersion:
+    """Build one rank of the next version from daemon `parent` and the delta at `delta_path`.
+
+    `on_key` runs with the key the delta claims before any arena memory is taken (a daemon takes its lock
+    there); the built arena is checked to hold exactly that key.
+    """
+    began = time.perf_counter()
+    if not parent.device == "cpu":
+        raise BadInputError(f"building a version from daemon {parent.name} on {parent.device} is not implemented; "
+                            "only CPU arenas are.")
+    connection = DaemonConnection(parent.socket)
+    arena: CpuArena | None = None
+    try:
+        try:
+            hello = connection.request(Hello.mine(WantedKey.of(parent.key)))
+            if hello.status != "hit":
+                raise UnavailableError(f"daemon {parent.name} answered {hello.status}; it no longer serves its key.")
+            manifest = connection.request(Manifest()).tensors
+        except DaemonError as exc:
+            raise UnavailableError(f"daemon {parent.name} cannot be read ({str(exc).rstrip('.')}).") from None
+        by_name = {e.name: e for e in manifest}
+        delta = read_delta(delta_path, by_name)
+        delta.check_parent(parent.key.checkpoint, f"daemon {parent.name}")
+        claimed = next_key(parent.key, delta.checkpoint)
+        if on_key is not None:
+            on_key(claimed)
+        plan = build_plan(parent.plan, parent.config, manifest)
+        entries, total = plan_layout([(o.name, o.dtype, o.shape, o.nbytes) for o in plan.outputs])
+        try:
+            reply = connection.request(MapRequest("zero_copy"))
+        except DaemonError as exc:
+            raise UnavailableError(f"daemon {parent.name} cannot be mapped ({str(exc).rstrip('.')}).") from None
+        if reply.kind != "memfd" or len(reply.fds) != 1:
+            raise UnavailableError(f"daemon {parent.name} sent no arena descriptor.")
+        parent_fd = reply.fds[0]
+        try:
+            if reply.total_bytes != total or [list(e.to_wire()) for e in entries] != [list(e) for e in reply.entries]:
+                raise UnavailableError(f"daemon {parent.name}'s arena is not laid out as its plan says; it cannot be "
+                                       "the parent of a new version.")
+            arena = CpuArena(total, "wcache-arena-next")
+            build = _Build(plan, delta, by_name, arena, entries, os.dup(parent_fd), reply.entries, Path(parent.source))
+        finally:
+            os.close(parent_fd)
+        try:
+            outputs = build.stream()
+            outputs += build.apply_computed()
+            digests = {name: build.new_digest(name) for name in delta.changes}
+            bytes_read = delta.file_bytes + build.bytes_read
+        finally:
+            build.close()  # every view of the writable map goes before seal() can close it
+        new_manifest = tuple(replace(e, digest=digests[e.name]) if e.name in digests else e for e in manifest)
+        root = merkle_root(new_manifest)
+        if root != delta.checkpoint:
+            raise DeltaError(f"applying {delta_path} to daemon {parent.name} gives checkpoint {root[:12]}, not the "
+                             f"{delta.checkpoint[:12]} the delta names; the delta is damaged.")
+        processed = {e.name: build.processed[e.name] for e in entries}
+        plant_fault(arena, entries)
+        arena.seal()
+        key_file = KeyFile(key=claimed, plan=parent.plan, config=parent.config, manifest_source=new_manifest,
+                           source=source_label, created=datetime.now(UTC).isoformat(timespec="seconds"),
+                           wcache_version=_version())
+        loaded = LoadedRank(key_file, plan, entries, arena, processed, time.perf_counter() - began)
+        return NextVersion(loaded, parent, bytes_read, len(delta.changes), outputs)
+    except BaseException:
+        if arena is not None:
+            arena.close()
+        raise
+    finally:
+        connection.close()  # the lease on the parent ends here, built or not
+
+
+def _version() -> str:
+    import wcache
+
+    return wcache.__version__
+
+
+class _Build:
+    """One rank's new arena being changed: bytes where the plan keeps checkpoint bytes, torch where it computes.
+
+    An output made of checkpoint bytes unchanged (runs of rows, no cast: all of a TP 1 plan that casts nothing)
+    takes each change as bit patterns at byte offsets, with no torch; any other output goes through torch views
+    of both arenas, imported only then.
+    """
+
+    def __init__(self, plan: ProcessingPlan, delta: Delta, manifest: dict[str, TensorDigest], arena: CpuArena,
+                 entries: tuple[ArenaEntry, ...], parent_fd: int, parent_entries: list[Any],
+                 parent_source: Path) -> None:
+        self.plan = plan
+        self.delta = delta
+        self.manifest = manifest
+        self.arena = arena
+        self.entries = entries
+        self.offsets = {e.name: e.offset for e in entries}
+        self._parent_fd = parent_fd
+        self._parent_entries = parent_entries
+        self.parent_source = parent_source
+        self.spans = {o.name: byte_spans(plan, o) for o in plan.outputs}
+        self.processed: dict[str, str] = {}  # output → digest of its new bytes
+        self.source_digests: dict[str, str] = {}  # changed checkpoint tensor → digest, where an output holds it whole
+        self.computed: list[str] = []  # changed outputs that are not checkpoint bytes: made through torch
+        self._torch: _TorchSide | None = None
+        self.bytes_read = 0  # from the parent's checkpoint files, for tensors the arena cannot give back
+
+    def torch_side(self) -> _TorchSide:
+        if self._torch is None:
+            self._torch = _TorchSide(self)
+        return self._torch
+
+    def stream(self) -> int:
+        """Copy every output from the parent's arena a chunk at a time (pread into one reused buffer, pwrite out:
+        no page of either arena is mapped here), writing the changes of outputs made of checkpoint bytes into each
+        chunk on the way and hashing it: their digests, and those of the changed checkpoint tensors they hold whole.
+        Returns how many of them changed; outputs the plan computes are left for `apply_computed`."""
+        changed = 0
+        # Two buffers and a writer thread: a chunk is written while the next one is read, patched and hashed.
+        buffers = [np.empty(_STREAM_CHUNK, dtype=np.uint8) for _ in range(2)]
+        writing: list[Future[None] | None] = [None, None]
+        turn = 0
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wcache-next-write") as writer:
+            for entry in self.entries:
+                spans = self.spans[entry.name]
+                pieces = self.plan.recipes[entry.name].pieces
+                if any(p.source in self.delta.changes for p in pieces) and spans is None:
+                    self.computed.append(entry.name)
+                patches = [(source, span, self.delta.changes[source]) for source, span in spans or ()
+                           if source in self.delta.changes]
+                wholes = {source: (span, tensor_hasher(span.nbytes)) for source, span, _ in patches
+                          if span.start == 0 and span.nbytes == self.manifest[source].nbytes}
+                changed += bool(patches)
+                hasher = tensor_hasher(entry.nbytes)
+                done = 0
+                while done < entry.nbytes:
+                    n = min(_STREAM_CHUNK, entry.nbytes - done)
+                    pending = writing[turn]
+                    if pending is not None:
+                        pending.result()  # this buffer's last write is done: it may be reused
+                    chunk = buffers[turn].data[:n]
+                    _pread_exact(self._parent_fd, chunk, entry.offset + done)
+                    for _, span, change in patches:
+                        _patch(chunk, done, span, change)
+                    writing[turn] = writer.submit(self.arena.write_at, entry.offset + done, chunk)
+                    hasher.update(chunk)
+                    for whole_span, whole in wholes.values():
+                        lo, hi = max(done, whole_span.at), min(done + n, whole_span.at + whole_span.nbytes)
+                        if lo < hi:
+                            whole.update(chunk[lo - done : hi - done])
+                    done += n
+                    turn ^= 1
+                self.processed[entry.name] = hasher.hexdigest()
+                for source, (_, whole) in wholes.items():
+                    self.source_digests[source] = whole.hexdigest()
+            for pending in writing:
+                if pending is not None:
+                    pending.result()
+        return changed
+
+    def apply_computed(self) -> int:
+        """The changed outputs that are not checkpoint bytes (casts, column slices, quantized weights), through
+        torch views of the arena as streamed; their digests hashed back. Returns how many there were."""
+        if not self.computed:
+            return 0
+        side = self.torch_side()
+        for name in self.computed:
+            recipe = self.plan.recipes[name]
+            if recipe.kind == "tensor":
+                side.scatter(name, recipe.pieces)
+        # Computed outputs last: they read new sources, which the scatter above made in the arena where it could.
+        for output in self.plan.outputs:
+            if output.name in self.computed and self.plan.recipes[output.name].kind != "tensor":
+                self.plan.produce(output, side.new_full, out=side.new_tensors[output.name])
+        for entry in self.entries:
+            if entry.name in self.computed:
+                self.processed[entry.name] = arena_digest(self.arena, entry.offset, entry.nbytes)
+        return len(self.computed)
+
+    def new_digest(self, name: str) -> str:
+        """BLAKE3 of checkpoint tensor `name` as the delta makes it: hashed while streamed where an output holds
+        it whole, else made through torch."""
+        digest = self.source_digests.get(name)
+        if digest is not None:
+            return digest
+        return processed_digest(self.torch_side().new_full(name))
+
+    def close(self) -> None:
+        if self._torch is not None:
+            self._torch = None
+            gc.collect()  # torch views hold the maps; nothing else refers to them now
+        if self._parent_fd >= 0:
+            os.close(self._parent_fd)
+            self._parent_fd = -1
+
+
+def _pread_exact(fd: int, buffer: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buffer):
+        got = os.preadv(fd, [buffer[done:]], offset + done)
+        if got == 0:
+            raise UnavailableError("the parent's arena ended before its announced size.")
+        done += got
+
+
+def _patch(chunk: memoryview, at: int, span: Span, change: Change) -> None:
+    """The elements of `change` that land in `chunk` (the output's bytes from `at`), through the run `span` of
+    the tensor's bytes that the output holds, as bit patterns."""
+    lo, hi = max(at, span.at), min(at + len(chunk), span.at + span.nbytes)
+    if lo >= hi:
+        return
+    itemsize = change.itemsize
+    first = (span.start + lo - span.at) // itemsize  # the tensor's element at chunk byte lo - at
+    count = (hi - lo) // itemsize
+    out = np.frombuffer(chunk, dtype=change.values.dtype, count=count, offset=lo - at)
+    if change.indices is None:
+        out[:] = change.values[first : first + count]
+    else:
+        start, stop = np.searchsorted(change.indices, (first, first + count))
+        out[change.indices[start:stop] - first] = change.values[start:stop]
+
+
+class _TorchSide:
+    """Torch views of both arenas, and whole checkpoint tensors before and after the delta, from the cheapest
+    place that holds them: the arena, else the parent's checkpoint on disk (checked against its manifest)."""
+
+    def __init__(self, build: _Build) -> None:
+        from wcache.ipc.arena import map_cpu_arena
+
+        self.build = build
+        self.new_tensors = build.arena.tensors(build.entries)
+        parent = map_cpu_arena(os.dup(build._parent_fd), build.arena.total_bytes, build._parent_entries)
+        self.parent_views = _exact_views(build.plan, parent.tensors, build.manifest)
+        self.new_views = _exact_views(build.plan, self.new_tensors, build.manifest)
+        self._made: dict[str, torch.Tensor] = {}
+
+    def parent_full(self, name: str) -> torch.Tensor:
+        view = self.parent_views.get(name)
+        return view if view is not None else self._from_disk(name)
+
+    def new_full(self, name: str) -> torch.Tensor:
+        """Tensor `name` as the delta makes it; the new arena's own view once the plan has written it there."""
+        change = self.build.delta.changes.get(name)
+        if change is None:
+            return self.parent_full(name)
+        view = self.new_views.get(name)
+        if view is not None:
+            return view
+        made = self._made.get(name)
+        if made is None:
+            shape = self.build.manifest[name].shape
+            if change.indices is None:
+                made = change.torch_values().reshape(shape)
+            else:
+                made = self.parent_full(name).clone()
+                change.apply_to(made.reshape(-1))
+            self._made[name] = made
+        return made
+
+    def scatter(self, output: str, pieces: tuple[Piece, ...]) -> None:
+        target = self.new_tensors[output]
+        row = 0
+        for piece in pieces:
+            change = self.build.delta.changes.get(piece.source)
+            if change is not None:
+                _scatter(change, piece, target, row)
+            if piece.dim is None:
+                return
+            row += piece.length if piece.dim == 0 else piece.source_shape[0]
+
+    def _from_disk(self, name: str) -> torch.Tensor:
+        from wcache.delta.make import read_tensor, tensor_locations
+
+        entry = self.build.manifest[name]
+        source = self.build.parent_source
+        try:
+            shard_path, info = tensor_locations(source)[name]
+        except (CheckpointError, KeyError):
+            raise UnavailableError(
+                f"tensor {name!r} is not held whole in the parent's arena and its checkpoint {source} no longer "
+                "holds it; the plan cannot be re-made without it."
+            ) from None
+        tensor = read_tensor(shard_path, info).reshape(entry.shape)
+        self.build.bytes_read += info.nbytes
+        if processed_digest(tensor) != entry.digest:
+            raise UnavailableError(f"tensor {name!r} in {shard_path} is no longer the parent daemon's; the plan "
+                                   "cannot be re-made from it.")
+        return tensor
+
+
+def _exact_views(plan: ProcessingPlan, tensors: dict[str, torch.Tensor],
+                 manifest: dict[str, TensorDigest]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors the arena holds whole with their checkpoint dtype (their bytes, unchanged)."""
+    return {name: view for name, view in plan.checkpoint_views(tensors).items()
+            if str(view.dtype).removeprefix("torch.") == TORCH_NAMES[manifest[name].dtype]}
+
+
+def _scatter(change: Change, piece: Piece, target: torch.Tensor, row: int) -> None:
+    """The elements of `change` inside `piece`'s slice, written at rows from `row` of `target`, cast to its dtype."""
+    import torch
+
+    if change.indices is None:
+        whole = change.torch_values().reshape(piece.source_shape)
+        if piece.dim is None:
+            target.copy_(whole)
+        else:
+            part = whole.narrow(piece.dim, piece.start, piece.length)
+            target.narrow(0, row, part.shape[0]).copy_(part)
+        return
+    values = change.torch_values()
+    indices = torch.from_numpy(change.indices)
+    if piece.dim is None:
+        target.view(-1)[indices] = values.to(target.dtype)
+        return
+    coords = list(torch.unravel_index(indices, piece.source_shape))
+    inside = (coords[piece.dim] >= piece.start) & (coords[piece.dim] < piece.start + piece.length)
+    if not bool(inside.any()):
+        return
+    coords = [c[inside] for c in coords]
+    coords[piece.dim] = coords[piece.dim] - piece.start
+    coords[0] = coords[0] + row
+    flat = torch.zeros_like(coords[0])
+    for axis, size in enumerate(target.shape):
+        flat = flat * size + coords[axis]
+    target.view(-1)[flat] = values[inside].to(target.dtype)

@@ -1,0 +1,236 @@
+"""Weight versions: sparse deltas on disk, and the next daemon built from the one holding the parent.
+
+Real checkpoints, real delta files, real daemon processes: the new version's key must equal a cold key of the
+checkpoint the delta materializes, and its processed tensors must equal a disk load of that checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives  # noqa: F401
+from helpers import assert_one_error_sentence, one_sentence, wcache_process
+from safetensors.torch import load_file, save_file
+from wcache.delta.format import FORMAT, read_delta
+from wcache.key.compute import compute_key
+from wcache_dev.synth import write_training_step
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory: pytest.TempPathFactory, tiny_template: Path) -> dict[str, Path]:
+    """N (the tiny checkpoint), N+1 (2% of every tensor's elements moved), the delta, and N+1 materialized."""
+    base = tmp_path_factory.mktemp("versions")
+    parent = tiny_template
+    child = write_training_step(parent, base / "n1", 0.02)
+    delta = base / "step.safetensors"
+    made = wcache_process("delta", str(parent), str(child), "-o", str(delta), "--json")
+    assert made.returncode == 0, made.stderr
+    materialized = base / "materialized"
+    applied = wcache_process("delta", "--apply", str(parent), str(delta), "-o", str(materialized), "--json")
+    assert applied.returncode == 0, applied.stderr
+    return {"parent": parent, "child": child, "delta": delta, "materialized": materialized}
+
+
+@pytest.fixture
+def rig() -> Iterator[DaemonRig]:
+    with daemon_rig() as made:
+        yield made
+
+
+def _key_id(path: Path, *options: str) -> str:
+    result = wcache_process("key", str(path), "--json", *options)
+    assert result.returncode == 0, result.stderr
+    return str(json.loads(result.stdout)["id"])
+
+
+def test_delta_materializes_the_new_checkpoint(versions: dict[str, Path]) -> None:
+    assert _key_id(versions["materialized"]) == _key_id(versions["child"])
+    assert (versions["materialized"] / "config.json").read_bytes() == (versions["parent"] / "config.json").read_bytes()
+    parent = compute_key(versions["parent"])
+    delta = read_delta(versions["delta"], {e.name: e for e in parent.manifest})
+    assert delta.parent == parent.key.checkpoint
+    assert delta.checkpoint == compute_key(versions["child"]).key.checkpoint
+    # Every tensor moved by 2%: every one is in the delta, sparsely, and the file is a small part of the checkpoint.
+    assert set(delta.changes) == {e.name for e in parent.manifest}
+    assert all(c.indices is not None for c in delta.changes.values())
+    assert versions["delta"].stat().st_size < 0.15 * parent.total_bytes
+
+
+def _entries(versions: dict[str, Path]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import safe_open
+
+    with safe_open(str(versions["delta"]), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())  # noqa: SIM118
+
+
+def _bad(tensors: dict[str, torch.Tensor], metadata: dict[str, str], tmp_path: Path) -> Path:
+    path = tmp_path / "bad.safetensors"
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+LAYER = "model.layers.0.mlp.down_proj.weight"
+
+
+def _unsorted(t: dict[str, torch.Tensor], m: dict[str, str]) -> None:
+    t[f"{LAYER}:indices"] = t[f"{LAYER}:indices"].flip(0).contiguous()
+
+
+def _repeated(t: dict[str, torch.Tensor], m: dict[str, str]) -> None:
+    idx = t[f"{LAYER}:indices"].clone()
+    idx[1] = idx[0]
+    t[f"{LAYER}:indices"] = idx
+
+
+def _out_of_range(t: dict[str, torch.Tensor], m: dict[str, str]) -> None:
+    idx = t[f"{LAYER}:indices"].clone()
+    idx[-1] = 10**9
+    t[f"{LAYER}:indices"] = idx
+
+
+def _wrong_dtype(t: dict[str, torch.Tensor], m: dict[str, str]) -> None:
+    t[f"{LAYER}:values"] = t[f"{LAYER}:values"].to(torch.float16)
+
+
+def _unknown_tensor(t: dict[str, torch.Tensor], m: dict[str, str]) -> None:
+    t["model.nothing.weight:tensor"] = torch.zeros(2)
+
+
+def _no_values(t: dict[str, torch.Tensor], m: dict[str, str]) -> None:
+    del t[f"{LAYER}:values"]
+
+
+def _no_parent(t: dict[str, torch.Tensor], m: dict[str, str]) -> None:
+    del m["parent"]
+
+
+def _wrong_format(t: dict[str, torch.Tensor], m: dict[str, str]) -> None:
+    m["format"] = "pt"
+
+
+@pytest.mark.parametrize(("break_it", "words"), [
+    (_unsorted, "not sorted"), (_repeated, "repeated"), (_out_of_range, "outside"), (_wrong_dtype, "F16"),
+    (_unknown_tensor, "does not hold"), (_no_values, ":values"), (_no_parent, "parent"), (_wrong_format, FORMAT),
+])
+def test_a_delta_that_breaks_the_format_is_one_sentence(versions: dict[str, Path], tmp_path: Path, break_it: object,
+                                                        words: str) -> None:
+    tensors, metadata = _entries(versions)
+    break_it(tensors, metadata)  # type: ignore[operator]
+    bad = _bad(tensors, metadata, tmp_path)
+    result = wcache_process("delta", "--apply", str(versions["parent"]), str(bad), "-o", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert words in assert_one_error_sentence(result)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_delta_applied_to_another_checkpoint_is_refused(versions: dict[str, Path], tmp_path: Path) -> None:
+    result = wcache_process("delta", "--apply", str(versions["child"]), str(versions["delta"]), "-o",
+                            str(tmp_path / "out"))
+    assert result.returncode == 2 and "apply it to its own parent" in assert_one_error_sentence(result)
+    assert not (tmp_path / "out").exists()
+
+
+def _preload_from(rig: DaemonRig, parent: str, delta: Path) -> dict[str, object]:
+    result = rig.cli("preload", "--from", parent, "--delta", str(delta), "--detach", "--json", "--run-dir",
+                     str(rig.run_dir))
+    rig._remember_supervisors()
+    assert result.returncode == 0, result.stderr
+    return dict(json.loads(result.stdout))
+
+
+# The new version's tensors, rank by rank, against a disk load of the materialized checkpoint under the same plan.
+_SAME_AS_DISK = """
+import sys
+from pathlib import Path
+import torch
+from wcache.attach import attach
+from wcache.key.compute import compute_key
+from wcache.load.loader import load_from_disk
+from wcache.plan.spec import PlanSpec
+model, tp, dtype, quantization, run_dir = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
+for rank in range(tp):
+    spec = PlanSpec(tp_size=tp, tp_rank=rank, dtype=dtype, quantization=quantization)
+    with attach(model, spec, fallback=False, run_dir=Path(run_dir)) as weights:
+        disk = load_from_disk(compute_key(model, spec), model)
+        assert weights.report.outcome == "hit", weights.report
+        assert set(disk) == set(weights.tensors)
+        for name, tensor in disk.items():
+            assert torch.equal(tensor.view(torch.uint8), weights.tensors[name].view(torch.uint8)), name
+        print(weights.report.daemon)
+"""
+
+
+@pytest.mark.parametrize("options", [(), ("--dtype", "bfloat16"), ("--tp", "2"), ("--quantization", "int8")],
+                         ids=["fused", "cast", "tp2", "int8"])
+def test_next_version_from_the_daemon_holding_the_parent(rig: DaemonRig, versions: dict[str, Path],
+                                                         options: tuple[str, ...]) -> None:
+    parents = rig.preload(versions["parent"], *options)
+    ready = _preload_from(rig, parents[0].name, versions["delta"])
+    child_ids = sorted(r["key_id"] for r in ready["ranks"])  # type: ignore[union-attr]
+    tp = len(parents)
+    expected = sorted(_key_id(versions["materialized"], *options, "--tp", str(tp), "--rank", str(r))
+                      for r in range(tp))
+    assert child_ids == expected  # the content key of the materialized checkpoint, rank by rank
+    by_name = {d.name: d for d in rig.descriptors()}
+    children = [d for d in by_name.values() if d.parent_key_id is not None]
+    assert sorted(d.parent for d in children) == sorted(p.name for p in parents)  # type: ignore[type-var]
+    # The parent still serves, next to its successor, and status shows the lineage.
+    status = rig.status()
+    assert {d["state"] for d in status["daemons"]} == {"ready"} and len(status["daemons"]) == 2 * tp
+    table = rig.cli("status", "--run-dir", str(rig.run_dir)).stdout
+    assert f"{parents[0].key_id} → " in table
+    ready_events = [e for e in rig.events("ready") if e.get("parent_key_id")]
+    assert len(ready_events) == tp and all(e["bytes_read"] >= versions["delta"].stat().st_size for e in ready_events)
+    if not options:
+        # The default plan holds every tensor whole: nothing but the delta is read.
+        assert all(e["bytes_read"] == versions["delta"].stat().st_size for e in ready_events)
+    dtype = dict(zip(options[::2], options[1::2], strict=True)).get("--dtype", "auto")
+    quantization = dict(zip(options[::2], options[1::2], strict=True)).get("--quantization", "none")
+    checked = rig.python(_SAME_AS_DISK, str(versions["materialized"]), str(tp), dtype, quantization, str(rig.run_dir))
+    assert checked.returncode == 0, checked.stderr
+    assert set(checked.stdout.split()) == {d.name for d in children}
+
+
+def test_a_delta_for_another_parent_starts_nothing(rig: DaemonRig, versions: dict[str, Path]) -> None:
+    rig.preload(versions["child"])
+    before = rig.descriptors()
+    result = rig.cli("preload", "--from", before[0].name, "--delta", str(versions["delta"]), "--detach",
+                     "--run-dir", str(rig.run_dir))
+    assert result.returncode == 2 and "apply it to its own parent" in assert_one_error_sentence(result)
+    assert rig.descriptors() == before
+
+
+def test_a_damaged_delta_publishes_nothing_and_the_parent_serves_on(rig: DaemonRig, versions: dict[str, Path],
+                                                                    tmp_path: Path) -> None:
+    parent = rig.preload(versions["parent"])[0]
+    tensors, metadata = _entries(versions)
+    # Values that no longer make the checkpoint the delta names: the build must notice after applying them.
+    tensors[f"{LAYER}:values"] = (tensors[f"{LAYER}:values"] * 2).contiguous()
+    damaged = _bad(tensors, metadata, tmp_path)
+    result = rig.cli("preload", "--from", parent.name, "--delta", str(damaged), "--detach", "--run-dir",
+                     str(rig.run_dir))
+    rig._remember_supervisors()
+    assert result.returncode == 2 and "the delta is damaged" in assert_one_error_sentence(result)
+    assert rig.descriptors() == [parent]
+    assert not [p for p in rig.run_dir.glob("*.sock") if p.name != Path(parent.socket).name]
+    assert rig.stats(parent)["state"] == "ready" and rig.stats(parent)["leases"] == 0
+
+
+def test_from_needs_delta_and_no_model(rig: DaemonRig, versions: dict[str, Path]) -> None:
+    result = rig.cli("preload", "--from", "cpu-0", "--run-dir", str(rig.run_dir))
+    assert result.returncode == 2 and "go together" in assert_one_error_sentence(result)
+    result = rig.cli("preload", "--from", "nothing", "--delta", str(versions["delta"]), "--run-dir", str(rig.run_dir))
+    assert result.returncode == 3 and "no running daemon" in one_sentence(result.stderr)
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v for shard in sorted(path.glob("*.safetensors")) for k, v in load_file(shard).items()}
+
+
+def test_the_materialized_checkpoint_holds_the_new_tensors(versions: dict[str, Path]) -> None:
+    made, want = _tensors(versions["materialized"]), _tensors(versions["child"])
+    assert made.keys() == want.keys() and all(torch.equal(made[k], want[k]) for k in want)
