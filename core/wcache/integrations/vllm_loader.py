@@ -117,6 +117,8 @@ def place(model: nn.Module, weights: AttachedWeights, plan: PlanSpec, quantized:
     missing = [name for name in rest if loaded is not None and name not in loaded]
     if missing and not quantized:
         raise CannotAttachError(f"the daemon holds nothing vLLM can load into parameter {missing[0]}")
+    if missing:
+        note += f"; {len(missing)} the checkpoint lacks (such as {missing[0]}) kept vLLM's initial values, as from disk"
     return Placement(len(assigned), len(rest) - len(missing), note=note)
 
 
