@@ -28,7 +28,9 @@ class Preset:
     num_shards: int
     write_lm_head: bool
     tokenizer: bool = False  # write a byte-level tokenizer.json (token i < 256 is byte i, as ByteTokenizer)
-    quantized: str | None = None  # pre-quantize the projections as a compressed-tensors checkpoint: "int8" or "fp8"
+    # Pre-quantize the projections: "int8" or "fp8" per channel (compressed-tensors), "fp8-tensor" with one
+    # scale per tensor (vLLM's own fp8 format).
+    quantized: str | None = None
     # Standard deviation of matrices. 0.02 leaves the layers so faint against the embeddings that greedy tokens
     # hardly depend on them; about 1/sqrt(hidden) makes every projection (and every expert) move the tokens.
     matrix_std: float = 0.02
@@ -123,6 +125,15 @@ PRESETS: dict[str, Preset] = {
             **_BYTE_VOCAB_MIXED_WINDOWS,
         ),
         num_shards=2, write_lm_head=True, tokenizer=True, quantized="fp8", matrix_std=0.09,
+    ),
+    # The same in vLLM's own fp8 format: float8_e4m3fn codes with one float32 weight_scale per tensor.
+    "small-fp8-tensor": Preset(
+        config=_qwen3_config(
+            hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+            torch_dtype="bfloat16", quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"},
+            **_BYTE_VOCAB_MIXED_WINDOWS,
+        ),
+        num_shards=2, write_lm_head=True, tokenizer=True, quantized="fp8-tensor", matrix_std=0.09,
     ),
     # A Qwen3-MoE as small as vLLM's CPU backend runs it: head_dim 64, 4 experts of which each token takes 2,
     # every layer sparse, over the byte vocabulary.
@@ -225,11 +236,11 @@ def make_tensors(preset: Preset, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def _quantized(name: str, weight: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
-    """A float32 projection as symmetric per-channel codes and their float32 scales [rows, 1]."""
+    """A float32 projection as symmetric codes and their float32 scales: [rows, 1] per channel, [] per tensor."""
     import torch
 
     qmax = 127.0 if kind == "int8" else 448.0
-    scale = weight.abs().amax(dim=1, keepdim=True) / qmax
+    scale = weight.abs().amax() / qmax if kind == "fp8-tensor" else weight.abs().amax(dim=1, keepdim=True) / qmax
     scaled = weight / scale
     codes = torch.round(scaled).clamp(-qmax, qmax).to(torch.int8) if kind == "int8" else scaled.to(
         torch.float8_e4m3fn)
