@@ -43,7 +43,7 @@ def layout_for_vllm(model_config: ModelConfig, config: Mapping[str, Any] | None)
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
     model_class, _ = get_model_architecture(model_config)
-    packed: Mapping[str, Any] = getattr(model_class, "packed_modules_mapping", {}) or {}
+    packed: Mapping[str, list[str]] = getattr(model_class, "packed_modules_mapping", {}) or {}
     if not family.fuses_like_family(packed):
         return "identity"
     family.check_engine_fusions(packed, ModelDims.from_config(config), model_class.__name__)

@@ -104,17 +104,21 @@ def place(model: nn.Module, weights: AttachedWeights, plan: PlanSpec, quantized:
     note = vllm_formats.expert_note(model, assigned)
     if not rest:
         return Placement(len(assigned), 0, note=note)
-    if plan.tp_size > 1:
+    taken = {vllm_formats.daemon_name(name) for name in assigned}
+    unused = [name for name in weights.tensors if name not in taken]
+    if not unused and quantized:
+        # Every daemon tensor is placed; what is left the checkpoint does not hold (on any rank).
+        missing = rest
+    elif plan.tp_size > 1:
         # load_weights shards full checkpoint tensors itself; a daemon holds only this rank's shard.
         raise CannotAttachError(
             f"vLLM parameter {rest[0]} has no daemon tensor of its shape and dtype, and a TP shard cannot be "
             "reloaded under checkpoint names"
         )
-    taken = {vllm_formats.daemon_name(name) for name in assigned}
-    unused = [name for name in weights.tensors if name not in taken]
-    # Every vLLM model class has load_weights, but no vLLM type declares it: nn.Module's __getattr__ answers.
-    loaded = model.load_weights(weights.checkpoint_tensors(unused).items())  # type: ignore[operator]
-    missing = [name for name in rest if loaded is not None and name not in loaded]
+    else:
+        # Every vLLM model class has load_weights, but no vLLM type declares it: nn.Module's __getattr__ answers.
+        loaded = model.load_weights(weights.checkpoint_tensors(unused).items())  # type: ignore[operator]
+        missing = [name for name in rest if loaded is not None and name not in loaded]
     if missing and not quantized:
         raise CannotAttachError(f"the daemon holds nothing vLLM can load into parameter {missing[0]}")
     if missing:

@@ -8,7 +8,7 @@ integrations and the dev checkpoint writers all read them here. Imports no torch
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,9 +174,10 @@ def check_engine_fusions(packed: Mapping[str, Sequence[str]], dims: ModelDims, m
             )
 
 
-def fuses_like_family(packed: Collection[str]) -> bool:
-    """Whether an engine's packed_modules_mapping is the family's (any of its fusions): the fused layout."""
-    return bool(set(packed) & set(FUSIONS))
+def fuses_like_family(packed: Mapping[str, Sequence[str]]) -> bool:
+    """Whether an engine's packed_modules_mapping makes any of the family's fusions (the fused module from the
+    same checkpoint modules): then its model is of the family, and its layout the fused one."""
+    return any(FUSIONS.get(name) == tuple(parts) for name, parts in packed.items())
 
 
 # Hugging Face transformers' classes of the family's dense models, whose modules take views of fused tensors
