@@ -12,7 +12,7 @@ daemon preloaded with ``wcache.start_daemons`` and three fresh engines (``enforc
 Run::
 
     .venv/bin/python benchmarks/vllm_formats.py
-    .venv/bin/python benchmarks/vllm_formats.py --configs int8-w8a8 fp8-w8a8 fp8-per-tensor moe
+    .venv/bin/python benchmarks/vllm_formats.py --configs int8-w8a8 fp8-w8a8 moe
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from wcache.daemon.launch import start_daemons
 from wcache.integrations.vllm_runner import VllmRun, greedy_tokens
 from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint
 
-CONFIGS = {"int8-w8a8": "small-w8a8", "fp8-w8a8": "small-fp8", "fp8-per-tensor": "small-fp8-tensor",
-           "moe": "small-moe"}
+CONFIGS = {"int8-w8a8": "small-w8a8", "fp8-w8a8": "small-fp8", "moe": "small-moe"}
 PROMPTS = ["the weights cache keeps", "a daemon holds the shard and"]
 _LOAD_MS = re.compile(r"wcache: .*\(([\d.]+) ms, post-processing included\)")
 _PLACED = re.compile(r"(\d+) parameters took the daemon's tensors as zero-copy views of its arena, (\d+) were copied")

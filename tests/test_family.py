@@ -125,26 +125,6 @@ def test_one_strict_parser_reads_the_dimensions() -> None:
         ModelDims.from_config({**PRESETS["small"].config, "hidden_size": "128"})
 
 
-def test_vllms_model_classes_fuse_as_the_plan_does() -> None:
-    from vllm.model_executor.models.llama import LlamaForCausalLM
-    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
-    from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
-
-    dense, moe = ModelDims.from_config(PRESETS["small"].config), ModelDims.from_config(PRESETS["small-moe"].config)
-    for model_class, dims in ((Qwen3ForCausalLM, dense), (LlamaForCausalLM, dense), (Qwen3MoeForCausalLM, moe)):
-        assert family.fuses_like_family(model_class.packed_modules_mapping)
-        family.check_engine_fusions(model_class.packed_modules_mapping, dims, model_class.__name__)
-    # A dense checkpoint under a class that does not fuse gate and up (or the other way round) is refused early.
-    with pytest.raises(UnsupportedPlanError, match="Qwen3MoeForCausalLM does not fuse gate_up_proj"):
-        family.check_engine_fusions(Qwen3MoeForCausalLM.packed_modules_mapping, dense, "Qwen3MoeForCausalLM")
-    with pytest.raises(UnsupportedPlanError, match="Odd fuses gate_up_proj from gate_up, which the fused plan does"):
-        family.check_engine_fusions({**Qwen3ForCausalLM.packed_modules_mapping, "gate_up_proj": ["gate_up"]}, dense,
-                                    "Odd")
-    # A class that fuses other modules under the same names (Phi-3's stored qkv_proj) is not of the family:
-    # its tensors are served by name.
-    assert not family.fuses_like_family({"qkv_proj": ["qkv_proj"], "gate_up_proj": ["gate_up_proj"]})
-
-
 def test_formats_vllm_cannot_be_served_are_named_in_one_sentence() -> None:
     from wcache.integrations.vllm_formats import check_quantization
 
