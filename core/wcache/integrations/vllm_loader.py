@@ -62,7 +62,7 @@ class Placement:
     assigned: int  # parameters that now are the daemon's tensors (views of the arena in zero-copy mode)
     copied: int  # parameters filled by the model's load_weights from checkpoint-named views
     post_processing_s: float = 0.0  # vLLM's process_weights_after_loading (the oneDNN repack on CPU)
-    note: str = ""  # what the log line adds for this model (its stacked experts)
+    note: str = ""  # what the log line adds for this model (its stacked experts, parameters left as vLLM made them)
 
 
 def plan_for(vllm_config: VllmConfig, model_config: ModelConfig) -> PlanSpec:
