@@ -32,7 +32,7 @@ from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint
 
 CONFIGS = {"int8-w8a8": "small-w8a8", "fp8-w8a8": "small-fp8", "moe": "small-moe"}
 PROMPTS = ["the weights cache keeps", "a daemon holds the shard and"]
-_LOAD_MS = re.compile(r"wcache: .*\(([\d.]+) ms, post-processing included\)")
+_LOAD_MS = re.compile(r"wcache: .*[(; ]([\d.]+) ms, post-processing included\)")
 _PLACED = re.compile(r"(\d+) parameters took the daemon's tensors as zero-copy views of its arena, (\d+) were copied")
 
 
