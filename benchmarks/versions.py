@@ -39,8 +39,8 @@ from preload_floor import checkpoint_in_memory, fill_arena
 from restart import our_leftovers, resident_fraction
 from rich.console import Console
 from rich.table import Table
-from wcache.checkpoint import hf_names
 from wcache.ipc.rundir import read_descriptors
+from wcache.plan import family
 
 _WRITE_STEP = """
 import sys
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             from wcache_dev.synth import write_checkpoint
 
             write_checkpoint(args.preset, parent)
-        variants = {"every tensor": "", "frozen embeddings": f"{hf_names.EMBED},{hf_names.LM_HEAD}"}
+        variants = {"every tensor": "", "frozen embeddings": f"{family.EMBED},{family.LM_HEAD}"}
         rows: list[dict[str, Any]] = []
         spawned: list[psutil.Process] = []
         floor_s = 0.0

@@ -1,4 +1,4 @@
-"""Write Hugging Face–style test checkpoints with deterministic random weights (Llama/Qwen3 family)."""
+"""Write Hugging Face–style test checkpoints with deterministic random weights (Llama/Qwen3/Qwen3-MoE family)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import blake3
-from wcache.checkpoint import hf_names
 from wcache.checkpoint.files import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, locate
 from wcache.checkpoint.safetensors_header import read_header
 from wcache.errors import BadInputError, CheckpointError
+from wcache.plan import family
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +28,12 @@ class Preset:
     num_shards: int
     write_lm_head: bool
     tokenizer: bool = False  # write a byte-level tokenizer.json (token i < 256 is byte i, as ByteTokenizer)
+    # Pre-quantize the projections: "int8" or "fp8" per channel (compressed-tensors), "fp8-tensor" with one
+    # scale per tensor (vLLM's own fp8 format).
+    quantized: str | None = None
+    # Standard deviation of matrices. 0.02 leaves the layers so faint against the embeddings that greedy tokens
+    # hardly depend on them; about 1/sqrt(hidden) makes every projection (and every expert) move the tokens.
+    matrix_std: float = 0.02
 
 
 def _qwen3_config(**overrides: Any) -> dict[str, Any]:
@@ -49,6 +55,23 @@ def _qwen3_config(**overrides: Any) -> dict[str, Any]:
     config.update(overrides)
     config["layer_types"] = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
     return config
+
+
+def _compressed_tensors(kind: str) -> dict[str, Any]:
+    """config.json's quantization_config for W8A8 (int or float codes) as compressed-tensors writes it."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized" if kind == "int" else "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "channel", "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token",
+                                  "dynamic": True},
+            "output_activations": None,
+        }},
+    }
 
 
 # What "tiny" and "small" share: four layers alternating sliding (W = 32) and full attention over a byte
@@ -82,6 +105,48 @@ PRESETS: dict[str, Preset] = {
         num_shards=2,
         write_lm_head=True,
         tokenizer=True,
+    ),
+    # "small" as compressed-tensors W8A8 int8 (what llm-compressor writes): every projection per-channel int8
+    # with a float32 weight_scale [rows, 1], activations quantized per token at run time; lm_head unquantized.
+    "small-w8a8": Preset(
+        config=_qwen3_config(
+            hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+            torch_dtype="bfloat16", quantization_config=_compressed_tensors("int"),
+            **_BYTE_VOCAB_MIXED_WINDOWS,
+        ),
+        num_shards=2, write_lm_head=True, tokenizer=True, quantized="int8", matrix_std=0.09,
+    ),
+    # The same as compressed-tensors W8A8 fp8 (float8_e4m3fn codes, per-channel scales, dynamic per-token
+    # activations).
+    "small-fp8": Preset(
+        config=_qwen3_config(
+            hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+            torch_dtype="bfloat16", quantization_config=_compressed_tensors("float"),
+            **_BYTE_VOCAB_MIXED_WINDOWS,
+        ),
+        num_shards=2, write_lm_head=True, tokenizer=True, quantized="fp8", matrix_std=0.09,
+    ),
+    # The same in vLLM's own fp8 format: float8_e4m3fn codes with one float32 weight_scale per tensor.
+    "small-fp8-tensor": Preset(
+        config=_qwen3_config(
+            hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+            torch_dtype="bfloat16", quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"},
+            **_BYTE_VOCAB_MIXED_WINDOWS,
+        ),
+        num_shards=2, write_lm_head=True, tokenizer=True, quantized="fp8-tensor", matrix_std=0.09,
+    ),
+    # A Qwen3-MoE as small as vLLM's CPU backend runs it: head_dim 64, 4 experts of which each token takes 2,
+    # every layer sparse, over the byte vocabulary.
+    "small-moe": Preset(
+        config=_qwen3_config(
+            architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=128, intermediate_size=256,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+            router_aux_loss_coef=0.001, output_router_logits=False, torch_dtype="bfloat16",
+            num_hidden_layers=4, vocab_size=320, max_position_embeddings=2048, bos_token_id=256, eos_token_id=257,
+            tie_word_embeddings=False,
+        ),
+        num_shards=2, write_lm_head=True, tokenizer=True, matrix_std=0.09,
     ),
     # Qwen/Qwen3-0.6B's exact tensor names, shapes and dtype. Its published file also stores lm_head.weight
     # although the embeddings are tied: 311 tensors, 1,503,264,768 data bytes.
@@ -137,29 +202,15 @@ def _copy_trained(dest: Path, num_shards: int | None) -> Path:
 
 
 def tensor_shapes(config: Mapping[str, Any], write_lm_head: bool) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """Hugging Face tensor names and shapes of a Llama/Qwen3 model, in module order."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    q_out = config["num_attention_heads"] * head_dim
-    kv_out = config["num_key_value_heads"] * head_dim
-    yield hf_names.EMBED, (config["vocab_size"], hidden)
-    for i in range(config["num_hidden_layers"]):
-        p = hf_names.layer(i)
-        yield f"{p}.input_layernorm.weight", (hidden,)
-        yield f"{p}.self_attn.q_proj.weight", (q_out, hidden)
-        yield f"{p}.self_attn.k_proj.weight", (kv_out, hidden)
-        yield f"{p}.self_attn.v_proj.weight", (kv_out, hidden)
-        yield f"{p}.self_attn.o_proj.weight", (hidden, q_out)
-        if config.get("model_type") == "qwen3":
-            yield f"{p}.self_attn.q_norm.weight", (head_dim,)
-            yield f"{p}.self_attn.k_norm.weight", (head_dim,)
-        yield f"{p}.post_attention_layernorm.weight", (hidden,)
-        yield f"{p}.mlp.gate_proj.weight", (inter, hidden)
-        yield f"{p}.mlp.up_proj.weight", (inter, hidden)
-        yield f"{p}.mlp.down_proj.weight", (hidden, inter)
-    yield hf_names.FINAL_NORM, (hidden,)
-    if write_lm_head or not config.get("tie_word_embeddings", False):
-        yield hf_names.LM_HEAD, (config["vocab_size"], hidden)
+    """Hugging Face tensor names and shapes of a Llama/Qwen3/Qwen3-MoE model, in module order."""
+    dims = family.ModelDims.from_config(config)
+    yield family.EMBED, (dims.vocab, dims.hidden)
+    for i in range(dims.layers):
+        for leaf in family.layer_leaves(dims, i, qk_norm=config.get("model_type", "").startswith("qwen3")):
+            yield leaf.name, leaf.shape
+    yield family.FINAL_NORM, (dims.hidden,)
+    if write_lm_head or not dims.tie:
+        yield family.LM_HEAD, (dims.vocab, dims.hidden)
 
 
 def _tensor_seed(seed: int, name: str) -> int:
@@ -176,9 +227,24 @@ def make_tensors(preset: Preset, seed: int = 0) -> dict[str, torch.Tensor]:
     for name, shape in tensor_shapes(preset.config, preset.write_lm_head):
         generator = torch.Generator().manual_seed(_tensor_seed(seed, name))
         values = torch.randn(shape, generator=generator, dtype=torch.float32)
-        values = 1.0 + 0.1 * values if len(shape) == 1 else 0.02 * values
-        tensors[name] = values.to(dtype)
+        values = 1.0 + 0.1 * values if len(shape) == 1 else preset.matrix_std * values
+        if preset.quantized and family.is_projection(name) and ".experts." not in name:
+            tensors.update(_quantized(name, values, preset.quantized))
+        else:
+            tensors[name] = values.to(dtype)
     return tensors
+
+
+def _quantized(name: str, weight: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
+    """A float32 projection as symmetric codes and their float32 scales: [rows, 1] per channel, [] per tensor."""
+    import torch
+
+    qmax = 127.0 if kind == "int8" else 448.0
+    scale = weight.abs().amax() / qmax if kind == "fp8-tensor" else weight.abs().amax(dim=1, keepdim=True) / qmax
+    scaled = weight / scale
+    codes = torch.round(scaled).clamp(-qmax, qmax).to(torch.int8) if kind == "int8" else scaled.to(
+        torch.float8_e4m3fn)
+    return {name: codes, family.companion(name, "weight_scale"): scale}
 
 
 def split_names(sizes: list[tuple[str, int]], num_shards: int) -> list[list[str]]:

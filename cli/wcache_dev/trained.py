@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wcache.checkpoint import hf_names
+from wcache.plan import family
 
 from wcache_dev.synth import PRESETS, make_tensors, tensor_shapes, write_tensors
 
@@ -110,9 +110,9 @@ def forward(params: Mapping[str, torch.Tensor], config: Mapping[str, object], to
     batch, length = tokens.shape
     cos, sin = _rope_tables(config, length)
     masks = _masks(config, length)
-    hidden = F.embedding(tokens, params[hf_names.EMBED])
+    hidden = F.embedding(tokens, params[family.EMBED])
     for i, mask in enumerate(masks):
-        p = hf_names.layer(i)
+        p = family.layer(i)
         x = rms_norm(hidden, params[f"{p}.input_layernorm.weight"], eps)
         q = F.linear(x, params[f"{p}.self_attn.q_proj.weight"]).reshape(batch, length, heads, head_dim)
         k = F.linear(x, params[f"{p}.self_attn.k_proj.weight"]).reshape(batch, length, kv_heads, head_dim)
@@ -130,7 +130,7 @@ def forward(params: Mapping[str, torch.Tensor], config: Mapping[str, object], to
         gate = F.linear(x, params[f"{p}.mlp.gate_proj.weight"])
         up = F.linear(x, params[f"{p}.mlp.up_proj.weight"])
         hidden = hidden + F.linear(F.silu(gate) * up, params[f"{p}.mlp.down_proj.weight"])
-    return F.linear(rms_norm(hidden, params[hf_names.FINAL_NORM], eps), params[hf_names.LM_HEAD])
+    return F.linear(rms_norm(hidden, params[family.FINAL_NORM], eps), params[family.LM_HEAD])
 
 
 def train_tensors(steps: int = STEPS) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from wcache.errors import BadInputError
+from wcache.plan.family import ModelDims, UnsupportedPlanError, quantization_method
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -43,24 +44,37 @@ class ModelConfig:
     def from_hf(cls, config: Mapping[str, Any]) -> ModelConfig:
         """Read a Hugging Face config.json of the Llama, Qwen2, Qwen3 or Mistral family."""
         model_type = config.get("model_type")
+        try:
+            dims = ModelDims.from_config(config)
+        except UnsupportedPlanError as exc:
+            raise UnsupportedModelError(str(exc)) from None
+        if dims.is_moe:
+            raise UnsupportedModelError(
+                f"the reference engine runs dense models only, and this {model_type} checkpoint is a mixture of "
+                f"{dims.experts} experts; serve it with vLLM (load_format wcache)."
+            )
+        method = quantization_method(config)
+        if method is not None:
+            raise UnsupportedModelError(
+                f"the reference engine runs unquantized checkpoints only, and config.json quantizes this one "
+                f"with {method}; serve it with vLLM (load_format wcache)."
+            )
         if model_type not in ("llama", "qwen2", "qwen3", "mistral"):
             raise UnsupportedModelError(f"model_type {model_type!r} is not one the reference engine runs.")
+        layers = dims.layers
         try:
-            hidden = int(config["hidden_size"])
-            heads = int(config["num_attention_heads"])
-            layers = int(config["num_hidden_layers"])
             result = cls(
-                hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
+                hidden_size=dims.hidden,
+                intermediate_size=dims.intermediate,
                 num_layers=layers,
-                num_heads=heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
-                vocab_size=int(config["vocab_size"]),
+                num_heads=dims.heads,
+                num_kv_heads=dims.kv_heads,
+                head_dim=dims.head_dim,
+                vocab_size=dims.vocab,
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(_rope_parameters(config).get("rope_theta", config.get("rope_theta", 10000.0))),
                 rope_scaling=tuple(sorted(_rope_scaling(config).items())),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                tie_word_embeddings=dims.tie,
                 qk_norm=model_type == "qwen3",
                 layer_types=_layer_types(config, layers),
                 sliding_window=_sliding_window(config),

@@ -13,10 +13,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from wcache.checkpoint import hf_names
 from wcache.engine.config import ModelConfig
 from wcache.engine.parallel import TensorParallel
 from wcache.errors import BadInputError
+from wcache.plan import family
 
 
 class AttentionBackend(Protocol):
@@ -84,10 +84,10 @@ class Transformer:
         self.num_kv_heads = max(1, config.num_kv_heads // tp.size)
         self.head_dim = config.head_dim
         self.weights = weights
-        self.embed = self._get(hf_names.EMBED)
-        self.norm = self._get(hf_names.FINAL_NORM)
-        self.lm_head = weights.get(hf_names.LM_HEAD, self.embed) if config.tie_word_embeddings else self._get(
-            hf_names.LM_HEAD
+        self.embed = self._get(family.EMBED)
+        self.norm = self._get(family.FINAL_NORM)
+        self.lm_head = weights.get(family.LM_HEAD, self.embed) if config.tie_word_embeddings else self._get(
+            family.LM_HEAD
         )
         self.layers = [self._layer(i) for i in range(config.num_layers)]
         # Multiply-adds of one layer's projections per token (this rank's share): what sizes a step's threads.
@@ -107,7 +107,7 @@ class Transformer:
                       self.weights.get(f"{name}.bias"))
 
     def _layer(self, i: int) -> Layer:
-        p = hf_names.layer(i)
+        p = family.layer(i)
         fused = f"{p}.self_attn.qkv_proj.weight" in self.weights
         qkv = (self._linear(f"{p}.self_attn.qkv_proj"),) if fused else tuple(
             self._linear(f"{p}.self_attn.{n}_proj") for n in "qkv"

@@ -24,7 +24,8 @@ from wcache.checkpoint.dtypes import PLAN_DTYPES
 from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import BadInputError
 from wcache.key.digest_store import DigestStore
-from wcache.plan.spec import PlanSpec, layout_for
+from wcache.plan.family import layout_for_architectures
+from wcache.plan.spec import PlanSpec
 
 log = logging.getLogger("wcache")
 
@@ -63,7 +64,7 @@ def from_pretrained(model: str | os.PathLike[str], *, revision: str | None = Non
         raise BadInputError("wcache attaches transformers models on the CPU with TP 1; drop device_map and tp_plan.")
     path = resolve_model_path(model, revision)
     config = AutoConfig.from_pretrained(path)
-    plan = PlanSpec(dtype=_plan_dtype(kwargs), layout=layout_for(getattr(config, "architectures", None)))
+    plan = PlanSpec(dtype=_plan_dtype(kwargs), layout=layout_for_architectures(getattr(config, "architectures", None)))
     try:
         with DigestStore.open() as store:
             weights = attach_with(path, plan, replace(options, fallback=False), store=store, engine=ENGINE)

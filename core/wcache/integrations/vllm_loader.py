@@ -3,8 +3,8 @@
 `--load-format wcache --model-loader-extra-config '{"mode": "copy"}'` (server) or `LLM(..., load_format="wcache",
 model_loader_extra_config={...})` (offline); the options are `wcache.attach_options.AttachOptions`. The plan
 comes from vLLM's own configuration (TP size and rank from its parallel state, dtype from the model config,
-the fused layout for the Llama/Qwen2/Qwen3/Mistral families), so the key is the one `wcache preload` computes
-for the same checkpoint and TP size.
+the layout from the model class's fusions; see `vllm_formats`, which also says which pre-quantized formats
+are served), so the key is the one `wcache preload` computes for the same checkpoint and TP size.
 
 On a hit every vLLM parameter whose name, shape and dtype equal a daemon tensor's takes that tensor as is
 (zero-copy: a view of the daemon's arena); the rest go through the model's own `load_weights` under Hugging
@@ -35,13 +35,15 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from wcache.attach import AttachedWeights, AttachMissError, attach_with
 from wcache.attach_options import AttachOptions
+from wcache.checkpoint.files import locate
 from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import CheckpointError, UnavailableError, WcacheError
+from wcache.integrations import vllm_formats
 from wcache.ipc.rundir import default_run_dir, ensure_run_dir
 from wcache.key.digest_store import DigestStore
 from wcache.monitor.events import append_event
 from wcache.plan.processing import UnsupportedPlanError
-from wcache.plan.spec import PlanSpec, layout_for
+from wcache.plan.spec import PlanSpec
 
 # Under "vllm." so that vLLM's own logging configuration (format, level, VLLM_LOGGING_LEVEL) applies.
 logger = init_logger("vllm.wcache")
@@ -61,22 +63,20 @@ class Placement:
     assigned: int  # parameters that now are the daemon's tensors (views of the arena in zero-copy mode)
     copied: int  # parameters filled by the model's load_weights from checkpoint-named views
     post_processing_s: float = 0.0  # vLLM's process_weights_after_loading (the oneDNN repack on CPU)
+    note: str = ""  # what the log line adds for this model (its stacked experts, parameters left as vLLM made them)
 
 
 def plan_for(vllm_config: VllmConfig, model_config: ModelConfig) -> PlanSpec:
     """The plan a daemon must hold for this vLLM rank."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-    if model_config.quantization:
-        raise CannotAttachError(
-            f"vLLM quantizes this model with {model_config.quantization!r}, and wcache serves only unquantized "
-            "weights to vLLM"
-        )
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise CannotAttachError("wcache does not serve pipeline-parallel vLLM ranks")
+    vllm_formats.check_quantization(model_config)
+    config = locate(resolve_model_path(model_config.model, model_config.revision)).config
     dtype = str(model_config.dtype).removeprefix("torch.")
     return PlanSpec(tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
-                    dtype=dtype, layout=layout_for(model_config.architectures))
+                    dtype=dtype, layout=vllm_formats.layout_for_vllm(model_config, config))
 
 
 def device_name(vllm_config: VllmConfig) -> str:
@@ -87,32 +87,44 @@ def device_name(vllm_config: VllmConfig) -> str:
     return device.type
 
 
-def place(model: nn.Module, weights: AttachedWeights, plan: PlanSpec) -> Placement:
-    """Give every vLLM parameter its tensor: the daemon's own where it fits, else through load_weights."""
+def place(model: nn.Module, weights: AttachedWeights, plan: PlanSpec, quantized: bool = False) -> Placement:
+    """Give every vLLM parameter its tensor: the daemon's own where it fits, else through load_weights.
+
+    With `quantized`, parameters that neither the daemon nor load_weights fill (the attention's KV-cache
+    scales a checkpoint may leave out) keep the values vLLM created them with, as vLLM's disk loader leaves them.
+    """
     assigned: set[str] = set()
     params = dict(model.named_parameters())
     for name, param in params.items():
-        tensor = weights.tensors.get(name)
+        tensor = weights.tensors.get(vllm_formats.daemon_name(name))
         if (tensor is not None and tuple(tensor.shape) == tuple(param.shape) and tensor.dtype == param.dtype
                 and tensor.device.type == param.device.type):
             param.data = tensor
             assigned.add(name)
     rest = [name for name in params if name not in assigned]
+    note = vllm_formats.expert_note(model, assigned)
     if not rest:
-        return Placement(len(assigned), 0)
-    if plan.tp_size > 1:
+        return Placement(len(assigned), 0, note=note)
+    taken = {vllm_formats.daemon_name(name) for name in assigned}
+    unused = [name for name in weights.tensors if name not in taken]
+    if not unused and quantized:
+        # Every daemon tensor is placed; what is left the checkpoint does not hold (on any rank).
+        missing = rest
+    elif plan.tp_size > 1:
         # load_weights shards full checkpoint tensors itself; a daemon holds only this rank's shard.
         raise CannotAttachError(
             f"vLLM parameter {rest[0]} has no daemon tensor of its shape and dtype, and a TP shard cannot be "
             "reloaded under checkpoint names"
         )
-    unused = [name for name in weights.tensors if name not in assigned]
-    # Every vLLM model class has load_weights, but no vLLM type declares it: nn.Module's __getattr__ answers.
-    loaded = model.load_weights(weights.checkpoint_tensors(unused).items())  # type: ignore[operator]
-    missing = [name for name in rest if loaded is not None and name not in loaded]
-    if missing:
+    else:
+        # Every vLLM model class has load_weights, but no vLLM type declares it: nn.Module's __getattr__ answers.
+        loaded = model.load_weights(weights.checkpoint_tensors(unused).items())  # type: ignore[operator]
+        missing = [name for name in rest if loaded is not None and name not in loaded]
+    if missing and not quantized:
         raise CannotAttachError(f"the daemon holds nothing vLLM can load into parameter {missing[0]}")
-    return Placement(len(assigned), len(rest))
+    if missing:
+        note += f"; {len(missing)} the checkpoint lacks (such as {missing[0]}) kept vLLM's initial values, as from disk"
+    return Placement(len(assigned), len(rest) - len(missing), note=note)
 
 
 class WcacheModelLoader(BaseModelLoader):
@@ -190,9 +202,9 @@ class WcacheModelLoader(BaseModelLoader):
         how = "zero-copy views of its arena" if report.mode == "zero_copy" else "private copies (copy mode)"
         logger.info(
             "wcache: weight cache hit from daemon %s (key %s): %d parameters took the daemon's tensors as %s, "
-            "%d were copied in through load_weights; no checkpoint byte was read (attach %.1f ms, vLLM's "
+            "%d were copied in through load_weights%s; no checkpoint byte was read (attach %.1f ms, vLLM's "
             "post-processing %.1f ms; %.1f ms, post-processing included)", report.daemon, report.daemon_key_id,
-            placement.assigned, how, placement.copied, report.timings_ms.get("total", 0.0),
+            placement.assigned, how, placement.copied, placement.note, report.timings_ms.get("total", 0.0),
             placement.post_processing_s * 1000, (time.perf_counter() - began) * 1000,
         )
         return model
@@ -220,7 +232,7 @@ class WcacheModelLoader(BaseModelLoader):
             # touched before the daemon's tensors replace it.
             with target_device:
                 model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-            placement = place(model, weights, weights.key_file.plan)
+            placement = place(model, weights, weights.key_file.plan, quantized=bool(model_config.quantization))
             began = time.perf_counter()
             process_weights_after_loading(model, model_config, target_device)
             placement = dataclasses.replace(placement, post_processing_s=time.perf_counter() - began)

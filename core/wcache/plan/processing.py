@@ -16,10 +16,11 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from wcache.checkpoint import hf_names
 from wcache.checkpoint.dtypes import CASTABLE, TORCH_ITEMSIZE, TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest
-from wcache.errors import BadInputError, CheckpointError
+from wcache.errors import CheckpointError
+from wcache.plan import family
+from wcache.plan.family import ModelDims, UnsupportedPlanError
 from wcache.plan.quantize import QUANTIZED_DTYPES, channel_scales, is_linear_weight, quantize_rows, scale_name
 from wcache.plan.spec import PlanSpec
 
@@ -30,9 +31,8 @@ _ROTARY_BUFFER = ".rotary_emb.inv_freq"
 
 Source = Callable[[str], "torch.Tensor"]
 
-
-class UnsupportedPlanError(BadInputError):
-    """The plan cannot be applied to this checkpoint (its layout, its config, or the TP size)."""
+__all__ = ["OutputSpec", "Piece", "ProcessingPlan", "Recipe", "UnsupportedPlanError", "build_plan", "check_tp_split",
+           "process_all"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +64,9 @@ class Piece:
 @dataclass(frozen=True, slots=True)
 class Recipe:
     """How one output is made: pieces stacked along dim 0 into `shape`, rows past them zero (vocab padding).
+
+    A 3-D shape (a mixture of experts' stacked projections) is filled as its first two dimensions flattened:
+    expert after expert, each expert's pieces in turn.
 
     `kind` is "tensor" (cast into the output dtype), "quantized" (the stacked float32 weight, quantized) or
     "scale" (that weight's per-row scales).
@@ -132,7 +135,7 @@ class ProcessingPlan:
             wanted = outputs is None or output.name in outputs
             if recipe.kind != "tensor" or output.name not in tensors or not wanted:
                 continue
-            processed = tensors[output.name]
+            processed = _rows(tensors[output.name])
             row = 0
             for piece in recipe.pieces:
                 if piece.dim is None:
@@ -155,7 +158,8 @@ def _assemble(recipe: Recipe, source: Source, dtype: torch.dtype, out: torch.Ten
     # the only full-size buffer is the output itself: no checkpoint tensor is ever materialized first.
     import torch
 
-    target = out if out is not None else torch.empty(recipe.shape, dtype=dtype)
+    result = out if out is not None else torch.empty(recipe.shape, dtype=dtype)
+    target = _rows(result)
     fetched: dict[str, torch.Tensor] = {}
     row = 0
     for piece in recipe.pieces:
@@ -163,14 +167,19 @@ def _assemble(recipe: Recipe, source: Source, dtype: torch.dtype, out: torch.Ten
         if tensor is None:
             tensor = fetched[piece.source] = _fetch(source, piece)
         if piece.dim is None:
-            target.copy_(tensor)
-            return target
+            target.copy_(tensor.reshape(target.shape))
+            return result
         view = tensor.narrow(piece.dim, piece.start, piece.length)
         target.narrow(0, row, view.shape[0]).copy_(view)
         row += view.shape[0]
-    if row < recipe.shape[0]:
-        target.narrow(0, row, recipe.shape[0] - row).zero_()
-    return target
+    if row < target.shape[0]:
+        target.narrow(0, row, target.shape[0] - row).zero_()
+    return result
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """A stacked experts tensor [experts, rows, cols] as [experts × rows, cols] (a view); others as they are."""
+    return tensor.flatten(0, 1) if tensor.dim() == 3 else tensor
 
 
 def _fetch(source: Source, piece: Piece) -> torch.Tensor:
@@ -188,9 +197,11 @@ def _fetch(source: Source, piece: Piece) -> torch.Tensor:
 class _Builder:
     """Collects outputs and recipes in order, choosing each output's dtype and adding quantization scales."""
 
-    def __init__(self, spec: PlanSpec, manifest: Mapping[str, TensorDigest]) -> None:
+    def __init__(self, spec: PlanSpec, manifest: Mapping[str, TensorDigest], prequantized: bool = False) -> None:
         self.spec = spec
         self.manifest = manifest
+        # config.json declares a quantization_config: its codes are stacked and sharded as stored, never cast.
+        self.prequantized = prequantized
         self.outputs: list[OutputSpec] = []
         self.recipes: dict[str, Recipe] = {}
 
@@ -202,7 +213,9 @@ class _Builder:
         """An output that is a checkpoint tensor unchanged but for its dtype."""
         self.add(name, (self.piece(name),), tuple(self.manifest[name].shape))
 
-    def add(self, name: str, pieces: tuple[Piece, ...], shape: tuple[int, ...], sources: tuple[str, ...] = ()) -> None:
+    def add(self, name: str, pieces: tuple[Piece, ...], shape: tuple[int, ...], sources: tuple[str, ...] = (),
+            dtype: str | None = None) -> None:
+        """An output stacked from `pieces`; `dtype` overrides the plan's for floating sources (scales)."""
         sources = sources or tuple(dict.fromkeys(p.source for p in pieces))
         entries = [self.manifest[s] for s in sources]
         castable = all(e.dtype in CASTABLE for e in entries)
@@ -217,13 +230,14 @@ class _Builder:
             self._emit(OutputSpec(scale_name(name), "float32", shape[:1], sources), Recipe("scale", pieces, shape))
             return
         if castable:
-            dtype = self.spec.dtype
-        elif self.spec.layout == "identity":
-            dtype = _torch_name(entries[0])  # identity keeps non-floating and float8 tensors exactly as stored
+            dtype = dtype or self.spec.dtype
+        elif self.spec.layout == "identity" or (self.prequantized and len({e.dtype for e in entries}) == 1):
+            # Kept exactly as stored: identity's non-floating tensors, and a pre-quantized checkpoint's codes.
+            dtype = _torch_name(entries[0])
         else:
             raise UnsupportedPlanError(
-                f"tensor {sources[0]!r} is stored as {entries[0].dtype}, which the fused plan cannot shard or cast; "
-                "use --plan identity."
+                f"tensor {sources[0]!r} is stored as {entries[0].dtype}, which the fused plan cannot shard or cast "
+                "without a quantization_config in config.json; use --plan identity."
             )
         self._emit(OutputSpec(name, dtype, shape, sources), Recipe("tensor", pieces, shape))
 
@@ -254,14 +268,14 @@ def build_plan(spec: PlanSpec, config: Mapping[str, Any] | None, tensors: Sequen
             raise CheckpointError(f"tensor {entry.name!r} appears twice in the checkpoint.")
         _torch_name(entry)
         manifest[entry.name] = entry
-    builder = _Builder(spec, manifest)
+    builder = _Builder(spec, manifest, family.quantization_method(config) is not None)
     if spec.layout == "identity":
         check_tp_split(spec, config)
         # Sorted, so the order does not depend on how the manifest was listed (by shard, by name).
         for name in sorted(manifest):
             builder.whole(name)
         return builder.plan()
-    _build_fused(builder, _Dims.from_config(config), manifest)
+    _build_fused(builder, ModelDims.from_config(config), manifest)
     return builder.plan()
 
 
@@ -272,7 +286,7 @@ def check_tp_split(spec: PlanSpec, config: Mapping[str, Any] | None) -> None:
         if spec.tp_size != 1:
             raise UnsupportedPlanError("the identity plan holds unsharded weights; use --tp 1 or --plan fused.")
         return
-    _check_split(spec.tp_size, _Dims.from_config(config))
+    _check_split(spec.tp_size, ModelDims.from_config(config))
 
 
 def _torch_name(entry: TensorDigest) -> str:
@@ -285,68 +299,102 @@ def _torch_name(entry: TensorDigest) -> str:
     return name
 
 
-@dataclass(frozen=True, slots=True)
-class _Dims:
-    """The config fields that shape a Llama/Qwen2/Qwen3/Mistral checkpoint."""
-
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    layers: int
-    tie: bool
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any] | None) -> _Dims:
-        if config is None:
-            raise UnsupportedPlanError(
-                "the fused plan needs the model's config.json to split heads; add it or use --plan identity."
-            )
-
-        def number(key: str, default: int | None = None) -> int:
-            value = config.get(key)
-            if value is None:
-                if default is None:
-                    raise UnsupportedPlanError(f"config.json has no {key}, which the fused plan needs.")
-                return default
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UnsupportedPlanError(
-                    f"config.json has {key} = {value!r}; the fused plan needs a positive integer."
-                )
-            return value
-
-        hidden, heads = number("hidden_size"), number("num_attention_heads")
-        # Hugging Face's defaults: no num_key_value_heads means multi-head attention, no head_dim means
-        # hidden_size split evenly across heads.
-        kv_heads = number("num_key_value_heads", heads)
-        if config.get("head_dim") is None and hidden % heads:
-            raise UnsupportedPlanError(
-                f"config.json has no head_dim and hidden_size {hidden} is not a multiple of {heads} heads."
-            )
-        head_dim = number("head_dim", hidden // heads)
-        tie = config.get("tie_word_embeddings", False)
-        return cls(hidden, heads, kv_heads, head_dim, number("intermediate_size"), number("vocab_size"),
-                   number("num_hidden_layers"), bool(tie))
-
-
-def _check_split(tp: int, d: _Dims) -> None:
+def _check_split(tp: int, d: ModelDims) -> None:
     if d.heads % tp:
         raise UnsupportedPlanError(f"{d.heads} attention heads cannot be split evenly across --tp {tp}.")
     if d.kv_heads % tp and tp % d.kv_heads:
         raise UnsupportedPlanError(
             f"{d.kv_heads} key/value heads can be neither split nor replicated evenly across --tp {tp}."
         )
-    if d.intermediate % tp:
+    if len(d.sparse_layers) < d.layers and d.intermediate % tp:
         raise UnsupportedPlanError(f"intermediate_size {d.intermediate} cannot be split evenly across --tp {tp}.")
+    if d.is_moe and d.expert_intermediate % tp:
+        raise UnsupportedPlanError(
+            f"moe_intermediate_size {d.expert_intermediate} cannot be split evenly across --tp {tp}."
+        )
 
 
-def _build_fused(b: _Builder, d: _Dims, manifest: Mapping[str, TensorDigest]) -> None:
-    tp, rank = b.spec.tp_size, b.spec.tp_rank
-    _check_split(tp, d)
+class _Shards:
+    """How one rank slices the family's projections, and the fusions it makes of them."""
+
+    def __init__(self, b: _Builder, d: ModelDims) -> None:
+        self.b, self.d = b, d
+        tp, rank = b.spec.tp_size, b.spec.tp_rank
+        self.tp, self.rank = tp, rank
+        # Column-parallel attention: rank r holds a contiguous block of query heads and the key/value heads they
+        # read. With fewer kv heads than ranks each kv head is replicated, and rank r holds head r*kv//tp
+        # (vLLM's rule).
+        self.q_rows = d.heads // tp * d.head_dim
+        self.kv_start = rank * d.kv_heads // tp * d.head_dim
+        self.kv_rows = max(d.kv_heads // tp, 1) * d.head_dim
+
+    def rows(self, name: str, start: int, length: int) -> Piece:
+        return self.b.piece(name, 0, start, length)
+
+    def cols(self, name: str, start: int, length: int) -> Piece:
+        return self.b.piece(name, 1, start, length)
+
+    def column_parallel(self, fused: str, parts: list[tuple[str, int, int]], cols: int) -> None:
+        """`fused.weight` from rows [start, start+length) of each part's weight, and each companion alike.
+
+        Per-channel companions (scales, zero points: one row per output row) are sliced and stacked with the
+        weight's rows; the others (per-tensor) are held whole for the engine's own loader.
+        """
+        pieces = tuple(self.rows(f"{part}.weight", start, length) for part, start, length in parts)
+        self.b.add(f"{fused}.weight", pieces, (sum(length for _, _, length in parts), cols))
+        for suffix in family.QUANTIZED_SUFFIXES:
+            names = [f"{part}.{suffix}" for part, _, _ in parts]
+            present = [n for n in names if n in self.b.manifest]
+            if not present:
+                continue
+            if len(present) < len(names):
+                raise UnsupportedPlanError(f"{names[len(present)]!r} is missing beside {present[0]!r}, so "
+                                           f"{fused}.{suffix} cannot be fused.")
+            shapes = [(tuple(self.b.manifest[n].shape), self.b.manifest[f"{part}.weight"].shape[0])
+                      for n, (part, _, _) in zip(names, parts, strict=True)]
+            if not all(len(shape) in (1, 2) and shape[0] == rows for shape, rows in shapes):
+                for name in names:
+                    self._companion_whole(name)
+                continue
+            trailing = tuple(self.b.manifest[names[0]].shape[1:])
+            stacked = tuple(self.rows(n, start, length) for n, (_, start, length) in zip(names, parts, strict=True))
+            self.b.add(f"{fused}.{suffix}", stacked, (sum(length for _, _, length in parts), *trailing),
+                       dtype=family.SCALE_DTYPE)
+
+    def row_parallel(self, module: str, start: int, length: int, rows: int) -> None:
+        """`module.weight` from columns [start, start+length); its companions (per output row) whole."""
+        self.b.add(f"{module}.weight", (self.cols(f"{module}.weight", start, length),), (rows, length))
+        for suffix in family.QUANTIZED_SUFFIXES:
+            name = f"{module}.{suffix}"
+            if name in self.b.manifest:
+                self._companion_whole(name)
+
+    def _companion_whole(self, name: str) -> None:
+        entry = self.b.manifest[name]
+        self.b.add(name, (self.b.piece(name),), tuple(entry.shape), dtype=family.SCALE_DTYPE)
+
+    def experts(self, i: int) -> None:
+        """The router whole, and every expert's projections stacked as the engine holds them (vLLM's FusedMoE)."""
+        d, b = self.d, self.b
+        b.whole(f"{family.mlp(i)}.{family.ROUTER}.weight")
+        inter = d.expert_intermediate // self.tp
+        start = self.rank * inter
+        w13: list[Piece] = []
+        w2: list[Piece] = []
+        for e in range(d.experts):
+            prefix = family.expert(i, e)
+            w13 += [self.rows(f"{prefix}.{part}.weight", start, inter) for part in family.EXPERT_STACKS["w13_weight"]]
+            w2 += [self.cols(f"{prefix}.{part}.weight", start, inter) for part in family.EXPERT_STACKS["w2_weight"]]
+        b.add(family.expert_stack(i, "w13_weight"), tuple(w13), (d.experts, 2 * inter, d.hidden))
+        b.add(family.expert_stack(i, "w2_weight"), tuple(w2), (d.experts, d.hidden, inter))
+
+
+def _build_fused(b: _Builder, d: ModelDims, manifest: Mapping[str, TensorDigest]) -> None:
+    _check_split(b.spec.tp_size, d)
     expected, required = _expected_shapes(d)
-    unknown = sorted(n for n in manifest if n not in expected and not n.endswith(_ROTARY_BUFFER))
+    known = [n for n in manifest if n in expected or n.endswith(_ROTARY_BUFFER)
+             or (b.prequantized and _is_companion(n, expected))]
+    unknown = sorted(set(manifest) - set(known))
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise UnsupportedPlanError(
@@ -362,53 +410,52 @@ def _build_fused(b: _Builder, d: _Dims, manifest: Mapping[str, TensorDigest]) ->
                 f"tensor {name!r} has shape {tuple(entry.shape)} but config.json implies {shape}."
             )
 
-    # Column-parallel attention: rank r holds a contiguous block of query heads and the key/value heads they
-    # read. With fewer kv heads than ranks each kv head is replicated, and rank r holds head r*kv//tp (vLLM's rule).
-    q_rows = d.heads // tp * d.head_dim
-    kv_per_rank = max(d.kv_heads // tp, 1)
-    kv_start = rank * d.kv_heads // tp * d.head_dim
-    kv_rows = kv_per_rank * d.head_dim
-    inter = d.intermediate // tp
-
-    def rows(name: str, start: int, length: int) -> Piece:
-        return b.piece(name, 0, start, length)
-
-    def cols(name: str, start: int, length: int) -> Piece:
-        return b.piece(name, 1, start, length)
-
-    _vocab_parallel(b, hf_names.EMBED, d)
+    s = _Shards(b, d)
+    q_rows, kv_start, kv_rows, rank = s.q_rows, s.kv_start, s.kv_rows, s.rank
+    inter = d.intermediate // s.tp
+    _vocab_parallel(b, family.EMBED, d)
     for i in range(d.layers):
-        p, a, m = hf_names.layer(i), hf_names.attention(i), hf_names.mlp(i)
+        p, a, m = family.layer(i), family.attention(i), family.mlp(i)
         b.whole(f"{p}.input_layernorm.weight")
-        qkv = (rows(f"{a}.q_proj.weight", rank * q_rows, q_rows), rows(f"{a}.k_proj.weight", kv_start, kv_rows),
-               rows(f"{a}.v_proj.weight", kv_start, kv_rows))
-        b.add(f"{a}.qkv_proj.weight", qkv, (q_rows + 2 * kv_rows, d.hidden))
+        qkv = [(f"{a}.q_proj", rank * q_rows, q_rows), (f"{a}.k_proj", kv_start, kv_rows),
+               (f"{a}.v_proj", kv_start, kv_rows)]
+        s.column_parallel(f"{a}.{family.QKV}", qkv, d.hidden)
         present = [n for n in (f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias") if n in manifest]
         if 0 < len(present) < 3:
             raise UnsupportedPlanError(
                 f"layer {i} has a bias for only some of q, k and v, so qkv_proj cannot be fused."
             )
         if present:
-            biases = (rows(f"{a}.q_proj.bias", rank * q_rows, q_rows), rows(f"{a}.k_proj.bias", kv_start, kv_rows),
-                      rows(f"{a}.v_proj.bias", kv_start, kv_rows))
+            biases = (s.rows(f"{a}.q_proj.bias", rank * q_rows, q_rows),
+                      s.rows(f"{a}.k_proj.bias", kv_start, kv_rows), s.rows(f"{a}.v_proj.bias", kv_start, kv_rows))
             b.add(f"{a}.qkv_proj.bias", biases, (q_rows + 2 * kv_rows,))
-        b.add(f"{a}.o_proj.weight", (cols(f"{a}.o_proj.weight", rank * q_rows, q_rows),), (d.hidden, q_rows))
+        s.row_parallel(f"{a}.o_proj", rank * q_rows, q_rows, d.hidden)
         # A row-parallel bias is added once after the all-reduce, so every rank keeps all of it.
         for optional in (f"{a}.o_proj.bias", f"{a}.q_norm.weight", f"{a}.k_norm.weight"):
             if optional in manifest:
                 b.whole(optional)
         b.whole(f"{p}.post_attention_layernorm.weight")
-        gate_up = (rows(f"{m}.gate_proj.weight", rank * inter, inter), rows(f"{m}.up_proj.weight", rank * inter, inter))
-        b.add(f"{m}.gate_up_proj.weight", gate_up, (2 * inter, d.hidden))
-        b.add(f"{m}.down_proj.weight", (cols(f"{m}.down_proj.weight", rank * inter, inter),), (d.hidden, inter))
-    b.whole(hf_names.FINAL_NORM)
+        if i in d.sparse_layers:
+            s.experts(i)
+            continue
+        s.column_parallel(f"{m}.{family.GATE_UP}", [(f"{m}.gate_proj", rank * inter, inter),
+                                                    (f"{m}.up_proj", rank * inter, inter)], d.hidden)
+        s.row_parallel(f"{m}.down_proj", rank * inter, inter, d.hidden)
+    b.whole(family.FINAL_NORM)
     # Tied embeddings: the engine reuses embed_tokens, so lm_head exists only if the checkpoint stores one
     # (Qwen3-0.6B does, tied or not); the engine then uses the stored bytes, exactly as transformers does.
-    if hf_names.LM_HEAD in manifest:
-        _vocab_parallel(b, hf_names.LM_HEAD, d)
+    if family.LM_HEAD in manifest:
+        _vocab_parallel(b, family.LM_HEAD, d)
 
 
-def _vocab_parallel(b: _Builder, name: str, d: _Dims) -> None:
+def _is_companion(name: str, expected: Mapping[str, tuple[int, ...]]) -> bool:
+    """Whether `name` is a pre-quantized projection's scale or zero point (`x.weight_scale` beside `x.weight`)."""
+    module, _, suffix = name.rpartition(".")
+    return suffix in family.QUANTIZED_SUFFIXES and family.is_projection(f"{module}.weight") and (
+        f"{module}.weight" in expected)
+
+
+def _vocab_parallel(b: _Builder, name: str, d: ModelDims) -> None:
     # The vocab is padded up to a multiple of tp with zero rows so that every rank's shard has one shape (one
     # arena layout for all ranks); the engine masks logits past vocab_size.
     tp, rank = b.spec.tp_size, b.spec.tp_rank
@@ -419,30 +466,20 @@ def _vocab_parallel(b: _Builder, name: str, d: _Dims) -> None:
     b.add(name, pieces, (per_rank, d.hidden), sources=(name,))
 
 
-def _expected_shapes(d: _Dims) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+def _expected_shapes(d: ModelDims) -> tuple[dict[str, tuple[int, ...]], list[str]]:
     """Every tensor name the fused plan understands with its shape, and those it cannot do without."""
     q_out, kv_out = d.heads * d.head_dim, d.kv_heads * d.head_dim
     expected: dict[str, tuple[int, ...]] = {
-        hf_names.EMBED: (d.vocab, d.hidden),
-        hf_names.FINAL_NORM: (d.hidden,),
-        hf_names.LM_HEAD: (d.vocab, d.hidden),
+        family.EMBED: (d.vocab, d.hidden),
+        family.FINAL_NORM: (d.hidden,),
+        family.LM_HEAD: (d.vocab, d.hidden),
     }
-    required = [hf_names.EMBED, hf_names.FINAL_NORM]
+    required = [family.EMBED, family.FINAL_NORM]
     if not d.tie:
-        required.append(hf_names.LM_HEAD)
+        required.append(family.LM_HEAD)
     for i in range(d.layers):
-        p, a, m = hf_names.layer(i), hf_names.attention(i), hf_names.mlp(i)
-        layer = {
-            f"{p}.input_layernorm.weight": (d.hidden,),
-            f"{a}.q_proj.weight": (q_out, d.hidden),
-            f"{a}.k_proj.weight": (kv_out, d.hidden),
-            f"{a}.v_proj.weight": (kv_out, d.hidden),
-            f"{a}.o_proj.weight": (d.hidden, q_out),
-            f"{p}.post_attention_layernorm.weight": (d.hidden,),
-            f"{m}.gate_proj.weight": (d.intermediate, d.hidden),
-            f"{m}.up_proj.weight": (d.intermediate, d.hidden),
-            f"{m}.down_proj.weight": (d.hidden, d.intermediate),
-        }
+        a = family.attention(i)
+        layer = {leaf.name: leaf.shape for leaf in family.layer_leaves(d, i, qk_norm=False)}
         required.extend(layer)
         expected.update(layer)
         expected.update({

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -13,16 +12,6 @@ from wcache.errors import BadInputError
 LAYOUTS = ("fused", "identity")
 QUANTIZATIONS = ("none", "int8", "fp8")
 DTYPES = ("auto", *PLAN_DTYPES)
-# Families whose engines (vLLM, wcache's own) fuse q/k/v into qkv_proj and gate/up into gate_up_proj exactly
-# as the fused plan does, and whose Hugging Face modules it knows by name.
-FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
-
-
-def layout_for(architectures: Sequence[str] | None) -> str:
-    """The layout an engine integration asks for: fused for the known families, else tensors by name."""
-    return "fused" if set(architectures or ()) & FUSED_ARCHITECTURES else "identity"
-
-
 @dataclass(frozen=True, slots=True)
 class PlanSpec:
     """Everything about processing that changes the bytes a rank holds.

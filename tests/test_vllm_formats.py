@@ -1,0 +1,159 @@
+"""Real vLLM engines (the CPU build) attach pre-quantized and mixture-of-experts checkpoints through `wcache`.
+
+One module-wide rig: a daemon per checkpoint (compressed-tensors W8A8 int8 and fp8, and a Qwen3-MoE), each
+preloaded with the default fused plan. Each configuration starts two engines side by side,
+`load_format="auto"` and a `wcache` hit with fallback off, once for the module; vLLM's engine core runs in
+its front process (one interpreter instead of three). Run under the vLLM lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from daemon_fixtures import DaemonRig, copy_checkpoint, daemon_rig, nothing_survives  # noqa: F401
+from wcache.integrations.vllm_runner import VllmResult, VllmRun, greedy_tokens
+from wcache.ipc.rundir import DaemonDescriptor
+from wcache.plan import family
+from wcache.plan.family import ModelDims, UnsupportedPlanError
+from wcache_dev.synth import PRESETS as DEV_PRESETS
+from wcache_dev.synth import write_checkpoint
+
+PROMPTS = ["the weights cache keeps", "a daemon holds the shard and"]
+MAX_NEW_TOKENS = 8
+IN_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# Configuration → the dev preset that writes its checkpoint.
+# vLLM's own per-tensor fp8 format (dev preset small-fp8-tensor) is absent: vLLM CPU here fails in its own
+# disk load of it (this build's _C::static_scaled_fp8_quant takes no arguments).
+PRESETS = {"int8-w8a8": "small-w8a8", "fp8-w8a8": "small-fp8", "moe": "small-moe"}
+
+
+@dataclass
+class FormatsRig:
+    rig: DaemonRig
+    checkpoints: dict[str, Path]
+    daemons: dict[str, DaemonDescriptor]
+    runs: dict[str, tuple[VllmResult, VllmResult]] = field(default_factory=dict)
+
+    def auto_and_hit(self, configuration: str) -> tuple[VllmResult, VllmResult]:
+        """vLLM's own disk load and a wcache hit (fallback off) of one configuration, started side by side once."""
+        if configuration not in self.runs:
+            model = str(self.checkpoints[configuration])
+            extra = {"run_dir": str(self.rig.run_dir), "fallback": False}
+            runs = [VllmRun(model, PROMPTS, MAX_NEW_TOKENS),
+                    VllmRun(model, PROMPTS, MAX_NEW_TOKENS, load_format="wcache", extra_config=extra)]
+            with ThreadPoolExecutor(len(runs)) as pool:
+                auto, hit = pool.map(greedy_tokens, runs)
+            self.runs[configuration] = (auto, hit)
+        return self.runs[configuration]
+
+
+@pytest.fixture(scope="module")
+def formats_rig() -> Iterator[FormatsRig]:
+    saved = {name: os.environ.get(name) for name in ("WCACHE_CACHE_DIR", *IN_PROCESS_ENGINE)}
+    with daemon_rig() as rig:
+        checkpoints = {c: write_checkpoint(preset, rig.base / preset) for c, preset in PRESETS.items()}
+        daemons = {c: rig.preload(path)[0] for c, path in checkpoints.items()}
+        # greedy_tokens hands this environment to vLLM: the rig's digest store, vLLM's in-process engine core.
+        os.environ.update({"WCACHE_CACHE_DIR": rig.env["WCACHE_CACHE_DIR"], **IN_PROCESS_ENGINE})
+        try:
+            yield FormatsRig(rig, checkpoints, daemons)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def _hit_line(result: VllmResult) -> str:
+    [line] = [line for line in result.log.splitlines() if "wcache: weight cache hit" in line]
+    return line
+
+
+@pytest.mark.parametrize("configuration", ["int8-w8a8", "fp8-w8a8"])
+def test_pre_quantized_checkpoint_hits_with_the_tokens_of_vllms_disk_load(formats_rig: FormatsRig,
+                                                                          configuration: str) -> None:
+    auto, hit = formats_rig.auto_and_hit(configuration)
+    assert hit.tokens == auto.tokens and len(set(map(tuple, auto.tokens))) == len(PROMPTS)
+    line = _hit_line(hit)
+    assert f"from daemon {formats_rig.daemons[configuration].name}" in line and "zero-copy views" in line
+    # Codes and per-channel scales alike are the daemon's tensors; only the attention's KV-cache scales,
+    # which the checkpoint does not hold, keep vLLM's initial values.
+    assert " 0 were copied in through load_weights" in line, line
+    assert "kept vLLM's initial values, as from disk" in line, line
+    # vLLM's post-processing ran over the daemon's codes, as it does after a disk load (its CPU int8 and fp8
+    # kernels repack them).
+    assert "vLLM's post-processing" in line
+
+
+def test_moe_experts_are_the_daemons_tensors_and_tokens_equal_vllms_disk_load(formats_rig: FormatsRig) -> None:
+    auto, hit = formats_rig.auto_and_hit("moe")
+    assert hit.tokens == auto.tokens
+    line = _hit_line(hit)
+    assert " 0 were copied in through load_weights" in line, line
+    # 4 layers, each with w13 and w2.
+    assert "8 of 8 stacked expert parameters took the daemon's tensors" in line, line
+    hits = [e for e in formats_rig.rig.events("attach_hit") if e.get("daemon") == formats_rig.daemons["moe"].name]
+    assert hits and all(e["mode"] == "zero_copy" for e in hits)
+
+
+def test_moe_at_tp_2_shards_the_stacked_experts_as_vllm_does(formats_rig: FormatsRig,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = formats_rig.rig
+    daemons = rig.preload(formats_rig.checkpoints["moe"], "--tp", "2")
+    # Two CPU workers need a core each; vLLM's engine core keeps its own process at TP 2.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    model = str(formats_rig.checkpoints["moe"])
+    extra = {"run_dir": str(rig.run_dir), "fallback": False}
+    runs = [VllmRun(model, PROMPTS, MAX_NEW_TOKENS, tensor_parallel_size=2),
+            VllmRun(model, PROMPTS, MAX_NEW_TOKENS, tensor_parallel_size=2, load_format="wcache", extra_config=extra)]
+    with ThreadPoolExecutor(len(runs)) as pool:
+        auto, hit = pool.map(greedy_tokens, runs)
+    assert hit.tokens == auto.tokens
+    lines = [line for line in hit.log.splitlines() if "wcache: weight cache hit" in line]
+    assert len(lines) == len(daemons) == 2
+    for daemon in daemons:  # one hit per rank, each on its own rank's daemon, every expert stack zero-copy
+        [line] = [line for line in lines if f"from daemon {daemon.name} " in line]
+        assert " 0 were copied in through load_weights" in line and "8 of 8 stacked expert parameters" in line, line
+
+
+def test_a_changed_quantization_config_misses_and_the_miss_names_it(formats_rig: FormatsRig) -> None:
+    rig = formats_rig.rig
+    changed = copy_checkpoint(formats_rig.checkpoints["int8-w8a8"], rig.base / "w8a8-changed")
+    config_path = changed / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"]["ignore"] = ["lm_head", "model.layers.0.mlp.down_proj"]
+    config_path.write_text(json.dumps(config))
+    result = rig.cli("attach", str(changed), "--no-fallback", "--json", "--run-dir", str(rig.run_dir))
+    assert result.returncode == 3, result.stderr
+    report = json.loads(result.stdout)
+    assert report["outcome"] == "miss" and report["diff"]["config"] == ["quantization_config"]
+    assert "quantization_config" in report["reason"]
+
+
+def test_vllms_model_classes_fuse_as_the_plan_does() -> None:
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+    from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    dense = ModelDims.from_config(DEV_PRESETS["small"].config)
+    moe = ModelDims.from_config(DEV_PRESETS["small-moe"].config)
+    for model_class, dims in ((Qwen3ForCausalLM, dense), (LlamaForCausalLM, dense), (Qwen3MoeForCausalLM, moe)):
+        assert family.fuses_like_family(model_class.packed_modules_mapping)
+        family.check_engine_fusions(model_class.packed_modules_mapping, dims, model_class.__name__)
+    # A dense checkpoint under a class that does not fuse gate and up (or the other way round) is refused early.
+    with pytest.raises(UnsupportedPlanError, match="Qwen3MoeForCausalLM does not fuse gate_up_proj"):
+        family.check_engine_fusions(Qwen3MoeForCausalLM.packed_modules_mapping, dense, "Qwen3MoeForCausalLM")
+    with pytest.raises(UnsupportedPlanError, match="Odd fuses gate_up_proj from gate_up, which the fused plan does"):
+        family.check_engine_fusions({**Qwen3ForCausalLM.packed_modules_mapping, "gate_up_proj": ["gate_up"]}, dense,
+                                    "Odd")
+    # A class that fuses other modules under the same names (Phi-3's stored qkv_proj) is not of the family:
+    # its tensors are served by name.
+    assert not family.fuses_like_family({"qkv_proj": ["qkv_proj"], "gate_up_proj": ["gate_up_proj"]})
