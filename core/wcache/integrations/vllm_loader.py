@@ -1,4 +1,4 @@
-"""The vLLM load format `wcache`: vLLM's parameters take a daemon's processed tensors, or vLLM loads from disk.
+"""The vLLM load format `wcache`: vLLM's parameters are a daemon's processed tensors, or vLLM loads from disk.
 
 `--load-format wcache --model-loader-extra-config '{"mode": "copy"}'` (server) or `LLM(..., load_format="wcache",
 model_loader_extra_config={...})` (offline); the options are `wcache.attach_options.AttachOptions`. The plan
@@ -6,39 +6,54 @@ comes from vLLM's own configuration (TP size and rank from its parallel state, d
 the fused layout for the Llama/Qwen2/Qwen3/Mistral families), so the key is the one `wcache preload` computes
 for the same checkpoint and TP size.
 
-On a hit every vLLM parameter whose name, shape and dtype equal a daemon tensor's takes that tensor as is
-(zero-copy: a view of the daemon's arena); the rest go through the model's own `load_weights` under Hugging
-Face names, copied from views of the arena, never read from disk. vLLM's CPU backend then repacks linear
-weights for oneDNN into memory of its own and drops the parameter: that copy is vLLM's. The arena is mapped
-copy-on-write, so such post-processing can never write into the weights other engines read.
+On a hit vLLM builds the model with its parameters on the meta device (its buffers, such as the rotary cache,
+on the real one): no parameter memory is allocated for weights the daemon holds. Every parameter whose name,
+shape and dtype equal a daemon tensor's is registered as that tensor (zero-copy: a view of the daemon's arena);
+only the rest are materialized, and filled by the model's own `load_weights` under Hugging Face names from
+views of the arena, never read from disk. At TP > 1 the plan shards exactly as vLLM does (replicated key/value
+heads, the vocabulary padded to vLLM's 64 rows before it is split), so every parameter is the daemon's. vLLM's
+post-processing (`process_weights_after_loading`) then runs as after a disk load: vLLM's CPU backend repacks
+linear weights for oneDNN into memory of its own and drops the parameter; that copy is vLLM's. The arena is
+mapped copy-on-write, so such post-processing can never write into the weights other engines read.
 
-On a miss one warning says why (wcache's diff), and vLLM's default loader reads the checkpoint; with
-`"fallback": false` the engine does not start and the error says why.
+On a miss one warning says why (wcache's diff) and names the `wcache preload` command that would serve this
+engine, and vLLM's default loader reads the checkpoint; with `"fallback": false` the engine does not start and
+the error says why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
-from vllm.config import ModelConfig, VllmConfig
-from vllm.config.load import LoadConfig
-from vllm.logger import init_logger
-from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-from vllm.model_executor.model_loader.utils import process_weights_after_loading
-from vllm.utils.torch_utils import set_default_torch_dtype
 
 from wcache.attach import AttachedWeights, AttachMissError, attach_with
 from wcache.attach_options import AttachOptions
 from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import CheckpointError, UnavailableError, WcacheError
+from wcache.integrations.vllm_api import (
+    BaseModelLoader,
+    DefaultModelLoader,
+    LoadConfig,
+    ModelConfig,
+    VllmConfig,
+    get_current_vllm_config,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    init_logger,
+    initialize_model,
+    process_weights_after_loading,
+    set_default_torch_dtype,
+)
 from wcache.ipc.rundir import default_run_dir, ensure_run_dir
 from wcache.key.digest_store import DigestStore
 from wcache.monitor.events import append_event
+from wcache.monitor.private_memory import private_bytes
 from wcache.plan.processing import UnsupportedPlanError
 from wcache.plan.spec import PlanSpec, layout_for
 
@@ -58,14 +73,13 @@ class Placement:
     """How a hit's tensors reached vLLM's parameters."""
 
     assigned: int  # parameters that now are the daemon's tensors (views of the arena in zero-copy mode)
-    copied: int  # parameters filled by the model's load_weights from checkpoint-named views
+    copied: tuple[str, ...]  # parameters materialized and filled by the model's load_weights, by vLLM name
+    private_bytes: int | None = None  # this process's private memory added from the build until post-processing
     post_processing_s: float = 0.0  # vLLM's process_weights_after_loading (the oneDNN repack on CPU)
 
 
 def plan_for(vllm_config: VllmConfig, model_config: ModelConfig) -> PlanSpec:
     """The plan a daemon must hold for this vLLM rank."""
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
     if model_config.quantization:
         raise CannotAttachError(
             f"vLLM quantizes this model with {model_config.quantization!r}, and wcache serves only unquantized "
@@ -86,32 +100,97 @@ def device_name(vllm_config: VllmConfig) -> str:
     return device.type
 
 
-def place(model: nn.Module, weights: AttachedWeights, plan: PlanSpec) -> Placement:
-    """Give every vLLM parameter its tensor: the daemon's own where it fits, else through load_weights."""
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[dict[int, nn.Parameter]]:
+    """Every parameter a model registers meanwhile goes to the meta device; its buffers stay where they are made.
+
+    Buffers stay real because the daemon holds only parameters, and vLLM computes buffers such as the rotary
+    cos/sin cache at build time (and caches rotary modules across builds: one built on meta would poison a
+    later disk load in the same process). vLLM makes each parameter's data with `torch.empty` on the build
+    device before it registers it: that memory is freed at once, never touched, one parameter at a time.
+
+    Yields, by the id of each meta parameter, the object vLLM made: vLLM often sets attributes (weight_loader,
+    output_dim, ...) on it after registering it, and `attach_into` carries them over.
+    """
+    register = nn.Module.register_parameter
+    made: dict[int, nn.Parameter] = {}
+
+    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            meta = _same_kind(param, param.data.to("meta"))
+            made[id(meta)] = param
+            param.data = param.data.new_empty(0)  # the object lives on for its attributes, not its memory
+            param = meta
+        register(self, name, param)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield made
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _same_kind(param: nn.Parameter, data: torch.Tensor, made: nn.Parameter | None = None) -> nn.Parameter:
+    """A parameter over `data` of `param`'s class, with its attributes (and those of the object vLLM made)."""
+    result = nn.Parameter(data, requires_grad=False)
+    result.__class__ = param.__class__
+    result.__dict__ = {**(made.__dict__ if made is not None else {}), **param.__dict__}
+    return result
+
+
+def attach_into(model: nn.Module, weights: AttachedWeights, device: torch.device,
+                made: dict[int, nn.Parameter] | None = None) -> Placement:
+    """Register the daemon's tensors as the model's parameters; load the rest through the model's load_weights.
+
+    The one attach path: `load_model` calls it on a model whose parameters are on the meta device,
+    `load_weights` on a built one. A parameter takes the daemon's tensor of its name when shape and dtype
+    agree, in every module that shares it (tied embeddings); any other parameter still on the meta device is
+    materialized on `device`, then every other one is loaded by the model's `load_weights` from checkpoint-named
+    views of the daemon's tensors. `made` is what `parameters_on_meta` yielded, for a model built in it.
+    """
+    made = made or {}
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for leaf, param in module._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((module, leaf))
+    params = dict(model.named_parameters())  # one name per parameter, tied ones under their first
     assigned: set[str] = set()
-    params = dict(model.named_parameters())
     for name, param in params.items():
         tensor = weights.tensors.get(name)
         if (tensor is not None and tuple(tensor.shape) == tuple(param.shape) and tensor.dtype == param.dtype
-                and tensor.device.type == param.device.type):
-            param.data = tensor
+                and tensor.device.type == device.type):
+            _replace(slots[id(param)], _same_kind(param, tensor, made.get(id(param))))
             assigned.add(name)
     rest = [name for name in params if name not in assigned]
     if not rest:
-        return Placement(len(assigned), 0)
+        return Placement(len(assigned), ())
+    plan = weights.key_file.plan
     if plan.tp_size > 1:
         # load_weights shards full checkpoint tensors itself; a daemon holds only this rank's shard.
         raise CannotAttachError(
             f"vLLM parameter {rest[0]} has no daemon tensor of its shape and dtype, and a TP shard cannot be "
             "reloaded under checkpoint names"
         )
+    for name in rest:  # what the daemon lacks: the only parameter memory this attach allocates
+        param = params[name]
+        if param.device.type == "meta":
+            empty = torch.empty_strided(tuple(param.shape), param.stride(), dtype=param.dtype, device=device)
+            _replace(slots[id(param)], _same_kind(param, empty, made.get(id(param))))
     unused = [name for name in weights.tensors if name not in assigned]
     # Every vLLM model class has load_weights, but no vLLM type declares it: nn.Module's __getattr__ answers.
     loaded = model.load_weights(weights.checkpoint_tensors(unused).items())  # type: ignore[operator]
     missing = [name for name in rest if loaded is not None and name not in loaded]
     if missing:
         raise CannotAttachError(f"the daemon holds nothing vLLM can load into parameter {missing[0]}")
-    return Placement(len(assigned), len(rest))
+    return Placement(len(assigned), tuple(rest))
+
+
+def _replace(slots: list[tuple[nn.Module, str]], param: nn.Parameter) -> None:
+    # Straight into _parameters: register_parameter would refuse to replace an attribute, and .data cannot
+    # move a meta parameter onto a device.
+    for module, leaf in slots:
+        module._parameters[leaf] = param
 
 
 class WcacheModelLoader(BaseModelLoader):
@@ -152,21 +231,22 @@ class WcacheModelLoader(BaseModelLoader):
         return daemon.weights_bytes
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        """In-place reload: the daemon's tensors copied in under checkpoint names, else vLLM's disk loader."""
-        from vllm.config import get_current_vllm_config
-
+        """Attach a built model to a daemon (the same path as load_model's), else vLLM's disk loader."""
         vllm_config = get_current_vllm_config()
         try:
             weights = self._attach(vllm_config, model_config)
+            try:
+                attach_into(model, weights, self._target_device(vllm_config))
+            except CannotAttachError:
+                weights.close()
+                raise
         except CannotAttachError as exc:
             if not self.options.fallback:
                 raise
-            logger.warning("wcache: cannot reload from a daemon (%s); reloading from disk", exc)
+            logger.warning("wcache: cannot load from a daemon (%s); loading from disk", exc)
             self._disk_loader().load_weights(model, model_config)
             return
-        with weights:
-            # load_weights is on every vLLM model class but on no vLLM type (see place).
-            model.load_weights(weights.checkpoint_tensors().items())  # type: ignore[operator]
+        _keep_lease(model, weights)
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         began = time.perf_counter()
@@ -181,13 +261,26 @@ class WcacheModelLoader(BaseModelLoader):
             return self._fall_back(vllm_config, model_config, prefix, str(exc))
         report = weights.report
         how = "zero-copy views of its arena" if report.mode == "zero_copy" else "private copies (copy mode)"
+        total = placement.assigned + len(placement.copied)
+        copied = (f"{len(placement.copied)} ({_names(placement.copied)}) were materialized and copied in through "
+                  "the model's load_weights, as their shape or dtype differ from the daemon's"
+                  if placement.copied else "none was materialized")
+        private = ("" if placement.private_bytes is None else
+                   f"; this process's private memory grew by {placement.private_bytes / 2**20:.1f} MiB before "
+                   "vLLM's post-processing")
         logger.info(
-            "wcache: weight cache hit from daemon %s (key %s): %d parameters took the daemon's tensors as %s, "
-            "%d were copied in through load_weights; no checkpoint byte was read (attach %.1f ms, vLLM's "
-            "post-processing %.1f ms; %.1f ms, post-processing included)", report.daemon, report.daemon_key_id,
-            placement.assigned, how, placement.copied, report.timings_ms.get("total", 0.0),
-            placement.post_processing_s * 1000, (time.perf_counter() - began) * 1000,
+            "wcache: weight cache hit from daemon %s (key %s) for TP rank %d of %d: %d of %d parameters are the "
+            "daemon's tensors as %s, %s; no checkpoint byte was read%s (attach %.1f ms, vLLM's post-processing "
+            "%.1f ms; %.1f ms, post-processing included)", report.daemon, report.daemon_key_id,
+            weights.key_file.plan.tp_rank, weights.key_file.plan.tp_size, placement.assigned, total, how, copied,
+            private, report.timings_ms.get("total", 0.0), placement.post_processing_s * 1000,
+            (time.perf_counter() - began) * 1000,
         )
+        append_event(self._run_dir(), "placement", engine=ENGINE, daemon=report.daemon,
+                     tp_rank=weights.key_file.plan.tp_rank, tp_size=weights.key_file.plan.tp_size,
+                     mode=report.mode, parameters=total, assigned=placement.assigned, copied=list(placement.copied),
+                     private_bytes=placement.private_bytes,
+                     post_processing_ms=round(placement.post_processing_s * 1000, 3))
         return model
 
     def _attach(self, vllm_config: VllmConfig, model_config: ModelConfig) -> AttachedWeights:
@@ -204,22 +297,25 @@ class WcacheModelLoader(BaseModelLoader):
             # E.g. a Hugging Face id not downloaded yet: vLLM's own loader fetches it; wcache never downloads.
             raise CannotAttachError(str(exc).rstrip(".")) from None
 
+    def _target_device(self, vllm_config: VllmConfig) -> torch.device:
+        return torch.device(self.load_config.device or vllm_config.device_config.device_type)
+
     def _build(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
                weights: AttachedWeights) -> tuple[nn.Module, Placement]:
-        target_device = torch.device(self.load_config.device or vllm_config.device_config.device_type)
+        target_device = self._target_device(vllm_config)
+        before = private_bytes()
         # ModelConfig declares dtype as a name or a torch.dtype; its __post_init__ always leaves a torch.dtype.
         with set_default_torch_dtype(model_config.dtype):  # type: ignore[arg-type]
-            # Built on the device, as vLLM's own loaders do: the parameters' memory is allocated but never
-            # touched before the daemon's tensors replace it.
-            with target_device:
-                model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-            placement = place(model, weights, weights.key_file.plan)
+            with target_device, parameters_on_meta() as made:
+                model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+            placement = attach_into(model, weights, target_device, made)
+            del made
+            after = private_bytes()
             began = time.perf_counter()
             process_weights_after_loading(model, model_config, target_device)
-            placement = dataclasses.replace(placement, post_processing_s=time.perf_counter() - began)
-        # The model keeps the lease (and the arena's map) for as long as vLLM keeps the model. Module.__setattr__
-        # is typed for tensors and modules, but a plain attribute is set like any other.
-        model._wcache_weights = weights  # type: ignore[assignment]
+        grown = after - before if after is not None and before is not None else None
+        placement = dataclasses.replace(placement, private_bytes=grown, post_processing_s=time.perf_counter() - began)
+        _keep_lease(model, weights)
         return model.eval(), placement
 
     def _fall_back(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, reason: str) -> nn.Module:
@@ -235,3 +331,17 @@ class WcacheModelLoader(BaseModelLoader):
         append_event(self._run_dir(), "fallback", source=str(model_config.model), device=device_name(vllm_config),
                      reason=reason, seconds=round(seconds, 3), engine=ENGINE)
         return model
+
+
+def _keep_lease(model: nn.Module, weights: AttachedWeights) -> None:
+    """The model keeps the lease (and the arena's map) for as long as vLLM keeps the model; a reload's lease
+    replaces the last one. Module.__setattr__ is typed for tensors and modules, but a plain attribute is set
+    like any other."""
+    previous = getattr(model, "_wcache_weights", None)
+    model._wcache_weights = weights  # type: ignore[assignment]
+    if isinstance(previous, AttachedWeights):
+        previous.close()
+
+
+def _names(names: tuple[str, ...], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")

@@ -100,7 +100,7 @@ def _reason(log: str, code: int) -> str:
 def _child(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     run = VllmRun(**spec["run"])
-    from vllm import LLM, SamplingParams
+    from wcache.integrations.vllm_api import LLM, SamplingParams
 
     llm = LLM(model=run.model, load_format=run.load_format, model_loader_extra_config=run.extra_config,
               # vLLM types dtype as its Literal of names but checks any string itself; a plan's dtype is one.

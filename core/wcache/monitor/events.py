@@ -26,7 +26,7 @@ ROTATED_SUFFIX = ".1"
 DEFAULT_MAX_EVENTS_BYTES = 16 * 1024 * 1024
 KINDS = frozenset({
     "preload", "ready", "preload_failed", "attach_hit", "attach_miss", "fallback", "release", "stop",
-    "daemon_exited", "daemon_lost", "engine_counters", "group_stopped",
+    "daemon_exited", "daemon_lost", "engine_counters", "group_stopped", "placement",
 })
 
 
