@@ -75,6 +75,7 @@ class Placement:
     assigned: int  # parameters that now are the daemon's tensors (views of the arena in zero-copy mode)
     copied: tuple[str, ...]  # parameters materialized and filled by the model's load_weights, by vLLM name
     private_bytes: int | None = None  # this process's private memory added from the build until post-processing
+    device_peak_bytes: int | None = None  # CUDA: the most device memory the build and attach allocated at once
     post_processing_s: float = 0.0  # vLLM's process_weights_after_loading (the oneDNN repack on CPU)
 
 
@@ -101,54 +102,52 @@ def device_name(vllm_config: VllmConfig) -> str:
 
 
 @contextlib.contextmanager
-def parameters_on_meta() -> Iterator[dict[int, nn.Parameter]]:
+def parameters_on_meta() -> Iterator[None]:
     """Every parameter a model registers meanwhile goes to the meta device; its buffers stay where they are made.
 
     Buffers stay real because the daemon holds only parameters, and vLLM computes buffers such as the rotary
     cos/sin cache at build time (and caches rotary modules across builds: one built on meta would poison a
     later disk load in the same process). vLLM makes each parameter's data with `torch.empty` on the build
     device before it registers it: that memory is freed at once, never touched, one parameter at a time.
-
-    Yields, by the id of each meta parameter, the object vLLM made: vLLM often sets attributes (weight_loader,
-    output_dim, ...) on it after registering it, and `attach_into` carries them over.
     """
     register = nn.Module.register_parameter
-    made: dict[int, nn.Parameter] = {}
 
     def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta":
-            meta = _same_kind(param, param.data.to("meta"))
-            made[id(meta)] = param
-            param.data = param.data.new_empty(0)  # the object lives on for its attributes, not its memory
+            meta = nn.Parameter(param.data.to("meta"), requires_grad=False)
+            meta.__class__ = param.__class__
+            # One attribute dict for both: vLLM often sets attributes (weight_loader, output_dim, ...) on the
+            # object it made after registering it, and they must reach the registered one (and vLLM's record of
+            # it for in-place reloads).
+            meta.__dict__ = param.__dict__
+            param.data = param.data.new_empty(0)
             param = meta
         register(self, name, param)
 
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
     try:
-        yield made
+        yield
     finally:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def _same_kind(param: nn.Parameter, data: torch.Tensor, made: nn.Parameter | None = None) -> nn.Parameter:
-    """A parameter over `data` of `param`'s class, with its attributes (and those of the object vLLM made)."""
+def _same_kind(param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A parameter over `data` of `param`'s class, with its attributes (vLLM's weight loaders read them)."""
     result = nn.Parameter(data, requires_grad=False)
     result.__class__ = param.__class__
-    result.__dict__ = {**(made.__dict__ if made is not None else {}), **param.__dict__}
+    result.__dict__ = param.__dict__.copy()
     return result
 
 
-def attach_into(model: nn.Module, weights: AttachedWeights, device: torch.device,
-                made: dict[int, nn.Parameter] | None = None) -> Placement:
+def attach_into(model: nn.Module, weights: AttachedWeights, device: torch.device) -> Placement:
     """Register the daemon's tensors as the model's parameters; load the rest through the model's load_weights.
 
     The one attach path: `load_model` calls it on a model whose parameters are on the meta device,
     `load_weights` on a built one. A parameter takes the daemon's tensor of its name when shape and dtype
     agree, in every module that shares it (tied embeddings); any other parameter still on the meta device is
     materialized on `device`, then every other one is loaded by the model's `load_weights` from checkpoint-named
-    views of the daemon's tensors. `made` is what `parameters_on_meta` yielded, for a model built in it.
+    views of the daemon's tensors.
     """
-    made = made or {}
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     for _, module in model.named_modules(remove_duplicate=False):
         for leaf, param in module._parameters.items():
@@ -160,7 +159,7 @@ def attach_into(model: nn.Module, weights: AttachedWeights, device: torch.device
         tensor = weights.tensors.get(name)
         if (tensor is not None and tuple(tensor.shape) == tuple(param.shape) and tensor.dtype == param.dtype
                 and tensor.device.type == device.type):
-            _replace(slots[id(param)], _same_kind(param, tensor, made.get(id(param))))
+            _replace(slots[id(param)], _same_kind(param, tensor))
             assigned.add(name)
     rest = [name for name in params if name not in assigned]
     if not rest:
@@ -176,7 +175,7 @@ def attach_into(model: nn.Module, weights: AttachedWeights, device: torch.device
         param = params[name]
         if param.device.type == "meta":
             empty = torch.empty_strided(tuple(param.shape), param.stride(), dtype=param.dtype, device=device)
-            _replace(slots[id(param)], _same_kind(param, empty, made.get(id(param))))
+            _replace(slots[id(param)], _same_kind(param, empty))
     unused = [name for name in weights.tensors if name not in assigned]
     # Every vLLM model class has load_weights, but no vLLM type declares it: nn.Module's __getattr__ answers.
     loaded = model.load_weights(weights.checkpoint_tensors(unused).items())  # type: ignore[operator]
@@ -268,6 +267,8 @@ class WcacheModelLoader(BaseModelLoader):
         private = ("" if placement.private_bytes is None else
                    f"; this process's private memory grew by {placement.private_bytes / 2**20:.1f} MiB before "
                    "vLLM's post-processing")
+        if placement.device_peak_bytes is not None:
+            private += f", and the build allocated at most {placement.device_peak_bytes / 2**20:.1f} MiB on the device"
         logger.info(
             "wcache: weight cache hit from daemon %s (key %s) for TP rank %d of %d: %d of %d parameters are the "
             "daemon's tensors as %s, %s; no checkpoint byte was read%s (attach %.1f ms, vLLM's post-processing "
@@ -279,7 +280,7 @@ class WcacheModelLoader(BaseModelLoader):
         append_event(self._run_dir(), "placement", engine=ENGINE, daemon=report.daemon,
                      tp_rank=weights.key_file.plan.tp_rank, tp_size=weights.key_file.plan.tp_size,
                      mode=report.mode, parameters=total, assigned=placement.assigned, copied=list(placement.copied),
-                     private_bytes=placement.private_bytes,
+                     private_bytes=placement.private_bytes, device_peak_bytes=placement.device_peak_bytes,
                      post_processing_ms=round(placement.post_processing_s * 1000, 3))
         return model
 
@@ -304,17 +305,24 @@ class WcacheModelLoader(BaseModelLoader):
                weights: AttachedWeights) -> tuple[nn.Module, Placement]:
         target_device = self._target_device(vllm_config)
         before = private_bytes()
+        cuda = target_device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(target_device)
+            allocated = torch.cuda.memory_allocated(target_device)
         # ModelConfig declares dtype as a name or a torch.dtype; its __post_init__ always leaves a torch.dtype.
         with set_default_torch_dtype(model_config.dtype):  # type: ignore[arg-type]
-            with target_device, parameters_on_meta() as made:
+            with target_device, parameters_on_meta():
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-            placement = attach_into(model, weights, target_device, made)
-            del made
+            placement = attach_into(model, weights, target_device)
             after = private_bytes()
+            # The daemon's tensors are its own allocation (CUDA IPC), never counted here: what is counted is what
+            # this process allocated for parameters, at most one vLLM `torch.empty` at a time plus what it lacked.
+            peak = torch.cuda.max_memory_allocated(target_device) - allocated if cuda else None
             began = time.perf_counter()
             process_weights_after_loading(model, model_config, target_device)
         grown = after - before if after is not None and before is not None else None
-        placement = dataclasses.replace(placement, private_bytes=grown, post_processing_s=time.perf_counter() - began)
+        placement = dataclasses.replace(placement, private_bytes=grown, device_peak_bytes=peak,
+                                        post_processing_s=time.perf_counter() - began)
         _keep_lease(model, weights)
         return model.eval(), placement
 
