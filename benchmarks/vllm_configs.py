@@ -144,12 +144,15 @@ def main() -> None:
     console = Console()
     chosen = [c for c in CONFIGS if not args.only or any(o in c.name for o in args.only)]
     results: list[tuple[Config, EngineRun, EngineRun, int]] = []
+    written: dict[Callable[[Path, str], Path], Path] = {}  # configurations with one writer share its checkpoint
     with workspace(args.workdir) as work:
         os.environ["WCACHE_CACHE_DIR"] = str(work / "store")
         for number, config in enumerate(chosen):
             run_dir = work / f"run-{number}"
             run_dir.mkdir(mode=0o700, exist_ok=True)
-            model = config.write(work / f"model-{number}", args.preset)
+            if config.write not in written:
+                written[config.write] = config.write(work / f"model-{len(written)}", args.preset)
+            model = written[config.write]
             preloaded = wcache("preload", str(model), "--detach", "--json", *config.preload, run_dir=run_dir)
             if preloaded.returncode != 0:
                 raise SystemExit(f"{config.name}: wcache preload failed: {preloaded.stderr.strip()}")
