@@ -50,28 +50,40 @@ def write_odd_vocab_checkpoint(dest: Path, seed: int = 0) -> Path:
 
 
 @dataclass
-class Tp2Rig:
+class Tp2Daemons:
     rig: DaemonRig
     model: Path
     daemons: list[DaemonDescriptor]  # by rank
     float32_only: Path  # another checkpoint whose only daemons hold float32 (vLLM asks for bfloat16)
+
+
+@dataclass
+class Tp2Rig:
+    daemons: Tp2Daemons
     verify: dict[str, Any]  # `wcache verify --greedy --engine vllm --tp 2 --json`
     verify_events: list[dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
-def tp2() -> Iterator[Tp2Rig]:
+def tp2_daemons() -> Iterator[Tp2Daemons]:
     with daemon_rig() as rig:
         model = write_odd_vocab_checkpoint(rig.base / "odd-vocab")
         daemons = rig.preload(model, "--tp", "2")
         # Other bytes: a copy of the same bytes would be served by the bfloat16 daemons (the key is the content's).
         float32_only = write_odd_vocab_checkpoint(rig.base / "odd-vocab-float32", seed=1)
         rig.preload(float32_only, "--tp", "2", "--dtype", "float32")
-        result = rig.cli("verify", str(model), "--greedy", "--engine", "vllm", "--tp", "2", "--num-prompts",
-                         str(NUM_PROMPTS), "--max-new-tokens", str(MAX_NEW_TOKENS), "--run-dir", str(rig.run_dir),
-                         "--json", timeout=900, env=TP2_ENV)
-        assert result.returncode == 0, result.stdout + result.stderr
-        yield Tp2Rig(rig, model, daemons, float32_only, json.loads(result.stdout)["greedy"], rig.events())
+        yield Tp2Daemons(rig, model, daemons, float32_only)
+
+
+@pytest.fixture(scope="module")
+def tp2(tp2_daemons: Tp2Daemons) -> Tp2Rig:
+    rig = tp2_daemons.rig
+    since = len(rig.events())
+    result = rig.cli("verify", str(tp2_daemons.model), "--greedy", "--engine", "vllm", "--tp", "2", "--num-prompts",
+                     str(NUM_PROMPTS), "--max-new-tokens", str(MAX_NEW_TOKENS), "--run-dir", str(rig.run_dir),
+                     "--json", timeout=900, env=TP2_ENV)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return Tp2Rig(tp2_daemons, json.loads(result.stdout)["greedy"], rig.events()[since:])
 
 
 def test_tp2_hit_gives_the_greedy_tokens_of_vllms_own_disk_load(tp2: Tp2Rig) -> None:
@@ -83,9 +95,10 @@ def test_tp2_hit_gives_the_greedy_tokens_of_vllms_own_disk_load(tp2: Tp2Rig) -> 
 
 def test_tp2_each_rank_hits_its_own_daemon(tp2: Tp2Rig) -> None:
     hits = [e for e in tp2.verify_events if e["kind"] == "attach_hit" and e.get("engine") == "vllm"]
-    assert sorted(e["daemon"] for e in hits) == sorted(d.name for d in tp2.daemons), hits
+    daemons = [d.name for d in tp2.daemons.daemons]
+    assert sorted(e["daemon"] for e in hits) == sorted(daemons), hits
     assert len({e["pid"] for e in hits}) == 2, "each rank attaches in its own worker process"
-    assert [r["daemon"] for r in tp2.verify["attach"]["ranks"]] == [d.name for d in tp2.daemons]
+    assert [r["daemon"] for r in tp2.verify["attach"]["ranks"]] == daemons
 
 
 def test_tp2_every_parameter_is_the_daemons_tensor_on_every_rank(tp2: Tp2Rig) -> None:
@@ -99,21 +112,22 @@ def test_tp2_every_parameter_is_the_daemons_tensor_on_every_rank(tp2: Tp2Rig) ->
 
 
 def test_tp2_miss_is_explained_on_every_rank_with_the_command_that_serves_it(
-        tp2: Tp2Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in {**TP2_ENV, "WCACHE_CACHE_DIR": tp2.rig.env["WCACHE_CACHE_DIR"]}.items():
+        tp2_daemons: Tp2Daemons, monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = tp2_daemons.rig
+    for name, value in {**TP2_ENV, "WCACHE_CACHE_DIR": rig.env["WCACHE_CACHE_DIR"]}.items():
         monkeypatch.setenv(name, value)  # greedy_tokens hands this environment to vLLM
-    run = VllmRun(str(tp2.float32_only), default_prompts(NUM_PROMPTS), MAX_NEW_TOKENS, load_format="wcache",
-                  extra_config={"run_dir": str(tp2.rig.run_dir)}, tensor_parallel_size=2)
+    run = VllmRun(str(tp2_daemons.float32_only), default_prompts(NUM_PROMPTS), MAX_NEW_TOKENS,
+                  load_format="wcache", extra_config={"run_dir": str(rig.run_dir)}, tensor_parallel_size=2)
     result = greedy_tokens(run, timeout=600)  # vLLM's default loader serves it, after the warnings
     assert [len(tokens) for tokens in result.tokens] == [MAX_NEW_TOKENS] * NUM_PROMPTS
-    command = preload_command(tp2.float32_only, PlanSpec(tp_size=2, dtype="bfloat16"))
+    command = preload_command(tp2_daemons.float32_only, PlanSpec(tp_size=2, dtype="bfloat16"))
     warnings = [line for line in result.log.splitlines() if "wcache: weight cache miss" in line]
     assert {re.search(r"Worker_TP(\d)", line)[1] for line in warnings} == {"0", "1"}, warnings  # type: ignore[index]
     for line in warnings:
         assert "WARNING" in line and "dtype float32→bfloat16" in line and f"`{command}`" in line, line
         assert "falling back to disk loading" in line
-    assert command == f"wcache preload {tp2.float32_only} --tp 2 --dtype bfloat16"
-    misses = [e for e in tp2.rig.events("attach_miss") if e.get("engine") == "vllm"]
+    assert command == f"wcache preload {tp2_daemons.float32_only} --tp 2 --dtype bfloat16"
+    misses = [e for e in rig.events("attach_miss") if e.get("engine") == "vllm"]
     assert len(misses) == 2 and all(e["diff"]["plan"]["dtype"] == ["float32", "bfloat16"] for e in misses), misses
 
 
