@@ -12,8 +12,8 @@ and ``"fallback": false``. It prints two tables:
 * vLLM's start-up broken into phases, read from vLLM's own log lines (timestamped to the millisecond through
   vLLM's ``VLLM_LOGGING_PREFIX``): imports up to vLLM's first line; engine core and worker start up to the last
   rank's "Starting to load model"; the weight phase, up to where vLLM's "init engine (profile, create kv cache,
-  warmup model) took X s" began; that line's X (memory profiling, KV cache, warm-up); and the rest (the front
-  end's set-up and generating the tokens).
+  warmup model) took X s" began; that line's X (memory profiling, KV cache, warm-up); the front end's set-up
+  until `LLM(...)` returns; and generating the tokens (vLLM's shutdown after them is left out).
 
 A new configuration (int8 W8A8, MoE, ...) is one more ``Config`` in ``CONFIGS``, with its own checkpoint writer.
 
@@ -53,7 +53,7 @@ _INIT_ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model
 _PLACED = re.compile(r"for TP rank (\d+) of \d+: (\d+) of (\d+) parameters are the daemon's tensors")
 _PRIVATE = re.compile(r"for TP rank (\d+) of .*private memory grew by ([\d.]+) MiB")
 PHASES = ("imports", "engine core and worker start", "weight phase", "memory profiling, KV cache, warm-up",
-          "front end set-up and generation")
+          "front end set-up", "generation")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +105,7 @@ def environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def phases(log: str, began: float, ended: float) -> dict[str, float]:
+def phases(log: str, began: float, ready: float, generated: float) -> dict[str, float]:
     lines = [(float(m[1]), m[4]) for line in log.splitlines() if (m := _LINE.match(line))]
     if not lines:
         raise RuntimeError("vLLM logged no timestamped line; is VLLM_LOGGING_PREFIX honoured?")
@@ -113,8 +113,8 @@ def phases(log: str, began: float, ended: float) -> dict[str, float]:
     loading = max(ts for ts, text in lines if text.startswith("Starting to load model"))
     init_at, init_s = next((ts, float(m[1])) for ts, text in lines if (m := _INIT_ENGINE.search(text)))
     init_began = init_at - init_s
-    return dict(zip(PHASES, (first - began, loading - first, init_began - loading, init_s, ended - init_at),
-                    strict=True))
+    return dict(zip(PHASES, (first - began, loading - first, init_began - loading, init_s, ready - init_at,
+                             generated - ready), strict=True))
 
 
 def run_engine(model: Path, config: Config, load_format: str, run_dir: Path) -> EngineRun:
@@ -124,10 +124,10 @@ def run_engine(model: Path, config: Config, load_format: str, run_dir: Path) -> 
     with environment({**TIMESTAMPED, "VLLM_CPU_KVCACHE_SPACE": "1", **config.env}):
         began = time.time()
         result = greedy_tokens(run, timeout=900)
-        ended = time.time()
     placed = {int(m[1]): (int(m[2]), int(m[3])) for m in _PLACED.finditer(result.log)}
     private = {int(m[1]): float(m[2]) for m in _PRIVATE.finditer(result.log)}
-    return EngineRun(result.tokens, phases(result.log, began, ended), placed, private)
+    return EngineRun(result.tokens, phases(result.log, began, result.engine_ready_at, result.generated_at), placed,
+                     private)
 
 
 def wcache(*args: str, run_dir: Path) -> subprocess.CompletedProcess[str]:
@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--only", action="append", help="run only the configurations whose name contains this")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=160)
     chosen = [c for c in CONFIGS if not args.only or any(o in c.name for o in args.only)]
     results: list[tuple[Config, EngineRun, EngineRun, int]] = []
     written: dict[Callable[[Path, str], Path], Path] = {}  # configurations with one writer share its checkpoint

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,8 @@ class VllmResult:
 
     tokens: list[list[int]]
     log: str
+    engine_ready_at: float  # epoch seconds when LLM(...) returned in the child
+    generated_at: float  # epoch seconds when the last token was generated
 
 
 class VllmRunError(UnavailableError):
@@ -81,7 +84,9 @@ def greedy_tokens(run: VllmRun, timeout: float | None = None) -> VllmResult:
                 process.wait()
         text = log_path.read_text(errors="replace")
         if result.exists():
-            return VllmResult([list(map(int, tokens)) for tokens in json.loads(result.read_text())], text)
+            done = json.loads(result.read_text())
+            return VllmResult([list(map(int, tokens)) for tokens in done["tokens"]], text,
+                              float(done["engine_ready_at"]), float(done["generated_at"]))
     raise VllmRunError(_reason(text, code), text)
 
 
@@ -107,9 +112,13 @@ def _child(spec_path: str) -> None:
               tensor_parallel_size=run.tensor_parallel_size, dtype=run.dtype,  # type: ignore[arg-type]
               max_model_len=run.max_model_len,
               enforce_eager=True, seed=0)
+    ready = time.time()
     outputs = llm.generate(run.prompts, SamplingParams(temperature=0.0, max_tokens=run.max_new_tokens),
                            use_tqdm=False)
-    Path(spec["result"]).write_text(json.dumps([list(output.outputs[0].token_ids) for output in outputs]))
+    # When the tokens were there, for start-up breakdowns: vLLM's shutdown after this is no part of it.
+    Path(spec["result"]).write_text(json.dumps({
+        "tokens": [list(output.outputs[0].token_ids) for output in outputs], "engine_ready_at": ready,
+        "generated_at": time.time()}))
 
 
 if __name__ == "__main__":
