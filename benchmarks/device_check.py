@@ -251,7 +251,7 @@ def vllm_no_second_copy(rig: Rig, checks: Checks) -> None:
         return
     weights_mib = sum(int(r.get("weights_bytes", 0)) for r in ready["ranks"]) / 2**20
     with checks.step(name) as row:
-        os.environ.update({k: v for k, v in rig.env.items() if k.startswith("WCACHE_")})
+        os.environ.update(rig.env)  # greedy_tokens hands this process's environment (PYTHONPATH included) to vLLM
         result = greedy_tokens(VllmRun(str(model), ["the weights cache keeps"], 4, load_format="wcache",
                                        extra_config={"run_dir": str(rig.run_dir), "fallback": False}),
                                timeout=STEP_TIMEOUT_S)
