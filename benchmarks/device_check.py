@@ -223,6 +223,55 @@ def copy_release_then_stop(rig: Rig, model: Path, checks: Checks, health_url: st
         row["result"] = f"daemon exited cleanly (exit codes {', '.join(exits) or 'not logged'}), no traceback"
 
 
+VLLM_PRESET = "small"  # bf16, head_dim 64 and a tokenizer: a checkpoint vLLM runs as it is
+_BUILD_PEAK = re.compile(r"the build allocated at most ([\d.]+) MiB on the device")
+_PRIVATE = re.compile(r"private memory grew by ([\d.]+) MiB")
+
+
+def vllm_no_second_copy(rig: Rig, checks: Checks) -> None:
+    """vLLM with load_format wcache on a hit: the parameters are the daemon's, the build allocates (almost) none.
+
+    Before the meta-device build every parameter was allocated on the device and then replaced: the peak was
+    the weights' size again. Now it is at most one parameter at a time plus what the daemon lacks.
+    """
+    name = f"vLLM load_format wcache: no second copy ({VLLM_PRESET})"
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        checks.rows.append(Row(name, "INFO", "not run: vLLM is not importable with this interpreter "
+                                             "(pip install 'wcache[vllm]')", 0.0))
+        return
+    from wcache.integrations.vllm_runner import VllmRun, greedy_tokens
+    from wcache_dev.synth import write_checkpoint
+
+    model = write_checkpoint(VLLM_PRESET, rig.base / f"vllm-{VLLM_PRESET}")
+    ready = preload(rig, model, checks, f"preload --device {rig.device} ({VLLM_PRESET}, for vLLM)")
+    if ready is None:
+        checks.skip(name, "the preload failed")
+        return
+    weights_mib = sum(int(r.get("weights_bytes", 0)) for r in ready["ranks"]) / 2**20
+    with checks.step(name) as row:
+        os.environ.update(rig.env)  # greedy_tokens hands this process's environment (PYTHONPATH included) to vLLM
+        result = greedy_tokens(VllmRun(str(model), ["the weights cache keeps"], 4, load_format="wcache",
+                                       extra_config={"run_dir": str(rig.run_dir), "fallback": False}),
+                               timeout=STEP_TIMEOUT_S)
+        line = next((ln for ln in result.log.splitlines() if "wcache: weight cache hit" in ln), "")
+        peak = _BUILD_PEAK.search(line)
+        private = _PRIVATE.search(line)
+        if rig.device == "cuda":
+            if peak is None:
+                raise RuntimeError(f"no device-peak figure in the loader's line: {one_line(line)}")
+            row["result"] = (f"the build allocated at most {peak[1]} MiB on the device for {weights_mib:.1f} MiB "
+                             "of weights the daemon holds")
+            if float(peak[1]) >= weights_mib / 2:
+                row["status"] = "FAIL"
+        else:
+            row["status"] = "INFO"
+            row["result"] = (f"CPU dry run: private memory grew by {private[1] if private else '?'} MiB for "
+                             f"{weights_mib:.1f} MiB of weights")
+    rig.cli("stop", "--all", "--force")
+
+
 def arena_tests(rig: Rig, checks: Checks) -> None:
     with checks.step("tests/test_arena_close.py") as row:
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -378,6 +427,8 @@ def run(device: str, preset: str) -> int:
             verify(rig, model, checks, "--greedy")
             copy_release_then_stop(rig, model, checks, health_url)
             kill_while_mapped(rig, model, checks)
+            rig.cli("stop", "--all", "--force")
+            vllm_no_second_copy(rig, checks)
         arena_tests(rig, checks)
     finally:
         rig.close()

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA path, end to end, in under five minutes on one GPU with nothing downloaded: preload --device cuda
 # of a checkpoint written here, zero-copy and copy attach, verify --content and --greedy, a copy release then
-# stop, and kill -9 of the daemon while an engine maps its memory. Prints one table.
+# stop, kill -9 of the daemon while an engine maps its memory, and (where vLLM is installed) vLLM's
+# load_format wcache on a hit: the device memory its model build allocates, against the weights' size.
+# Prints one table.
 #
 #   benchmarks/device_check.sh                 # on the GPU machine
 #   benchmarks/device_check.sh --device cpu    # the same steps on CPU (a dry run of the script)

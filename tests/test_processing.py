@@ -179,7 +179,8 @@ def test_kv_heads_are_replicated_when_fewer_than_ranks(tiny_template: Path,
         assert torch.equal(v, full["v"][head * hd:(head + 1) * hd])
 
 
-def test_vocab_is_padded_to_a_multiple_of_tp(tmp_path: Path) -> None:
+def test_vocab_is_padded_as_vllm_pads_it_before_it_is_split(tmp_path: Path) -> None:
+    # vLLM pads 321 rows to 384 (a multiple of 64) and gives each of 2 ranks 192: the daemon's shard is vLLM's.
     config = config_with(vocab_size=321, num_hidden_layers=1)
     path = write_custom(tmp_path / "odd-vocab", config)
     full = read_tensors(path)
@@ -188,11 +189,11 @@ def test_vocab_is_padded_to_a_multiple_of_tp(tmp_path: Path) -> None:
         plan, out = run_plan(path, config, tp_size=2, tp_rank=rank, dtype="float32")
         check_outputs_match_specs(plan, out)
         spec = next(o for o in plan.outputs if o.name == "model.embed_tokens.weight")
-        assert spec.shape == (161, config["hidden_size"])
+        assert spec.shape == (192, config["hidden_size"])
         ranks.append(out)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         joined = torch.cat([r[name] for r in ranks])
-        assert joined.shape[0] == 322
+        assert joined.shape[0] == 384
         assert torch.equal(joined[:321], full[name])
         assert not joined[321:].any()
 

@@ -31,7 +31,7 @@ from wcache.key.diff import KeyDiff, diff_keys
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import HashProgress
 from wcache.monitor.events import append_event
-from wcache.plan.spec import PlanSpec
+from wcache.plan.spec import PlanSpec, preload_command
 
 if TYPE_CHECKING:
     # torch, and the modules that make tensors, are imported where tensors are made: an attach that only
@@ -457,7 +457,7 @@ def _hit(mapped: _Mapped, descriptor: DaemonDescriptor, connection: DaemonConnec
 def _miss(local: KeyFile, found: _Found, refusal: _Refusal | None, ctx: _AttachContext,
           timings: dict[str, float]) -> AttachedWeights:
     """Explain the miss against the nearest daemon, log it, then fall back to disk or refuse."""
-    explained = _explain_miss(local, found, refusal, ctx.device)
+    explained = _explain_miss(local, found, refusal, ctx.device, ctx.model)
     key_id = local.key.short_id
     report = AttachReport(outcome="miss", mode=ctx.options.mode, device=ctx.device, key_id=key_id,
                           daemon=explained.daemon, daemon_key_id=explained.daemon_key_id, reason=explained.reason,
@@ -503,7 +503,7 @@ class _Explained:
     diff: KeyDiff | None = None
 
 
-def _explain_miss(local: KeyFile, found: _Found, refusal: _Refusal | None, device: str) -> _Explained:
+def _explain_miss(local: KeyFile, found: _Found, refusal: _Refusal | None, device: str, model: Path) -> _Explained:
     if not found.candidates:
         return _Explained(f"no daemon runs on {device}", mismatched=refusal.mismatched if refusal else ())
     wanted = WantedKey.of(local.key)
@@ -527,4 +527,7 @@ def _explain_miss(local: KeyFile, found: _Found, refusal: _Refusal | None, devic
             diff = diff_keys(daemon_key_file(closest, connection.request(Manifest()).tensors), local)
     what = describe_diff(diff) if diff is not None else "differs in " + ", ".join(mismatched)
     reason = f"the daemon on {device} holds key {closest.key_id}, not {local.key.short_id}: it {what}{also}"
+    if diff is not None and diff.plan:
+        # A plan this engine needs and no daemon holds (dtype, TP size, layout): say what would hold it.
+        reason += f"; `{preload_command(model, local.plan)}` starts daemons that serve this engine"
     return _Explained(reason, closest.name, closest.key_id, mismatched, diff)

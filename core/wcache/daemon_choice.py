@@ -26,8 +26,14 @@ def holding(candidates: Iterable[DaemonDescriptor], wanted: WantedKey) -> list[D
 
 
 def nearest(candidates: list[DaemonDescriptor], wanted: WantedKey) -> DaemonDescriptor:
-    """The candidate with the fewest differing key fields (the first of those), to explain a miss against."""
-    return min(candidates, key=lambda d: len(wanted.mismatched_fields(d.key)))
+    """The candidate with the fewest differing key fields, to explain a miss against; of those, one that holds
+    this very checkpoint (under another plan or config: the miss then says what to change), else the first."""
+
+    def distance(d: DaemonDescriptor) -> tuple[int, bool]:
+        mismatched = wanted.mismatched_fields(d.key)
+        return len(mismatched), "checkpoint" in mismatched
+
+    return min(candidates, key=distance)
 
 
 def pick_daemon(model: Path, plan: PlanSpec, run_dir: Path, device: str, daemon: str | None) -> DaemonDescriptor:

@@ -25,6 +25,8 @@ from wcache.key.diff import KeyDiff, diff_keys
 from wcache.key.provenance import verdicts_of
 from wcache.plan.spec import PlanSpec
 
+# The files a Hugging Face tokenizer is read from; a checkpoint with none of them gives vLLM no tokenizer.
+VLLM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _WORDS = (
     "weights", "cache", "daemon", "engine", "restart", "shard", "tensor", "prefix", "window", "replay", "token",
     "block", "memory", "attach", "checkpoint", "digest", "merkle", "plan", "rank", "device", "socket", "health",
@@ -112,8 +114,14 @@ def _hit_event(run_dir: Path, engine: str, since: float) -> dict[str, Any]:
     if not hits:
         return {"outcome": "unknown", "engine": engine}
     last = hits[-1]
+    # One hit per rank; an integration that says where each tensor went (vLLM's) adds its placement events.
+    placements = sorted((e for e in read_events(run_dir) if e["kind"] == "placement" and e.get("engine") == engine
+                         and float(e.get("ts", 0)) >= since), key=lambda e: int(e.get("tp_rank", 0)))
+    ranks = [{key: e.get(key) for key in ("tp_rank", "daemon", "mode", "parameters", "assigned", "copied",
+                                          "private_bytes")} for e in placements]
     return {"outcome": "hit", "engine": engine, "daemon": last.get("daemon"), "mode": last.get("mode"),
-            "key_id": last.get("key_id"), "timings_ms": last.get("timings_ms", {})}
+            "key_id": last.get("key_id"), "timings_ms": last.get("timings_ms", {}),
+            "hits": [{"daemon": e.get("daemon"), "pid": e.get("pid")} for e in hits], "ranks": ranks}
 
 
 def _verify_vllm(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int,
@@ -125,6 +133,10 @@ def _verify_vllm(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens
 
     if plan.quantization != "none" or plan.layout != "fused":
         raise BadInputError("--engine vllm takes its plan from vLLM; drop --quantization and --plan.")
+    if not any((model / name).exists() for name in VLLM_TOKENIZER_FILES):
+        # vLLM would start anyway, encode every prompt to nothing and stop at "The decoder prompt cannot be empty".
+        raise BadInputError(f"{model} has no tokenizer ({', '.join(VLLM_TOKENIZER_FILES)}) for vLLM to encode "
+                            "the prompts with; add one, or verify with --engine reference.")
     run_dir = Path(options.run_dir) if options.run_dir else default_run_dir()
     extra = replace(options, run_dir=str(run_dir)).to_mapping()
     base = VllmRun(str(model), prompts, max_new_tokens, tensor_parallel_size=plan.tp_size, dtype=plan.dtype)

@@ -1,4 +1,4 @@
-"""The vLLM load format `wcache`: vLLM's parameters take a daemon's processed tensors, or vLLM loads from disk.
+"""The vLLM load format `wcache`: vLLM's parameters are a daemon's processed tensors, or vLLM loads from disk.
 
 `--load-format wcache --model-loader-extra-config '{"mode": "copy"}'` (server) or `LLM(..., load_format="wcache",
 model_loader_extra_config={...})` (offline); the options are `wcache.attach_options.AttachOptions`. The plan
@@ -6,18 +6,24 @@ comes from vLLM's own configuration (TP size and rank from its parallel state, d
 the layout from the model class's fusions; see `vllm_formats`, which also says which pre-quantized formats
 are served), so the key is the one `wcache preload` computes for the same checkpoint and TP size.
 
-On a hit every vLLM parameter whose name, shape and dtype equal a daemon tensor's takes that tensor as is
-(zero-copy: a view of the daemon's arena); the rest go through the model's own `load_weights` under Hugging
-Face names, copied from views of the arena, never read from disk. vLLM's CPU backend then repacks linear
-weights for oneDNN into memory of its own and drops the parameter: that copy is vLLM's. The arena is mapped
-copy-on-write, so such post-processing can never write into the weights other engines read.
+On a hit vLLM builds the model with its parameters on the meta device (its buffers, such as the rotary cache,
+on the real one): no parameter memory is allocated for weights the daemon holds. Every parameter whose name,
+shape and dtype equal a daemon tensor's is registered as that tensor (zero-copy: a view of the daemon's arena);
+only the rest are materialized, and filled by the model's own `load_weights` under Hugging Face names from
+views of the arena, never read from disk. At TP > 1 the plan shards exactly as vLLM does (replicated key/value
+heads, the vocabulary padded to vLLM's 64 rows before it is split), so every parameter is the daemon's. vLLM's
+post-processing (`process_weights_after_loading`) then runs as after a disk load: vLLM's CPU backend repacks
+linear weights for oneDNN into memory of its own and drops the parameter; that copy is vLLM's. The arena is
+mapped copy-on-write, so such post-processing can never write into the weights other engines read.
 
-On a miss one warning says why (wcache's diff), and vLLM's default loader reads the checkpoint; with
-`"fallback": false` the engine does not start and the error says why.
+On a miss one warning says why (wcache's diff) and names the `wcache preload` command that would serve this
+engine, and vLLM's default loader reads the checkpoint; with `"fallback": false` the engine does not start and
+the error says why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -25,13 +31,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from vllm.config import ModelConfig, VllmConfig
-from vllm.config.load import LoadConfig
-from vllm.logger import init_logger
-from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-from vllm.model_executor.model_loader.utils import process_weights_after_loading
-from vllm.utils.torch_utils import set_default_torch_dtype
 
 from wcache.attach import AttachedWeights, AttachMissError, attach_with
 from wcache.attach_options import AttachOptions
@@ -39,9 +38,24 @@ from wcache.checkpoint.files import locate
 from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import CheckpointError, UnavailableError, WcacheError
 from wcache.integrations import vllm_formats
+from wcache.integrations.vllm_api import (
+    BaseModelLoader,
+    DefaultModelLoader,
+    LoadConfig,
+    ModelConfig,
+    VllmConfig,
+    get_current_vllm_config,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    init_logger,
+    initialize_model,
+    process_weights_after_loading,
+    set_default_torch_dtype,
+)
 from wcache.ipc.rundir import default_run_dir, ensure_run_dir
 from wcache.key.digest_store import DigestStore
 from wcache.monitor.events import append_event
+from wcache.monitor.private_memory import private_bytes
 from wcache.plan.processing import UnsupportedPlanError
 from wcache.plan.spec import PlanSpec
 
@@ -61,15 +75,15 @@ class Placement:
     """How a hit's tensors reached vLLM's parameters."""
 
     assigned: int  # parameters that now are the daemon's tensors (views of the arena in zero-copy mode)
-    copied: int  # parameters filled by the model's load_weights from checkpoint-named views
+    copied: tuple[str, ...]  # parameters materialized and filled by the model's load_weights, by vLLM name
+    private_bytes: int | None = None  # this process's private memory added from the build until post-processing
+    device_peak_bytes: int | None = None  # CUDA: the most device memory the build and attach allocated at once
     post_processing_s: float = 0.0  # vLLM's process_weights_after_loading (the oneDNN repack on CPU)
     note: str = ""  # what the log line adds for this model (its stacked experts, parameters left as vLLM made them)
 
 
 def plan_for(vllm_config: VllmConfig, model_config: ModelConfig) -> PlanSpec:
     """The plan a daemon must hold for this vLLM rank."""
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise CannotAttachError("wcache does not serve pipeline-parallel vLLM ranks")
     vllm_formats.check_quantization(model_config)
@@ -87,44 +101,125 @@ def device_name(vllm_config: VllmConfig) -> str:
     return device.type
 
 
-def place(model: nn.Module, weights: AttachedWeights, plan: PlanSpec, quantized: bool = False) -> Placement:
-    """Give every vLLM parameter its tensor: the daemon's own where it fits, else through load_weights.
+KEEP_REAL_NUMEL = 64
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter a model registers meanwhile goes to the meta device; its buffers stay where they are made.
+
+    Buffers stay real because the daemon holds only parameters, and vLLM computes buffers such as the rotary
+    cos/sin cache at build time (and caches rotary modules across builds: one built on meta would poison a
+    later disk load in the same process). vLLM makes each parameter's data with `torch.empty` on the build
+    device before it registers it: that memory is freed at once, never touched, one parameter at a time.
+
+    Parameters of at most KEEP_REAL_NUMEL elements stay real too: vLLM gives some of them initial values that
+    its post-processing reads when a checkpoint leaves them out (a pre-quantized attention's k_scale and v_scale,
+    -1.0 for "not loaded"), and they cost a few bytes each.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta" and param.numel() > KEEP_REAL_NUMEL:
+            meta = nn.Parameter(param.data.to("meta"), requires_grad=False)
+            meta.__class__ = param.__class__
+            # One attribute dict for both: vLLM often sets attributes (weight_loader, output_dim, ...) on the
+            # object it made after registering it, and they must reach the registered one (and vLLM's record of
+            # it for in-place reloads).
+            meta.__dict__ = param.__dict__
+            param.data = param.data.new_empty(0)
+            param = meta
+        register(self, name, param)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _same_kind(param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A parameter over `data` of `param`'s class, with its attributes (vLLM's weight loaders read them)."""
+    result = nn.Parameter(data, requires_grad=False)
+    result.__class__ = param.__class__
+    result.__dict__ = param.__dict__.copy()
+    return result
+
+
+def attach_into(model: nn.Module, weights: AttachedWeights, device: torch.device, *, quantized: bool = False
+                ) -> Placement:
+    """Register the daemon's tensors as the model's parameters; load the rest through the model's load_weights.
+
+    The one attach path: `load_model` calls it on a model whose parameters are on the meta device,
+    `load_weights` on a built one. A parameter takes the daemon's tensor of its name when shape and dtype
+    agree, in every module that shares it (tied embeddings); any other parameter still on the meta device is
+    materialized on `device`, then every other one is loaded by the model's `load_weights` from checkpoint-named
+    views of the daemon's tensors.
 
     With `quantized`, parameters that neither the daemon nor load_weights fill (the attention's KV-cache
     scales a checkpoint may leave out) keep the values vLLM created them with, as vLLM's disk loader leaves them.
     """
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for leaf, param in module._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((module, leaf))
+    params = dict(model.named_parameters())  # one name per parameter, tied ones under their first
     assigned: set[str] = set()
-    params = dict(model.named_parameters())
     for name, param in params.items():
         tensor = weights.tensors.get(vllm_formats.daemon_name(name))
         if (tensor is not None and tuple(tensor.shape) == tuple(param.shape) and tensor.dtype == param.dtype
-                and tensor.device.type == param.device.type):
-            param.data = tensor
+                and tensor.device.type == device.type):
+            _replace(slots[id(param)], _same_kind(param, tensor))
             assigned.add(name)
     rest = [name for name in params if name not in assigned]
     note = vllm_formats.expert_note(model, assigned)
     if not rest:
-        return Placement(len(assigned), 0, note=note)
+        return Placement(len(assigned), (), note=note)
     taken = {vllm_formats.daemon_name(name) for name in assigned}
     unused = [name for name in weights.tensors if name not in taken]
     if not unused and quantized:
         # Every daemon tensor is placed; what is left the checkpoint does not hold (on any rank).
-        missing = rest
-    elif plan.tp_size > 1:
+        return _kept_as_made(params, assigned, rest, note)
+    if weights.key_file.plan.tp_size > 1:
         # load_weights shards full checkpoint tensors itself; a daemon holds only this rank's shard.
         raise CannotAttachError(
             f"vLLM parameter {rest[0]} has no daemon tensor of its shape and dtype, and a TP shard cannot be "
             "reloaded under checkpoint names"
         )
-    else:
-        # Every vLLM model class has load_weights, but no vLLM type declares it: nn.Module's __getattr__ answers.
-        loaded = model.load_weights(weights.checkpoint_tensors(unused).items())  # type: ignore[operator]
-        missing = [name for name in rest if loaded is not None and name not in loaded]
+    for name in rest:  # what the daemon lacks: the only parameter memory this attach allocates
+        param = params[name]
+        if param.device.type == "meta":
+            empty = torch.empty_strided(tuple(param.shape), param.stride(), dtype=param.dtype, device=device)
+            _replace(slots[id(param)], _same_kind(param, empty))
+    # Every vLLM model class has load_weights, but no vLLM type declares it: nn.Module's __getattr__ answers.
+    loaded = model.load_weights(weights.checkpoint_tensors(unused).items())  # type: ignore[operator]
+    missing = [name for name in rest if loaded is not None and name not in loaded]
     if missing and not quantized:
         raise CannotAttachError(f"the daemon holds nothing vLLM can load into parameter {missing[0]}")
     if missing:
-        note += f"; {len(missing)} the checkpoint lacks (such as {missing[0]}) kept vLLM's initial values, as from disk"
-    return Placement(len(assigned), len(rest) - len(missing), note=note)
+        return _kept_as_made(params, assigned, [n for n in rest if n not in missing], note, missing)
+    return Placement(len(assigned), tuple(rest), note=note)
+
+
+def _kept_as_made(params: dict[str, nn.Parameter], assigned: set[str], copied: list[str], note: str,
+                  kept: list[str] | None = None) -> Placement:
+    """A quantized model's placement where the parameters in `kept` (all of `copied` when None) are left as
+    vLLM created them: the checkpoint does not hold them. One built on the meta device has no such value."""
+    kept = copied if kept is None else kept
+    copied = [] if kept is copied else copied
+    if lost := [name for name in kept if params[name].device.type == "meta"]:
+        raise CannotAttachError(f"vLLM parameter {lost[0]} is in neither the daemon nor the checkpoint, and was "
+                                "built without an initial value to keep")
+    note += f"; {len(kept)} the checkpoint lacks (such as {kept[0]}) kept vLLM's initial values, as from disk"
+    return Placement(len(assigned), tuple(copied), note=note)
+
+
+def _replace(slots: list[tuple[nn.Module, str]], param: nn.Parameter) -> None:
+    # Straight into _parameters: register_parameter would refuse to replace an attribute, and .data cannot
+    # move a meta parameter onto a device.
+    for module, leaf in slots:
+        module._parameters[leaf] = param
 
 
 class WcacheModelLoader(BaseModelLoader):
@@ -145,6 +240,12 @@ class WcacheModelLoader(BaseModelLoader):
     def download_model(self, model_config: ModelConfig) -> None:
         self._disk_loader().download_model(model_config)
 
+    def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """vLLM's in-place reload (`reload_weights`, what `wcache.integrations.vllm_switch.switch` runs)."""
+        from wcache.integrations.vllm_switch import daemon_weights
+
+        return daemon_weights(self, model, model_config)
+
     def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
         """Bytes a CUDA daemon holds for this rank in zero-copy mode, so vLLM does not count them as its own.
 
@@ -164,28 +265,24 @@ class WcacheModelLoader(BaseModelLoader):
             return 0
         return daemon.weights_bytes
 
-    def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """vLLM's in-place reload (`reload_weights`, what `wcache.integrations.vllm_switch.switch` runs)."""
-        from wcache.integrations.vllm_switch import daemon_weights
-
-        return daemon_weights(self, model, model_config)
-
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        """In-place reload: the daemon's tensors copied in under checkpoint names, else vLLM's disk loader."""
-        from vllm.config import get_current_vllm_config
-
+        """Attach a built model to a daemon (the same path as load_model's), else vLLM's disk loader."""
         vllm_config = get_current_vllm_config()
         try:
             weights = self._attach(vllm_config, model_config)
+            try:
+                attach_into(model, weights, self._target_device(vllm_config),
+                            quantized=bool(model_config.quantization))
+            except CannotAttachError:
+                weights.close()
+                raise
         except CannotAttachError as exc:
             if not self.options.fallback:
                 raise
-            logger.warning("wcache: cannot reload from a daemon (%s); reloading from disk", exc)
+            logger.warning("wcache: cannot load from a daemon (%s); loading from disk", exc)
             self._disk_loader().load_weights(model, model_config)
             return
-        with weights:
-            # load_weights is on every vLLM model class but on no vLLM type (see place).
-            model.load_weights(weights.checkpoint_tensors().items())  # type: ignore[operator]
+        _keep_lease(model, weights)
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         began = time.perf_counter()
@@ -200,13 +297,28 @@ class WcacheModelLoader(BaseModelLoader):
             return self._fall_back(vllm_config, model_config, prefix, str(exc))
         report = weights.report
         how = "zero-copy views of its arena" if report.mode == "zero_copy" else "private copies (copy mode)"
+        total = placement.assigned + len(placement.copied)
+        copied = (f"{len(placement.copied)} ({_names(placement.copied)}) were materialized and copied in through "
+                  "the model's load_weights, as their shape or dtype differ from the daemon's"
+                  if placement.copied else "none was materialized")
+        private = ("" if placement.private_bytes is None else
+                   f"; this process's private memory grew by {placement.private_bytes / 2**20:.1f} MiB before "
+                   "vLLM's post-processing")
+        if placement.device_peak_bytes is not None:
+            private += f", and the build allocated at most {placement.device_peak_bytes / 2**20:.1f} MiB on the device"
         logger.info(
-            "wcache: weight cache hit from daemon %s (key %s): %d parameters took the daemon's tensors as %s, "
-            "%d were copied in through load_weights%s; no checkpoint byte was read (attach %.1f ms, vLLM's "
-            "post-processing %.1f ms; %.1f ms, post-processing included)", report.daemon, report.daemon_key_id,
-            placement.assigned, how, placement.copied, placement.note, report.timings_ms.get("total", 0.0),
-            placement.post_processing_s * 1000, (time.perf_counter() - began) * 1000,
+            "wcache: weight cache hit from daemon %s (key %s) for TP rank %d of %d: %d of %d parameters are the "
+            "daemon's tensors as %s, %s%s; no checkpoint byte was read%s (attach %.1f ms, vLLM's post-processing "
+            "%.1f ms; %.1f ms, post-processing included)", report.daemon, report.daemon_key_id,
+            weights.key_file.plan.tp_rank, weights.key_file.plan.tp_size, placement.assigned, total, how, copied,
+            placement.note, private, report.timings_ms.get("total", 0.0), placement.post_processing_s * 1000,
+            (time.perf_counter() - began) * 1000,
         )
+        append_event(self._run_dir(), "placement", engine=ENGINE, daemon=report.daemon,
+                     tp_rank=weights.key_file.plan.tp_rank, tp_size=weights.key_file.plan.tp_size,
+                     mode=report.mode, parameters=total, assigned=placement.assigned, copied=list(placement.copied),
+                     private_bytes=placement.private_bytes, device_peak_bytes=placement.device_peak_bytes,
+                     post_processing_ms=round(placement.post_processing_s * 1000, 3))
         return model
 
     def _attach(self, vllm_config: VllmConfig, model_config: ModelConfig) -> AttachedWeights:
@@ -223,22 +335,32 @@ class WcacheModelLoader(BaseModelLoader):
             # E.g. a Hugging Face id not downloaded yet: vLLM's own loader fetches it; wcache never downloads.
             raise CannotAttachError(str(exc).rstrip(".")) from None
 
+    def _target_device(self, vllm_config: VllmConfig) -> torch.device:
+        return torch.device(self.load_config.device or vllm_config.device_config.device_type)
+
     def _build(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
                weights: AttachedWeights) -> tuple[nn.Module, Placement]:
-        target_device = torch.device(self.load_config.device or vllm_config.device_config.device_type)
+        target_device = self._target_device(vllm_config)
+        before = private_bytes()
+        cuda = target_device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(target_device)
+            allocated = torch.cuda.memory_allocated(target_device)
         # ModelConfig declares dtype as a name or a torch.dtype; its __post_init__ always leaves a torch.dtype.
         with set_default_torch_dtype(model_config.dtype):  # type: ignore[arg-type]
-            # Built on the device, as vLLM's own loaders do: the parameters' memory is allocated but never
-            # touched before the daemon's tensors replace it.
-            with target_device:
-                model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-            placement = place(model, weights, weights.key_file.plan, quantized=bool(model_config.quantization))
+            with target_device, parameters_on_meta():
+                model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+            placement = attach_into(model, weights, target_device, quantized=bool(model_config.quantization))
+            after = private_bytes()
+            # The daemon's tensors are its own allocation (CUDA IPC), never counted here: what is counted is what
+            # this process allocated for parameters, at most one vLLM `torch.empty` at a time plus what it lacked.
+            peak = torch.cuda.max_memory_allocated(target_device) - allocated if cuda else None
             began = time.perf_counter()
             process_weights_after_loading(model, model_config, target_device)
-            placement = dataclasses.replace(placement, post_processing_s=time.perf_counter() - began)
-        # The model keeps the lease (and the arena's map) for as long as vLLM keeps the model. Module.__setattr__
-        # is typed for tensors and modules, but a plain attribute is set like any other.
-        model._wcache_weights = weights  # type: ignore[assignment]
+        grown = after - before if after is not None and before is not None else None
+        placement = dataclasses.replace(placement, private_bytes=grown, device_peak_bytes=peak,
+                                        post_processing_s=time.perf_counter() - began)
+        _keep_lease(model, weights)
         return model.eval(), placement
 
     def _fall_back(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, reason: str) -> nn.Module:
@@ -254,3 +376,17 @@ class WcacheModelLoader(BaseModelLoader):
         append_event(self._run_dir(), "fallback", source=str(model_config.model), device=device_name(vllm_config),
                      reason=reason, seconds=round(seconds, 3), engine=ENGINE)
         return model
+
+
+def _keep_lease(model: nn.Module, weights: AttachedWeights) -> None:
+    """The model keeps the lease (and the arena's map) for as long as vLLM keeps the model; a reload's lease
+    replaces the last one. Module.__setattr__ is typed for tensors and modules, but a plain attribute is set
+    like any other."""
+    previous = getattr(model, "_wcache_weights", None)
+    model._wcache_weights = weights  # type: ignore[assignment]
+    if isinstance(previous, AttachedWeights):
+        previous.close()
+
+
+def _names(names: tuple[str, ...], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")

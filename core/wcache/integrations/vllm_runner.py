@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ class VllmResult:
 
     tokens: list[list[int]]
     log: str
+    engine_ready_at: float  # epoch seconds when LLM(...) returned in the child
+    generated_at: float  # epoch seconds when the last token was generated
 
 
 class VllmRunError(UnavailableError):
@@ -82,7 +85,9 @@ def greedy_tokens(run: VllmRun, timeout: float | None = None) -> VllmResult:
                 process.wait()
         text = log_path.read_text(errors="replace")
         if result.exists():
-            return VllmResult([list(map(int, tokens)) for tokens in json.loads(result.read_text())], text)
+            done = json.loads(result.read_text())
+            return VllmResult([list(map(int, tokens)) for tokens in done["tokens"]], text,
+                              float(done["engine_ready_at"]), float(done["generated_at"]))
     raise VllmRunError(_reason(text, code), text)
 
 
@@ -101,16 +106,20 @@ def _reason(log: str, code: int) -> str:
 def _child(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     run = VllmRun(**spec["run"])
-    from vllm import LLM, SamplingParams
+    from wcache.integrations.vllm_api import LLM, SamplingParams
 
     llm = LLM(model=run.model, load_format=run.load_format, model_loader_extra_config=run.extra_config,
               # vLLM types dtype as its Literal of names but checks any string itself; a plan's dtype is one.
               tensor_parallel_size=run.tensor_parallel_size, dtype=run.dtype,  # type: ignore[arg-type]
               max_model_len=run.max_model_len,
               enforce_eager=True, seed=0)
+    ready = time.time()
     outputs = llm.generate(run.prompts, SamplingParams(temperature=0.0, max_tokens=run.max_new_tokens),
                            use_tqdm=False)
-    Path(spec["result"]).write_text(json.dumps([list(output.outputs[0].token_ids) for output in outputs]))
+    # When the tokens were there, for start-up breakdowns: vLLM's shutdown after this is no part of it.
+    Path(spec["result"]).write_text(json.dumps({
+        "tokens": [list(output.outputs[0].token_ids) for output in outputs], "engine_ready_at": ready,
+        "generated_at": time.time()}))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from wcache.key.fingerprint import FingerprintStats  # a computed key's stats; key files never carry them
 
 # Bumped whenever processing code changes the bytes it produces for the same inputs.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the vocabulary padded to 64 rows before a TP split; stacked experts; pre-quantized codes
 KEY_SCHEMA = "wcache.key/1"  # in every saved key file: never changes with the module layout
 SHORT_ID_HEX = 12
 

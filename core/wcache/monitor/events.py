@@ -31,7 +31,7 @@ MAX_TS = 1e11
 KINDS = frozenset({
     "preload", "ready", "preload_failed", "attach_hit", "attach_miss", "fallback", "release", "stop",
     "daemon_exited", "daemon_lost", "engine_counters", "group_stopped", "provenance", "engine_switch",
-    "switch_refused", "scrub_failed",
+    "switch_refused", "scrub_failed", "placement",
 })
 
 

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     import torch
 
 _ROTARY_BUFFER = ".rotary_emb.inv_freq"
+# vLLM's DEFAULT_VOCAB_PADDING_SIZE: it pads the vocabulary to a multiple of it before splitting it across ranks.
+VOCAB_PADDING = 64
 
 Source = Callable[[str], "torch.Tensor"]
 
@@ -455,11 +457,22 @@ def _is_companion(name: str, expected: Mapping[str, tuple[int, ...]]) -> bool:
         f"{module}.weight" in expected)
 
 
+def vocab_rows_per_rank(vocab: int, tp: int) -> int:
+    """Rows of a vocab-parallel tensor (embed_tokens, lm_head) on each of `tp` ranks.
+
+    TP 1 keeps the checkpoint's shape (what transformers and the reference engine load). Split, the vocab is
+    first padded with zero rows to a multiple of VOCAB_PADDING, as vLLM pads it, so that each rank's shard is
+    exactly vLLM's parameter; every rank's shard has one shape, and engines mask logits past vocab_size.
+    """
+    if tp == 1:
+        return vocab
+    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+    return -(-padded // tp)
+
+
 def _vocab_parallel(b: _Builder, name: str, d: ModelDims) -> None:
-    # The vocab is padded up to a multiple of tp with zero rows so that every rank's shard has one shape (one
-    # arena layout for all ranks); the engine masks logits past vocab_size.
     tp, rank = b.spec.tp_size, b.spec.tp_rank
-    per_rank = -(-d.vocab // tp)
+    per_rank = vocab_rows_per_rank(d.vocab, tp)
     start = rank * per_rank
     real = max(0, min(per_rank, d.vocab - start))
     pieces = (b.piece(name, 0, start, real),) if real else ()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from wcache.canonical import digest_of
@@ -60,3 +62,20 @@ class PlanSpec:
         if self.dtype == "auto":
             raise ValueError("resolve() the plan's dtype before digesting it")
         return digest_of(self.to_json())
+
+
+def preload_command(model: Path | str, plan: PlanSpec) -> str:
+    """The `wcache preload` command line that starts daemons holding `plan` for `model` (every rank of its TP).
+
+    For the engine user who reads a miss: the command to run, not the names of options to look up.
+    """
+    words = ["wcache", "preload", shlex.quote(str(model))]
+    if plan.tp_size > 1:
+        words += ["--tp", str(plan.tp_size)]
+    if plan.dtype != "auto":
+        words += ["--dtype", plan.dtype]
+    if plan.quantization != "none":
+        words += ["--quantization", plan.quantization]
+    if plan.layout != "fused":
+        words += ["--plan", plan.layout]
+    return " ".join(words)

@@ -1,0 +1,46 @@
+"""vLLM's API as wcache uses it, in one place, imported only after a check of the installed vLLM's version.
+
+Much of what a model loader needs (the loader base class, `initialize_model`, the parallel state) is vLLM's
+private API, which changes between minor releases. Every import from vLLM in wcache comes from here, and
+importing this module first checks the installed vLLM against the range the tests ran
+(`wcache.integrations.vllm_version`; pyproject's extras say the same): outside it, one sentence
+(`UnsupportedVllmError`) instead of an ImportError or AttributeError halfway through a load.
+"""
+
+from __future__ import annotations
+
+from wcache.integrations.vllm_version import check_version
+
+check_version()  # before any import below: an untested vLLM is refused here, never halfway through a load
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.config import ModelConfig, VllmConfig, get_current_vllm_config  # noqa: E402
+from vllm.config.load import LoadConfig  # noqa: E402
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size  # noqa: E402
+from vllm.logger import init_logger  # noqa: E402
+from vllm.model_executor.layers.vocab_parallel_embedding import DEFAULT_VOCAB_PADDING_SIZE  # noqa: E402
+from vllm.model_executor.model_loader import get_model_loader, register_model_loader  # noqa: E402
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader  # noqa: E402
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa: E402
+from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading  # noqa: E402
+from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
+
+__all__ = [
+    "DEFAULT_VOCAB_PADDING_SIZE",
+    "LLM",
+    "BaseModelLoader",
+    "DefaultModelLoader",
+    "LoadConfig",
+    "ModelConfig",
+    "SamplingParams",
+    "VllmConfig",
+    "get_current_vllm_config",
+    "get_model_loader",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_world_size",
+    "init_logger",
+    "initialize_model",
+    "process_weights_after_loading",
+    "register_model_loader",
+    "set_default_torch_dtype",
+]
