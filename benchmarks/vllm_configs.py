@@ -15,7 +15,8 @@ and ``"fallback": false``. It prints two tables:
   warmup model) took X s" began; that line's X (memory profiling, KV cache, warm-up); the front end's set-up
   until `LLM(...)` returns; and generating the tokens (vLLM's shutdown after them is left out).
 
-A new configuration (int8 W8A8, MoE, ...) is one more ``Config`` in ``CONFIGS``, with its own checkpoint writer.
+A new configuration is one more ``Config`` in ``CONFIGS``, with its own checkpoint writer; the pre-quantized and
+MoE rows use their own tiny presets whatever ``--preset`` says (`own_preset`).
 
 Run under the machine's vLLM lock (one vLLM at a time)::
 
@@ -75,10 +76,25 @@ def dense(dest: Path, preset: str) -> Path:
     return model
 
 
+def own_preset(preset: str) -> Callable[[Path, str], Path]:
+    """A writer of `preset` itself whatever --preset asks: the pre-quantized and MoE checkpoints exist as tiny
+    presets only (wcache_dev.synth)."""
+
+    def write(dest: Path, _: str) -> Path:
+        return dense(dest, preset)
+
+    return write
+
+
+# vLLM's CPU workers at TP 2 need a core each bound (it refuses otherwise).
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+MOE = own_preset("small-moe")  # one writer: both MoE rows share its checkpoint
 CONFIGS: list[Config] = [
     Config("dense bf16, TP 1", dense),
-    # vLLM's CPU workers at TP 2 need a core each bound (it refuses otherwise).
-    Config("dense bf16, TP 2", dense, tp=2, preload=("--tp", "2"), env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+    Config("dense bf16, TP 2", dense, tp=2, preload=("--tp", "2"), env=TP2_ENV),
+    Config("int8 W8A8 (small-w8a8), TP 1", own_preset("small-w8a8")),
+    Config("Qwen3-MoE (small-moe), TP 1", MOE),
+    Config("Qwen3-MoE (small-moe), TP 2", MOE, tp=2, preload=("--tp", "2"), env=TP2_ENV),
 ]
 
 

@@ -159,6 +159,7 @@ def test_a_daemon_of_another_uid_in_the_run_dir_fails(tmp_path: Path) -> None:
             assert code == 1
             owners = findings["daemon owners"]
             assert owners["status"] == "fail" and f"{other.name} (uid 65534)" in owners["message"]
+            write_descriptor(rig.run_dir, stand_in)  # the rig's stop then reaches the process holding the lock
     finally:
         sleeper.kill()
         sleeper.wait()

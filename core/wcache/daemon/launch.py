@@ -252,7 +252,12 @@ def stop_daemon(descriptor: DaemonDescriptor, *, force: bool = False) -> int:
     try:
         reply = request_once(descriptor.socket, Shutdown(force=force))
     except DaemonError as exc:
-        # Already stopping (its socket goes first), asked by someone else or by its supervisor: wait it out.
+        # Already stopping (its socket goes first), asked by someone else or by its supervisor, or hung: one that
+        # runs in this pid namespace is also sent SIGTERM (which a stopping daemon takes as the same request);
+        # one in another is waited out.
+        if _same_process(descriptor.pid, descriptor.pid_created):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(descriptor.pid, signal.SIGTERM)
         try:
             wait_exit(daemon_lock(descriptor), descriptor.name)
         except UnavailableError:
@@ -276,8 +281,7 @@ def stop_loading(run_dir: Path, record: LoadingRecord) -> None:
     lock is held but whose pid is not that process here runs in another pid namespace, and UnavailableError
     says so without signalling anyone."""
     name = record.name or f"pid {record.pid}"
-    created = process_created(record.pid)
-    if created is None or abs(created - record.pid_created) >= 0.01:
+    if not _same_process(record.pid, record.pid_created):
         if not lock_held(record_lock_path(run_dir, record.pid)):
             return  # it finished or died meanwhile
         what = f"daemon {record.name}" if record.name else "a rank"
@@ -286,6 +290,13 @@ def stop_loading(run_dir: Path, record: LoadingRecord) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(record.pid, signal.SIGTERM)
     wait_exit(record_lock_path(run_dir, record.pid), name)
+
+
+def _same_process(pid: int, pid_created: float) -> bool:
+    """Whether `pid` here is the process that recorded `pid_created`: only then may it be signalled (in another
+    pid namespace the number names no process, or another one)."""
+    created = process_created(pid)
+    return created is not None and abs(created - pid_created) < 0.01
 
 
 def wait_exit(lock: Path, name: str) -> None:

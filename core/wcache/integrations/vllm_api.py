@@ -22,7 +22,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import DEFAULT_VOCAB_PA
 from vllm.model_executor.model_loader import get_model_loader, register_model_loader  # noqa: E402
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader  # noqa: E402
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa: E402
-from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading  # noqa: E402
+from vllm.model_executor.model_loader.utils import (  # noqa: E402
+    get_model_architecture,
+    initialize_model,
+    process_weights_after_loading,
+)
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 
 __all__ = [
@@ -35,6 +39,7 @@ __all__ = [
     "SamplingParams",
     "VllmConfig",
     "get_current_vllm_config",
+    "get_model_architecture",
     "get_model_loader",
     "get_tensor_model_parallel_rank",
     "get_tensor_model_parallel_world_size",

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import nn
-from vllm.config import ModelConfig
 
+from wcache.integrations.vllm_api import ModelConfig, get_model_architecture
 from wcache.plan import family
 from wcache.plan.family import ModelDims, UnsupportedPlanError
 
@@ -40,8 +40,6 @@ def check_quantization(model_config: ModelConfig) -> None:
 def layout_for_vllm(model_config: ModelConfig, config: Mapping[str, Any] | None) -> str:
     """"fused" when vLLM's model class fuses exactly as the family's plan does, "identity" when it fuses none
     of it; UnsupportedPlanError, with the reason, when the class and the plan disagree."""
-    from vllm.model_executor.model_loader.utils import get_model_architecture
-
     model_class, _ = get_model_architecture(model_config)
     packed: Mapping[str, list[str]] = getattr(model_class, "packed_modules_mapping", {}) or {}
     if not family.fuses_like_family(packed):

@@ -24,8 +24,8 @@ from wcache.errors import UnavailableError
 if TYPE_CHECKING:
     import torch
     from torch import nn
-    from vllm.config import ModelConfig
 
+    from wcache.integrations.vllm_api import ModelConfig
     from wcache.integrations.vllm_loader import WcacheModelLoader
 
 LOAD_FORMAT = "wcache"
@@ -71,8 +71,7 @@ def daemon_weights(loader: WcacheModelLoader, model: nn.Module,
                    model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """What the loader gives vLLM's in-place reload: the daemon's tensors for `model_config.model` under
     checkpoint names. Attaches now, before vLLM touches a layer, and refuses (no fallback) on a miss."""
-    from vllm.config import get_current_vllm_config
-
+    from wcache.integrations.vllm_api import get_current_vllm_config
     from wcache.integrations.vllm_loader import CannotAttachError
 
     previous = getattr(model, "_wcache_weights", None)
