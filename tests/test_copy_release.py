@@ -84,7 +84,12 @@ def test_a_copy_release_waits_for_attaches_in_flight_and_leases(
     stats = rig.stats(daemon)
     assert (stats["holds_weights"], stats["release_queued"], stats["released"]["client_pid"]) == (
         False, False, os.getpid())
-    copy_releases = [e for e in rig.events("release") if e["mode"] == "copy"]
+    # The daemon appends the release's event just after its state reads "released".
+    def copy_releases_logged() -> list[dict[str, object]]:
+        return [e for e in rig.events("release") if e["mode"] == "copy"]
+
+    wait_for(lambda: len(copy_releases_logged()) == 2, what="the queued release's event")
+    copy_releases = copy_releases_logged()
     assert [e["weights_dropped"] for e in copy_releases] == [False, True], copy_releases
     assert copy_releases[0]["kept_for_leases"] == 1 and copy_releases[0]["kept_for_attaches"] == 2
 
