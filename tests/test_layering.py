@@ -1,4 +1,4 @@
-"""The package structure the README's Layout section describes: which part of wcache may import which.
+"""The package structure docs/layout.md describes: which part of wcache may import which.
 
 Imports are read from the source (every `import`/`from` statement, including the lazy ones inside
 functions), so a new dependency that breaks the layering fails here before it becomes a cycle.
