@@ -205,7 +205,7 @@ def verify_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_token
         from wcache.engine.parallel import TensorParallel
 
         return _run_prompts(TensorParallel(), model, plan.to_json(), prompts, max_new_tokens, options, device)
-    from wcache.engine.tp_launch import run_tensor_parallel
+    from wcache.tp_launch import run_tensor_parallel
 
     # Every rank must attach its own shard; each runs the same prompts and rank 0's answer is the report.
     # No timeout: loading a large model on every rank may take long; Ctrl-C stops every rank.
