@@ -40,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "serving": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options",
                              "daemon_choice", "engine"},
     "integrations": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach",
-                                  "attach_options", "daemon_choice"},
+                                  "attach_options", "daemon_choice", "engine", "tp_launch"},
     "verify": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options",
                             "daemon_choice", "engine", "tp_launch", "integrations"},
     "verify_served": FOUNDATION | {"plan", "key", "load", "engine", "serving", "verify"},
