@@ -34,13 +34,16 @@ ALLOWED: dict[str, set[str]] = {
     "daemon_choice": FOUNDATION | {"plan", "key", "ipc"},
     "doctor": FOUNDATION | {"key", "ipc"},
     "attach": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach_options", "daemon_choice"},
-    "engine": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options",
-                            "daemon_choice"},
+    # The engine's core never imports its serving side (`serving`) or the rank launcher (`tp_launch`).
+    "engine": FOUNDATION | {"checkpoint", "plan", "key", "load", "attach", "attach_options"},
+    "tp_launch": FOUNDATION | {"engine"},
+    "serving": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options",
+                             "daemon_choice", "engine"},
     "integrations": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach",
-                                  "attach_options", "daemon_choice"},
+                                  "attach_options", "daemon_choice", "engine", "tp_launch"},
     "verify": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options",
-                            "daemon_choice", "engine", "integrations"},
-    "verify_served": FOUNDATION | {"plan", "key", "load", "engine", "verify"},
+                            "daemon_choice", "engine", "tp_launch", "integrations"},
+    "verify_served": FOUNDATION | {"plan", "key", "load", "engine", "serving", "verify"},
 }
 
 

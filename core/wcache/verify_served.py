@@ -14,10 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wcache.engine.client import call_engine
 from wcache.errors import BadInputError, UnavailableError
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
+from wcache.serving.client import call_engine
 from wcache.verify import GreedyReport, PromptResult, compare_prompts
 
 if TYPE_CHECKING:

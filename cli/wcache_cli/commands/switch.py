@@ -31,8 +31,8 @@ def switch(
     3) and the engine keeps serving its old weights. Prefix-cache blocks are keyed by the weights' content key,
     so none computed under the old weights can hit after the switch.
     """
-    from wcache.engine.client import EngineRequestError, call_engine
     from wcache.errors import UnavailableError
+    from wcache.serving.client import EngineRequestError, call_engine
 
     if model is None and daemon is None:
         raise BadInputError("name the weights to switch to: MODEL, --daemon, or both.")

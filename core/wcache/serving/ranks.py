@@ -25,7 +25,10 @@ from wcache.attach_options import AttachOptions
 from wcache.engine.config import EngineConfig
 from wcache.engine.engine import Engine, Generation
 from wcache.engine.parallel import TensorParallel
-from wcache.engine.server import (
+from wcache.ipc.http_server import http_url
+from wcache.ipc.rundir import ensure_run_dir
+from wcache.plan.spec import PlanSpec
+from wcache.serving.server import (
     MAX_BODY_BYTES,
     MAX_TOKENS_LIMIT,
     CounterEvents,
@@ -33,9 +36,6 @@ from wcache.engine.server import (
     make_server,
     write_engine_descriptor,
 )
-from wcache.ipc.http_server import http_url
-from wcache.ipc.rundir import ensure_run_dir
-from wcache.plan.spec import PlanSpec
 
 # Every request starts with the header [opcode, prompt length, max new tokens].
 _GENERATE, _STOP = 1, 2
