@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from wcache.attach_options import AttachOptions
 from wcache.daemon_choice import holding, nearest, on_device
-from wcache.errors import BadInputError, UnavailableError
+from wcache.errors import BadInputError, UnavailableError, option
 from wcache.ipc.client import DaemonConnection, DaemonError
 from wcache.ipc.messages import Hello, HelloReply, Manifest, MapMode, MapRequest, Release, WantedKey
 from wcache.ipc.remote_key import daemon_key_file
@@ -244,7 +244,7 @@ def attach_with(
                        if isinstance(found.connections[d.name], DaemonConnection)]
             if options.trust_daemon and options.daemon is None and len(fitting) > 1:
                 raise BadInputError(
-                    f"{len(fitting)} daemons on {device} match this config and plan; name one with --daemon."
+                    f"{len(fitting)} daemons on {device} match this config and plan; name one with {option('daemon')}."
                 )
             for descriptor in fitting:
                 connection = found.connections.pop(descriptor.name)
@@ -467,7 +467,7 @@ def _miss(local: KeyFile, found: _Found, refusal: _Refusal | None, ctx: _AttachC
                  diff=diff_summary(explained.diff) if explained.diff else None, dp_size=ctx.dp_size,
                  engine=ctx.engine)
     if not ctx.options.fallback:
-        raise AttachMissError(f"{explained.reason}; not falling back to disk (fallback disabled).", report)
+        raise AttachMissError(f"{explained.reason}; not falling back to disk ({option('fallback', False)}).", report)
     t = time.perf_counter()
     from wcache.load.loader import load_from_disk
 

@@ -16,7 +16,7 @@ from typing import Any
 from wcache.attach_options import ENGINES, AttachOptions
 from wcache.checkpoint.provenance import FileVerdict, overall, report
 from wcache.daemon_choice import pick_daemon
-from wcache.errors import BadInputError, UnavailableError
+from wcache.errors import BadInputError, UnavailableError, option
 from wcache.ipc.client import DaemonConnection, DaemonError
 from wcache.ipc.messages import CheckArena, Manifest
 from wcache.ipc.remote_key import daemon_key_file
@@ -132,11 +132,12 @@ def _verify_vllm(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens
     from wcache.ipc.rundir import default_run_dir
 
     if plan.quantization != "none" or plan.layout != "fused":
-        raise BadInputError("--engine vllm takes its plan from vLLM; drop --quantization and --plan.")
+        raise BadInputError(f"{option('engine', 'vllm')} takes its plan from vLLM; drop {option('quantization')} "
+                            f"and {option('layout')}.")
     if not any((model / name).exists() for name in VLLM_TOKENIZER_FILES):
         # vLLM would start anyway, encode every prompt to nothing and stop at "The decoder prompt cannot be empty".
         raise BadInputError(f"{model} has no tokenizer ({', '.join(VLLM_TOKENIZER_FILES)}) for vLLM to encode "
-                            "the prompts with; add one, or verify with --engine reference.")
+                            f"the prompts with; add one, or verify with {option('engine', 'reference')}.")
     run_dir = Path(options.run_dir) if options.run_dir else default_run_dir()
     extra = replace(options, run_dir=str(run_dir)).to_mapping()
     base = VllmRun(str(model), prompts, max_new_tokens, tensor_parallel_size=plan.tp_size, dtype=plan.dtype)
@@ -162,8 +163,8 @@ def _verify_transformers(model: Path, plan: PlanSpec, prompts: list[str], max_ne
     from wcache.integrations.transformers import from_pretrained
 
     if plan.tp_size != 1 or plan.quantization != "none" or plan.layout != "fused":
-        raise BadInputError("--engine transformers runs TP 1 without quantization; drop --tp, --quantization "
-                            "and --plan.")
+        raise BadInputError(f"{option('engine', 'transformers')} runs TP 1 without quantization; drop "
+                            f"{option('tp_size')}, {option('quantization')} and {option('layout')}.")
     dtype = {} if plan.dtype == "auto" else {"dtype": getattr(torch, plan.dtype)}
     cached_model = from_pretrained(model, **dtype, **options.to_mapping())
     disk_model = AutoModelForCausalLM.from_pretrained(model, **dtype).eval()
@@ -196,7 +197,7 @@ def verify_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_token
     if not prompts:
         raise BadInputError("there are no prompts to verify with.")
     if engine not in ENGINES:
-        raise BadInputError(f"--engine must be one of {', '.join(ENGINES)}, not {engine!r}.")
+        raise BadInputError(f"{option('engine')} must be one of {', '.join(ENGINES)}, not {engine!r}.")
     if engine == "vllm":
         return _verify_vllm(model, plan, prompts, max_new_tokens, options)
     if engine == "transformers":
