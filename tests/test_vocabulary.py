@@ -23,7 +23,7 @@ from wcache.plan.processing import UnsupportedPlanError
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted([*(ROOT / "core" / "wcache").rglob("*.py"), *(ROOT / "cli" / "wcache_cli").rglob("*.py")])
 # An exit status written as a number anywhere but errors.py, where each one is defined.
-_LITERAL_EXIT = re.compile(r"(sys\.exit|os\._exit|SystemExit|typer\.Exit|Exit)\(\s*(code\s*=\s*)?\d+|exit_code\s*=\s*\d+")
+_LITERAL_EXIT = re.compile(r"(sys\.exit|os\._exit|SystemExit|Exit)\(\s*(code\s*=\s*)?\d+|exit_code\s*=\s*\d+")
 
 
 def test_exit_codes_are_written_only_where_they_are_defined() -> None:

@@ -89,7 +89,8 @@ def check_run_dir(run_dir: Path) -> Finding:
         return Finding(name, "ok", f"{run_dir} does not exist yet; preload creates it (mode 700) on "
                        f"{filesystem_of(parent)} with {_bytes(free)} free")
     except OSError as exc:
-        return Finding(name, "fail", f"{run_dir} cannot be checked ({exc.strerror}); choose another {option('run_dir')}")
+        return Finding(name, "fail", f"{run_dir} cannot be checked ({exc.strerror}); choose another "
+                       f"{option('run_dir')}")
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         return Finding(name, "fail", f"{run_dir} is not a directory (or is a symlink); remove it or choose "
                        f"another {option('run_dir')}")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from wcache.daemon.argv import LoadArgs
 from wcache.daemon.health import RankTable, serve_health
-from wcache.errors import EXIT_OK, EXIT_UNAVAILABLE, WcacheError, marked, option
+from wcache.errors import EXIT_OK, EXIT_UNAVAILABLE, WcacheError, api_words, in_words, marked, option
 from wcache.ipc.http_server import http_url
 from wcache.ipc.interpreter import python_module_argv
 from wcache.ipc.loading import forget_dead_rank
@@ -96,9 +96,12 @@ class Supervisor:
             return EXIT_OK
         if outcome is not None:
             reason, code = outcome
-            log.error("preload failed: %s", reason)
+            # The log and the event log are read as they are: options in a Python caller's words there; the
+            # status line keeps them marked for the CLI to name as flags.
+            log.error("preload failed: %s", in_words(reason, api_words))
             self._terminate_all()
-            append_event(self.run_dir, "preload_failed", source=str(self.args.model), reason=reason)
+            append_event(self.run_dir, "preload_failed", source=str(self.args.model),
+                         reason=in_words(reason, api_words))
             self.status.emit(Failed(reason=reason, exit_code=code))
             server.shutdown()
             return code

@@ -201,7 +201,8 @@ def alerts(events: Iterable[EventRow], now: float) -> tuple[str, ...]:
                      f"{event.detail.get('reason', 'a tensor changed in memory')}; it refuses new attaches")
     unverified = [e for e in recent if e.kind == "attach_hit" and e.detail.get("verified") is False]
     if unverified:
-        found.append(f"{len(unverified)} unverified hit(s) (engines trusting the daemon) in the last {STORM_WINDOW_S:.0f} s: "
+        found.append(f"{len(unverified)} unverified hit(s) (engines trusting the daemon) in the last "
+                     f"{STORM_WINDOW_S:.0f} s: "
                      "those engines never compared their checkpoint with the daemon's")
     return tuple(found)
 
