@@ -11,6 +11,7 @@ from wcache.attach.lease import AttachedWeights
 from wcache.attach.mapping import Refusal
 from wcache.attach.miss import explain_miss
 from wcache.attach.report import AttachMissError, AttachReport, diff_summary
+from wcache.errors import option
 from wcache.key.cache_key import KeyFile
 from wcache.monitor.events import append_event
 
@@ -28,7 +29,7 @@ def miss(local: KeyFile, found: Found, refusal: Refusal | None, ctx: AttachConte
                  diff=diff_summary(explained.diff) if explained.diff else None, dp_size=ctx.dp_size,
                  engine=ctx.engine)
     if not ctx.options.fallback:
-        raise AttachMissError(f"{explained.reason}; not falling back to disk (fallback disabled).", report)
+        raise AttachMissError(f"{explained.reason}; not falling back to disk ({option('fallback', False)}).", report)
     t = time.perf_counter()
     from wcache.load.loader import load_from_disk
 

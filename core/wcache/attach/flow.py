@@ -13,7 +13,7 @@ from wcache.attach.lease import AttachedWeights
 from wcache.attach.mapping import Mapped, Refusal, try_map
 from wcache.attach_options import AttachOptions
 from wcache.daemon_choice import holding
-from wcache.errors import BadInputError
+from wcache.errors import BadInputError, option
 from wcache.ipc.client import DaemonConnection
 from wcache.ipc.rundir import default_run_dir, ensure_run_dir
 from wcache.key.compute import compute_key
@@ -75,7 +75,7 @@ def attach_with(
                        if isinstance(found.connections[d.name], DaemonConnection)]
             if options.trust_daemon and options.daemon is None and len(fitting) > 1:
                 raise BadInputError(
-                    f"{len(fitting)} daemons on {device} match this config and plan; name one with --daemon."
+                    f"{len(fitting)} daemons on {device} match this config and plan; name one with {option('daemon')}."
                 )
             for descriptor in fitting:
                 connection = found.connections.pop(descriptor.name)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from wcache.attach_options import AttachOptions
-from wcache.errors import BadInputError, UnavailableError
+from wcache.errors import BadInputError, UnavailableError, option
 from wcache.integrations.registry import GreedyTokens
 from wcache.plan.spec import PlanSpec
 
@@ -26,7 +26,7 @@ def run_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: 
     if not any((model / name).exists() for name in VLLM_TOKENIZER_FILES):
         # vLLM would start anyway, encode every prompt to nothing and stop at "The decoder prompt cannot be empty".
         raise BadInputError(f"{model} has no tokenizer ({', '.join(VLLM_TOKENIZER_FILES)}) for vLLM to encode "
-                            "the prompts with; add one, or verify with --engine reference.")
+                            f"the prompts with; add one, or verify with {option('engine', 'reference')}.")
     run_dir = Path(options.run_dir) if options.run_dir else default_run_dir()
     extra = replace(options, run_dir=str(run_dir)).to_mapping()
     base = VllmRun(str(model), prompts, max_new_tokens, tensor_parallel_size=plan.tp_size, dtype=plan.dtype)

@@ -13,7 +13,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wcache.errors import BadInputError
+from wcache.errors import BadInputError, option
 
 if TYPE_CHECKING:
     from wcache.attach_options import AttachOptions
@@ -64,10 +64,11 @@ REGISTRY = (
     EngineEntry("reference", "wcache.integrations.greedy_reference:run_greedy", tensor_parallel=True,
                 own_plan=False),
     EngineEntry("vllm", "wcache.integrations.greedy_vllm:run_greedy", tensor_parallel=True, own_plan=True,
-                plan_refusal="--engine vllm takes its plan from vLLM; drop --quantization and --plan."),
+                plan_refusal=f"{option('engine', 'vllm')} takes its plan from vLLM; drop {option('quantization')} and "
+                f"{option('layout')}."),
     EngineEntry("transformers", "wcache.integrations.greedy_transformers:run_greedy", tensor_parallel=False,
-                own_plan=True, plan_refusal="--engine transformers runs TP 1 without quantization; drop --tp, "
-                "--quantization and --plan."),
+                own_plan=True, plan_refusal=f"{option('engine', 'transformers')} runs TP 1 without quantization; drop "
+                f"{option('tp_size')}, {option('quantization')} and {option('layout')}."),
 )
 ENGINES = tuple(entry.name for entry in REGISTRY)
 
@@ -77,4 +78,4 @@ def engine_entry(name: str) -> EngineEntry:
     for entry in REGISTRY:
         if entry.name == name:
             return entry
-    raise BadInputError(f"--engine must be one of {', '.join(ENGINES)}, not {name!r}.")
+    raise BadInputError(f"{option('engine')} must be one of {', '.join(ENGINES)}, not {name!r}.")
