@@ -30,6 +30,7 @@ from wcache.key.compute import compute_key, trusted_key
 from wcache.key.diff import KeyDiff, diff_keys
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import HashProgress
+from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 from wcache.plan.spec import PlanSpec, preload_command
 
@@ -179,8 +180,8 @@ def _watch_lease(sock: socket.socket, closing: threading.Event, report: AttachRe
         return
     # The daemon never speaks unprompted: any wake-up here means the connection is gone.
     report.lost.set()
-    append_event(run_dir, "daemon_lost", daemon=report.daemon, key_id=report.key_id, device=report.device,
-                 tensors_valid=report.device == "cpu", unexpected_data=bool(data))
+    append_event(run_dir, ev.DaemonLost(daemon=report.daemon, key_id=report.key_id, device=report.device,
+                                        tensors_valid=report.device == "cpu", unexpected_data=bool(data)))
 
 
 def _connect_all(descriptors: list[DaemonDescriptor]) -> dict[str, DaemonConnection | DaemonError]:
@@ -442,10 +443,10 @@ def _hit(mapped: _Mapped, descriptor: DaemonDescriptor, connection: DaemonConnec
     )
     # `verified`: the checkpoint's content key was compared with the daemon's (not so with --trust-daemon);
     # `source` is the engine's checkpoint, `daemon_source` what the daemon loaded (they differ for a copy).
-    append_event(ctx.run_dir, "attach_hit", source=str(ctx.model.absolute()), daemon_source=descriptor.source,
-                 verified=local is not None, key_id=descriptor.key_id,
-                 daemon=descriptor.name, device=ctx.device, mode=mode, bytes=mapped.total_bytes,
-                 dp_size=ctx.dp_size, engine=ctx.engine, timings_ms={k: round(v, 3) for k, v in timings.items()})
+    append_event(ctx.run_dir, ev.AttachHit(
+        source=str(ctx.model.absolute()), daemon_source=descriptor.source, verified=local is not None,
+        key_id=descriptor.key_id, daemon=descriptor.name, device=ctx.device, mode=mode, bytes=mapped.total_bytes,
+        dp_size=ctx.dp_size, engine=ctx.engine, timings_ms={k: round(v, 3) for k, v in timings.items()}))
     weights = AttachedWeights(mapped.tensors, report, ctx.run_dir, mapped.key_file)
     if mode == "zero_copy" and ctx.views:
         weights._hold_lease(connection, mapped.mapping)
@@ -462,10 +463,10 @@ def _miss(local: KeyFile, found: _Found, refusal: _Refusal | None, ctx: _AttachC
     report = AttachReport(outcome="miss", mode=ctx.options.mode, device=ctx.device, key_id=key_id,
                           daemon=explained.daemon, daemon_key_id=explained.daemon_key_id, reason=explained.reason,
                           mismatched=list(explained.mismatched), diff=explained.diff, timings_ms=timings)
-    append_event(ctx.run_dir, "attach_miss", source=str(ctx.model), key_id=key_id, device=ctx.device,
-                 reason=explained.reason, daemon=explained.daemon, mismatched=report.mismatched,
-                 diff=diff_summary(explained.diff) if explained.diff else None, dp_size=ctx.dp_size,
-                 engine=ctx.engine)
+    append_event(ctx.run_dir, ev.AttachMiss(
+        source=str(ctx.model), key_id=key_id, device=ctx.device, reason=explained.reason, daemon=explained.daemon,
+        mismatched=list(report.mismatched), diff=diff_summary(explained.diff) if explained.diff else None,
+        dp_size=ctx.dp_size, engine=ctx.engine))
     if not ctx.options.fallback:
         raise AttachMissError(f"{explained.reason}; not falling back to disk (fallback disabled).", report)
     t = time.perf_counter()
@@ -474,8 +475,9 @@ def _miss(local: KeyFile, found: _Found, refusal: _Refusal | None, ctx: _AttachC
     tensors = load_from_disk(local, ctx.model)
     disk_ms = (time.perf_counter() - t) * 1000
     timings = {**timings, "disk_load": disk_ms, "total": (time.perf_counter() - ctx.began) * 1000}
-    append_event(ctx.run_dir, "fallback", source=str(ctx.model), key_id=key_id, device=ctx.device,
-                 reason=explained.reason, seconds=round(disk_ms / 1000, 3), dp_size=ctx.dp_size, engine=ctx.engine)
+    append_event(ctx.run_dir, ev.Fallback(source=str(ctx.model), key_id=key_id, device=ctx.device,
+                                          reason=explained.reason, seconds=round(disk_ms / 1000, 3),
+                                          dp_size=ctx.dp_size, engine=ctx.engine))
     return AttachedWeights(tensors, replace(report, outcome="fallback", timings_ms=timings,
                                             num_tensors=len(tensors)), ctx.run_dir, local)
 

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from json.encoder import encode_basestring
 from operator import attrgetter
 from typing import Any
 
 import blake3
 
+from wcache.schema import Schema
+
 _LEAF = b"\x00"
 _NODE = b"\x01"
 
 
-@dataclass(frozen=True, slots=True)
-class TensorDigest:
+class TensorDigest(Schema, frozen=True):
     """One manifest entry: a tensor's identity and the BLAKE3 of its data bytes."""
 
     name: str

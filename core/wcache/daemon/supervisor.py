@@ -24,8 +24,10 @@ from wcache.ipc.http_server import http_url
 from wcache.ipc.interpreter import python_module_argv
 from wcache.ipc.loading import forget_dead_rank
 from wcache.ipc.protocol import ProtocolError
+from wcache.ipc.run_paths import RunPaths
 from wcache.ipc.rundir import census, ensure_run_dir, lock_path, lock_taken_if_free, remove_daemon_files
 from wcache.ipc.status_pipe import FROM_RANK, Exists, Failed, GroupReady, Progress, RankReady, StatusWriter, parse_line
+from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 from wcache.monitor.logs import configure as configure_logging
 
@@ -81,8 +83,8 @@ class Supervisor:
         server = serve_health(self.table, self.args.health_host, self.args.health_port,
                               ("--health-host", "--health-port"))
         health_url = http_url(self.args.health_host, server.server_address[1])
-        append_event(self.run_dir, "preload", source=str(self.args.model), device=self.args.device,
-                     tp_size=self.args.tp, health_url=health_url)
+        append_event(self.run_dir, ev.Preload(source=str(self.args.model), device=self.args.device,
+                                              tp_size=self.args.tp, health_url=health_url))
         began = time.perf_counter()
         for rank, device in enumerate(self.devices):
             self.ranks.append(self._spawn(rank, device, health_url))
@@ -97,7 +99,7 @@ class Supervisor:
             reason, code = outcome
             log.error("preload failed: %s", reason)
             self._terminate_all()
-            append_event(self.run_dir, "preload_failed", source=str(self.args.model), reason=reason)
+            append_event(self.run_dir, ev.PreloadFailed(source=str(self.args.model), reason=reason))
             self.status.emit(Failed(reason=reason, exit_code=code))
             server.shutdown()
             return code
@@ -168,12 +170,11 @@ class Supervisor:
         state.finished.set()
         log.log(logging.INFO if self.stopping else logging.WARNING, "rank %d exited with code %d", state.rank, code)
         if state.ready is not None and not self.stopping:
-            append_event(self.run_dir, "daemon_exited", daemon=state.ready.name, rank=state.rank,
-                         exit_code=code)
+            append_event(self.run_dir, ev.DaemonExited(daemon=state.ready.name, rank=state.rank, exit_code=code))
             if len(self.ranks) > 1:
                 # A tensor-parallel group serves whole or not at all: the other ranks must not report ready.
-                append_event(self.run_dir, "group_stopped", source=str(self.args.model), rank=state.rank,
-                             reason=f"rank {state.rank} exited with code {code}")
+                append_event(self.run_dir, ev.GroupStopped(source=str(self.args.model), rank=state.rank,
+                                                           reason=f"rank {state.rank} exited with code {code}"))
                 self.stop()
 
     def _wait_until_settled(self) -> tuple[str, int] | None:
@@ -224,7 +225,7 @@ class Supervisor:
 
 
 def rank_log_path(run_dir: Path, supervisor_pid: int, rank: int) -> Path:
-    return run_dir / "logs" / f"preload-{supervisor_pid}-rank{rank}.log"
+    return RunPaths(run_dir).rank_log(supervisor_pid, rank)
 
 
 def _death(r: _Rank) -> str:
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     except WcacheError as exc:  # the health server cannot listen (ListenError): the CLI shows this sentence
         supervisor._terminate_all()
         log.error("preload failed: %s", exc)
-        append_event(supervisor.run_dir, "preload_failed", source=str(args.model), reason=str(exc))
+        append_event(supervisor.run_dir, ev.PreloadFailed(source=str(args.model), reason=str(exc)))
         supervisor.status.emit(Failed(reason=str(exc), exit_code=exc.exit_code))
         return exc.exit_code
     except OSError as exc:
