@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from wcache.daemon.launch import start_daemons, stop_daemon, terminate_started
 from wcache.ipc.engine_descriptor import read_engine_descriptor
+from wcache.ipc.http_client import http_request
 from wcache.ipc.interpreter import python_module_argv
 from wcache.ipc.run_paths import RunPaths
 from wcache.ipc.rundir import census, ensure_run_dir
@@ -42,10 +42,11 @@ def _wait_for_engine(run_dir: Path, process: subprocess.Popen[bytes]) -> str:
 
 def _complete(url: str, prompt: str) -> dict[str, Any]:
     body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return dict(json.loads(response.read()))
+    status, answer = http_request(f"{url}/v1/completions", method="POST", body=body,
+                                  headers={"Content-Type": "application/json"}, timeout=60)
+    if status != 200 or answer is None:
+        raise RuntimeError(f"the served engine at {url} answered {status or 'nothing'} to a completion")
+    return dict(json.loads(answer))
 
 
 def leave_serving(original: Path, modified: Path, workdir: Path, run_dir: Path) -> None:

@@ -8,11 +8,9 @@ read-only (stale descriptors are shown as gone, not cleaned).
 from __future__ import annotations
 
 import contextlib
-import http.client
 import os
 import stat
 import time
-import urllib.parse
 from collections import deque
 from collections.abc import Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +22,7 @@ import psutil
 
 from wcache.ipc import counters as counter_names
 from wcache.ipc.engine_descriptor import EngineDescriptor, read_engine_descriptor
+from wcache.ipc.http_client import http_get
 from wcache.ipc.loading import LoadingRecord, read_loading
 from wcache.ipc.run_paths import RunPaths
 from wcache.ipc.rundir import DaemonDescriptor, read_descriptors, run_subdir
@@ -218,29 +217,6 @@ class EngineTarget:
     unseen: bool = False
 
 
-def http_get(url: str) -> tuple[int | None, bytes | None]:
-    """GET `url` directly (no proxy, no redirects): (status, body), or (None, None) when unreachable.
-
-    http.client rather than urllib: urllib's opener machinery costs about a third more CPU per request, and
-    `top` makes dozens of requests a second.
-    """
-    try:
-        parts = urllib.parse.urlsplit(url)
-        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            return None, None
-        connection = kind(parts.hostname, parts.port, timeout=TIMEOUT_S)
-        try:
-            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            connection.request("GET", target, headers={"Accept": "text/plain"})
-            response = connection.getresponse()
-            return response.status, response.read()
-        finally:
-            connection.close()
-    except (OSError, http.client.HTTPException, ValueError):
-        return None, None
-
-
 def metrics_url(url: str) -> str:
     url = url.rstrip("/")
     return url if url.endswith("/metrics") else f"{url}/metrics"
@@ -286,12 +262,12 @@ class Collector:
 
     @staticmethod
     def _fetch(url: str) -> str | None:
-        status, body = http_get(url)
+        status, body = http_get(url, TIMEOUT_S)
         return body.decode("utf-8", errors="replace") if status == 200 and body is not None else None
 
     @staticmethod
     def _health(url: str) -> int | None:
-        return http_get(f"{url}/health")[0]
+        return http_get(f"{url}/health", TIMEOUT_S)[0]
 
     def _health_checks(self, urls: set[str]) -> dict[str, Future[int | None]]:
         """A /health request per supervisor, reusing an answer younger than HEALTH_EVERY_S.
