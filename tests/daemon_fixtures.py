@@ -14,7 +14,6 @@ import os
 import shutil
 import socket
 import stat
-import struct
 import subprocess
 import sys
 import tempfile
@@ -32,8 +31,9 @@ import pytest
 from helpers import CLI_TIMEOUT_S, cmdline, kill_and_wait, processes_mentioning, run_python, wcache_process
 from wcache.ipc.client import request_once
 from wcache.ipc.messages import Stats
+from wcache.ipc.protocol import HEADER, PROTOCOL_VERSION
+from wcache.ipc.run_paths import RunPaths
 from wcache.ipc.rundir import (
-    DESCRIPTOR_SUFFIX,
     DaemonDescriptor,
     daemon_name,
     lock_held,
@@ -203,7 +203,7 @@ class DaemonRig:
         with contextlib.suppress(subprocess.TimeoutExpired, OSError):
             self.cli("stop", "--all", "--force", "--run-dir", str(self.run_dir), timeout=60)
         listed: set[int] = set(self.supervisor_pids)
-        for path in self.run_dir.glob(f"*{DESCRIPTOR_SUFFIX}"):
+        for path in RunPaths(self.run_dir).descriptors():
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 data = json.loads(path.read_text())
                 listed.update(p for p in (data.get("pid"), data.get("supervisor_pid")) if isinstance(p, int))
@@ -257,20 +257,18 @@ def copy_checkpoint(source: Path, dest: Path) -> Path:
 
 # -- raw protocol --------------------------------------------------------------------------------------------
 
-LENGTH = struct.Struct("!I")
+def raw_frame(body: bytes, version: int = PROTOCOL_VERSION) -> bytes:
+    """`body` behind a frame header of protocol `version`."""
+    return HEADER.pack(version, len(body)) + body
 
 
-def raw_frame(body: bytes) -> bytes:
-    return LENGTH.pack(len(body)) + body
-
-
-def msg(message: Any) -> bytes:
-    """A length-prefixed frame of any msgpack value (valid or not as a request)."""
-    return raw_frame(msgpack.packb(message, use_bin_type=True))
+def msg(message: Any, version: int = PROTOCOL_VERSION) -> bytes:
+    """A frame of any msgpack value (valid or not as a request)."""
+    return raw_frame(msgpack.packb(message, use_bin_type=True), version)
 
 
 def request_frame(message_type: str, **fields: Any) -> bytes:
-    return msg({"v": 1, "type": message_type, **fields})
+    return msg({"type": message_type, **fields})
 
 
 def raw_connect(path: str, timeout: float = 5.0) -> socket.socket:
@@ -301,11 +299,10 @@ def read_until_closed(sock: socket.socket, timeout: float = 10.0, *, stop_at_dat
 
 
 def read_reply(sock: socket.socket, timeout: float = 10.0) -> dict[str, Any]:
-    """One reply frame, decoded to its map (fds are not expected here)."""
+    """One reply frame, decoded to its map with the header's version as "v" (fds are not expected here)."""
     sock.settimeout(timeout)
-    header = _recv_exact(sock, LENGTH.size)
-    (length,) = LENGTH.unpack(header)
-    return msgpack.unpackb(_recv_exact(sock, length), raw=False)
+    version, length = HEADER.unpack(_recv_exact(sock, HEADER.size))
+    return {**msgpack.unpackb(_recv_exact(sock, length), raw=False), "v": version}
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -116,7 +116,7 @@ def test_layered_entries_view_exactly_their_own_bytes(order: str) -> None:
 
 def test_a_misfit_inside_a_run_is_one_error() -> None:
     entries, total = plan_layout([(f"layers.{i}.w", "float32", (4,), 16) for i in range(8)])
-    items = [e.to_wire() for e in entries]
+    items = [list(e.to_wire()) for e in entries]
     items[5][3] = total  # one entry of a run past the end
     with pytest.raises(UnavailableError, match=r"'layers\.5\.w' is 16 bytes at"):
         views_from_wire(torch.zeros(total, dtype=torch.uint8), items)

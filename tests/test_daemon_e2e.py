@@ -15,7 +15,6 @@ import stat
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
 
 import psutil
@@ -312,7 +311,7 @@ def test_key_and_diff_take_a_daemon_operand(
     rank0 = daemons[0]
     key = rig.cli("key", rank0.name, "--json", "--run-dir", str(rig.run_dir), as_json=True)
     assert key["id"] == rank0.key_id
-    assert key["key"] == asdict(rank0.key)
+    assert key["key"] == rank0.key.to_json()
     assert (key["plan"]["tp_size"], key["plan"]["tp_rank"]) == (2, 0)
 
     diff = rig.cli("diff", rank0.name, str(zeroed["norm"]), "--tp", "2", "--rank", "0", "--json",

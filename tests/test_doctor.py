@@ -4,13 +4,13 @@ vLLM (faked by its package metadata), a store others could write."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from daemon_fixtures import daemon_rig, wait_for
 from helpers import WCACHE, environment, wcache_in_process, wcache_process
@@ -129,7 +129,7 @@ def test_a_cgroup_limit_below_the_daemons_arenas_fails(tmp_path: Path) -> None:
         (child / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(256 << 20))
         with daemon_rig() as rig:
             stand_in = rig.publish_stand_in()
-            write_descriptor(rig.run_dir, dataclasses.replace(stand_in, weights_bytes=1 << 30))
+            write_descriptor(rig.run_dir, msgspec.structs.replace(stand_in, weights_bytes=1 << 30))
             result = subprocess.run(
                 ["sh", "-c", f'echo $$ > {child}/cgroup.procs && exec "$@"', "sh", *WCACHE, "doctor", "--json",
                  "--run-dir", str(rig.run_dir)],
@@ -153,7 +153,7 @@ def test_a_daemon_of_another_uid_in_the_run_dir_fails(tmp_path: Path) -> None:
         with daemon_rig() as rig:
             stand_in = rig.publish_stand_in()
             created = wait_for(lambda: process_created(sleeper.pid), what="the other uid's process to start")
-            other = dataclasses.replace(stand_in, pid=sleeper.pid, pid_created=created)
+            other = msgspec.structs.replace(stand_in, pid=sleeper.pid, pid_created=created)
             write_descriptor(rig.run_dir, other)
             code, findings = _doctor(rig.run_dir)
             assert code == 1

@@ -506,8 +506,8 @@ def test_idle_engines_write_no_counter_lines_and_busy_ones_log_stats(
         assert code == 200
         now = served.engine.counters.snapshot()
         # A tick in the middle of the request may write a line of its own; the one after it has the totals.
-        wait_for(lambda: written() and written()[-1]["generation_tokens"] == now["generation_tokens"], timeout=5,
-                 what="a counter line with the request's totals")
+        wait_for(lambda: written() and written()[-1]["counters"]["generation_tokens"] == now["generation_tokens"],
+                 timeout=5, what="a counter line with the request's totals")
         events, logged = len(written()), len(lines.lines)
         time.sleep(0.6)
         assert len(written()) == events, "unchanged counters were written again"
@@ -526,5 +526,5 @@ def test_idle_engines_write_no_counter_lines_and_busy_ones_log_stats(
         logger.removeHandler(lines)
         logger.setLevel(level)
     final = written()
-    assert len(final) == events + 1 and final[-1]["requests"] == now["requests"], "no final line at stop"
+    assert len(final) == events + 1 and final[-1]["counters"]["requests"] == now["requests"], "no final line at stop"
 

@@ -17,9 +17,10 @@ CORE = ROOT / "core" / "wcache"
 CLI = ROOT / "cli" / "wcache_cli"
 
 # Each part of core and the parts it may import (besides itself). Lower layers never import higher ones.
-FOUNDATION = {"errors", "canonical", "lazy_exports"}
+FOUNDATION = {"errors", "canonical", "lazy_exports", "schema"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
+    "schema": set(),
     "canonical": set(),
     "lazy_exports": set(),
     "attach_options": {"errors"},

@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.ipc.client import DaemonConnection, DaemonError
-from wcache.ipc.codec import Wire
 from wcache.ipc.messages import (
     ArenaReport,
     CheckArena,
@@ -37,8 +37,12 @@ from wcache.ipc.messages import (
     Stats,
     StatsReply,
     WantedKey,
+    encode,
+    read_reply,
+    read_request,
+    send,
 )
-from wcache.ipc.protocol import REPLY_LIMITS, REQUEST_LIMITS, Limits, ProtocolError, encode, receive, send
+from wcache.ipc.protocol import HEADER, PROTOCOL_VERSION, REPLY_LIMITS, REQUEST_LIMITS, Limits, ProtocolError, receive
 from wcache.ipc.rundir import DaemonDescriptor
 from wcache.ipc.status_pipe import (
     FROM_RANK,
@@ -53,6 +57,7 @@ from wcache.ipc.status_pipe import (
 )
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
+from wcache.schema import SchemaError
 
 KEY = WeightCacheKey(checkpoint="c" * 64, config="f" * 64, plan="p" * 64, format=1)
 PLAN = PlanSpec(tp_size=2, tp_rank=1, dtype="bfloat16")
@@ -81,7 +86,7 @@ REPLIES: list[Message] = [
     ErrorReply("say hello with a matching key before asking for a map"),
     HelloReply(status="miss", mismatched=("checkpoint", "plan"), daemon=SUMMARY),
     ManifestReply(tensors=(TensorDigest("w", "BF16", (2, 3), 12, "d" * 64),), daemon=SUMMARY),
-    MapReply(kind="memfd", total_bytes=64, entries=[["w", "bfloat16", [2, 3], 0, 12]]),
+    MapReply(kind="memfd", total_bytes=64, entries=[("w", "bfloat16", (2, 3), 0, 12)]),
     MapReply(kind="cuda", total_bytes=4096, entries=[], cuda=CUDA),
     ReleaseReply(state="ready", release_queued=True),
     ArenaReport(checked=5, changed=("w",)),
@@ -102,10 +107,9 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
 def through(pair: tuple[socket.socket, socket.socket], message: Message, limits: Limits) -> Message:
     """`message` sent as a frame on one end, received on the other and read back as its own type."""
     a, b = pair
-    send(a, message.TYPE, message.to_wire(), limits)
+    send(a, message, limits)
     frame = receive(b, limits)
-    assert frame.type == message.TYPE
-    return type(message).from_wire(frame.fields)
+    return read_request(frame) if limits is REQUEST_LIMITS else read_reply(frame)
 
 
 @pytest.mark.parametrize("message", REQUESTS, ids=lambda m: type(m).__name__)
@@ -118,27 +122,36 @@ def test_every_reply_survives_a_real_frame(pair: tuple[socket.socket, socket.soc
     assert through(pair, message, REPLY_LIMITS) == message
 
 
-def test_the_wire_form_is_the_one_daemons_have_always_spoken() -> None:
-    """Same msgpack fields as before the types: what a client of the previous version sends and reads."""
-    assert Hello(key=WantedKey(config="f", plan="p", format=1), pid=5).to_wire() == {
-        "key": {"config": "f", "plan": "p", "format": 1}, "pid": 5}
-    assert MapReply(kind="memfd", total_bytes=1, entries=[], fds=(3,)).to_wire() == {
-        "kind": "memfd", "total_bytes": 1, "entries": []}
+def test_the_wire_form_is_a_tagged_map_of_the_fields() -> None:
+    """A frame's body is the message's fields and its tag, `type`; fields at their default are left out."""
+    assert msgpack.unpackb(encode(Hello(key=WantedKey(config="f", plan="p", format=1), pid=5), REQUEST_LIMITS)[
+        HEADER.size:]) == {"type": "hello", "key": {"config": "f", "plan": "p", "format": 1}, "pid": 5}
+    assert MapReply(kind="memfd", total_bytes=1, entries=[]).to_wire() == {"kind": "memfd", "total_bytes": 1,
+                                                                           "entries": []}
     assert HelloReply("hit", (), SUMMARY).to_wire()["daemon"]["key"] == {
         "checkpoint": KEY.checkpoint, "config": KEY.config, "plan": KEY.plan, "format": 1}
-    assert HelloReply("hit", (), SUMMARY).to_wire()["daemon"]["plan"] == PLAN.to_json()
-    assert ManifestReply((TensorDigest("w", "F32", (1,), 4, "d"),), SUMMARY).to_wire()["tensors"] == [
-        TensorDigest("w", "F32", (1,), 4, "d").to_json()]
+    assert HelloReply("hit", (), SUMMARY).to_wire()["daemon"]["plan"] == {"tp_size": 2, "tp_rank": 1,
+                                                                          "dtype": "bfloat16"}
+    digest = TensorDigest("w", "F32", (1,), 4, "d")
+    assert list(ManifestReply((digest,), SUMMARY).to_wire()["tensors"]) == [{**digest.to_json(), "shape": (1,)}]
     assert set(STATS.to_wire()) == {
         "name", "pid", "device", "tp_size", "tp_rank", "key_id", "source", "state", "holds_weights",
         "weights_bytes", "leases", "uptime_s", "load_s", "counters", "connections", "release_queued", "released"}
+
+
+def test_descriptors_never_travel_in_a_map_replys_fields(pair: tuple[socket.socket, socket.socket]) -> None:
+    """`fds` is filled from the frame's SCM_RIGHTS; a reply naming descriptors in its fields is refused."""
+    a, b = pair
+    a.sendall(raw(msgpack.packb({"type": "map", "kind": "memfd", "total_bytes": 1, "entries": [], "fds": [0]})))
+    with pytest.raises(ProtocolError, match=r"MapReply\.fds"):
+        MapRequest("copy").reply_from(receive(b, REPLY_LIMITS))
 
 
 def test_a_map_reply_brings_its_descriptor_through_the_socket(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
     read_end, write_end = os.pipe()
     try:
-        send(a, "map", MapReply(kind="memfd", total_bytes=3, entries=[]).to_wire(), REPLY_LIMITS, (write_end,))
+        send(a, MapReply(kind="memfd", total_bytes=3, entries=[]), REPLY_LIMITS, (write_end,))
         reply = MapRequest("copy").reply_from(receive(b, REPLY_LIMITS))
         assert reply.kind == "memfd" and len(reply.fds) == 1
         os.write(reply.fds[0], b"abc")
@@ -157,25 +170,36 @@ def test_a_trusted_hello_compares_every_field_but_the_checkpoint() -> None:
     assert WantedKey.of(KEY).mismatched_fields(other) == ["checkpoint", "plan"]
 
 
-MALFORMED: dict[str, tuple[type[Wire], Any, str]] = {
-    "not a map": (Stats, [1, 2], "not a map"),
-    "a missing field": (MapRequest, {}, "missing ['mode']"),
-    "an extra field": (Stats, {"verbose": True}, "unexpected ['verbose']"),
-    "a mode outside the protocol": (MapRequest, {"mode": "mmap"}, "must be one of 'zero_copy', 'copy'"),
-    "a mode of the wrong type": (MapRequest, {"mode": 1}, "MapRequest.mode must be one of 'zero_copy', 'copy', not 1"),
-    "a bool for a pid": (Hello, {"key": WantedKey.of(KEY).to_wire(), "pid": True}, "Hello.pid is bool"),
-    "a hello without a plan": (Hello, {"key": {"config": "f", "format": 1}}, "Hello.key has fields missing"),
+MALFORMED: dict[str, tuple[type[Message], Any, str]] = {
+    "not a map": (Stats, [1, 2], "Stats: expected `object`, got `array`"),
+    "a missing field": (MapRequest, {}, "missing required field `mode`"),
+    "an extra field": (Stats, {"verbose": True}, "unknown field `verbose`"),
+    "a mode outside the protocol": (MapRequest, {"mode": "mmap"}, "MapRequest.mode: invalid enum value 'mmap'"),
+    "a mode of the wrong type": (MapRequest, {"mode": 1}, "MapRequest.mode: expected `str`, got `int`"),
+    "a bool for a pid": (
+        Hello, {"key": WantedKey.of(KEY).to_wire(), "pid": True}, "Hello.pid: expected `int | null`, got `bool`"),
+    "a float for a pid": (
+        Hello, {"key": WantedKey.of(KEY).to_wire(), "pid": 1.0}, "Hello.pid: expected `int | null`, got `float`"),
+    "a hello without a plan": (
+        Hello, {"key": {"config": "f", "format": 1}}, "Hello.key: object missing required field `plan`"),
+    "an extra field in the key": (Hello, {"key": {**WantedKey.of(KEY).to_wire(), "salt": 1}}, "unknown field `salt`"),
     "a key of the wrong type": (Hello, {"key": {"config": 1, "plan": "p", "format": 1}}, "Hello.key.config"),
-    "a force that is a number": (Shutdown, {"force": 1}, "Shutdown.force is int"),
-    "a string for a count": (ShutdownReply, {"stopping": True, "leases": "1"}, "ShutdownReply.leases is str"),
+    "a force that is a number": (Shutdown, {"force": 1}, "Shutdown.force: expected `bool`, got `int`"),
+    "a string for a count": (
+        ShutdownReply, {"stopping": True, "leases": "1"}, "ShutdownReply.leases: expected `int`, got `str`"),
     "a status outside the protocol": (HelloReply, {**REPLIES[1].to_wire(), "status": "maybe"}, "status"),
     "a plan the plan refuses": (
         HelloReply, {**REPLIES[1].to_wire(), "daemon": {**SUMMARY.to_wire(), "plan": {"tp_size": 0}}},
-        "HelloReply.daemon.plan is not valid"),
+        "HelloReply.daemon.plan: tp_size must be at least 1"),
     "a manifest entry of the wrong shape": (
-        ManifestReply, {"tensors": [{"name": "w"}], "daemon": SUMMARY.to_wire()}, "ManifestReply.tensors"),
-    "counters that are not counts": (StatsReply, {**STATS.to_wire(), "counters": {"hits": "3"}}, "counters.hits"),
-    "a list that is not one": (ArenaReport, {"checked": 1, "changed": "w"}, "ArenaReport.changed is str"),
+        ManifestReply, {"tensors": [{"name": "w"}], "daemon": SUMMARY.to_wire()}, "ManifestReply.tensors[0]"),
+    "an extra field in a manifest entry": (
+        ManifestReply, {"tensors": [{**REPLIES[2].to_wire()["tensors"][0], "x": 1}], "daemon": SUMMARY.to_wire()},
+        "unknown field `x`"),
+    "counters that are not counts": (
+        StatsReply, {**STATS.to_wire(), "counters": {"hits": "3"}}, "StatsReply.counters[...]: expected `int`"),
+    "a list that is not one": (
+        ArenaReport, {"checked": 1, "changed": "w"}, "ArenaReport.changed: expected `array`, got `str`"),
 }
 
 
@@ -190,12 +214,14 @@ def test_malformed_fields_raise_the_protocols_error(case: str) -> None:
 
 def test_a_wrong_protocol_version_is_refused_before_any_type(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    import msgpack
-
-    body = msgpack.packb({"v": 2, "type": "stats"})
-    a.sendall(len(body).to_bytes(4, "big") + body)
-    with pytest.raises(ProtocolError, match="protocol version 2"):
+    body = msgpack.packb({"type": "stats"})
+    a.sendall(HEADER.pack(PROTOCOL_VERSION + 1, len(body)) + body)
+    with pytest.raises(ProtocolError, match=f"protocol version {PROTOCOL_VERSION + 1}, expected {PROTOCOL_VERSION}"):
         receive(b, REQUEST_LIMITS)
+
+
+def raw(body: bytes) -> bytes:
+    return HEADER.pack(PROTOCOL_VERSION, len(body)) + body
 
 
 def fake_daemon(tmp: Path, answer: Callable[[socket.socket], None]) -> tuple[str, threading.Thread]:
@@ -217,18 +243,19 @@ def fake_daemon(tmp: Path, answer: Callable[[socket.socket], None]) -> tuple[str
     return path, thread
 
 
-MALFORMED_REPLIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "missing fields": ("stats", {"state": "ready"}),
-    "a field of the wrong type": ("stats", {**STATS.to_wire(), "leases": "two"}),
-    "another reply type": ("map", {"kind": "memfd", "total_bytes": 1, "entries": []}),
-    "an error without its message": ("error", {}),
+MALFORMED_REPLIES: dict[str, dict[str, Any]] = {
+    "missing fields": {"type": "stats", "state": "ready"},
+    "a field of the wrong type": {"type": "stats", **STATS.to_wire(), "leases": "two"},
+    "another reply type": {"type": "map", "kind": "memfd", "total_bytes": 1, "entries": []},
+    "an error without its message": {"type": "error"},
+    "no reply at all": {"type": "frobnicate"},
 }
 
 
 @pytest.mark.parametrize("case", MALFORMED_REPLIES, ids=str)
 def test_a_malformed_reply_is_one_daemon_error_sentence(tmp_path: Path, case: str) -> None:
-    reply_type, fields = MALFORMED_REPLIES[case]
-    path, thread = fake_daemon(tmp_path, lambda conn: conn.sendall(encode(reply_type, fields, REPLY_LIMITS)))
+    body = msgpack.packb(MALFORMED_REPLIES[case], use_bin_type=True)
+    path, thread = fake_daemon(tmp_path, lambda conn: conn.sendall(raw(body)))
     with DaemonConnection(path) as connection, pytest.raises(DaemonError) as raised:
         connection.request(Stats())
     thread.join(timeout=5)
@@ -239,7 +266,7 @@ def test_a_malformed_reply_is_one_daemon_error_sentence(tmp_path: Path, case: st
 
 def test_an_error_reply_is_the_daemons_sentence(tmp_path: Path) -> None:
     path, thread = fake_daemon(tmp_path, lambda conn: conn.sendall(
-        encode("error", ErrorReply("this daemon holds no weights").to_wire(), REPLY_LIMITS)))
+        encode(ErrorReply("this daemon holds no weights"), REPLY_LIMITS)))
     with DaemonConnection(path) as connection, pytest.raises(DaemonError, match="refused stats: this daemon holds"):
         connection.request(Stats())
     thread.join(timeout=5)
@@ -270,7 +297,7 @@ def test_every_status_event_survives_a_real_pipe(event: Any, kinds: tuple[Any, .
 def test_status_lines_that_are_no_event_are_skipped_and_bad_events_refused() -> None:
     assert parse_line("Loading weights...\n", FROM_RANK) is None
     assert parse_line("[1, 2]\n", FROM_RANK) is None
-    with pytest.raises(ProtocolError, match="RankReady has fields missing"):
+    with pytest.raises(ProtocolError, match="RankReady: object missing required field"):
         parse_line(json.dumps({"event": "ready", "rank": 0}), FROM_RANK)
     with pytest.raises(ProtocolError, match="'hello' is not one of"):
         parse_line(json.dumps({"event": "hello"}), FROM_SUPERVISOR)
@@ -292,10 +319,11 @@ def test_the_descriptor_round_trips_through_json_with_its_key_typed() -> None:
 
 @pytest.mark.parametrize("change,words", [
     ({"pid": 0}, "not a process id"),
-    ({"pid": True}, "pid is bool"),
-    ({"key": {"checkpoint": "c"}}, "key has fields missing"),
-    ({"health_url": 5}, "health_url is int"),
+    ({"pid": True}, "DaemonDescriptor.pid: expected `int`, got `bool`"),
+    ({"key": {"checkpoint": "c"}}, "DaemonDescriptor.key: object missing required field `config`"),
+    ({"health_url": 5}, "DaemonDescriptor.health_url: expected `str | null`, got `int`"),
+    ({"salt": 1}, "unknown field `salt`"),
 ], ids=str)
 def test_a_bad_descriptor_is_refused(change: dict[str, Any], words: str) -> None:
-    with pytest.raises(ProtocolError, match=words):
+    with pytest.raises(SchemaError, match=words):
         DaemonDescriptor.from_wire({**DESCRIPTOR.to_wire(), **change})

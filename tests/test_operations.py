@@ -23,8 +23,10 @@ from daemon_fixtures import (
 )
 from helpers import WCACHE, wcache_in_process
 from wcache.attach import attach
-from wcache.ipc.loading import LOADING_DIR, read_loading
+from wcache.ipc.loading import read_loading
+from wcache.ipc.run_paths import RunPaths
 from wcache.monitor.collector import EventTail
+from wcache.monitor.event_types import Stop
 from wcache.monitor.events import append_event, read_events, rotated_path
 from wcache_dev.synth import write_checkpoint
 
@@ -52,7 +54,7 @@ def _start_preload(rig: DaemonRig, model: Path, *options: str,
 def _loading_rank(rig: DaemonRig) -> int:
     """Wait for a rank's loading record and freeze that rank where it stands; returns its pid."""
     def first() -> int | None:
-        for path in (rig.run_dir / LOADING_DIR).glob("*.json"):
+        for path in (rig.run_dir / RunPaths.LOADING).glob("*.json"):
             return int(path.stem)
         return None
     pid = wait_for(first, timeout=60, interval=0.002, what="a loading record")
@@ -154,6 +156,11 @@ def test_a_rank_that_dies_takes_its_group_down(rig: DaemonRig, tiny: Path) -> No
     os.kill(second.pid, signal.SIGKILL)
     wait_for(lambda: rig.status()["daemons"] == [], timeout=30, what="the rest of the group to stop")
     assert rig.events("group_stopped")
+    # `top` knows every kind the log has: a group stopped whole is in its feed, as an error naming the rank.
+    top = rig.cli("top", "--once", "--json", "--interval", "0.1", "--run-dir", str(rig.run_dir), as_json=True)
+    [stopped] = [e for e in top["events"] if e["kind"] == "group_stopped"]
+    assert stopped["severity"] == "error" and "stopped whole" in stopped["summary"]
+    assert f"rank {second.tp_rank} exited" in stopped["summary"]
 
 
 def test_foreground_preload_logs_to_a_non_terminal_stderr_as_json(rig: DaemonRig, tiny: Path) -> None:
@@ -176,15 +183,15 @@ def test_events_rotate_by_size_and_readers_follow(tmp_path: Path, monkeypatch: p
     tail = EventTail(tmp_path / "events.jsonl")
     followed = []
     for i in range(400):
-        append_event(tmp_path, "stop", i=i)
+        append_event(tmp_path, Stop(daemon=f"cpu-{i}", leases=i))
         if i % 25 == 0:
             followed += tail.read_new()
     followed += tail.read_new()
-    assert [e["i"] for e in followed] == list(range(400))  # nothing lost or doubled across rotations
+    assert [e["leases"] for e in followed] == list(range(400))  # nothing lost or doubled across rotations
     files = [tmp_path / "events.jsonl", rotated_path(tmp_path / "events.jsonl")]
     assert sorted(tmp_path.iterdir()) == sorted(files)
     assert all(f.stat().st_size < 4096 + 200 for f in files)
-    kept = [e["i"] for e in read_events(tmp_path)]
+    kept = [e["leases"] for e in read_events(tmp_path)]
     assert kept == list(range(kept[0], 400))  # the newest events, in order
 
 

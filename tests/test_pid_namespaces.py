@@ -27,7 +27,7 @@ from daemon_fixtures import (
     wait_for,
 )
 from helpers import CLI_TIMEOUT_S, WCACHE, environment
-from wcache.ipc.loading import LOADING_DIR
+from wcache.ipc.run_paths import RunPaths
 from wcache.ipc.rundir import descriptor_path
 from wcache_dev.synth import write_checkpoint
 
@@ -103,7 +103,7 @@ def test_a_rank_loading_in_another_namespace_is_listed_and_not_signalled(rig: Da
     preload = subprocess.Popen([*WCACHE, "preload", str(tiny), "--detach", "--run-dir", str(rig.run_dir)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                                env=environment(rig.env))
-    record = wait_for(lambda: next((rig.run_dir / LOADING_DIR).glob("*.json"), None), timeout=60, interval=0.002,
+    record = wait_for(lambda: next((rig.run_dir / RunPaths.LOADING).glob("*.json"), None), timeout=60, interval=0.002,
                       what="a loading record")
     pid = int(record.stem)
     os.kill(pid, signal.SIGSTOP)

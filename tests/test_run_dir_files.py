@@ -16,11 +16,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
 import pytest
 from helpers import cli_env, kill_and_wait, wcache_in_process
-from wcache.ipc.loading import LOADING_DIR, hold_record_lock, record_lock_path
+from wcache.ipc.loading import hold_record_lock, record_lock_path
+from wcache.ipc.run_paths import RunPaths
 from wcache.ipc.rundir import DaemonDescriptor, write_descriptor
+from wcache.monitor.event_types import Stop
 from wcache.monitor.events import append_event, events_path, rotated_path
 
 LOADING_WARNING = "Ignoring unreadable loading record"
@@ -71,8 +74,8 @@ BAD_RECORDS: dict[str, Any] = {
 def test_a_forged_loading_record_is_skipped_with_one_warning(case: str, run_dir: Path, tmp_path: Path) -> None:
     # Before: TypeError (a started that is no number), OverflowError (a 400-digit int met a float) and
     # RecursionError (deep nesting, parsed even past the size cap) ended status and top with exit 1.
-    (run_dir / LOADING_DIR).mkdir(mode=0o700)
-    bad = run_dir / LOADING_DIR / "1.json"
+    (run_dir / RunPaths.LOADING).mkdir(mode=0o700)
+    bad = run_dir / RunPaths.LOADING / "1.json"
     if case == "nested":
         bad.write_text("[" * 30_000 + "]" * 30_000)  # under the 64 KiB cap: the parser must refuse it
     elif case == "over-the-cap":
@@ -82,7 +85,7 @@ def test_a_forged_loading_record_is_skipped_with_one_warning(case: str, run_dir:
     # A good record beside it is still listed: one bad file hides nothing else. Its rank's lock is held, as a
     # loading rank holds it (a record whose lock is free is a dead rank's).
     lock = hold_record_lock(record_lock_path(run_dir, os.getpid()))
-    (run_dir / LOADING_DIR / f"{os.getpid()}.json").write_text(json.dumps(loading_record(os.getpid())))
+    (run_dir / RunPaths.LOADING / f"{os.getpid()}.json").write_text(json.dumps(loading_record(os.getpid())))
     try:
         status, status_json, top = readers(run_dir, tmp_path)
     finally:
@@ -100,7 +103,7 @@ def test_a_symlinked_loading_dir_is_not_followed(run_dir: Path, tmp_path: Path) 
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         (elsewhere / f"{bystander.pid}.json").write_text(json.dumps(loading_record(bystander.pid)))
-        (run_dir / LOADING_DIR).symlink_to(elsewhere)
+        (run_dir / RunPaths.LOADING).symlink_to(elsewhere)
         env = cli_env(tmp_path / "cache")
         stop = wcache_in_process("stop", "--all", "--run-dir", str(run_dir), env=env)
         status = wcache_in_process("status", "--json", "--run-dir", str(run_dir), env=env)
@@ -152,10 +155,11 @@ def test_a_descriptor_that_is_a_symlink_is_not_followed(run_dir: Path, tmp_path:
 @pytest.mark.parametrize(("line", "shown"), [
     ('{"ts": NaN, "kind": "release"}', []), ('{"ts": 1e400, "kind": "release"}', []),
     ('{"ts": "noon", "kind": "release"}', []),
-    # A field of the wrong shape is left out of the summary; the event itself is still news.
-    ('{"ts": 1, "kind": "attach_hit", "timings_ms": [1, 2]}', ["attach_hit"]),
+    # A field of the wrong shape: the line is not an event of its kind's schema, and is skipped like a torn one.
+    ('{"ts": 1, "kind": "attach_hit", "timings_ms": [1, 2]}', []),
+    ('{"ts": 1, "kind": "kind_of_a_later_version"}', []),
     ('{"ts": 1, "kind": "attach_hit", "timings_ms": {"total": 1' + "0" * 400 + '}}', []),
-], ids=["nan-ts", "overflowing-ts", "string-ts", "list-timings", "400-digit-timing"])
+], ids=["nan-ts", "overflowing-ts", "string-ts", "list-timings", "unknown-kind", "400-digit-timing"])
 def test_a_forged_event_line_is_skipped(line: str, shown: list[str], run_dir: Path, tmp_path: Path) -> None:
     # Before: each of these ended `top --once` with ValueError, OverflowError or AttributeError.
     good = json.dumps({"ts": 2.0, "kind": "stop", "daemon": "cpu-good"})
@@ -172,7 +176,7 @@ def test_the_event_log_as_a_symlink_is_not_appended_through(run_dir: Path, tmp_p
     target.write_text("untouched\n")
     events_path(run_dir).symlink_to(target)
     with caplog.at_level(logging.WARNING, logger="wcache"):
-        append_event(run_dir, "stop", daemon="cpu-x")
+        append_event(run_dir, Stop(daemon="cpu-x"))
     assert target.read_text() == "untouched\n"
     assert "it is a symlink" in caplog.text
 
@@ -185,10 +189,10 @@ def test_a_log_that_cannot_rotate_stays_bounded(run_dir: Path, monkeypatch: pyte
     monkeypatch.setenv("WCACHE_EVENTS_MAX_BYTES", str(limit))
     rotated_path(events_path(run_dir)).mkdir()
     (rotated_path(events_path(run_dir)) / "occupied").write_text("")
-    line_bytes = len(json.dumps(append_event(run_dir, "stop", daemon="cpu-" + "x" * 80))) + 1
+    line_bytes = len(msgspec.json.encode(append_event(run_dir, Stop(daemon="cpu-" + "x" * 80)))) + 1
     with caplog.at_level(logging.WARNING, logger="wcache"):
         for _ in range(20 * limit // line_bytes):
-            append_event(run_dir, "stop", daemon="cpu-" + "x" * 80)
+            append_event(run_dir, Stop(daemon="cpu-" + "x" * 80))
     assert events_path(run_dir).stat().st_size < limit + line_bytes
     assert "Could not write" not in caplog.text
     assert 1 <= caplog.text.count("Could not rotate") <= 20

@@ -213,5 +213,5 @@ def test_sigterm_writes_counters_and_removes_descriptor(
     events = wait_for(lambda: engine_events(rig, pid)[before:], timeout=5, what="an engine_counters event")
     final = events[-1]
     assert final["url"] == server.url and final["model"] == "tiny" and final["outcome"] == "hit"
-    assert final["requests"] == requests >= 1
-    assert final["prefix_queries"] > 0 and final["generation_tokens"] > 0
+    assert final["counters"]["requests"] == requests >= 1
+    assert final["counters"]["prefix_queries"] > 0 and final["counters"]["generation_tokens"] > 0

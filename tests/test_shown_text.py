@@ -19,7 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers import assert_one_error_sentence, cli_env, wcache_in_process
-from wcache.ipc.loading import LOADING_DIR, hold_record_lock, record_lock_path
+from wcache.ipc.loading import hold_record_lock, record_lock_path
+from wcache.ipc.run_paths import RunPaths
 from wcache.monitor.events import events_path
 
 HOSTILE = "\u202eevil\x1b[31m\nerror: forged line"
@@ -98,13 +99,13 @@ def test_an_error_echoes_a_path_on_one_line_escaped(tmp_path: Path) -> None:
 def test_forged_records_are_shown_escaped_in_tables(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
-    (run_dir / LOADING_DIR).mkdir(mode=0o700)
+    (run_dir / RunPaths.LOADING).mkdir(mode=0o700)
     me = os.getpid()
     record = {"pid": me, "pid_created": psutil.Process(me).create_time(), "source": f"/models/{HOSTILE}",
               "device": HOSTILE, "tp_size": 1, "tp_rank": 0, "supervisor_pid": None, "started": 1.0,
               "phase": HOSTILE, "done_bytes": 0, "total_bytes": 0, "name": HOSTILE}
     lock = hold_record_lock(record_lock_path(run_dir, me))
-    (run_dir / LOADING_DIR / f"{me}.json").write_text(json.dumps(record))
+    (run_dir / RunPaths.LOADING / f"{me}.json").write_text(json.dumps(record))
     events_path(run_dir).write_text(json.dumps({"ts": 1.0, "kind": "attach_miss", "device": HOSTILE,
                                                 "reason": HOSTILE}) + "\n")
     env = cli_env(tmp_path / "cache")
@@ -123,14 +124,14 @@ def test_stop_names_a_forged_rank_escaped(tmp_path: Path) -> None:
     # `stop --all` stops ranks still loading and says which, by the name their record gives.
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
-    (run_dir / LOADING_DIR).mkdir(mode=0o700)
+    (run_dir / RunPaths.LOADING).mkdir(mode=0o700)
     rank = subprocess.Popen([sys.executable, "-c", HOLDS_ITS_LOCK, str(run_dir)], stdout=subprocess.PIPE, text=True)
     try:
         assert rank.stdout is not None and rank.stdout.readline() == "locked\n"
         record = {"pid": rank.pid, "pid_created": psutil.Process(rank.pid).create_time(), "source": "/m",
                   "device": "cpu", "tp_size": 1, "tp_rank": 0, "supervisor_pid": None, "started": 1.0,
                   "phase": "loading", "done_bytes": 0, "total_bytes": 0, "name": f"[bold]{HOSTILE}"}
-        (run_dir / LOADING_DIR / f"{rank.pid}.json").write_text(json.dumps(record))
+        (run_dir / RunPaths.LOADING / f"{rank.pid}.json").write_text(json.dumps(record))
         stop = wcache_in_process("stop", "--all", "--run-dir", str(run_dir), env=cli_env(tmp_path / "cache"))
         assert stop.returncode == 0, stop.stderr
         assert not any(raw in stop.stdout for raw in RAW), repr(stop.stdout)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from wcache.daemon.launch import start_daemons, stop_daemon, terminate_started
+from wcache.ipc.engine_descriptor import read_engine_descriptor
+from wcache.ipc.http_client import http_request
 from wcache.ipc.interpreter import python_module_argv
-from wcache.ipc.rundir import ENGINES_DIR, census, ensure_run_dir
+from wcache.ipc.run_paths import RunPaths
+from wcache.ipc.rundir import census, ensure_run_dir
 
 from wcache_cli.output import out
 
@@ -27,23 +29,24 @@ TAILS = ("What is a weight cache?", "Why hash every byte?", "How does replay wor
 
 
 def _wait_for_engine(run_dir: Path, process: subprocess.Popen[bytes]) -> str:
-    descriptor = run_dir / ENGINES_DIR / f"{process.pid}.json"
+    descriptor = RunPaths(run_dir).engine(process.pid)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the served engine exited with code {process.returncode}")
         if descriptor.exists():
-            return str(json.loads(descriptor.read_text())["url"])
+            return read_engine_descriptor(descriptor).url
         time.sleep(0.2)
     raise RuntimeError("the served engine did not come up in time")
 
 
 def _complete(url: str, prompt: str) -> dict[str, Any]:
     body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return dict(json.loads(response.read()))
+    status, answer = http_request(f"{url}/v1/completions", method="POST", body=body,
+                                  headers={"Content-Type": "application/json"}, timeout=60)
+    if status != 200 or answer is None:
+        raise RuntimeError(f"the served engine at {url} answered {status or 'nothing'} to a completion")
+    return dict(json.loads(answer))
 
 
 def leave_serving(original: Path, modified: Path, workdir: Path, run_dir: Path) -> None:

@@ -153,6 +153,7 @@ def _serve_attach_verify(
     from rich.markup import escape
     from wcache.attach_options import AttachOptions
     from wcache.engine import Engine
+    from wcache.ipc.run_paths import RunPaths
     from wcache.key.digest_store import DigestStore
     from wcache.monitor.events import read_events
     from wcache.plan.spec import PlanSpec
@@ -205,5 +206,5 @@ def _serve_attach_verify(
     if not ok:
         out.error("the demo expected a hit, a miss naming the zeroed tensor, a passing verify and a failing one.")
     events = [e["kind"] for e in read_events(run_dir)]
-    out.print(f"\nEvents written to {run_dir}/events.jsonl: {', '.join(events)}")
+    out.print(f"\nEvents written to {RunPaths(run_dir).events}: {', '.join(events)}")
     return ok

@@ -25,17 +25,10 @@ HEALTH_TIMEOUT_S = 2.0
 def _health(url: str | None) -> int | None:
     if not url:
         return None
-    # Imported per use: the help and a run dir without daemons must not pay for urllib, sockets or psutil.
-    import urllib.error
-    import urllib.request
+    # Imported per use: the help and a run dir without daemons must not pay for http.client, sockets or psutil.
+    from wcache.ipc.http_client import http_get
 
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=HEALTH_TIMEOUT_S) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
-    except (urllib.error.URLError, OSError):
-        return None
+    return http_get(f"{url}/health", HEALTH_TIMEOUT_S)[0]
 
 
 def _row(descriptor: DaemonDescriptor, answer: DaemonStatus) -> dict[str, Any]:

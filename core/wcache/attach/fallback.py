@@ -13,6 +13,7 @@ from wcache.attach.miss import explain_miss
 from wcache.attach.report import AttachMissError, AttachReport, diff_summary
 from wcache.errors import option
 from wcache.key.cache_key import KeyFile
+from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 
 
@@ -24,10 +25,10 @@ def miss(local: KeyFile, found: Found, refusal: Refusal | None, ctx: AttachConte
     report = AttachReport(outcome="miss", mode=ctx.options.mode, device=ctx.device, key_id=key_id,
                           daemon=explained.daemon, daemon_key_id=explained.daemon_key_id, reason=explained.reason,
                           mismatched=list(explained.mismatched), diff=explained.diff, timings_ms=timings)
-    append_event(ctx.run_dir, "attach_miss", source=str(ctx.model), key_id=key_id, device=ctx.device,
-                 reason=explained.reason, daemon=explained.daemon, mismatched=report.mismatched,
-                 diff=diff_summary(explained.diff) if explained.diff else None, dp_size=ctx.dp_size,
-                 engine=ctx.engine)
+    append_event(ctx.run_dir, ev.AttachMiss(
+        source=str(ctx.model), key_id=key_id, device=ctx.device, reason=explained.reason, daemon=explained.daemon,
+        mismatched=list(report.mismatched), diff=diff_summary(explained.diff) if explained.diff else None,
+        dp_size=ctx.dp_size, engine=ctx.engine))
     if not ctx.options.fallback:
         raise AttachMissError(f"{explained.reason}; not falling back to disk ({option('fallback', False)}).", report)
     t = time.perf_counter()
@@ -36,7 +37,8 @@ def miss(local: KeyFile, found: Found, refusal: Refusal | None, ctx: AttachConte
     tensors = load_from_disk(local, ctx.model)
     disk_ms = (time.perf_counter() - t) * 1000
     timings = {**timings, "disk_load": disk_ms, "total": (time.perf_counter() - ctx.began) * 1000}
-    append_event(ctx.run_dir, "fallback", source=str(ctx.model), key_id=key_id, device=ctx.device,
-                 reason=explained.reason, seconds=round(disk_ms / 1000, 3), dp_size=ctx.dp_size, engine=ctx.engine)
+    append_event(ctx.run_dir, ev.Fallback(source=str(ctx.model), key_id=key_id, device=ctx.device,
+                                          reason=explained.reason, seconds=round(disk_ms / 1000, 3),
+                                          dp_size=ctx.dp_size, engine=ctx.engine))
     return AttachedWeights(tensors, replace(report, outcome="fallback", timings_ms=timings,
                                             num_tensors=len(tensors)), ctx.run_dir, local)

@@ -11,6 +11,7 @@ from wcache.attach.report import AttachReport
 from wcache.ipc.client import DaemonConnection
 from wcache.ipc.rundir import DaemonDescriptor
 from wcache.key.cache_key import KeyFile
+from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 
 
@@ -26,10 +27,10 @@ def hit(mapped: Mapped, descriptor: DaemonDescriptor, connection: DaemonConnecti
     )
     # `verified`: the checkpoint's content key was compared with the daemon's (not so with --trust-daemon);
     # `source` is the engine's checkpoint, `daemon_source` what the daemon loaded (they differ for a copy).
-    append_event(ctx.run_dir, "attach_hit", source=str(ctx.model.absolute()), daemon_source=descriptor.source,
-                 verified=local is not None, key_id=descriptor.key_id,
-                 daemon=descriptor.name, device=ctx.device, mode=mode, bytes=mapped.total_bytes,
-                 dp_size=ctx.dp_size, engine=ctx.engine, timings_ms={k: round(v, 3) for k, v in timings.items()})
+    append_event(ctx.run_dir, ev.AttachHit(
+        source=str(ctx.model.absolute()), daemon_source=descriptor.source, verified=local is not None,
+        key_id=descriptor.key_id, daemon=descriptor.name, device=ctx.device, mode=mode, bytes=mapped.total_bytes,
+        dp_size=ctx.dp_size, engine=ctx.engine, timings_ms={k: round(v, 3) for k, v in timings.items()}))
     weights = AttachedWeights(mapped.tensors, report, ctx.run_dir, mapped.key_file)
     if mode == "zero_copy" and ctx.views:
         weights._hold_lease(connection, mapped.mapping)

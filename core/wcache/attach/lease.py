@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from wcache.attach.report import AttachReport
 from wcache.ipc.client import DaemonConnection
 from wcache.key.cache_key import KeyFile
+from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 
 if TYPE_CHECKING:
@@ -82,5 +83,5 @@ def _watch_lease(sock: socket.socket, closing: threading.Event, report: AttachRe
         return
     # The daemon never speaks unprompted: any wake-up here means the connection is gone.
     report.lost.set()
-    append_event(run_dir, "daemon_lost", daemon=report.daemon, key_id=report.key_id, device=report.device,
-                 tensors_valid=report.device == "cpu", unexpected_data=bool(data))
+    append_event(run_dir, ev.DaemonLost(daemon=report.daemon, key_id=report.key_id, device=report.device,
+                                        tensors_valid=report.device == "cpu", unexpected_data=bool(data)))

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from wcache.errors import BadInputError
+from wcache.schema import Schema
 
 Verdict = Literal["matches", "differs", "unknown"]
 VERDICTS: tuple[Verdict, ...] = ("matches", "differs", "unknown")
@@ -29,8 +30,7 @@ _GIT_SHA1 = re.compile(r"^[0-9a-f]{40}$")
 _SUMS_LINE = re.compile(r"^\\?([0-9a-fA-F]{64}) [ *](.+)$")
 
 
-@dataclass(frozen=True, slots=True)
-class FileDigest:
+class FileDigest(Schema, frozen=True):
     """One checkpoint file: its name under the checkpoint's directory, its size and its SHA-256 (None: not
     computed, e.g. a receipt from before wcache recorded it)."""
 

@@ -34,6 +34,7 @@ from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import HashProgress
 from wcache.key.provenance import require, verdicts_of
 from wcache.load.loader import load_rank
+from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 from wcache.monitor.logs import configure as configure_logging
 
@@ -168,10 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         if board is not None:
             board.remove()  # ready (the descriptor says the rest) or gone
     _report_provenance(run_dir, descriptor, judged)
-    append_event(run_dir, "ready", daemon=descriptor.name, key_id=descriptor.key_id, rank=args.rank,
-                 device=args.device, source=descriptor.source, weights_bytes=descriptor.weights_bytes,
-                 load_s=round(loaded.load_seconds, 3), bytes_read=bytes_read,
-                 **({"parent_key_id": parent.key_id, "parent": parent.name} if parent is not None else {}))
+    append_event(run_dir, ev.Ready(
+        daemon=descriptor.name, key_id=descriptor.key_id, rank=args.rank, device=args.device,
+        source=descriptor.source, weights_bytes=descriptor.weights_bytes, load_s=round(loaded.load_seconds, 3),
+        bytes_read=bytes_read, parent_key_id=None if parent is None else parent.key_id,
+        parent=None if parent is None else parent.name))
     status.emit(RankReady(rank=args.rank, name=descriptor.name, key_id=descriptor.key_id,
                           socket=descriptor.socket, weights_bytes=descriptor.weights_bytes,
                           load_s=round(loaded.load_seconds, 3)))
@@ -187,10 +189,10 @@ def _report_provenance(run_dir: Path, descriptor: DaemonDescriptor, judged: list
     """The verdict as an event, and a warning naming each file that differs or is unknown."""
     if not judged:
         return
-    append_event(run_dir, "provenance", daemon=descriptor.name, key_id=descriptor.key_id,
-                 verdict=overall(judged), counts=counts(judged),
-                 differs=[v.name for v in judged if v.verdict == "differs"],
-                 unknown=[v.name for v in judged if v.verdict == "unknown"])
+    append_event(run_dir, ev.Provenance(daemon=descriptor.name, key_id=descriptor.key_id,
+                                        verdict=overall(judged), counts=counts(judged),
+                                        differs=[v.name for v in judged if v.verdict == "differs"],
+                                        unknown=[v.name for v in judged if v.verdict == "unknown"]))
     for verdict in judged:
         if verdict.verdict == "differs":
             log.warning("provenance: %s", verdict.sentence())

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from wcache.attach_options import MODES
 from wcache.checkpoint.provenance import VERDICTS
+from wcache.ipc import counters as counter_names
 from wcache.ipc.http_server import HTTPRequestError, QuietHandler, make_http_server
 from wcache.monitor.daemon_status import collect
 
@@ -118,12 +119,11 @@ class _StatsCollector(Collector):
             weights.add_metric(values, float(r.get("weights_bytes", 0)))
             leases.add_metric(values, float(r.get("leases", 0)))
             for mode in MODES:
-                attaches.add_metric([*values, mode], float(counters.get(f"attaches_{mode}", 0)))
+                attaches.add_metric([*values, mode], float(counters.get(counter_names.attaches(mode), 0)))
             hits.add_metric(values, float(counters.get("hits", 0)))
             unverified.add_metric(values, float(counters.get("hits_unverified", 0)))
-            for name, count in counters.items():
-                if name.startswith("misses_"):
-                    misses.add_metric([*values, name.removeprefix("misses_")], float(count))
+            for reason, count in counter_names.misses(counters).items():
+                misses.add_metric([*values, reason], float(count))
             served.add_metric(values, float(counters.get("bytes_served", 0)))
             bad.add_metric(values, float(counters.get("bad_frames", 0)))
             if r.get("provenance") in VERDICTS:

@@ -36,6 +36,7 @@ from wcache.ipc.interpreter import python_module_argv
 from wcache.ipc.loading import LoadingRecord, read_loading, record_lock_path
 from wcache.ipc.messages import Shutdown, Stats
 from wcache.ipc.protocol import ProtocolError
+from wcache.ipc.run_paths import RunPaths
 from wcache.ipc.rundir import (
     DaemonDescriptor,
     DaemonExistsError,
@@ -222,9 +223,9 @@ def _supervise(path: Path, load: LoadArgs, health_host: str, health_port: int,
                on_progress: ProgressCallback | None, share_stderr: bool, env: Mapping[str, str] | None) -> DaemonGroup:
     """Run the supervisor of `load` until every rank is ready (or one failed)."""
     where = load.run_dir
-    logs = where / "logs"
-    logs.mkdir(mode=0o700, exist_ok=True)
-    log_path = logs / f"supervisor-{os.getpid()}.log"
+    paths = RunPaths(where)
+    paths.logs.mkdir(mode=0o700, exist_ok=True)
+    log_path = paths.supervisor_log(os.getpid())
     load = dataclasses.replace(load, log_file=log_path)
     command = _supervisor_command(load, health_host, health_port, share_stderr)
     with log_path.open("a") as log_file:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from wcache.ipc import counters as counter_names
 from wcache.ipc.messages import HelloStatus
 
 
@@ -55,11 +56,11 @@ def hello(mismatched: Sequence[str], ready: bool, corrupt: bool, trusted: bool) 
 
     Weights found changed in memory refuse even the matching key; weights released refuse every key."""
     if corrupt and not mismatched:
-        return HelloDecision("corrupt", ("misses_corrupt",))
+        return HelloDecision("corrupt", (counter_names.miss("corrupt"),))
     if not ready:
-        return HelloDecision("released", ("misses_released",))
+        return HelloDecision("released", (counter_names.miss("released"),))
     if mismatched:
-        return HelloDecision("miss", ("misses_" + "_".join(mismatched),))
+        return HelloDecision("miss", (counter_names.miss(mismatched),))
     return HelloDecision("hit", ("hits", "hits_unverified") if trusted else ("hits",))
 
 

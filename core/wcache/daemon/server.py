@@ -21,10 +21,11 @@ from typing import Any
 from wcache.daemon import lease_rules
 from wcache.daemon.lease_rules import Holders
 from wcache.daemon.scrub import Corruption, Scrubber, first_difference_from_checkpoint
+from wcache.ipc import counters as counter_names
 from wcache.ipc.arena import ArenaClosedError, ArenaEntry, CpuArena
 from wcache.ipc.messages import (
-    REQUESTS,
     ArenaReport,
+    BadRequestError,
     CheckArena,
     CudaHandle,
     DaemonSummary,
@@ -44,6 +45,8 @@ from wcache.ipc.messages import (
     ShutdownReply,
     Stats,
     StatsReply,
+    encode,
+    read_request,
 )
 from wcache.ipc.protocol import (
     REPLY_LIMITS,
@@ -51,13 +54,13 @@ from wcache.ipc.protocol import (
     Frame,
     PeerClosedError,
     ProtocolError,
-    encode,
     peer_uid,
     receive,
     send_encoded,
 )
 from wcache.ipc.rundir import DaemonDescriptor, remove_daemon_files
 from wcache.load.loader import LoadedRank
+from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 
 log = logging.getLogger("wcache.daemon")
@@ -204,7 +207,7 @@ class DaemonServer:
             conn.setblocking(False)
             with contextlib.suppress(OSError):
                 message = f"this daemon already serves {MAX_CLIENTS} connections; try again shortly"
-                send_encoded(conn, encode(ErrorReply.TYPE, ErrorReply(message).to_wire(), REPLY_LIMITS))
+                send_encoded(conn, encode(ErrorReply(message), REPLY_LIMITS))
         with self.shared.lock:
             self.shared.counters["refused_busy"] += 1
             refused = self.shared.counters["refused_busy"]
@@ -224,8 +227,7 @@ class DaemonServer:
             leases = len(self.shared.leases)
             self.shared.state = "stopped"
         log.info("Stopping with %d lease(s) held.", leases)
-        append_event(self.run_dir, "stop", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
-                     leases=leases)
+        append_event(self.run_dir, ev.Stop(daemon=self.descriptor.name, key_id=self.descriptor.key_id, leases=leases))
         self.loaded.arena.close()
 
     # -- one client ----------------------------------------------------------------------------------
@@ -267,22 +269,18 @@ class DaemonServer:
 
     def _encode_reply(self, reply: Message) -> bytes:
         try:
-            return encode(reply.TYPE, reply.to_wire(), REPLY_LIMITS)
+            return encode(reply, REPLY_LIMITS)
         except ProtocolError as exc:  # ours, not the client's: it gets the reason, the connection stays
             self._count("oversized_replies")
-            return encode(ErrorReply.TYPE, ErrorReply(str(exc)).to_wire(), REPLY_LIMITS)
+            return encode(ErrorReply(str(exc)), REPLY_LIMITS)
 
     def _dispatch(self, client: _Client, frame: Frame) -> Reply:
         for fd in frame.fds:
             os.close(fd)  # clients never send descriptors; do not leak what a bad one sends
-        kind = REQUESTS.get(frame.type)
-        if kind is None:
-            self._count("unknown_requests")
-            return ErrorReply(f"unknown request {frame.type!r}"), ()
         try:
-            request: Request[Any] = kind.from_wire(frame.fields)
-        except ProtocolError as exc:
-            self._count("bad_requests")
+            request: Request[Any] = read_request(frame)
+        except BadRequestError as exc:
+            self._count("unknown_requests" if exc.unknown else "bad_requests")
             return ErrorReply(str(exc)), ()
         handler = getattr(self, f"_handle_{request.TYPE}")
         result: Reply = handler(client, request)
@@ -316,10 +314,10 @@ class DaemonServer:
             holders = sorted(pid for pid in self.shared.lease_pids.values() if pid is not None)
         log.error("Weights changed in memory: %s; refusing new attaches (engines holding leases: %s).",
                   found.sentence(), holders or "none")
-        append_event(self.run_dir, "scrub_failed", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
-                     tensor=found.tensor, arena_offset=found.arena_offset,
-                     block=list(found.block) if found.block else None, byte=found.byte, reason=found.sentence(),
-                     lease_pids=holders)
+        append_event(self.run_dir, ev.ScrubFailed(
+            daemon=self.descriptor.name, key_id=self.descriptor.key_id, tensor=found.tensor,
+            arena_offset=found.arena_offset, block=list(found.block) if found.block else None, byte=found.byte,
+            reason=found.sentence(), lease_pids=holders))
 
     def _end_lease(self, client: _Client) -> None:
         with self.shared.lock:
@@ -328,8 +326,8 @@ class DaemonServer:
             self.shared.lease_pids.pop(client.ident, None)
         if had:
             log.info("Engine pid %s detached (zero_copy).", client.pid)
-            append_event(self.run_dir, "release", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
-                         mode="zero_copy", client_pid=client.pid)
+            append_event(self.run_dir, ev.Release(daemon=self.descriptor.name, key_id=self.descriptor.key_id,
+                                                  mode="zero_copy", client_pid=client.pid))
 
     def _release_if_due(self) -> None:
         """Carry out a queued copy-mode release once no attach is in flight and no lease is held."""
@@ -343,9 +341,9 @@ class DaemonServer:
                                               client_pid=asked.client_pid)
             self.loaded.arena.close()
         log.info("Released the weights to the copy-mode engine %s.", asked.client_pid)
-        append_event(self.run_dir, "release", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
-                     mode="copy", client_pid=asked.client_pid, weights_dropped=True,
-                     queued_s=round(time.time() - asked.asked, 3))
+        append_event(self.run_dir, ev.Release(daemon=self.descriptor.name, key_id=self.descriptor.key_id,
+                                              mode="copy", client_pid=asked.client_pid, weights_dropped=True,
+                                              queued_s=round(time.time() - asked.asked, 3)))
 
     def _holders(self) -> Holders:
         """What the lease rules read (the caller holds the shared lock)."""
@@ -405,7 +403,7 @@ class DaemonServer:
                     self.shared.leases.add(client.ident)
                     self.shared.lease_pids[client.ident] = client.pid
                 self.shared.counters["attaches"] += 1
-                self.shared.counters[f"attaches_{mode}"] += 1
+                self.shared.counters[counter_names.attaches(mode)] += 1
                 self.shared.counters["bytes_served"] += arena.total_bytes
                 # Duplicated under the lock so a concurrent release cannot close it mid-send.
                 if isinstance(arena, CpuArena):
@@ -416,7 +414,7 @@ class DaemonServer:
         client.mode = mode
         if isinstance(arena, CpuArena):
             return MapReply(kind="memfd", total_bytes=arena.total_bytes, entries=self._wire_entries), fds
-        cuda = CudaHandle.from_wire(arena.export_handle())
+        cuda = CudaHandle(**arena.export_handle())
         return MapReply(kind="cuda", total_bytes=arena.total_bytes, entries=self._wire_entries, cuda=cuda), fds
 
     def _handle_release(self, client: _Client, request: Release) -> Reply:
@@ -429,9 +427,10 @@ class DaemonServer:
             if decision.queue:
                 self.shared.release = _Release(client.pid, time.time())
         if decision.kept:
-            append_event(self.run_dir, "release", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
-                         mode="copy", client_pid=client.pid, weights_dropped=False,
-                         kept_for_attaches=decision.kept_for_attaches, kept_for_leases=decision.kept_for_leases)
+            append_event(self.run_dir, ev.Release(
+                daemon=self.descriptor.name, key_id=self.descriptor.key_id, mode="copy", client_pid=client.pid,
+                weights_dropped=False, kept_for_attaches=decision.kept_for_attaches,
+                kept_for_leases=decision.kept_for_leases))
         if decision.end_lease:
             self._end_lease(client)
         client.matched = False  # another map on this connection needs another hello

@@ -24,8 +24,10 @@ from wcache.ipc.http_server import http_url
 from wcache.ipc.interpreter import python_module_argv
 from wcache.ipc.loading import forget_dead_rank
 from wcache.ipc.protocol import ProtocolError
+from wcache.ipc.run_paths import RunPaths
 from wcache.ipc.rundir import census, ensure_run_dir, lock_path, lock_taken_if_free, remove_daemon_files
 from wcache.ipc.status_pipe import FROM_RANK, Exists, Failed, GroupReady, Progress, RankReady, StatusWriter, parse_line
+from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 from wcache.monitor.logs import configure as configure_logging
 
@@ -82,8 +84,8 @@ class Supervisor:
         server = serve_health(self.table, self.args.health_host, self.args.health_port,
                               (option("health_host"), option("health_port")))
         health_url = http_url(self.args.health_host, server.server_address[1])
-        append_event(self.run_dir, "preload", source=str(self.args.model), device=self.args.device,
-                     tp_size=self.args.tp, health_url=health_url)
+        append_event(self.run_dir, ev.Preload(source=str(self.args.model), device=self.args.device,
+                                              tp_size=self.args.tp, health_url=health_url))
         began = time.perf_counter()
         for rank, device in enumerate(self.devices):
             self.ranks.append(self._spawn(rank, device, health_url))
@@ -100,8 +102,8 @@ class Supervisor:
             # status line keeps them marked for the CLI to name as flags.
             log.error("preload failed: %s", in_words(reason, api_words))
             self._terminate_all()
-            append_event(self.run_dir, "preload_failed", source=str(self.args.model),
-                         reason=in_words(reason, api_words))
+            append_event(self.run_dir, ev.PreloadFailed(source=str(self.args.model),
+                                                        reason=in_words(reason, api_words)))
             self.status.emit(Failed(reason=reason, exit_code=code))
             server.shutdown()
             return code
@@ -172,12 +174,11 @@ class Supervisor:
         state.finished.set()
         log.log(logging.INFO if self.stopping else logging.WARNING, "rank %d exited with code %d", state.rank, code)
         if state.ready is not None and not self.stopping:
-            append_event(self.run_dir, "daemon_exited", daemon=state.ready.name, rank=state.rank,
-                         exit_code=code)
+            append_event(self.run_dir, ev.DaemonExited(daemon=state.ready.name, rank=state.rank, exit_code=code))
             if len(self.ranks) > 1:
                 # A tensor-parallel group serves whole or not at all: the other ranks must not report ready.
-                append_event(self.run_dir, "group_stopped", source=str(self.args.model), rank=state.rank,
-                             reason=f"rank {state.rank} exited with code {code}")
+                append_event(self.run_dir, ev.GroupStopped(source=str(self.args.model), rank=state.rank,
+                                                           reason=f"rank {state.rank} exited with code {code}"))
                 self.stop()
 
     def _wait_until_settled(self) -> tuple[str, int] | None:
@@ -228,7 +229,7 @@ class Supervisor:
 
 
 def rank_log_path(run_dir: Path, supervisor_pid: int, rank: int) -> Path:
-    return run_dir / "logs" / f"preload-{supervisor_pid}-rank{rank}.log"
+    return RunPaths(run_dir).rank_log(supervisor_pid, rank)
 
 
 def _death(r: _Rank) -> str:
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     except WcacheError as exc:  # the health server cannot listen (ListenError): the CLI shows this sentence
         supervisor._terminate_all()
         log.error("preload failed: %s", exc)
-        append_event(supervisor.run_dir, "preload_failed", source=str(args.model), reason=str(exc))
+        append_event(supervisor.run_dir, ev.PreloadFailed(source=str(args.model), reason=str(exc)))
         supervisor.status.emit(Failed(reason=marked(exc), exit_code=exc.exit_code))
         return exc.exit_code
     except OSError as exc:

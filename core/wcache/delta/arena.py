@@ -28,11 +28,12 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from wcache.checkpoint.dtypes import TORCH_NAMES
@@ -80,7 +81,7 @@ def find_parent(run_dir: Path, name: str) -> DaemonDescriptor:
 
 def next_key(parent: WeightCacheKey, checkpoint: str) -> WeightCacheKey:
     """The key of the parent's config, plan and format over checkpoint digest `checkpoint`."""
-    return replace(parent, checkpoint=checkpoint)
+    return msgspec.structs.replace(parent, checkpoint=checkpoint)
 
 
 def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
@@ -120,7 +121,7 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
             raise UnavailableError(f"daemon {parent.name} sent no arena descriptor.")
         parent_fd = reply.fds[0]
         try:
-            if reply.total_bytes != total or [list(e.to_wire()) for e in entries] != [list(e) for e in reply.entries]:
+            if reply.total_bytes != total or [e.to_wire() for e in entries] != reply.entries:
                 raise UnavailableError(f"daemon {parent.name}'s arena is not laid out as its plan says; it cannot be "
                                        "the parent of a new version.")
             arena = CpuArena(total, "wcache-arena-next")
@@ -134,7 +135,8 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
             bytes_read = delta.file_bytes + build.bytes_read
         finally:
             build.close()  # every view of the writable map goes before seal() can close it
-        new_manifest = tuple(replace(e, digest=digests[e.name]) if e.name in digests else e for e in manifest)
+        new_manifest = tuple(msgspec.structs.replace(e, digest=digests[e.name]) if e.name in digests else e
+                             for e in manifest)
         root = merkle_root(new_manifest)
         if root != delta.checkpoint:
             raise DeltaError(f"applying {delta_path} to daemon {parent.name} gives checkpoint {root[:12]}, not the "

@@ -55,6 +55,7 @@ from wcache.integrations.vllm_api import (
 from wcache.integrations.vllm_words import EXTRA_CONFIG, vllm_words
 from wcache.ipc.rundir import default_run_dir, ensure_run_dir
 from wcache.key.digest_store import DigestStore
+from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 from wcache.monitor.private_memory import private_bytes
 from wcache.plan.processing import UnsupportedPlanError
@@ -315,11 +316,12 @@ class WcacheModelLoader(BaseModelLoader):
             placement.note, private, report.timings_ms.get("total", 0.0), placement.post_processing_s * 1000,
             (time.perf_counter() - began) * 1000,
         )
-        append_event(self._run_dir(), "placement", engine=ENGINE, daemon=report.daemon,
-                     tp_rank=weights.key_file.plan.tp_rank, tp_size=weights.key_file.plan.tp_size,
-                     mode=report.mode, parameters=total, assigned=placement.assigned, copied=list(placement.copied),
-                     private_bytes=placement.private_bytes, device_peak_bytes=placement.device_peak_bytes,
-                     post_processing_ms=round(placement.post_processing_s * 1000, 3))
+        append_event(self._run_dir(), ev.Placement(
+            engine=ENGINE, daemon=report.daemon, tp_rank=weights.key_file.plan.tp_rank,
+            tp_size=weights.key_file.plan.tp_size, mode=report.mode, parameters=total, assigned=placement.assigned,
+            copied=list(placement.copied), private_bytes=placement.private_bytes,
+            device_peak_bytes=placement.device_peak_bytes,
+            post_processing_ms=round(placement.post_processing_s * 1000, 3)))
         return model
 
     def _attach(self, vllm_config: VllmConfig, model_config: ModelConfig) -> AttachedWeights:
@@ -377,8 +379,8 @@ class WcacheModelLoader(BaseModelLoader):
         seconds = time.perf_counter() - began
         logger.info("wcache: vLLM's default loader read %s from disk (%.1f ms, post-processing included)",
                     model_config.model, seconds * 1000)
-        append_event(self._run_dir(), "fallback", source=str(model_config.model), device=device_name(vllm_config),
-                     reason=reason, seconds=round(seconds, 3), engine=ENGINE)
+        append_event(self._run_dir(), ev.Fallback(source=str(model_config.model), device=device_name(vllm_config),
+                                                  reason=reason, seconds=round(seconds, 3), engine=ENGINE))
         return model
 
 

@@ -28,6 +28,9 @@ from wcache.errors import UnavailableError
 if TYPE_CHECKING:
     import torch
 
+# One entry as a map reply carries it: (name, dtype, shape, offset, nbytes) (ArenaEntry.to_wire()).
+WireEntry = tuple[str, str, tuple[int, ...], int, int]
+
 # 256 bytes covers every SIMD width and CUDA's allocation granularity for vectorised loads.
 ALIGNMENT = 256
 
@@ -49,8 +52,8 @@ class ArenaEntry:
     offset: int
     nbytes: int
 
-    def to_wire(self) -> list[Any]:
-        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
+    def to_wire(self) -> WireEntry:
+        return (self.name, self.dtype, tuple(self.shape), self.offset, self.nbytes)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -180,8 +183,6 @@ class MappedArena:
     tensors: dict[str, torch.Tensor]
 
 
-# One entry as a map reply carries it: [name, dtype, shape, offset, nbytes] (ArenaEntry.to_wire()).
-WireEntry = Sequence[Any]
 
 
 def check_arena_size(fd: int, total_bytes: int) -> None:

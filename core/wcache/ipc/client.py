@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from wcache.errors import UnavailableError
-from wcache.ipc.messages import ErrorReply, Message, Request
-from wcache.ipc.protocol import REPLY_LIMITS, REQUEST_LIMITS, ProtocolError, peer_uid, receive, send
+from wcache.ipc.messages import Message, RefusedError, Request, send
+from wcache.ipc.protocol import REPLY_LIMITS, REQUEST_LIMITS, ProtocolError, peer_uid, receive
 
 R = TypeVar("R", bound=Message)
 
@@ -81,7 +81,7 @@ class DaemonConnection:
         """Send a request and return its reply; an error reply, or a malformed one, raises DaemonError."""
         send_error: OSError | None = None
         try:
-            send(self.sock, message.TYPE, message.to_wire(), REQUEST_LIMITS)
+            send(self.sock, message, REQUEST_LIMITS)
         except (BrokenPipeError, ConnectionResetError) as exc:
             # A daemon that refuses a connection (too many clients) says why and closes before reading:
             # its error frame may still be waiting to be read.
@@ -93,12 +93,9 @@ class DaemonConnection:
         except (OSError, ProtocolError) as exc:
             raise DaemonError(f"the daemon at {self.path} stopped answering ({send_error or exc}).") from None
         try:
-            if reply.type == ErrorReply.TYPE:
-                for fd in reply.fds:
-                    os.close(fd)
-                refusal = ErrorReply.from_wire(reply.fields)
-                raise DaemonError(f"the daemon at {self.path} refused {message.TYPE}: {refusal.message}.")
             return message.reply_from(reply)
+        except RefusedError as refusal:
+            raise DaemonError(f"the daemon at {self.path} refused {message.TYPE}: {refusal}.") from None
         except ProtocolError as exc:
             raise DaemonError(f"the daemon at {self.path} sent a malformed reply to {message.TYPE} ({exc}).") from None
 

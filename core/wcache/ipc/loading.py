@@ -16,63 +16,45 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from wcache.canonical import INT64_BITS
-from wcache.ipc.rundir import LOCK_SUFFIX, is_pid, lock_taken_if_free, read_run_file, run_subdir
+from wcache.ipc.run_paths import RunPaths
+from wcache.ipc.rundir import Pid, lock_taken_if_free, read_run_file, run_subdir
+from wcache.schema import Schema
 
 log = logging.getLogger("wcache")
 
-LOADING_DIR = "loading"
 UPDATE_INTERVAL_S = 0.5
 MAX_RECORD_BYTES = 64 * 1024
-MAX_COUNT = 1 << INT64_BITS
+# msgspec bounds an integer within int64; a count past it is no count a rank wrote.
+MAX_COUNT = (1 << (INT64_BITS - 1)) - 1
 
 
-def _is_time(value: Any) -> bool:
-    """A time.time() value: a finite number (read_run_file already refused NaN and Infinity) within a float's range."""
-    return type(value) in (int, float) and 0 <= value < MAX_COUNT
+# Bounded as well as typed: the numbers go into arithmetic, psutil and the tables, where an unbounded one (a
+# 400-digit pid_created, a null start) would fail far from here.
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_COUNT)]  # a time.time() value
 
 
-@dataclass(frozen=True, slots=True)
-class LoadingRecord:
-    """What a rank that is not ready yet says about itself."""
+class LoadingRecord(Schema, frozen=True):
+    """What a rank that is not ready yet says about itself; `from_wire` refuses what no rank would have written."""
 
-    pid: int
-    pid_created: float
+    pid: Pid
+    pid_created: Seconds
     source: str
     device: str
-    tp_size: int
-    tp_rank: int
-    supervisor_pid: int | None
-    started: float  # time.time() when the rank began
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+    tp_rank: Count
+    supervisor_pid: Pid | None
+    started: Seconds  # time.time() when the rank began
     phase: str  # starting, loading (reading, hashing and processing), publishing
-    done_bytes: int = 0
-    total_bytes: int = 0
+    done_bytes: Count = 0
+    total_bytes: Count = 0
     name: str | None = None  # known once the key is
-
-    @classmethod
-    def from_json(cls, data: Any) -> LoadingRecord:
-        """A record from its parsed file; ValueError naming the first field that no rank would have written."""
-        if not isinstance(data, dict) or set(data) != {f.name for f in fields(cls)}:
-            raise ValueError("it is not a loading record")
-        record = cls(**data)
-        # Bounded as well as typed: the numbers go into arithmetic, psutil and the tables, where an unbounded one
-        # (a 400-digit pid_created, a null start) would fail far from here.
-        if not is_pid(record.pid) or not (record.supervisor_pid is None or is_pid(record.supervisor_pid)):
-            raise ValueError("a pid is not a process id")
-        counts = (record.tp_size, record.tp_rank, record.done_bytes, record.total_bytes)
-        if not all(type(v) is int and 0 <= v < MAX_COUNT for v in counts) or record.tp_size == 0:
-            raise ValueError("a count is not a non-negative integer")
-        if not all(_is_time(v) for v in (record.pid_created, record.started)):
-            raise ValueError("a time is not a number of seconds")
-        if not all(isinstance(v, str) for v in (record.source, record.device, record.phase)):
-            raise ValueError("a name is not a string")
-        if not isinstance(record.name, str | None):
-            raise ValueError("the name is not a string")
-        return record
 
     @property
     def fraction(self) -> float | None:
@@ -80,11 +62,11 @@ class LoadingRecord:
 
 
 def _record_path(run_dir: Path, pid: int) -> Path:
-    return run_dir / LOADING_DIR / f"{pid}.json"
+    return RunPaths(run_dir).loading_record(pid)
 
 
 def record_lock_path(run_dir: Path, pid: int) -> Path:
-    return run_dir / LOADING_DIR / f"{pid}{LOCK_SUFFIX}"
+    return RunPaths(run_dir).loading_lock(pid)
 
 
 def hold_record_lock(path: Path) -> int:
@@ -108,7 +90,7 @@ class LoadingBoard:
         with contextlib.suppress(OSError):  # what is there instead is refused just below
             self._path.parent.mkdir(mode=0o700, exist_ok=True)
         # A symlink planted as loading/ is never written through (run_subdir warned once); the load goes on.
-        self._visible = run_subdir(run_dir, LOADING_DIR) is not None
+        self._visible = run_subdir(run_dir, RunPaths.LOADING) is not None
         self._lock_path = record_lock_path(run_dir, record.pid)
         # Before the record: readers trust a record whose lock is held.
         self._lock_fd: int | None = hold_record_lock(self._lock_path) if self._visible else None
@@ -122,12 +104,12 @@ class LoadingBoard:
 
     def advance(self, nbytes: int) -> None:
         with self._lock:
-            self._record = replace(self._record, done_bytes=self._record.done_bytes + nbytes)
+            self._record = msgspec.structs.replace(self._record, done_bytes=self._record.done_bytes + nbytes)
         self._write()
 
     def update(self, **changes: Any) -> None:
         with self._lock:
-            self._record = replace(self._record, **changes)
+            self._record = msgspec.structs.replace(self._record, **changes)
         self._write(force=True)
 
     def remove(self) -> None:
@@ -150,7 +132,7 @@ class LoadingBoard:
             try:
                 fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
                 with os.fdopen(fd, "w") as f:
-                    json.dump(asdict(self._record), f)
+                    json.dump(self._record.to_wire(), f)
                 temporary.replace(self._path)
             except OSError as exc:
                 # Visibility is a courtesy: a full or read-only run dir must not fail the load itself.
@@ -159,7 +141,7 @@ class LoadingBoard:
 
 def read_loading(run_dir: Path) -> list[LoadingRecord]:
     """The records of ranks still loading, by pid; stale and unreadable records are removed or skipped."""
-    where = run_subdir(run_dir, LOADING_DIR)
+    where = run_subdir(run_dir, RunPaths.LOADING)
     if where is None:
         return []
     found = []
@@ -184,7 +166,7 @@ def read_loading(run_dir: Path) -> list[LoadingRecord]:
 
 def forget_dead_rank(run_dir: Path, pid: int) -> str | None:
     """Remove the record of rank `pid` if it died loading (its lock is free); the daemon name it had taken."""
-    if run_subdir(run_dir, LOADING_DIR) is None:
+    if run_subdir(run_dir, RunPaths.LOADING) is None:
         return None
     path = _record_path(run_dir, pid)
     with lock_taken_if_free(record_lock_path(run_dir, pid)) as free:
@@ -200,4 +182,4 @@ def forget_dead_rank(run_dir: Path, pid: int) -> str | None:
 
 
 def _read_record(path: Path) -> LoadingRecord:
-    return LoadingRecord.from_json(read_run_file(path, MAX_RECORD_BYTES))
+    return LoadingRecord.from_wire(read_run_file(path, MAX_RECORD_BYTES))

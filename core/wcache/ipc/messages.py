@@ -1,33 +1,34 @@
-"""Every request an engine or the CLI sends a daemon, and every reply, as frozen dataclasses.
+"""Every request an engine or the CLI sends a daemon, and every reply, as tagged msgspec Structs.
 
-A request names its reply type, so `DaemonConnection.request(Hello(...))` returns a `HelloReply`. The wire
-form is the one the daemon has always spoken: a msgpack map per frame (`protocol.encode`), these fields.
-`from_wire` raises ProtocolError on anything missing, extra or mistyped (codec.Wire); the daemon answers a
-bad request with an error reply, the client turns a bad reply into one DaemonError sentence.
+A frame's body is one msgpack map whose `type` names the message (`Hello` is "hello"); it is decoded in one
+pass into the request or reply it names (`read_request`, `read_reply`), every field checked on the way: a
+missing, unknown or mistyped field (a bool for a pid) is refused with one sentence naming it. A request names
+its reply type, so `DaemonConnection.request(Hello(...))` returns a `HelloReply`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field, replace
+import socket
 from typing import Any, ClassVar, Generic, Literal, TypeVar, cast
 
+import msgspec
+
 from wcache.checkpoint.manifest import TensorDigest
-from wcache.ipc.codec import Wire
-from wcache.ipc.protocol import Frame, ProtocolError
+from wcache.errors import WcacheError
+from wcache.ipc.arena import WireEntry
+from wcache.ipc.protocol import Frame, Limits, ProtocolError, frame_bytes, send_encoded
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
+from wcache.schema import Schema, schema_error
 
 MapMode = Literal["zero_copy", "copy"]
 HelloStatus = Literal["hit", "miss", "released", "corrupt"]
 
 
-@dataclass(frozen=True, slots=True)
-class WantedKey(Wire):
+class WantedKey(Schema, frozen=True):
     """The key an engine asks for: a whole key, or all of it but the checkpoint digest (--trust-daemon)."""
-
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"checkpoint"})
 
     config: str
     plan: str
@@ -45,26 +46,34 @@ class WantedKey(Wire):
             WeightCacheKey(checkpoint=checkpoint, config=self.config, plan=self.plan, format=self.format))
 
 
-class Message(Wire):
-    """A frame's content: its type, and its fields."""
+class Message(Schema, frozen=True, tag_field="type"):
+    """A frame's content: its type (the Struct's tag, also `TYPE`), and its fields."""
 
-    __slots__ = ()
-    TYPE: ClassVar[str]
+    TYPE: ClassVar[str]  # its tag, set below for every message (msgspec fixes a tag after __init_subclass__)
+
+    def to_wire(self) -> dict[str, Any]:
+        """Its fields as plain data, without the tag (what `/health` and `status --json` show of a reply)."""
+        fields = super().to_wire()
+        del fields["type"]
+        return fields
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Any:
+        """From plain fields (the tag may be left out); ProtocolError with one sentence on anything wrong."""
+        return _converted(cls, data)
 
 
 # -- replies ------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class ReleasedTo(Wire):
+class ReleasedTo(Schema, frozen=True):
     """When a daemon let go of its weights, and to which copy-mode engine."""
 
     at: str
     client_pid: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class DaemonSummary(Wire):
+class DaemonSummary(Schema, frozen=True):
     """What a daemon holds, sent with hello and manifest replies."""
 
     name: str
@@ -78,16 +87,11 @@ class DaemonSummary(Wire):
     released: ReleasedTo | None
 
 
-@dataclass(frozen=True, slots=True)
-class ErrorReply(Message):
-    TYPE: ClassVar[str] = "error"
+class ErrorReply(Message, frozen=True, tag="error"):
     message: str
 
 
-@dataclass(frozen=True, slots=True)
-class HelloReply(Message):
-    TYPE: ClassVar[str] = "hello"
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"corrupt"})
+class HelloReply(Message, frozen=True, tag="hello"):
     status: HelloStatus
     mismatched: tuple[str, ...]
     daemon: DaemonSummary
@@ -96,15 +100,12 @@ class HelloReply(Message):
     corrupt: tuple[str, ...] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ManifestReply(Message):
-    TYPE: ClassVar[str] = "manifest"
+class ManifestReply(Message, frozen=True, tag="manifest"):
     tensors: tuple[TensorDigest, ...]
     daemon: DaemonSummary
 
 
-@dataclass(frozen=True, slots=True)
-class CudaHandle(Wire):
+class CudaHandle(Schema, frozen=True):
     """The IPC fields a client rebuilds a daemon's CUDA block from (arena.CudaArena.export_handle)."""
 
     handle: bytes
@@ -117,43 +118,33 @@ class CudaHandle(Wire):
     total_bytes: int
 
 
-@dataclass(frozen=True, slots=True)
-class MapReply(Message):
+class MapReply(Message, frozen=True, tag="map"):
     """Where each tensor lies in the arena; a memfd arrives as the frame's one descriptor."""
 
-    TYPE: ClassVar[str] = "map"
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"cuda"})
     kind: Literal["memfd", "cuda"]
     total_bytes: int
-    # [name, dtype, shape, offset, nbytes] per tensor, viewed as they came (arena_views.views_from_wire checks them):
-    # no object per tensor in between.
-    entries: list[Any]
+    # (name, dtype, shape, offset, nbytes) per tensor, as `ArenaEntry.to_wire()` writes them: a tuple per tensor,
+    # not an object, and arena_views.views_from_wire checks that they fit the arena.
+    entries: list[WireEntry]
     cuda: CudaHandle | None = None
-    # Not on the wire: the descriptors that came with the frame (the receiver owns and closes them).
-    fds: tuple[int, ...] = field(default=(), metadata={"wire": False})
+    # Not a wire field: the descriptors that came with the frame, set by `MapRequest.reply_from` (the receiver
+    # owns and closes them). A reply that names it in its fields is refused.
+    fds: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class ReleaseReply(Message):
-    TYPE: ClassVar[str] = "released"
+class ReleaseReply(Message, frozen=True, tag="released"):
     state: str
     release_queued: bool
 
 
-@dataclass(frozen=True, slots=True)
-class ArenaReport(Message):
-    TYPE: ClassVar[str] = "arena"
+class ArenaReport(Message, frozen=True, tag="arena"):
     checked: int
     changed: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class StatsReply(Message):
+class StatsReply(Message, frozen=True, tag="stats"):
     """One daemon's state and counters: what `wcache status`, `wcache top` and the health endpoints show."""
 
-    TYPE: ClassVar[str] = "stats"
-    # A daemon that judged no provenance, or whose re-check found nothing changed, sends what daemons always sent.
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"provenance", "corrupt"})
     name: str
     pid: int
     device: str
@@ -175,9 +166,7 @@ class StatsReply(Message):
     corrupt: tuple[str, ...] | None = None  # tensors its background re-check found changed, one sentence each
 
 
-@dataclass(frozen=True, slots=True)
-class ShutdownReply(Message):
-    TYPE: ClassVar[str] = "shutdown"
+class ShutdownReply(Message, frozen=True, tag="shutdown"):
     stopping: bool
     leases: int
 
@@ -187,29 +176,30 @@ class ShutdownReply(Message):
 R = TypeVar("R", bound=Message)
 
 
-class Request(Message, Generic[R]):
+class Request(Message, Generic[R], frozen=True):
     """A request, and how its reply is read."""
 
-    __slots__ = ()
     REPLY: ClassVar[type[Message]]
 
     def reply_from(self, frame: Frame) -> R:
         """The typed reply in `frame`; ProtocolError when it is another type or malformed."""
         try:
-            if frame.type != self.REPLY.TYPE:
-                raise ProtocolError(f"answered {frame.type!r} where {self.REPLY.TYPE!r} was due")
-            return cast(R, self.REPLY.from_wire(frame.fields))
+            return self._expected(read_reply(frame))
         finally:
             _close(frame.fds)  # only a map reply carries descriptors (MapRequest keeps them)
 
+    def _expected(self, reply: Message) -> R:
+        if isinstance(reply, ErrorReply):
+            raise RefusedError(reply.message)
+        if not isinstance(reply, self.REPLY):
+            raise ProtocolError(f"answered {reply.TYPE!r} where {self.REPLY.TYPE!r} was due")
+        return cast(R, reply)
 
-@dataclass(frozen=True, slots=True)
-class Hello(Request[HelloReply]):
+
+class Hello(Request[HelloReply], frozen=True, tag="hello"):
     """The engine's key; the daemon answers hit, miss or released, and remembers a hit for `map`."""
 
-    TYPE: ClassVar[str] = "hello"
     REPLY: ClassVar[type[Message]] = HelloReply
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"pid", "dp_size"})
     key: WantedKey
     pid: int | None = None
     dp_size: int | None = None  # recorded by the engine's events, never compared
@@ -219,57 +209,136 @@ class Hello(Request[HelloReply]):
         return cls(key=key, pid=os.getpid(), dp_size=dp_size)
 
 
-@dataclass(frozen=True, slots=True)
-class Manifest(Request[ManifestReply]):
-    TYPE: ClassVar[str] = "manifest"
+class Manifest(Request[ManifestReply], frozen=True, tag="manifest"):
     REPLY: ClassVar[type[Message]] = ManifestReply
 
 
-@dataclass(frozen=True, slots=True)
-class MapRequest(Request[MapReply]):
-    TYPE: ClassVar[str] = "map"
+class MapRequest(Request[MapReply], frozen=True, tag="map"):
     REPLY: ClassVar[type[Message]] = MapReply
     mode: MapMode
 
     def reply_from(self, frame: Frame) -> MapReply:
         try:
-            if frame.type != MapReply.TYPE:
-                raise ProtocolError(f"answered {frame.type!r} where 'map' was due")
-            reply = MapReply.from_wire(frame.fields)
+            reply = self._expected(read_reply(frame))
+            if reply.fds:
+                raise ProtocolError("MapReply.fds: descriptors come with the frame, never in its fields")
         except ProtocolError:
             _close(frame.fds)
             raise
-        return replace(reply, fds=frame.fds)
+        return msgspec.structs.replace(reply, fds=frame.fds)
 
 
-@dataclass(frozen=True, slots=True)
-class Release(Request[ReleaseReply]):
-    TYPE: ClassVar[str] = "release"
+class Release(Request[ReleaseReply], frozen=True, tag="release"):
     REPLY: ClassVar[type[Message]] = ReleaseReply
 
 
-@dataclass(frozen=True, slots=True)
-class CheckArena(Request[ArenaReport]):
-    TYPE: ClassVar[str] = "check_arena"
+class CheckArena(Request[ArenaReport], frozen=True, tag="check_arena"):
     REPLY: ClassVar[type[Message]] = ArenaReport
 
 
-@dataclass(frozen=True, slots=True)
-class Stats(Request[StatsReply]):
-    TYPE: ClassVar[str] = "stats"
+class Stats(Request[StatsReply], frozen=True, tag="stats"):
     REPLY: ClassVar[type[Message]] = StatsReply
 
 
-@dataclass(frozen=True, slots=True)
-class Shutdown(Request[ShutdownReply]):
-    TYPE: ClassVar[str] = "shutdown"
+class Shutdown(Request[ShutdownReply], frozen=True, tag="shutdown"):
     REPLY: ClassVar[type[Message]] = ShutdownReply
     force: bool = False
 
 
-REQUESTS: dict[str, type[Request[Any]]] = {
-    cls.TYPE: cls for cls in (Hello, Manifest, MapRequest, Release, CheckArena, Stats, Shutdown)
-}
+REQUEST_TYPES: tuple[type[Request[Any]], ...] = (Hello, Manifest, MapRequest, Release, CheckArena, Stats, Shutdown)
+REPLY_TYPES: tuple[type[Message], ...] = (
+    ErrorReply, HelloReply, ManifestReply, MapReply, ReleaseReply, ArenaReport, StatsReply, ShutdownReply)
+for _kind in (*REQUEST_TYPES, *REPLY_TYPES):
+    _kind.TYPE = cast(str, _kind.__struct_config__.tag)
+REQUESTS: dict[str, type[Request[Any]]] = {cls.TYPE: cls for cls in REQUEST_TYPES}
+REPLIES: dict[str, type[Message]] = {cls.TYPE: cls for cls in REPLY_TYPES}
+
+# One decoder per direction, built once: a frame is decoded in one pass into the message its tag names.
+_ENCODER = msgspec.msgpack.Encoder()
+_REQUEST_DECODER: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(
+    Hello | Manifest | MapRequest | Release | CheckArena | Stats | Shutdown)
+_REPLY_DECODER: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(
+    ErrorReply | HelloReply | ManifestReply | MapReply | ReleaseReply | ArenaReport | StatsReply | ShutdownReply)
+
+
+class RefusedError(Exception):
+    """The daemon answered a request with an error reply; the message is its sentence."""
+
+
+class _Tagged(msgspec.Struct):
+    """Just a frame's tag, read only to explain a frame that did not decode (every other field skipped)."""
+
+    type: str
+
+
+class BadRequestError(Exception):
+    """A well-formed frame that is no valid request: the daemon answers with the reason and keeps the connection.
+
+    `unknown` tells a type no request has from a known request with bad fields."""
+
+    def __init__(self, message: str, *, unknown: bool) -> None:
+        super().__init__(message)
+        self.unknown = unknown
+
+
+def encode(message: Message, limits: Limits) -> bytes:
+    """`message` as one frame (header and body); ProtocolError when it is larger than `limits` allow."""
+    return frame_bytes(_ENCODER.encode(message), message.TYPE, limits)
+
+
+def send(sock: socket.socket, message: Message, limits: Limits, fds: tuple[int, ...] = ()) -> None:
+    send_encoded(sock, encode(message, limits), fds)
+
+
+def read_request(frame: Frame) -> Request[Any]:
+    """The request in `frame`: BadRequestError for a map that is no valid request, ProtocolError for a frame
+    that is not a map with a string `type` at all (the connection is then closed)."""
+    try:
+        request: Request[Any] = _REQUEST_DECODER.decode(frame.body)
+        return request
+    except msgspec.ValidationError as exc:
+        tag = _tag(frame.body)
+        kind = REQUESTS.get(tag)
+        if kind is None:
+            raise BadRequestError(f"unknown request {tag!r}", unknown=True) from None
+        raise BadRequestError(schema_error(kind.__name__, exc), unknown=False) from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"frame is not msgpack ({exc})") from None
+    except WcacheError as exc:
+        raise BadRequestError(str(exc), unknown=False) from None
+
+
+def read_reply(frame: Frame) -> Message:
+    """The reply in `frame`; ProtocolError with one sentence naming what is wrong."""
+    try:
+        reply: Message = _REPLY_DECODER.decode(frame.body)
+        return reply
+    except msgspec.ValidationError as exc:
+        kind = REPLIES.get(_tag(frame.body))
+        raise ProtocolError(schema_error("reply" if kind is None else kind.__name__, exc)) from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"frame is not msgpack ({exc})") from None
+    except WcacheError as exc:
+        raise ProtocolError(str(exc)) from None
+
+
+def _tag(body: bytes) -> str:
+    """The `type` of a frame that did not decode; ProtocolError when it has none (not a map, no string tag)."""
+    try:
+        return msgspec.msgpack.decode(body, type=_Tagged).type
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        raise ProtocolError("frame is not a map with a string type") from None
+
+
+def _converted(kind: type[Message], data: Any) -> Any:
+    if isinstance(data, dict):
+        data = {**data, "type": kind.TYPE}
+    try:
+        return msgspec.convert(data, kind, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(schema_error(kind.__name__, exc)) from None
+    except WcacheError as exc:
+        raise ProtocolError(f"{kind.__name__}: {exc}") from None
 
 
 def _close(fds: tuple[int, ...]) -> None:

@@ -1,12 +1,15 @@
-"""The daemon wire protocol: versioned, length-prefixed msgpack frames over AF_UNIX; fds by SCM_RIGHTS.
+"""The daemon wire protocol's framing: versioned, length-prefixed msgpack frames over AF_UNIX; fds by SCM_RIGHTS.
 
-Both sides import this module; it loads without torch. No pickle: a frame is a msgpack map whose fields are
-checked against the request or reply type it names, and anything else closes the connection.
+Both sides import this module; it loads without torch. No pickle: a frame is a 6-byte header (the protocol
+version, the body's length) and a msgpack body that `messages` decodes, in one pass, into the request or
+reply it names; anything else closes the connection. The version is checked before a byte of the body is
+read, so a peer of another version is told so, not that its fields are wrong.
 
-Each direction has its own `Limits`: requests are a few short fields, replies carry one entry per tensor.
-Decoding multiplies a frame's size (one byte of msgpack, an empty list or map, is ~64 bytes of Python), so
-a reader bounds both the frame and what it may hold once decoded, and a frame must arrive whole within a
-deadline that starts at its first byte (the idle time before a frame is the caller's business).
+Each direction has its own `Limits`: requests are a few short fields, replies carry one entry per tensor. A
+body is decoded straight into its message type, so what it may build once decoded is bounded by the type
+(a field no message has is refused without building it); the frame's size bounds the rest, and a frame must
+arrive whole within a deadline that starts at its first byte (the idle time before a frame is the caller's
+business).
 """
 
 from __future__ import annotations
@@ -17,39 +20,28 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any
 
-import msgpack
-
-PROTOCOL_VERSION = 1
+# 2: a frame's version moved from its body's "v" field to its header, and the body is a tagged map decoded
+# in one pass (msgspec); fields at their default are left out.
+PROTOCOL_VERSION = 2
 MAX_FDS = 4
-_LENGTH = struct.Struct("!I")
+HEADER = struct.Struct("!HI")  # protocol version, body length
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """The most one frame may be, hold once decoded, and take to arrive after its first byte."""
+    """The most one frame may be, and take to arrive after its first byte."""
 
     frame_bytes: int
-    array_len: int
-    map_len: int
-    str_len: int
-    bin_len: int
     deadline_s: float
-    # Lists and maps in all: they are what decoding multiplies (a 1-byte empty map is a 64-byte dict), and
-    # the per-container lengths alone do not bound how many there are. None: only the frame size bounds them.
-    containers: int | None = None
 
 
-# The largest request, hello, is ~270 bytes in 2 maps of at most 5 entries (four digests, a pid, a DP size).
-# These limits leave room to grow, and bound a hostile request to ~1,000 decoded objects (~60 KB).
-REQUEST_LIMITS = Limits(frame_bytes=8 * 1024, array_len=32, map_len=32, str_len=1024, bin_len=1024, deadline_s=5.0,
-                        containers=16)
+# The largest request, hello, is ~270 bytes (four digests, a pid, a DP size); this leaves room to grow.
+REQUEST_LIMITS = Limits(frame_bytes=8 * 1024, deadline_s=5.0)
 # The largest replies are a manifest (~190 bytes a tensor) and a map (~95 bytes a tensor): 100k tensors (large
 # MoE checkpoints with per-expert weights and scales come near that) make a manifest of ~19 MB, past what 16 MiB
 # held. Replies come from a daemon of our own uid, trusted with our weights anyway; these bound a broken one.
-REPLY_LIMITS = Limits(frame_bytes=64 * 1024 * 1024, array_len=4 * 1024 * 1024, map_len=1024 * 1024,
-                      str_len=1024 * 1024, bin_len=1024 * 1024, deadline_s=30.0)
+REPLY_LIMITS = Limits(frame_bytes=64 * 1024 * 1024, deadline_s=30.0)
 
 
 class ProtocolError(Exception):
@@ -62,23 +54,17 @@ class PeerClosedError(ProtocolError):
 
 @dataclass(frozen=True, slots=True)
 class Frame:
-    """A decoded message: its type, its fields, and any file descriptors that came with it."""
+    """One frame as it arrived: its body (undecoded) and any file descriptors that came with it."""
 
-    type: str
-    fields: dict[str, Any]
+    body: bytes
     fds: tuple[int, ...] = ()
 
 
-def encode(message_type: str, fields: dict[str, Any], limits: Limits) -> bytes:
-    body = msgpack.packb({"v": PROTOCOL_VERSION, "type": message_type, **fields}, use_bin_type=True)
+def frame_bytes(body: bytes, what: str, limits: Limits) -> bytes:
+    """`body` with its header; ProtocolError when it is larger than `limits` allow."""
     if len(body) > limits.frame_bytes:
-        raise ProtocolError(f"a {message_type} frame of {len(body)} bytes exceeds the {limits.frame_bytes}-byte limit")
-    return _LENGTH.pack(len(body)) + body
-
-
-def send(sock: socket.socket, message_type: str, fields: dict[str, Any], limits: Limits,
-         fds: tuple[int, ...] = ()) -> None:
-    send_encoded(sock, encode(message_type, fields, limits), fds)
+        raise ProtocolError(f"a {what} frame of {len(body)} bytes exceeds the {limits.frame_bytes}-byte limit")
+    return HEADER.pack(PROTOCOL_VERSION, len(body)) + body
 
 
 def send_encoded(sock: socket.socket, data: bytes, fds: tuple[int, ...] = ()) -> None:
@@ -137,55 +123,18 @@ class _FrameReader:
         return ProtocolError(f"the frame was not complete {self.deadline_s:g} s after its first byte")
 
 
-class _ContainerBudget:
-    """A msgpack list and map hook that stops decoding once a frame has built more containers than allowed."""
-
-    def __init__(self, most: int) -> None:
-        self.left = most
-
-    def __call__(self, container: Any) -> Any:
-        self.left -= 1
-        if self.left < 0:
-            raise ProtocolError("frame holds more lists and maps than any message of this protocol")
-        return container
-
-
-def _decode(body: bytes, limits: Limits) -> Any:
-    hooks: dict[str, Any] = {}
-    if limits.containers is not None:
-        budget = _ContainerBudget(limits.containers)
-        hooks = {"list_hook": budget, "object_hook": budget}
-    try:
-        return msgpack.unpackb(
-            body, raw=False, strict_map_key=True, max_array_len=limits.array_len, max_map_len=limits.map_len,
-            max_str_len=limits.str_len, max_bin_len=limits.bin_len, max_ext_len=0,  # no extension types here
-            **hooks,
-        )
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise ProtocolError(f"frame is not msgpack within this protocol's limits ({exc})") from None
-
-
 def receive(sock: socket.socket, limits: Limits) -> Frame:
-    """Read one frame; raises PeerClosedError on a clean close and ProtocolError on anything malformed, too
+    """Read one frame's bytes; raises PeerClosedError on a clean close and ProtocolError on anything malformed, too
     large or too slow. A timeout before the frame's first byte is the socket's own (TimeoutError)."""
     reader = _FrameReader(sock, limits.deadline_s)
     idle_timeout = sock.gettimeout()
     try:
-        (length,) = _LENGTH.unpack(reader.read(_LENGTH.size))
+        version, length = HEADER.unpack(reader.read(HEADER.size))
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version}, expected {PROTOCOL_VERSION}")
         if length == 0 or length > limits.frame_bytes:
             raise ProtocolError(f"frame length {length} is outside 1..{limits.frame_bytes}")
-        message = _decode(reader.read(length), limits)
-        if not isinstance(message, dict):
-            raise ProtocolError("frame is not a map")
-        version = message.get("v")
-        # type() and not ==: True and 1.0 equal 1 in Python but are not this protocol's version field.
-        if type(version) is not int or version != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {message.get('v')!r}, expected {PROTOCOL_VERSION}")
-        message_type = message.pop("type", None)
-        message.pop("v")
-        if not isinstance(message_type, str):
-            raise ProtocolError("frame has no type")
-        return Frame(message_type, message, tuple(reader.fds))
+        return Frame(reader.read(length), tuple(reader.fds))
     except BaseException:
         for fd in reader.fds:
             with contextlib.suppress(OSError):

@@ -13,29 +13,28 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any
+
+import msgspec
 
 from wcache.canonical import INT64_BITS, loads_finite
 from wcache.checkpoint.provenance import FileDigest, Verdict
 from wcache.errors import EXIT_OK, BadInputError, WcacheError, option
-from wcache.ipc.codec import Wire
 from wcache.ipc.protocol import ProtocolError
+from wcache.ipc.run_paths import RunPaths
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
+from wcache.schema import Schema
 
 log = logging.getLogger("wcache")
 
-DESCRIPTOR_SUFFIX = ".json"
-SOCKET_SUFFIX = ".sock"
-LOCK_SUFFIX = ".lock"
-# Serving engines announce themselves here (one JSON file per engine pid) for `wcache top`.
-ENGINES_DIR = "engines"
 # AF_UNIX paths are limited to 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
 # A descriptor holds a key, a plan and a model's config: kilobytes. Anything far larger is not one.
 MAX_DESCRIPTOR_BYTES = 1 << 20
 # Linux's PID_MAX_LIMIT: no pid is this large, so a file naming one was not written by a process of ours.
 PID_LIMIT = 1 << 22
+Pid = Annotated[int, msgspec.Meta(gt=0, lt=PID_LIMIT)]  # a field that names a process (is_pid, for a schema)
 
 
 class RunDirError(BadInputError):
@@ -86,11 +85,9 @@ def ensure_run_dir(path: Path) -> Path:
     return check_run_dir(path)
 
 
-@dataclass(frozen=True, slots=True)
-class DaemonDescriptor(Wire):
+class DaemonDescriptor(Schema, frozen=True):
     """What a ready daemon publishes about itself; static for the daemon's life."""
 
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"parent_key_id", "parent"})
     name: str
     pid: int
     pid_created: float
@@ -130,14 +127,14 @@ def daemon_name(device: str, key_id: str) -> str:
 
 
 def socket_path(run_dir: Path, name: str) -> Path:
-    path = run_dir / f"{name}{SOCKET_SUFFIX}"
+    path = RunPaths(run_dir).socket(name)
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         raise RunDirError(f"socket path {path} is longer than AF_UNIX allows; choose a shorter {option('run_dir')}.")
     return path
 
 
 def descriptor_path(run_dir: Path, name: str) -> Path:
-    return run_dir / f"{name}{DESCRIPTOR_SUFFIX}"
+    return RunPaths(run_dir).descriptor(name)
 
 
 def write_descriptor(run_dir: Path, descriptor: DaemonDescriptor) -> Path:
@@ -159,7 +156,7 @@ class DaemonExistsError(WcacheError):
 
 
 def lock_path(run_dir: Path, name: str) -> Path:
-    return run_dir / f"{name}{LOCK_SUFFIX}"
+    return RunPaths(run_dir).lock(name)
 
 
 # How long a starting daemon retries a lock that is busy: a reader deciding liveness holds it for microseconds.
@@ -219,7 +216,8 @@ def lock_taken_if_free(path: Path) -> Iterator[bool]:
 
 
 def remove_daemon_files(run_dir: Path, name: str) -> None:
-    for path in (descriptor_path(run_dir, name), run_dir / f"{name}{SOCKET_SUFFIX}"):
+    paths = RunPaths(run_dir)
+    for path in (paths.descriptor(name), paths.socket(name)):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 
@@ -291,7 +289,7 @@ def read_descriptors(run_dir: Path) -> list[DaemonDescriptor]:
         return []
     check_run_dir(run_dir)
     found = []
-    for path in sorted(run_dir.glob(f"*{DESCRIPTOR_SUFFIX}")):
+    for path in RunPaths(run_dir).descriptors():
         try:
             descriptor = DaemonDescriptor.from_wire(read_run_file(path, MAX_DESCRIPTOR_BYTES))
         except FileNotFoundError:
@@ -301,7 +299,7 @@ def read_descriptors(run_dir: Path) -> list[DaemonDescriptor]:
             continue
         # The name is what stale cleanup and `stop` turn back into paths: a descriptor must name its own file,
         # never `../elsewhere`, or cleaning it up would remove files outside the run dir.
-        if descriptor.name != path.name.removesuffix(DESCRIPTOR_SUFFIX):
+        if descriptor.name != RunPaths.daemon_of(path):
             log.warning("Ignoring daemon descriptor %s: it names daemon %r, not its own file.", path, descriptor.name)
             continue
         found.append(descriptor)

@@ -11,35 +11,30 @@ import json
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, ClassVar, TextIO
 
-from wcache.ipc.codec import Wire
 from wcache.ipc.protocol import ProtocolError
+from wcache.schema import Schema, SchemaError
 
 
-class StatusEvent(Wire):
-    __slots__ = ()
+class StatusEvent(Schema, frozen=True):
     EVENT: ClassVar[str]
 
     def to_json(self) -> dict[str, Any]:
         return {"event": self.EVENT, **self.to_wire()}
 
 
-@dataclass(frozen=True, slots=True)
-class Progress(StatusEvent):
+class Progress(StatusEvent, frozen=True):
     """Bytes read and hashed so far; a rank's carry its rank (and the file count when it starts)."""
 
     EVENT: ClassVar[str] = "progress"
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"files", "rank"})
     done: int
     total: int
     files: int | None = None
     rank: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class RankReady(StatusEvent):
+class RankReady(StatusEvent, frozen=True):
     """One rank serves: its daemon's name, key and socket."""
 
     EVENT: ClassVar[str] = "ready"
@@ -51,8 +46,7 @@ class RankReady(StatusEvent):
     load_s: float
 
 
-@dataclass(frozen=True, slots=True)
-class GroupReady(StatusEvent):
+class GroupReady(StatusEvent, frozen=True):
     """Every rank of a preload serves; what `wcache preload --json` prints."""
 
     EVENT: ClassVar[str] = "ready"
@@ -64,22 +58,18 @@ class GroupReady(StatusEvent):
         return sorted(self.ranks, key=lambda r: r.rank)
 
 
-@dataclass(frozen=True, slots=True)
-class Exists(StatusEvent):
+class Exists(StatusEvent, frozen=True):
     """A daemon already serves (or is loading) this key; nothing more was started. Not a failure."""
 
     EVENT: ClassVar[str] = "exists"
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"rank"})
     reason: str
     rank: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Failed(StatusEvent):
+class Failed(StatusEvent, frozen=True):
     """Loading failed: the one-sentence reason and the exit code the failure maps to."""
 
     EVENT: ClassVar[str] = "failed"
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"rank"})
     reason: str
     exit_code: int
     rank: int | None = None
@@ -156,5 +146,8 @@ def parse_line(line: str, kinds: tuple[type[StatusEvent], ...]) -> StatusEvent |
     event = value.pop("event")
     for kind in kinds:
         if event == kind.EVENT:
-            return kind.from_wire(value)
+            try:
+                return kind.from_wire(value)
+            except SchemaError as exc:
+                raise ProtocolError(str(exc)) from None
     raise ProtocolError(f"status event {event!r} is not one of {', '.join(k.EVENT for k in kinds)}")

@@ -5,10 +5,12 @@ Value types and key-file I/O only; computing a key is `wcache.key.compute`."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from wcache.canonical import digest_of
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
@@ -16,6 +18,7 @@ from wcache.checkpoint.model_config import config_digest
 from wcache.checkpoint.provenance import FileDigest, FilesSource, build_files
 from wcache.errors import BadInputError, KeyFileError
 from wcache.plan.spec import PlanSpec
+from wcache.schema import Schema
 
 if TYPE_CHECKING:
     from wcache.key.fingerprint import FingerprintStats  # a computed key's stats; key files never carry them
@@ -26,8 +29,7 @@ KEY_SCHEMA = "wcache.key/1"  # in every saved key file: never changes with the m
 SHORT_ID_HEX = 12
 
 
-@dataclass(frozen=True, slots=True)
-class WeightCacheKey:
+class WeightCacheKey(Schema, frozen=True):
     """The compared fields; anything informational travels beside the key, never inside it."""
 
     checkpoint: str
@@ -37,7 +39,7 @@ class WeightCacheKey:
 
     @property
     def digest(self) -> str:
-        return digest_of(asdict(self))
+        return digest_of(msgspec.structs.asdict(self))
 
     @property
     def short_id(self) -> str:
@@ -47,11 +49,11 @@ class WeightCacheKey:
         return [name for name in KEY_FIELDS if getattr(self, name) != getattr(other, name)]
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return msgspec.structs.asdict(self)
 
 
 # The compared fields by name, in order: what a hello carries and a descriptor records.
-KEY_FIELDS = tuple(f.name for f in fields(WeightCacheKey))
+KEY_FIELDS: tuple[str, ...] = WeightCacheKey.__struct_fields__
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,9 @@ read-only (stale descriptors are shown as gone, not cleaned).
 from __future__ import annotations
 
 import contextlib
-import http.client
 import os
 import stat
 import time
-import urllib.parse
 from collections import deque
 from collections.abc import Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,9 +20,14 @@ from typing import Any
 
 import psutil
 
+from wcache.ipc import counters as counter_names
+from wcache.ipc.engine_descriptor import EngineDescriptor, read_engine_descriptor
+from wcache.ipc.http_client import http_get
 from wcache.ipc.loading import LoadingRecord, read_loading
-from wcache.ipc.rundir import ENGINES_DIR, DaemonDescriptor, is_pid, read_descriptors, read_run_file, run_subdir
+from wcache.ipc.run_paths import RunPaths
+from wcache.ipc.rundir import DaemonDescriptor, read_descriptors, run_subdir
 from wcache.monitor.daemon_status import DaemonStatus, collect
+from wcache.monitor.event_types import FEED_KINDS
 from wcache.monitor.events import events_path, parse_event, rotated_path
 from wcache.monitor.prometheus import Samples, by_label, label_value, parse_metrics, total
 from wcache.monitor.rates import CounterDeltas, ratio
@@ -39,19 +42,11 @@ PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total
 # The metric families a poll reads; the rest of a /metrics page is skipped before parsing.
 FAMILIES = ("vllm:prefix_cache_", "vllm:gpu_prefix_cache_", "wcache:")
 MAX_EVENTS = 500
-MAX_ANNOUNCEMENT_BYTES = 64 << 10  # an engine's file in engines/: a pid, a URL, its attach report
 # The most of the log one poll reads: MAX_EVENTS events of a few hundred bytes each, with room to spare.
 MAX_TAIL_BYTES = 4 << 20
 # A fallback storm: this many engines falling back to disk within the window raises a banner in `top`.
 STORM_FALLBACKS = 5
 STORM_WINDOW_S = 60.0
-# Shown in the feed; engine_counters is bookkeeping for rates, not news.
-FEED_KINDS = frozenset({
-    "preload", "ready", "preload_failed", "attach_hit", "attach_miss", "fallback", "release", "stop",
-    "daemon_exited", "daemon_lost", "provenance", "engine_switch", "switch_refused", "scrub_failed",
-})
-
-
 class EventTail:
     """Reads only what was appended since the last call; starts over if the file is replaced or truncated."""
 
@@ -150,6 +145,9 @@ def summarize(event: dict[str, Any]) -> EventRow:
             # --trust-daemon: the checkpoint was never compared with the daemon's, so it may not be the same.
             severity = "warning"
             summary = f"unverified {summary} for {event.get('source', '?')} (the engine trusted the daemon)"
+    elif kind == "group_stopped":
+        severity = "error"
+        summary = f"TP group of {event.get('source', '?')} stopped whole: {event.get('reason', '')}"
     elif kind == "scrub_failed":
         severity = "error"
         summary = f"daemon {event.get('daemon', '?')}: {event.get('reason', 'weights changed in memory')}"
@@ -214,33 +212,10 @@ class EngineTarget:
     id: str
     url: str
     metrics_url: str
-    announced: dict[str, Any] | None
+    announced: EngineDescriptor | None
     # Announced by a pid this namespace does not see: an engine in another container sharing the run dir, or
     # one that died without removing its file. Shown only while it answers.
     unseen: bool = False
-
-
-def http_get(url: str) -> tuple[int | None, bytes | None]:
-    """GET `url` directly (no proxy, no redirects): (status, body), or (None, None) when unreachable.
-
-    http.client rather than urllib: urllib's opener machinery costs about a third more CPU per request, and
-    `top` makes dozens of requests a second.
-    """
-    try:
-        parts = urllib.parse.urlsplit(url)
-        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            return None, None
-        connection = kind(parts.hostname, parts.port, timeout=TIMEOUT_S)
-        try:
-            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            connection.request("GET", target, headers={"Accept": "text/plain"})
-            response = connection.getresponse()
-            return response.status, response.read()
-        finally:
-            connection.close()
-    except (OSError, http.client.HTTPException, ValueError):
-        return None, None
 
 
 def metrics_url(url: str) -> str:
@@ -271,15 +246,13 @@ class Collector:
 
     def _engine_targets(self) -> list[EngineTarget]:
         targets = []
-        directory = run_subdir(self.run_dir, ENGINES_DIR)
-        for path in sorted(directory.glob("*.json")) if directory is not None else []:
+        directory = run_subdir(self.run_dir, RunPaths.ENGINES)
+        for path in RunPaths.engine_files(directory) if directory is not None else []:
             try:
-                announced = read_run_file(path, MAX_ANNOUNCEMENT_BYTES)
-                pid, url = announced["pid"], announced["url"]
-            except (OSError, ValueError, KeyError, TypeError):
+                announced = read_engine_descriptor(path)
+            except (OSError, ValueError):
                 continue
-            if not is_pid(pid) or not isinstance(url, str):
-                continue
+            pid, url = announced.pid, announced.url
             unseen = not psutil.pid_exists(pid)  # another pid namespace's engine is shown while it answers
             targets.append(EngineTarget(f"pid {pid}", url, metrics_url(url), announced, unseen))
         known = {t.metrics_url for t in targets}
@@ -290,12 +263,12 @@ class Collector:
 
     @staticmethod
     def _fetch(url: str) -> str | None:
-        status, body = http_get(url)
+        status, body = http_get(url, TIMEOUT_S)
         return body.decode("utf-8", errors="replace") if status == 200 and body is not None else None
 
     @staticmethod
     def _health(url: str) -> int | None:
-        return http_get(f"{url}/health")[0]
+        return http_get(f"{url}/health", TIMEOUT_S)[0]
 
     def _health_checks(self, urls: set[str]) -> dict[str, Future[int | None]]:
         """A /health request per supervisor, reusing an answer younger than HEALTH_EVERY_S.
@@ -353,7 +326,7 @@ class Collector:
             uptime_s=stats.uptime_s if stats is not None else None,
             health_status=status if stats is not None else None, alive=stats is not None,
             hits=counters.get("hits", 0),
-            misses=sum(v for k, v in counters.items() if k.startswith("misses_")),
+            misses=sum(counter_names.misses(counters).values()),
             provenance=d.provenance,
             parent_key_id=d.parent_key_id,
         )
@@ -389,14 +362,15 @@ class Collector:
         history = self._history.setdefault(target.id, deque(maxlen=HISTORY))
         if interval_rate is not None:
             history.append(interval_rate)
-        announced = target.announced or {}
-        attach = _mapping(announced.get("attach"))
+        announced = target.announced
+        attach = announced.attach if announced is not None else {}
         weights = _text(attach.get("outcome")) or label_value(samples, "wcache:engine_weights_info", "outcome")
         is_wcache = target.announced is not None or "wcache:replayed_tokens_total" in samples
-        key_id = announced.get("key_id") or label_value(samples, "wcache:engine_weights_info", "key_id") or None
+        key_id = ((announced.key_id if announced is not None else None)
+                  or label_value(samples, "wcache:engine_weights_info", "key_id") or None)
         return EngineRow(
             id=target.id, url=target.url, kind="wcache" if is_wcache else "vllm",
-            model=str(announced.get("model")
+            model=str((announced.model if announced is not None else None)
                       or next((m for n in PREFIX_QUERIES if (m := label_value(samples, n, "model_name"))), None)
                       or "?"),
             up=text is not None, weights=weights, mode=_text(attach.get("mode")),

@@ -1,5 +1,8 @@
 """Structured events: one JSON object per line, appended atomically to `<run dir>/events.jsonl`.
 
+Each line is one of `event_types`' kinds, written by `append_event` and read back by `parse_event` in one
+decode (a line of a kind this version does not know, or of the wrong shape, is skipped like a torn one).
+
 The log is bounded: once it passes `max_events_bytes()` the writer that crossed the line renames it to
 `events.jsonl.1` (replacing the previous generation) and the next event starts a fresh file; readers take
 both generations in order.
@@ -10,37 +13,31 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import logging
 import os
 import stat
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from wcache.canonical import INT64_BITS, loads_finite
+import msgspec
+
+from wcache.ipc.run_paths import RunPaths
+from wcache.monitor.event_types import AnyEvent, Event
 
 log = logging.getLogger("wcache")
 
-EVENTS_NAME = "events.jsonl"
-ROTATED_SUFFIX = ".1"
 DEFAULT_MAX_EVENTS_BYTES = 16 * 1024 * 1024
-# Seconds since the epoch no event can be from (the year 5138): a larger ts is a forged line, not a time to show.
-MAX_TS = 1e11
-KINDS = frozenset({
-    "preload", "ready", "preload_failed", "attach_hit", "attach_miss", "fallback", "release", "stop",
-    "daemon_exited", "daemon_lost", "engine_counters", "group_stopped", "provenance", "engine_switch",
-    "switch_refused", "scrub_failed", "placement",
-})
+_ENCODER = msgspec.json.Encoder()
+_DECODER: msgspec.json.Decoder[Any] = msgspec.json.Decoder(AnyEvent)
 
 
 def events_path(run_dir: Path) -> Path:
-    return run_dir / EVENTS_NAME
+    return RunPaths(run_dir).events
 
 
 def rotated_path(path: Path) -> Path:
-    return path.with_name(path.name + ROTATED_SUFFIX)
+    return RunPaths.rotated(path)
 
 
 def max_events_bytes() -> int:
@@ -86,12 +83,10 @@ def _open_log(path: Path, flags: int) -> int:
     return fd
 
 
-def append_event(run_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:
+def append_event(run_dir: Path, event: Event) -> Event:
     """Append one event; a failure to log is a warning, never a reason to fail the work it describes."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown event kind {kind!r}")
-    event = {"ts": round(time.time(), 6), "kind": kind, "pid": os.getpid(), **fields}
-    line = (json.dumps(event, ensure_ascii=False, default=str) + "\n").encode()
+    kind = event.KIND
+    line = _ENCODER.encode(event) + b"\n"
     path = events_path(run_dir)
     try:
         # One write() on an O_APPEND descriptor: concurrent writers never interleave within a line.
@@ -126,16 +121,20 @@ def read_events(run_dir: Path) -> Iterator[dict[str, Any]]:
 
 
 def parse_event(line: bytes | str) -> dict[str, Any] | None:
-    """One line of the log as an event, or None for a torn or foreign line: not JSON, a number without a finite
-    value (NaN, 1e400), or no kind and time to sort and show it by."""
+    """One line of the log as an event's fields, those it has a value for, or None for a torn or foreign line
+    (see `read_event`)."""
+    event = read_event(line)
+    return None if event is None else {k: v for k, v in event.to_wire().items() if v is not None}
+
+
+def read_event(line: bytes | str) -> Event | None:
+    """One line of the log as its event, or None for a torn or foreign line: not JSON, a kind this version does
+    not know, a field of the wrong type, or no time to sort and show it by (NaN, 1e400, a string)."""
     try:
-        event = loads_finite(line, int_bits=INT64_BITS)
-    except ValueError:
+        event: Event = _DECODER.decode(line)
+    except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    if not isinstance(event, dict) or not isinstance(event.get("kind"), str):
-        return None
-    ts = event.get("ts")
-    return event if isinstance(ts, int | float) and not isinstance(ts, bool) and 0 <= ts < MAX_TS else None
+    return event
 
 
 def _read_log(path: Path) -> Iterator[dict[str, Any]]:

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import shlex
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from wcache.canonical import digest_of
 from wcache.checkpoint.dtypes import PLAN_DTYPES
 from wcache.errors import BadInputError, option
+from wcache.schema import Schema
+
+
+class PlanError(BadInputError, ValueError):
+    """A plan field out of range; a ValueError too, so a plan read from the wire is refused with its path."""
+
 
 LAYOUTS = ("fused", "identity")
 QUANTIZATIONS = ("none", "int8", "fp8")
 DTYPES = ("auto", *PLAN_DTYPES)
-@dataclass(frozen=True, slots=True)
-class PlanSpec:
+class PlanSpec(Schema, frozen=True):
     """Everything about processing that changes the bytes a rank holds.
 
     `dtype` may be "auto" here; `resolve()` replaces it with the checkpoint's dtype before it is digested,
@@ -27,23 +33,23 @@ class PlanSpec:
     tp_rank: int = 0
     dtype: str = "auto"
     quantization: str = "none"
-    quantization_config: dict[str, Any] = field(default_factory=dict)
+    quantization_config: dict[str, Any] = msgspec.field(default_factory=dict)
     layout: str = "fused"
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
-            raise BadInputError(f"{option('tp_size')} must be at least 1, not {self.tp_size}.")
+            raise PlanError(f"{option('tp_size')} must be at least 1, not {self.tp_size}.")
         if not 0 <= self.tp_rank < self.tp_size:
-            raise BadInputError(f"{option('tp_rank')} must be between 0 and {self.tp_size - 1} for "
+            raise PlanError(f"{option('tp_rank')} must be between 0 and {self.tp_size - 1} for "
                                 f"{option('tp_size', self.tp_size)}.")
         if self.dtype not in DTYPES:
-            raise BadInputError(f"{option('dtype')} must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
+            raise PlanError(f"{option('dtype')} must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
         if self.quantization not in QUANTIZATIONS:
-            raise BadInputError(
+            raise PlanError(
                 f"{option('quantization')} must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}."
             )
         if self.layout not in LAYOUTS:
-            raise BadInputError(f"{option('layout')} must be one of {', '.join(LAYOUTS)}, not {self.layout!r}.")
+            raise PlanError(f"{option('layout')} must be one of {', '.join(LAYOUTS)}, not {self.layout!r}.")
 
     def resolve(self, checkpoint_dtype: str) -> PlanSpec:
         """This plan with "auto" replaced by `checkpoint_dtype` (a plan dtype name)."""
@@ -53,7 +59,7 @@ class PlanSpec:
                         dict(self.quantization_config), self.layout)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return msgspec.structs.asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PlanSpec:

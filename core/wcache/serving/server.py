@@ -10,7 +10,6 @@ Metric names follow vLLM where the meaning is the same (`vllm:prefix_cache_queri
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -29,8 +28,10 @@ from prometheus_client.registry import Collector
 from wcache.engine.block_manager import KVCacheFullError
 from wcache.engine.engine import Engine, Generation
 from wcache.errors import UnavailableError, WcacheError
+from wcache.ipc.engine_descriptor import EngineDescriptor
+from wcache.ipc.engine_descriptor import write_engine_descriptor as write_descriptor
 from wcache.ipc.http_server import HTTPRequestError, QuietHandler, make_http_server
-from wcache.ipc.rundir import ENGINES_DIR
+from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 
 MAX_BODY_BYTES = 1 << 20
@@ -273,8 +274,9 @@ class CounterEvents:
 
     def _emit(self, counters: dict[str, int]) -> None:
         report = self.served.engine.attach_report
-        append_event(self.run_dir, "engine_counters", engine_pid=os.getpid(), url=self.url,
-                     model=self.served.model_name, outcome=report.outcome if report else "disk", **counters)
+        append_event(self.run_dir, ev.EngineCounters(engine_pid=os.getpid(), url=self.url,
+                                                     model=self.served.model_name,
+                                                     outcome=report.outcome if report else "disk", counters=counters))
 
     def _tick(self) -> None:
         engine = self.served.engine
@@ -318,16 +320,7 @@ def stats_line(before: dict[str, int], after: dict[str, int], seconds: float, ru
 def write_engine_descriptor(run_dir: Path, url: str, served: ServedEngine) -> Path:
     """Announce the engine in the run dir so `wcache top` can find and scrape it (again after a switch)."""
     report = served.engine.attach_report
-    source = str(served.engine.served.source)
-    directory = run_dir / ENGINES_DIR
-    directory.mkdir(mode=0o700, exist_ok=True)
-    path = directory / f"{os.getpid()}.json"
-    document = {
-        "pid": os.getpid(), "url": url, "model": served.model_name, "source": source,
-        "attach": report.to_json() if report is not None else {"outcome": "disk"},
-        "key_id": served.engine.served.key_id, "started": time.time(),
-    }
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(document))
-    temporary.replace(path)
-    return path
+    return write_descriptor(run_dir, EngineDescriptor(
+        pid=os.getpid(), url=url, model=served.model_name, source=str(served.engine.served.source),
+        attach=report.to_json() if report is not None else {"outcome": "disk"},
+        key_id=served.engine.served.key_id, started=time.time()))

@@ -23,6 +23,7 @@ from wcache.engine.model import Transformer
 from wcache.errors import BadInputError, UnavailableError
 from wcache.ipc.rundir import default_run_dir
 from wcache.key.digest_store import DigestStore
+from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 
 
@@ -89,8 +90,8 @@ def switch_weights(engine: Engine, checkpoint: Path, daemon: str | None = None) 
             with DigestStore.open() as store:
                 attached = attach_with(checkpoint, engine.attach_plan, options, device=engine.device, store=store)
         except AttachMissError as miss:
-            append_event(_run_dir(engine), "switch_refused", engine_pid=os.getpid(), source=str(checkpoint),
-                         key_id=engine.served.key_id, reason=miss.report.reason)
+            append_event(_run_dir(engine), ev.SwitchRefused(engine_pid=os.getpid(), source=str(checkpoint),
+                                                            key_id=engine.served.key_id, reason=miss.report.reason))
             raise SwitchMissError(f"still serving {engine.served.key_id}, no switch to {checkpoint}: "
                                   f"{miss.report.reason}") from None
         try:
@@ -107,7 +108,7 @@ def switch_weights(engine: Engine, checkpoint: Path, daemon: str | None = None) 
         if replaced is not None:
             replaced.close()  # CPU views stay valid while referenced; no request references them any more
         seconds = time.perf_counter() - began
-    append_event(_run_dir(engine), "engine_switch", engine_pid=os.getpid(), source=str(checkpoint),
-                 previous_key_id=previous.key_id,
-                 key_id=current.key_id, daemon=attached.report.daemon, seconds=round(seconds, 3))
+    append_event(_run_dir(engine), ev.EngineSwitch(engine_pid=os.getpid(), source=str(checkpoint),
+                                                   previous_key_id=previous.key_id, key_id=current.key_id,
+                                                   daemon=attached.report.daemon, seconds=round(seconds, 3)))
     return SwitchResult(previous, current, attached.report, seconds)

@@ -1,0 +1,36 @@
+"""The one HTTP client of wcache's own endpoints (a supervisor's /health, an engine's /metrics and API) for `top`,
+`status` and the demo.
+
+http.client rather than urllib: urllib's opener machinery costs about a third more CPU per request, and `top`
+makes dozens of requests a second; there is no proxy and no redirect to follow to a process of our own.
+"""
+
+from __future__ import annotations
+
+import http.client
+import urllib.parse
+
+
+def http_request(url: str, *, method: str = "GET", body: bytes | None = None,
+                 headers: dict[str, str] | None = None, timeout: float) -> tuple[int | None, bytes | None]:
+    """One request to `url`: (status, body), or (None, None) when nothing answers or `url` is no http(s) URL."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return None, None
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = kind(parts.hostname, parts.port, timeout=timeout)
+        try:
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            connection.request(method, target, body=body, headers=headers or {})
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+    except (OSError, http.client.HTTPException, ValueError):
+        return None, None
+
+
+def http_get(url: str, timeout: float) -> tuple[int | None, bytes | None]:
+    """GET `url`: (status, body), or (None, None) when nothing answers."""
+    return http_request(url, headers={"Accept": "text/plain"}, timeout=timeout)
