@@ -5,8 +5,9 @@ registers them): `vllm` for the modules that start real vLLM engines (named `tes
 page, completion and recipe checks, `e2e` for every module that starts real processes (daemons, engines, the
 CLI, interpreters: its source uses one of `STARTERS`, or it is one of `E2E_MODULES`). Under pytest-xdist each
 module is one group (`xdist_group`, for `--dist loadgroup`), so that its module-scoped daemons and engines
-start once, on one worker; the vLLM modules are collected first, so that their engine starts, the longest
-waits, overlap the rest.
+start once, on one worker (a long vLLM test whose engines share nothing with its module's names a group of
+its own, so that they start beside the others); the vLLM modules are collected first, so that their engine
+starts, the longest waits, overlap the rest.
 """
 
 from __future__ import annotations
