@@ -15,7 +15,8 @@ WEIGHTS = {"w": torch.arange(32, dtype=torch.float32).reshape(4, 8), "b": torch.
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu,
+                                          pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]),
 ]
 
 

@@ -191,7 +191,7 @@ def test_key_file_roundtrip_and_diff_cli(tiny_template: Path, tmp_path: Path) ->
     assert [t["name"] for t in report["tensors"]["changed"]] == ["model.layers.2.self_attn.k_norm.weight"]
     assert report["tensors"]["changed"][0]["a"]["shape"] == [16]
 
-    human = wcache_in_process("diff", str(copy), str(tiny_template))
+    human = wcache_in_process("diff", str(copy), str(tiny_template), env={"COLUMNS": "200"})  # names uncut
     assert human.returncode == 1
     assert "model.layers.2.self_attn.k_norm.weight" in human.stdout
 

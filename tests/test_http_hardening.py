@@ -228,8 +228,9 @@ def test_headers_dripped_byte_by_byte_get_a_408_at_the_deadline(
     # A byte every 0.1 s never trips a per-recv timeout; only a deadline for the whole request ends it.
     server, port = engine_server
     request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000
+    # Timed from before the connect: the server's deadline starts at its accept, which may come first.
+    began = time.monotonic()
     with deadline(server, SHORT_DEADLINE_S), socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        began = time.monotonic()
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             for byte in request:
                 if select.select([sock], [], [], 0.1)[0]:

@@ -172,7 +172,7 @@ def test_every_file_matches_the_hub_and_a_same_size_rewrite_differs_by_name(
     assert {f["name"]: f["verdict"] for f in report["files"]} == {FIRST: "matches", SECOND: "differs"}
     code, after = _key_json("Org/Tiny")
     assert after["key"]["checkpoint"] != before["key"]["checkpoint"]  # BLAKE3 sees it too, of course
-    shown = wcache_in_process("verify", "Org/Tiny", "--provenance")
+    shown = wcache_in_process("verify", "Org/Tiny", "--provenance", env={"COLUMNS": "200"})  # names uncut
     assert shown.returncode == 1 and SECOND in shown.stdout and "differs" in shown.stdout
 
 

@@ -101,6 +101,7 @@ def test_hit_gives_the_greedy_tokens_of_vllms_own_disk_load(vllm_rig: VllmRig) -
     assert hit["daemon"] == vllm_rig.daemon.name and hit["mode"] == "zero_copy" and hit["pid"] != os.getpid()
 
 
+@pytest.mark.xdist_group("test_vllm-wrong-hit")  # its engines overlap the others (tests/conftest.py)
 def test_planted_wrong_hit_fails_verify_with_vllm(vllm_rig: VllmRig) -> None:
     rig = vllm_rig.rig
     result = rig.cli("verify", str(vllm_rig.original), "--greedy", "--engine", "vllm", "--trust-daemon",
@@ -114,6 +115,7 @@ def test_planted_wrong_hit_fails_verify_with_vllm(vllm_rig: VllmRig) -> None:
     assert all(p["first_divergence"] is not None for p in greedy["prompts"] if not p["match"])
 
 
+@pytest.mark.xdist_group("test_vllm-changed-copy")
 def test_changed_copy_misses_and_serves_its_own_tokens(vllm_rig: VllmRig, monkeypatch: pytest.MonkeyPatch) -> None:
     rig = vllm_rig.rig
     for name, value in IN_PROCESS_ENGINE.items():
@@ -188,6 +190,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.xdist_group("test_vllm-served")
 def test_served_vllm_answers_completions_and_shows_in_top(vllm_rig: VllmRig) -> None:
     rig = vllm_rig.rig
     port = _free_port()

@@ -76,7 +76,9 @@ def _hit_line(result: VllmResult) -> str:
     return line
 
 
-@pytest.mark.parametrize("configuration", ["int8-w8a8", "fp8-w8a8"])
+# Each configuration's engines on a pytest-xdist worker of their own, overlapping (tests/conftest.py).
+@pytest.mark.parametrize("configuration", ["int8-w8a8", pytest.param("fp8-w8a8",
+                                                                    marks=pytest.mark.xdist_group("test_vllm_formats-fp8"))])
 def test_pre_quantized_checkpoint_hits_with_the_tokens_of_vllms_disk_load(formats_rig: FormatsRig,
                                                                           configuration: str) -> None:
     auto, hit = formats_rig.auto_and_hit(configuration)
@@ -92,6 +94,7 @@ def test_pre_quantized_checkpoint_hits_with_the_tokens_of_vllms_disk_load(format
     assert "vLLM's post-processing" in line
 
 
+@pytest.mark.xdist_group("test_vllm_formats-moe")
 def test_moe_experts_are_the_daemons_tensors_and_tokens_equal_vllms_disk_load(formats_rig: FormatsRig) -> None:
     auto, hit = formats_rig.auto_and_hit("moe")
     assert hit.tokens == auto.tokens

@@ -111,6 +111,7 @@ def test_tp2_every_parameter_is_the_daemons_tensor_on_every_rank(tp2: Tp2Rig) ->
         assert rank["assigned"] == rank["parameters"] == PARAMETERS and rank["copied"] == [], rank
 
 
+@pytest.mark.xdist_group("test_vllm_tp-miss")  # its engine overlaps the verify's two (tests/conftest.py)
 def test_tp2_miss_is_explained_on_every_rank_with_the_command_that_serves_it(
         tp2_daemons: Tp2Daemons, monkeypatch: pytest.MonkeyPatch) -> None:
     rig = tp2_daemons.rig
@@ -134,6 +135,7 @@ def test_tp2_miss_is_explained_on_every_rank_with_the_command_that_serves_it(
 # -- no engine: the API boundary -----------------------------------------------------------------------------
 
 
+@pytest.mark.xdist_group("test_vllm_tp-untested")
 def test_an_untested_vllm_is_refused_with_one_sentence_at_start_up(tmp_path: Path) -> None:
     # A `vllm` distribution's metadata says 0.40.0, found before the installed one, as after an upgrade.
     fake = tmp_path / "site" / "vllm-0.40.0.dist-info"
