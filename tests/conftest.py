@@ -21,7 +21,7 @@ from wcache_dev.synth import write_checkpoint
 
 # As measured (`--durations`): their engine starts are the suite's longest waits, so they start first.
 VLLM_LONGEST_FIRST = ("test_vllm_tp.py", "test_vllm_formats.py", "test_vllm.py", "test_vllm_switch.py")
-DOCS_MODULES = frozenset({"test_docs_fresh.py", "test_deploy_recipes.py"})
+DOCS_MODULES = frozenset({"test_docs_fresh.py", "test_docs_pages.py", "test_deploy_recipes.py"})
 # End to end without a starter in their own source: the TP engine's ranks are interpreters it spawns, and the
 # trained checkpoint's test runs a whole training.
 E2E_MODULES = frozenset({"test_engine_tp.py", "test_trained_checkpoint.py"})

@@ -125,6 +125,7 @@ def test_one_strict_parser_reads_the_dimensions() -> None:
         ModelDims.from_config({**PRESETS["small"].config, "hidden_size": "128"})
 
 
+@pytest.mark.vllm  # imports vLLM (10-20 s here): out of the inner loop
 def test_formats_vllm_cannot_be_served_are_named_in_one_sentence() -> None:
     from wcache.integrations.vllm_formats import check_quantization
 
