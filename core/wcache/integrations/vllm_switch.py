@@ -56,12 +56,13 @@ def switch(llm: Any, model: str | Path, **options: Any) -> None:
     try:
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path), "is_checkpoint_format": True})
     except Exception as exc:  # a worker's error, re-raised by vLLM in this process with the worker's message
-        raise VllmSwitchError(f"vLLM keeps its previous weights, no switch to {path}: {_reason(exc)}") from None
+        raise VllmSwitchError(f"vLLM keeps its previous weights, no switch to {path}: {worker_reason(exc)}") from None
     llm.reset_prefix_cache()
     llm.llm_engine.vllm_config.model_config.model = str(path)
 
 
-def _reason(exc: BaseException) -> str:
+def worker_reason(exc: BaseException) -> str:
+    """The wcache sentence of a worker's exception as vLLM re-raises it (locally, or in an HTTP error)."""
     text = str(exc).strip() or type(exc).__name__
     # vLLM wraps a worker's exception in its own; the wcache sentence is the last line of it.
     return text.splitlines()[-1].removeprefix("wcache: ").rstrip(".")
