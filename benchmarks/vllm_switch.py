@@ -7,6 +7,13 @@ Two versions of the preset (other random weights, same config) in two daemons. I
 * restart: each repeat times a fresh process from start to the same one token, `LLM(OTHER,
   load_format="wcache")` on a hit (process start, imports, engine core, weight attach, KV cache, warm-up).
 
+and the same for the OpenAI server (`python -m vllm.entrypoints.openai.api_server --load-format wcache`, with
+VLLM_SERVER_DEV_MODE=1), request to first token:
+
+* served switch: one server, started once; each repeat times `wcache switch URL OTHER` (pause, update_config
+  and reload_weights through /collective_rpc, prefix-cache reset, resume) and a one-token completion;
+* served restart: each repeat times a fresh server on OTHER, from its start to the same one-token completion.
+
 The tokens after each switch must equal those of the restart on the same version (asserted). Medians of
 ``--repeat``. Run under the vLLM lock where other jobs start engines::
 
@@ -17,17 +24,24 @@ The tokens after each switch must equal those of the restart on the same version
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from bench_common import fmt_seconds, workspace
 from wcache.daemon.launch import start_daemons
 from wcache.integrations.vllm_runner import DEFAULT_KV_CACHE_GIB, VllmRun, greedy_tokens
+from wcache.integrations.vllm_served import DEV_MODE, switch_served, vllm_version
 from wcache_dev.synth import PRESETS, write_byte_tokenizer, write_checkpoint
 
 PROMPT = "the weights cache keeps"
@@ -59,11 +73,79 @@ if __name__ == "__main__":
 """
 
 
+SERVER_START_S = 600.0
+
+
+@contextlib.contextmanager
+def server(model: Path, run_dir: Path) -> Iterator[str]:
+    """A vLLM OpenAI server on `model` (dev endpoints on, wcache load format); its URL once it answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    extra = json.dumps({"run_dir": str(run_dir), "fallback": False})
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+         "--host", "127.0.0.1", "--load-format", "wcache", "--model-loader-extra-config", extra, "--enforce-eager",
+         "--max-model-len", "256", "--served-model-name", "bench"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        env={**os.environ, DEV_MODE: "1"}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if process.poll() is not None:
+                raise SystemExit(f"the vLLM server on {model} exited with {process.returncode}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2):
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the vLLM server on {model} did not come up in {SERVER_START_S:.0f} s")
+            time.sleep(0.1)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # its engine core and workers share its session
+        process.wait()
+
+
+def first_token(url: str) -> list[int]:
+    body = json.dumps({"model": "bench", "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
+                       "return_token_ids": True}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return list(json.loads(response.read())["choices"][0]["token_ids"])
+
+
+def served_rows(versions: list[Path], run_dir: Path, repeat: int) -> dict[str, Any]:
+    """Served switch (`switch_served` and one token) against a server restart on the other version."""
+    switches, restarts, tokens = [], [], {}
+    with server(versions[0], run_dir) as url:
+        first_token(url)
+        version = vllm_version(url)
+        for n in range(repeat):
+            other = (n + 1) % 2
+            began = time.perf_counter()
+            result = switch_served(url, version, versions[other], None)
+            switched = time.perf_counter()
+            answered = first_token(url)
+            if not result["attach"]["confirmed"]:
+                raise SystemExit(f"the switch to {versions[other]} was not confirmed by an attach event: {result}")
+            switches.append({"version": other, "switch_s": switched - began, "total_s": time.perf_counter() - began,
+                             "tokens": answered})
+    for n in range(repeat):
+        other = (n + 1) % 2
+        began = time.perf_counter()
+        with server(versions[other], run_dir) as url:
+            tokens[other] = first_token(url)
+            restarts.append(time.perf_counter() - began)
+    return {"switches": switches, "restarts": restarts, "tokens": tokens}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--no-served", action="store_true", help="leave out the OpenAI server's rows")
     args = parser.parse_args()
     with workspace(args.workdir) as work:
         run_dir = work / "run"
@@ -93,6 +175,7 @@ def main() -> None:
                                                extra_config=extra, max_model_len=256))
                 restarts.append(time.perf_counter() - began)
                 tokens[version] = result.tokens[0]
+            served = None if args.no_served else served_rows(versions, run_dir, args.repeat)
         finally:
             for group in groups:
                 group.stop()
@@ -105,8 +188,24 @@ def main() -> None:
     print(f"{'  of which switch() (attach, reload, prefix reset)':<52} {fmt_seconds(reload):>10}")
     print(f"{'restart (new process, LLM on a hit, one token)':<52} {fmt_seconds(restart):>10}")
     print(f"switch is {restart / switch:,.1f}× faster than a restart; tokens equal: {same}")
+    if served is not None:
+        same = same and _print_served(served)
     if not same:
         raise SystemExit("the switched engine answered other tokens than the restarted one")
+
+
+def _print_served(served: dict[str, Any]) -> bool:
+    """The served rows; whether the switched server answered as the restarted one on each version."""
+    switches, tokens = served["switches"], served["tokens"]
+    same = all(run["tokens"] == tokens[run["version"]] for run in switches if run["version"] in tokens)
+    switch = statistics.median(run["total_s"] for run in switches)
+    print(f"{'served switch (wcache switch URL, then one token)':<52} {fmt_seconds(switch):>10}")
+    print(f"{'  of which the switch (pause … resume, confirmed)':<52} "
+          f"{fmt_seconds(statistics.median(run['switch_s'] for run in switches)):>10}")
+    restart = statistics.median(served["restarts"])
+    print(f"{'served restart (new server on a hit, one token)':<52} {fmt_seconds(restart):>10}")
+    print(f"served switch is {restart / switch:,.1f}× faster than a server restart; tokens equal: {same}")
+    return same
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ class StandIn(ThreadingHTTPServer):
 class Handler(BaseHTTPRequestHandler):
     server: StandIn
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
     def _answer(self) -> None:
