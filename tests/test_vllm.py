@@ -8,7 +8,8 @@ each test starts only the engines it needs, and the greedy runs whose subject is
 interpreter importing vLLM instead of three (front end, engine core, worker). The wcache loader still runs
 in a child of its own, never in pytest. The two tests whose subject is vLLM's multi-process layout keep it:
 a refused start, whose reason only the worker's log holds, and the OpenAI server, which loads through the
-entry-point plugin in a spawned worker.
+entry-point plugin in a spawned worker: one server for the module (`served_vllm`, with vLLM's dev endpoints),
+which answers completions, shows in `wcache top`, then switches to the copy's daemon in place.
 """
 
 from __future__ import annotations
