@@ -111,7 +111,7 @@ def describe(url: str, version: str, *, dev_mode: bool = True) -> ServedVllm:
             url=engine_base_url(url), version=version, model_name=str(models[0].get("id") or model["model"]),
             started_model=str(model["model"]), load_format=str(load["load_format"]),
             extra_config=dict(load.get("model_loader_extra_config") or {}),
-            tp_size=int(parallel["tensor_parallel_size"]), device=str(config["device_config"]["device_type"]),
+            tp_size=int(parallel["tensor_parallel_size"]), device=str(config["device_config"]["device"]),
             dtype=str(model["dtype"]).removeprefix("torch."), max_model_len=int(model["max_model_len"]),
             claim=_claim(weight_version))
     except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -258,12 +258,12 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
     engine = describe(url, version, dev_mode=False)
     attach = {"engine": f"vllm {version} (served)", "url": engine.url, "model": str(engine.model),
               **{k: v for k, v in (engine.claim or {}).items() if k != "model"}}
-    served = []
-    for prompt in prompts:
-        answer = call_engine(url, "POST", "/v1/completions", {
-            "model": engine.model_name, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0,
-            "return_token_ids": True})
-        served.append(list(answer["choices"][0]["token_ids"]))
+    # One request for all prompts: vLLM schedules them together, as the disk engine's one generate() does.
+    answer = call_engine(url, "POST", "/v1/completions", {
+        "model": engine.model_name, "prompt": prompts, "max_tokens": max_new_tokens, "temperature": 0,
+        "return_token_ids": True})
+    choices = sorted(answer["choices"], key=lambda choice: int(choice["index"]))
+    served = [list(choice["token_ids"]) for choice in choices]
     problem = None
     if describe(url, version, dev_mode=False).claim != engine.claim:
         problem = "the engine switched its weights during the verification"
