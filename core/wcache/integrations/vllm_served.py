@@ -127,9 +127,10 @@ def _claim(weight_version: Any) -> dict[str, Any] | None:
     return None
 
 
-def _target(engine: ServedVllm, model: Path | None, daemon: str | None) -> Path:
-    """The checkpoint to switch to, after every check that needs no engine: the named daemon exists and fits
-    the engine's device and TP size, some daemon could, and the checkpoint's shapes are the engine's."""
+def _target(engine: ServedVllm, model: Path | None, daemon: str | None) -> tuple[Path, str | None]:
+    """The checkpoint to switch to and the key id to pin (a named daemon's), after every check that needs no
+    engine: the named daemon exists and fits the engine's device and TP size, some daemon could, and the
+    checkpoint's shapes are the engine's. The pin is a key, not a name: each TP rank attaches its own daemon."""
     live = census(engine.run_dir).live if engine.run_dir.exists() else ()
     fitting = [d for d in live if d.device.split(":")[0] == engine.device]
     if daemon is not None:
@@ -151,7 +152,7 @@ def _target(engine: ServedVllm, model: Path | None, daemon: str | None) -> Path:
                                f"for the engine; preload {path} with --tp {engine.tp_size} first. The engine keeps "
                                "its weights.")
     _same_architecture(engine.model, path)
-    return path
+    return path, fitting[0].key_id if daemon is not None else None
 
 
 def _same_architecture(current: Path, new: Path) -> None:
@@ -171,9 +172,9 @@ def switch_served(url: str, version: str, model: Path | None, daemon: str | None
     VllmSwitchError when its ranks refused the attach.
     """
     engine = describe(url, version)
-    path = _target(engine, model, daemon)
-    extra = {**(engine.extra_config if engine.load_format == LOAD_FORMAT else {}), "daemon": daemon}
-    extra.setdefault("run_dir", str(engine.run_dir))
+    path, pin = _target(engine, model, daemon)
+    # No pin unpins what an earlier switch pinned; the rest (run dir, mode, …) stays as the server started.
+    extra = {**(engine.extra_config if engine.load_format == LOAD_FORMAT else {}), "daemon": pin}
     pids = server_pids(url)
     previous = {"model": str(engine.model), "key_id": (engine.claim or {}).get("key_id")
                 or _last_key(engine.run_dir, pids)}
@@ -191,7 +192,7 @@ def switch_served(url: str, version: str, model: Path | None, daemon: str | None
         reset = call_engine(url, "POST", "/reset_prefix_cache")
         hits = _events(engine.run_dir, "attach_hit", began_at, pids)
         current = {"model": str(path), "key_id": hits[-1]["key_id"] if hits else None,
-                   "daemon": hits[-1]["daemon"] if hits else daemon}
+                   "daemon": hits[-1]["daemon"] if hits else pin}
         call_engine(url, "POST", "/update_weight_version", {"new_version": json.dumps({CLAIM: current})})
     finally:
         call_engine(url, "POST", "/resume")
