@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 from bench_common import fmt_seconds, workspace
 from wcache.daemon.launch import start_daemons
 from wcache.integrations.vllm_runner import DEFAULT_KV_CACHE_GIB, VllmRun, greedy_tokens
@@ -90,6 +91,7 @@ def server(model: Path, run_dir: Path) -> Iterator[str]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
         env={**os.environ, DEV_MODE: "1"}, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+    family: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + SERVER_START_S
         while True:
@@ -102,9 +104,13 @@ def server(model: Path, run_dir: Path) -> Iterator[str]:
             time.sleep(0.1)
         yield url
     finally:
+        with contextlib.suppress(psutil.Error):
+            family = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # its engine core and workers share its session
         process.wait()
+        # Gone, worker included, before the daemons are stopped: a worker still dying holds its lease.
+        psutil.wait_procs(family, timeout=60)
 
 
 def first_token(url: str) -> list[int]:
@@ -178,7 +184,7 @@ def main() -> None:
             served = None if args.no_served else served_rows(versions, run_dir, args.repeat)
         finally:
             for group in groups:
-                group.stop()
+                group.stop(force=True)  # every engine this run started is gone; a lease may lag its death
     same = all(run["tokens"] == tokens[run["version"]] for run in switches if run["version"] in tokens)
     switch = statistics.median(run["total_s"] for run in switches)
     reload = statistics.median(run["switch_s"] for run in switches)
