@@ -151,7 +151,8 @@ def main() -> None:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
-    parser.add_argument("--no-served", action="store_true", help="leave out the OpenAI server's rows")
+    parser.add_argument("--rows", choices=("all", "offline", "served"), default="all",
+                        help="offline LLM rows, the OpenAI server's, or both")
     args = parser.parse_args()
     with workspace(args.workdir) as work:
         run_dir = work / "run"
@@ -166,38 +167,49 @@ def main() -> None:
             versions.append(path)
         groups = [start_daemons(path, run_dir=run_dir) for path in versions]
         try:
-            child = subprocess.run([sys.executable, "-c", SWITCHING, *map(str, versions), str(run_dir),
-                                    str(args.repeat), PROMPT], capture_output=True, text=True, check=False)
-            lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
-            if child.returncode != 0 or not lines:
-                raise SystemExit(f"the switching engine failed: {child.stderr[-2000:]}")
-            switches = json.loads(lines[-1].removeprefix("RESULT "))
-            restarts, tokens = [], {}
-            extra = {"run_dir": str(run_dir), "fallback": False}
-            for n in range(args.repeat):
-                version = (n + 1) % 2
-                began = time.perf_counter()
-                result = greedy_tokens(VllmRun(str(versions[version]), [PROMPT], 1, load_format="wcache",
-                                               extra_config=extra, max_model_len=256))
-                restarts.append(time.perf_counter() - began)
-                tokens[version] = result.tokens[0]
-            served = None if args.no_served else served_rows(versions, run_dir, args.repeat)
+            offline = offline_rows(versions, run_dir, args.repeat) if args.rows != "served" else None
+            served = served_rows(versions, run_dir, args.repeat) if args.rows != "offline" else None
         finally:
             for group in groups:
                 group.stop(force=True)  # every engine this run started is gone; a lease may lag its death
+    print(f"vLLM CPU, preset {args.preset}, median of {args.repeat}; request → first token on the other version")
+    same = _print_offline(offline) if offline is not None else True
+    if served is not None:
+        same = _print_served(served) and same
+    if not same:
+        raise SystemExit("the switched engine answered other tokens than the restarted one")
+
+
+def offline_rows(versions: list[Path], run_dir: Path, repeat: int) -> dict[str, Any]:
+    """Offline switch (`switch()` and one token, one process) against a fresh process on the other version."""
+    child = subprocess.run([sys.executable, "-c", SWITCHING, *map(str, versions), str(run_dir), str(repeat), PROMPT],
+                           capture_output=True, text=True, check=False)
+    lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
+    if child.returncode != 0 or not lines:
+        raise SystemExit(f"the switching engine failed: {child.stderr[-2000:]}")
+    restarts, tokens = [], {}
+    extra = {"run_dir": str(run_dir), "fallback": False}
+    for n in range(repeat):
+        version = (n + 1) % 2
+        began = time.perf_counter()
+        result = greedy_tokens(VllmRun(str(versions[version]), [PROMPT], 1, load_format="wcache",
+                                       extra_config=extra, max_model_len=256))
+        restarts.append(time.perf_counter() - began)
+        tokens[version] = result.tokens[0]
+    return {"switches": json.loads(lines[-1].removeprefix("RESULT ")), "restarts": restarts, "tokens": tokens}
+
+
+def _print_offline(offline: dict[str, Any]) -> bool:
+    switches, tokens = offline["switches"], offline["tokens"]
     same = all(run["tokens"] == tokens[run["version"]] for run in switches if run["version"] in tokens)
     switch = statistics.median(run["total_s"] for run in switches)
     reload = statistics.median(run["switch_s"] for run in switches)
-    restart = statistics.median(restarts)
-    print(f"vLLM CPU, preset {args.preset}, median of {args.repeat}; request → first token on the other version")
+    restart = statistics.median(offline["restarts"])
     print(f"{'switch in place (switch(), then one token)':<52} {fmt_seconds(switch):>10}")
     print(f"{'  of which switch() (attach, reload, prefix reset)':<52} {fmt_seconds(reload):>10}")
     print(f"{'restart (new process, LLM on a hit, one token)':<52} {fmt_seconds(restart):>10}")
     print(f"switch is {restart / switch:,.1f}× faster than a restart; tokens equal: {same}")
-    if served is not None:
-        same = same and _print_served(served)
-    if not same:
-        raise SystemExit("the switched engine answered other tokens than the restarted one")
+    return same
 
 
 def _print_served(served: dict[str, Any]) -> bool:
