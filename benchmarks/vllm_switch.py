@@ -19,6 +19,7 @@ The tokens after each switch must equal those of the restart on the same version
 
     flock /tmp/wcache-vllm.lock .venv/bin/python benchmarks/vllm_switch.py            # small, 3 repeats
     flock /tmp/wcache-vllm.lock .venv/bin/python benchmarks/vllm_switch.py --preset qwen3-0.6b --repeat 2
+    flock /tmp/wcache-vllm.lock .venv/bin/python benchmarks/vllm_switch.py --rows served   # the server's only
 """
 
 from __future__ import annotations
