@@ -35,7 +35,7 @@ from wcache.daemon.launch import start_daemons
 from wcache.integrations.vllm_runner import VllmRun, greedy_tokens
 from wcache_dev.synth import PRESETS, overwrite_tensor_bytes, write_byte_tokenizer, write_checkpoint
 
-_LOAD_MS = re.compile(r"wcache: .*\(([\d.]+) ms, post-processing included\)")
+_LOAD_MS = re.compile(r"wcache: .*(?:\(|; )([\d.]+) ms, post-processing included\)")
 
 
 def _timed(run: VllmRun) -> tuple[float, float | None, list[list[int]]]:

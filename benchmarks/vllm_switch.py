@@ -43,7 +43,7 @@ import psutil
 from bench_common import fmt_seconds, workspace
 from wcache.daemon.launch import start_daemons
 from wcache.integrations.vllm_runner import DEFAULT_KV_CACHE_GIB, VllmRun, greedy_tokens
-from wcache.integrations.vllm_served import DEV_MODE, switch_served, vllm_version
+from wcache.vllm_served import DEV_MODE, switch_served, vllm_version
 from wcache_dev.synth import PRESETS, write_byte_tokenizer, write_checkpoint
 
 PROMPT = "the weights cache keeps"

@@ -31,10 +31,10 @@ from wcache.attach_options import AttachOptions
 from wcache.engine import Engine, EngineConfig
 from wcache.engine.block_manager import KVCacheFullError
 from wcache.engine.parallel import TensorParallel
-from wcache.engine.serving import Driver, follow_rank0, serve_rank
-from wcache.engine.tp_launch import TensorParallelError, run_tensor_parallel
 from wcache.errors import EXIT_BAD_INPUT, EXIT_UNAVAILABLE, CheckpointError, UnavailableError
 from wcache.plan.spec import PlanSpec
+from wcache.serving.ranks import Driver, follow_rank0, serve_rank
+from wcache.tp_launch import TensorParallelError, run_tensor_parallel
 
 WINDOW = 32
 NEW_TOKENS = 24

@@ -136,14 +136,14 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def served(engine: Any) -> Any:
-    from wcache.engine.server import ServedEngine
+    from wcache.serving.server import ServedEngine
 
     return ServedEngine(engine, "tiny", engine.generate)
 
 
 @pytest.fixture(scope="module")
 def engine_server(served: Any) -> Iterator[tuple[ThreadingHTTPServer, int]]:
-    from wcache.engine.server import make_server
+    from wcache.serving.server import make_server
 
     server = make_server(served, "127.0.0.1", 0)
     with running(server) as port:
@@ -336,7 +336,7 @@ def ipv6_loopback() -> str | None:
 
 def test_ipv6_loopback(served: Any) -> None:
     from wcache.daemon.health import RankTable, serve_health
-    from wcache.engine.server import make_server
+    from wcache.serving.server import make_server
 
     if (missing := ipv6_loopback()) is not None:
         pytest.skip(missing)
@@ -362,7 +362,7 @@ def busy_port() -> Iterator[int]:
 
 def test_listen_failures_are_one_sentence_naming_the_flag(busy_port: int, served: Any) -> None:
     from wcache.daemon.health import RankTable, serve_health
-    from wcache.engine.server import make_server
+    from wcache.serving.server import make_server
 
     health_flags, serve_flags = ("--health-host", "--health-port"), ("--host", "--port")
     cases = [
@@ -484,9 +484,9 @@ class _Lines(logging.Handler):
 def test_idle_engines_write_no_counter_lines_and_busy_ones_log_stats(
     engine_server: tuple[ThreadingHTTPServer, int], served: Any, tmp_path: Path
 ) -> None:
-    from wcache.engine.server import CounterEvents
     from wcache.ipc.rundir import ensure_run_dir
     from wcache.monitor.events import read_events
+    from wcache.serving.server import CounterEvents
 
     run_dir = ensure_run_dir(tmp_path / "run")
     logger = logging.getLogger("wcache.engine")

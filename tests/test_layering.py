@@ -1,4 +1,4 @@
-"""The package structure the README's Layout section describes: which part of wcache may import which.
+"""The package structure docs/layout.md describes: which part of wcache may import which.
 
 Imports are read from the source (every `import`/`from` statement, including the lazy ones inside
 functions), so a new dependency that breaks the layering fails here before it becomes a cycle.
@@ -34,13 +34,18 @@ ALLOWED: dict[str, set[str]] = {
     "daemon_choice": FOUNDATION | {"plan", "key", "ipc"},
     "doctor": FOUNDATION | {"key", "ipc"},
     "attach": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach_options", "daemon_choice"},
-    "engine": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options",
-                            "daemon_choice"},
+    # The engine's core never imports its serving side (`serving`) or the rank launcher (`tp_launch`).
+    "engine": FOUNDATION | {"checkpoint", "plan", "key", "load", "attach", "attach_options"},
+    "tp_launch": FOUNDATION | {"engine"},
+    "serving": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options",
+                             "daemon_choice", "engine"},
     "integrations": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach",
-                                  "attach_options", "daemon_choice"},
+                                  "attach_options", "daemon_choice", "engine", "tp_launch"},
     "verify": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options",
-                            "daemon_choice", "engine", "integrations"},
-    "verify_served": FOUNDATION | {"plan", "key", "load", "engine", "verify"},
+                            "daemon_choice", "engine", "tp_launch", "integrations"},
+    # A served vLLM, over HTTP: switched through its endpoints and verified against a vLLM disk load.
+    "vllm_served": FOUNDATION | {"checkpoint", "plan", "ipc", "monitor", "serving", "integrations", "verify"},
+    "verify_served": FOUNDATION | {"plan", "key", "load", "engine", "serving", "verify", "vllm_served"},
 }
 
 

@@ -74,3 +74,46 @@ def test_health_host_beyond_loopback_is_warned_once(run_dir: Path, tiny_template
         while time.monotonic() < deadline and processes_mentioning(str(run_dir)):
             time.sleep(0.1)  # the supervisor exits once its rank has
 
+
+
+# Put first on a rank's path, this makes its loader raise what no check expects: a bug, not the user's input.
+_CRASHING_LOADER = '''
+import importlib.abc, importlib.util, sys
+
+class _Crash(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "wcache.load.loader":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+
+            def load_rank(*args, **kwargs):
+                raise RuntimeError("a bug in the loader")
+
+            module.load_rank = load_rank
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _Crash())
+'''
+
+
+def test_a_rank_that_crashes_is_unavailable_not_a_difference(run_dir: Path, tiny_template: Path,
+                                                              tmp_path: Path) -> None:
+    """Exit 1 means a check found a difference; a rank that crashed leaves no daemon: exit 3, one sentence."""
+    import os
+
+    from wcache.errors import EXIT_UNAVAILABLE
+
+    (tmp_path / "sitecustomize.py").write_text(_CRASHING_LOADER)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    result = wcache_process("preload", str(tiny_template), "--detach", "--run-dir", str(run_dir),
+                            env={"PYTHONPATH": path})
+    assert result.returncode == EXIT_UNAVAILABLE, result.stderr
+    assert result.stderr.strip().splitlines() == ["error: rank 0: RuntimeError: a bug in the loader."], result.stderr
+    assert not list(run_dir.glob("*.sock")) and not list(run_dir.glob("cpu-*.json"))

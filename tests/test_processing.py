@@ -330,7 +330,7 @@ HEADS_6_KV_3 = {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 
 REFUSALS = [
     (dict(layout="identity", tp_size=2), {}, {}, {}, "identity plan holds unsharded weights"),
     ({}, NO_CONFIG, {}, {}, "needs the model's config.json"),
-    (dict(tp_size=3), {}, {}, {}, "4 attention heads cannot be split evenly across --tp 3"),
+    (dict(tp_size=3), {}, {}, {}, "4 attention heads cannot be split evenly across tp_size=3"),
     (dict(tp_size=2), HEADS_6_KV_3, HEADS_6_KV_3, {}, "3 key/value heads can be neither split nor replicated"),
     (dict(tp_size=2), {"intermediate_size": 127}, {"intermediate_size": 127}, {}, "intermediate_size 127"),
     ({}, {"hidden_size": None}, {}, {}, "config.json has no hidden_size"),

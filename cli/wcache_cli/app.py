@@ -9,6 +9,7 @@ import typer
 import wcache
 from typer.completion import completion_init
 from typer.core import TyperCommand, TyperGroup
+from wcache.errors import EXIT_OK
 
 from wcache_cli import coercion
 from wcache_cli.commands.attach import attach
@@ -65,7 +66,7 @@ completion_init()
 def _print_version(value: bool) -> None:
     if value:
         print(f"wcache {wcache.__version__}")
-        raise typer.Exit()
+        raise typer.Exit(EXIT_OK)
 
 
 @app.callback()

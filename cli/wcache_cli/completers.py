@@ -16,15 +16,13 @@ import typer
 
 def _live_daemons(ctx: typer.Context) -> list[tuple[str, str, str]]:
     """(name, key id, description) of every live daemon in the run dir the command line names, else the default."""
-    from wcache.ipc.rundir import census  # psutil: paid at completion time only, never by `--help`
-
-    from wcache_cli.params import run_dir_or_default
+    from wcache.ipc.rundir import census, default_run_dir  # psutil: paid at completion time only, never by `--help`
 
     logger = logging.getLogger("wcache")
     was_disabled, logger.disabled = logger.disabled, True  # an unreadable descriptor is warned about otherwise
     try:
         run_dir = ctx.params.get("run_dir")
-        where = run_dir_or_default(Path(run_dir) if run_dir else None)
+        where = Path(run_dir) if run_dir else default_run_dir()
         live = census(where, clean=False).live if where.is_dir() else ()
         return [(d.name, d.key_id, f"{Path(d.source).name} on {d.device}") for d in live]
     except Exception:  # a completion that fails offers nothing rather than a traceback in the user's prompt

@@ -6,10 +6,11 @@ import logging
 import sys
 import traceback
 
-from wcache.errors import WcacheError
+from wcache.errors import EXIT_INTERRUPTED, WcacheError
 
 from wcache_cli.output import out
 from wcache_cli.state import state
+from wcache_cli.words import cli_message, cli_text
 
 
 class _StderrWarnings(logging.Handler):
@@ -21,7 +22,7 @@ class _StderrWarnings(logging.Handler):
         self._seen: set[str] = set()
 
     def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
+        message = cli_text(record.getMessage())  # options named as flags, whoever logged the warning
         if message not in self._seen:
             self._seen.add(message)
             out.warning(message)
@@ -39,11 +40,11 @@ def main() -> None:
     except WcacheError as exc:
         if state.verbose:
             traceback.print_exc()
-        out.error(str(exc))
+        out.error(cli_message(exc))
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         out.error("interrupted.")
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ import sys
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from wcache.errors import EXIT_OK
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -35,7 +37,7 @@ def reader_gone() -> None:
     # Point stdout at /dev/null so the interpreter's final flush cannot raise a second time.
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
-    raise SystemExit(0)
+    raise SystemExit(EXIT_OK)
 
 
 def literal(text: str) -> str:

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from wcache.attach_options import ENGINES, MODES, AttachOptions
+from wcache.attach_options import MODES, AttachOptions
+from wcache.integrations.registry import ENGINES
 from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from wcache.plan.spec import DTYPES, LAYOUTS, QUANTIZATIONS, PlanSpec
 

@@ -14,8 +14,6 @@ from typing import Any
 from wcache.errors import BadInputError
 
 MODES = ("zero_copy", "copy")
-# The engines that attach (wcache's reference engine first: the default), as `verify --engine` names them.
-ENGINES = ("reference", "vllm", "transformers")
 # The longest an attach waits for a daemon that is still loading: a day is far past any real load.
 MAX_WAIT_S = 86_400
 SHOWN_CHARS = 40

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from wcache.errors import UnavailableError
+from wcache.errors import UnavailableError, option
 from wcache.ipc.messages import WantedKey
 from wcache.ipc.rundir import DaemonDescriptor, census, matches
 from wcache.plan.spec import PlanSpec
@@ -51,5 +51,5 @@ def pick_daemon(model: Path, plan: PlanSpec, run_dir: Path, device: str, daemon:
     if not fitting:
         raise UnavailableError(f"no daemon on {device} in {run_dir} holds {model} under this plan.")
     if len(fitting) > 1:
-        raise UnavailableError(f"{len(fitting)} daemons on {device} fit this plan; name one with --daemon.")
+        raise UnavailableError(f"{len(fitting)} daemons on {device} fit this plan; name one with {option('daemon')}.")
     return fitting[0]

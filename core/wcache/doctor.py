@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from wcache.errors import WcacheError
+from wcache.errors import WcacheError, option
 from wcache.ipc.rundir import DaemonDescriptor, census, default_run_dir
 from wcache.key.digest_store import DigestStore, default_store_dir
 
@@ -85,14 +85,15 @@ def check_run_dir(run_dir: Path) -> Finding:
         free = os.statvfs(parent).f_bavail * os.statvfs(parent).f_frsize
         if free < MIN_RUN_DIR_FREE:
             return Finding(name, "fail", f"{run_dir} does not exist yet and {parent} has {_bytes(free)} free; free "
-                           "some space there or choose another --run-dir")
+                           f"some space there or choose another {option('run_dir')}")
         return Finding(name, "ok", f"{run_dir} does not exist yet; preload creates it (mode 700) on "
                        f"{filesystem_of(parent)} with {_bytes(free)} free")
     except OSError as exc:
-        return Finding(name, "fail", f"{run_dir} cannot be checked ({exc.strerror}); choose another --run-dir")
+        return Finding(name, "fail", f"{run_dir} cannot be checked ({exc.strerror}); choose another "
+                       f"{option('run_dir')}")
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         return Finding(name, "fail", f"{run_dir} is not a directory (or is a symlink); remove it or choose "
-                       "another --run-dir")
+                       f"another {option('run_dir')}")
     if st.st_uid != os.getuid():
         return Finding(name, "fail", f"{run_dir} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
                        "use a run dir of your own (WCACHE_RUN_DIR)")
@@ -105,7 +106,7 @@ def check_run_dir(run_dir: Path) -> Finding:
     kind = filesystem_of(run_dir)
     if free < MIN_RUN_DIR_FREE:
         return Finding(name, "fail", f"{run_dir} ({kind}) has {_bytes(free)} free, too little for a daemon's lock, "
-                       "socket, descriptor and logs; free some space or choose another --run-dir")
+                       f"socket, descriptor and logs; free some space or choose another {option('run_dir')}")
     return Finding(name, "ok", f"{run_dir}: yours, mode {mode:o}, {kind}, {_bytes(free)} free")
 
 

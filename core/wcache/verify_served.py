@@ -8,7 +8,7 @@ difference). The served engine may answer from its prefix cache: the disk engine
 settings, first computes the prefix the served engine reported as its hit, so both run the same steps. With
 bounded replay an adopted hit recomputes one window only, as on the served side.
 
-A vLLM server has no /v1/weights: `wcache.integrations.vllm_served` verifies it through vLLM's own API.
+A vLLM server has no /v1/weights: `wcache.vllm_served` verifies it through vLLM's own API.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wcache.engine.client import EngineRequestError, call_engine
 from wcache.errors import BadInputError, UnavailableError
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
+from wcache.serving.client import EngineRequestError, call_engine
 from wcache.verify import GreedyReport, PromptResult, compare_prompts
 
 if TYPE_CHECKING:
@@ -96,6 +96,6 @@ def verify_served(url: str, prompts: list[str], max_new_tokens: int) -> GreedyRe
 
 def _verify_vllm(url: str, prompts: list[str], max_new_tokens: int) -> GreedyReport:
     """The engine at `url` has no /v1/weights: a vLLM server, verified through its own API."""
-    from wcache.integrations.vllm_served import verify_served_vllm, vllm_version
+    from wcache.vllm_served import verify_served_vllm, vllm_version
 
     return verify_served_vllm(url, vllm_version(url), prompts, max_new_tokens)

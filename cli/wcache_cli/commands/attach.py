@@ -163,7 +163,7 @@ def _generate(model: Path, plan: dict[str, Any], engine_config: Any, options: At
 
         result = generate_rank(TensorParallel(), model, plan, engine_config, options, device, prompt, max_new_tokens)
     else:
-        from wcache.engine.tp_launch import run_tensor_parallel
+        from wcache.tp_launch import run_tensor_parallel
 
         result = run_tensor_parallel(generate_rank, plan["tp_size"], model, plan, engine_config, options, device,
                                      prompt, max_new_tokens)[0]
@@ -187,14 +187,14 @@ def announce(url: str, engine: Any) -> None:
 
 def _serve(model: Path, plan: dict[str, Any], engine_config: Any, options: AttachOptions, device: str, host: str,
            port: int, where: Path) -> None:
-    from wcache.engine.serving import serve_rank
+    from wcache.serving.ranks import serve_rank
 
     if plan["tp_size"] == 1:
         from wcache.engine.parallel import TensorParallel
 
         serve_rank(TensorParallel(), model, plan, engine_config, options, device, host, port, where, announce)
         return
-    from wcache.engine.tp_launch import run_tensor_parallel
+    from wcache.tp_launch import run_tensor_parallel
 
     run_tensor_parallel(serve_rank, plan["tp_size"], model, plan, engine_config, options, device, host, port, where,
                         announce, timeout=None)

@@ -7,6 +7,7 @@ from wcache.errors import EXIT_DIFFERENCE
 
 from wcache_cli.output import out, printable
 from wcache_cli.params import JsonOpt, RunDirOpt, run_dir_or_default
+from wcache_cli.words import cli_text
 
 MARKS = {"ok": ("✓", "green"), "warn": ("!", "yellow"), "fail": ("✗", "bold red")}
 
@@ -25,12 +26,12 @@ def doctor(run_dir: RunDirOpt = None, json: JsonOpt = False) -> None:
     findings = run_checks(run_dir_or_default(run_dir))
     failed = any(f.status == "fail" for f in findings)
     if json:
-        out.json({"ok": not failed, "findings": [f.to_json() for f in findings]})
+        out.json({"ok": not failed, "findings": [{**f.to_json(), "message": cli_text(f.message)} for f in findings]})
     else:
         for finding in findings:
             mark, style = MARKS[finding.status]
             # One line per finding however narrow the terminal: a wrapped finding reads as two.
-            line = f"[{style}]{mark}[/] {finding.check}: {escape(printable(finding.message))}"
+            line = f"[{style}]{mark}[/] {finding.check}: {escape(printable(cli_text(finding.message)))}"
             out.stdout.print(line, soft_wrap=True)
     if failed:
         raise typer.Exit(EXIT_DIFFERENCE)

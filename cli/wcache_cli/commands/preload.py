@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from wcache.errors import BadInputError, UnavailableError
+from wcache.errors import EXIT_INTERRUPTED, BadInputError, UnavailableError
 
 from wcache_cli.completers import daemon_ids
 from wcache_cli.output import out, printable
@@ -36,6 +36,7 @@ from wcache_cli.params import (
     run_dir_or_default,
     warn_if_exposed,
 )
+from wcache_cli.words import cli_message
 
 if TYPE_CHECKING:
     from wcache.daemon.launch import DaemonGroup
@@ -190,9 +191,9 @@ def preload(
                                 require_provenance=requirement, expected=expected)
         except DaemonExistsError as exc:
             if json_output:
-                out.json({"event": "exists", "reason": str(exc)})
+                out.json({"event": "exists", "reason": cli_message(exc)})
             else:
-                out.print(str(exc))
+                out.print(cli_message(exc))
             return
         finally:
             serial.close()  # ready or failed: the next replace may go ahead
@@ -220,7 +221,7 @@ def preload(
             group.terminate()
             out.hint("Stopped.")
         if isinstance(stop, KeyboardInterrupt):
-            raise typer.Exit(130) from None
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         # Die of the signal itself once everything is stopped: what service managers count as a clean stop.
         signal.signal(stop.signum, signal.SIG_DFL)
         os.kill(os.getpid(), stop.signum)

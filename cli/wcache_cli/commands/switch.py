@@ -33,7 +33,7 @@ def switch(
     the new. The switch never falls back to disk: when no daemon holds MODEL's key under the engine's plan it
     is refused with the reason (exit 3) and the engine keeps serving its old weights.
     """
-    from wcache.engine.client import EngineRequestError, call_engine
+    from wcache.serving.client import EngineRequestError, call_engine
 
     if model is None and daemon is None:
         raise BadInputError("name the weights to switch to: MODEL, --daemon, or both.")
@@ -62,6 +62,6 @@ def switch(
 
 def _switch_vllm(url: str, model: Path | None, daemon: str | None) -> dict[str, Any]:
     """The engine at `url` has no /v1/weights: a vLLM server, switched through its own endpoints."""
-    from wcache.integrations.vllm_served import switch_served, vllm_version
+    from wcache.vllm_served import switch_served, vllm_version
 
     return switch_served(url, vllm_version(url), model, daemon)

@@ -16,7 +16,7 @@ from wcache.checkpoint.provenance import FileVerdict, counts, overall
 from wcache.daemon.argv import LoadArgs
 from wcache.daemon.server import DaemonServer
 from wcache.delta.arena import build_next, find_parent
-from wcache.errors import EXIT_UNAVAILABLE, WcacheError
+from wcache.errors import EXIT_OK, EXIT_UNAVAILABLE, WcacheError, marked, option
 from wcache.ipc.loading import LoadingBoard, LoadingRecord
 from wcache.ipc.rundir import (
     DaemonDescriptor,
@@ -137,32 +137,33 @@ def main(argv: list[str] | None = None) -> int:
         write_descriptor(run_dir, descriptor)
     except KeyboardInterrupt:
         log.info("stopped before it was ready")
-        status.emit(Failed(rank=args.rank, reason="stopped before it was ready.", exit_code=1))
-        return 1
+        status.emit(Failed(rank=args.rank, reason="stopped before it was ready.", exit_code=EXIT_UNAVAILABLE))
+        return EXIT_UNAVAILABLE
     except DaemonExistsError as exc:
         log.info("%s", exc)
         status.emit(Exists(rank=args.rank, reason=str(exc)))
-        return 0
+        return EXIT_OK
     except WcacheError as exc:
         log.error("load failed: %s", exc)
-        status.emit(Failed(rank=args.rank, reason=str(exc), exit_code=exc.exit_code))
+        status.emit(Failed(rank=args.rank, reason=marked(exc), exit_code=exc.exit_code))
         return exc.exit_code
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             log.exception("rank %d failed while loading", args.rank)
-            status.emit(Failed(rank=args.rank, reason=f"{type(exc).__name__}: {exc}", exit_code=1))
-            return 1
+            status.emit(Failed(rank=args.rank, reason=f"{type(exc).__name__}: {exc}", exit_code=EXIT_UNAVAILABLE))
+            return EXIT_UNAVAILABLE
         # Checkpoint reads raise CheckpointError; what runs out of space here is the run dir (lock, socket,
         # descriptor) or the arena's memory.
         reason = (f"no space left to publish the daemon in {args.run_dir} or to hold its weights "
-                  f"({exc.strerror}); free some space or choose another --run-dir")
+                  f"({exc.strerror}); free some space or choose another {option('run_dir')}")
         log.error("load failed: %s", reason)
         status.emit(Failed(rank=args.rank, reason=reason, exit_code=EXIT_UNAVAILABLE))
         return EXIT_UNAVAILABLE
     except Exception as exc:  # the supervisor must hear why, whatever it was
+        # A crash (a bug, not the user's input): this rank is unavailable, never "a check found a difference".
         log.exception("rank %d failed while loading", args.rank)
-        status.emit(Failed(rank=args.rank, reason=f"{type(exc).__name__}: {exc}", exit_code=1))
-        return 1
+        status.emit(Failed(rank=args.rank, reason=f"{type(exc).__name__}: {exc}", exit_code=EXIT_UNAVAILABLE))
+        return EXIT_UNAVAILABLE
     finally:
         if board is not None:
             board.remove()  # ready (the descriptor says the rest) or gone
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     status.close()
     server.serve_forever()  # returns at once, cleaning up, if a stop came during loading
     log.info("stopped: daemon %s", descriptor.name)
-    return 0
+    return EXIT_OK
 
 
 def _report_provenance(run_dir: Path, descriptor: DaemonDescriptor, judged: list[FileVerdict]) -> None:

@@ -91,7 +91,7 @@ class _StatsCollector(Collector):
         attaches = CounterMetricFamily("wcache_attaches", "Maps served.", labels=[*labels, "mode"])
         hits = CounterMetricFamily("wcache_hits", "Hellos whose key matched.", labels=labels)
         unverified = CounterMetricFamily(
-            "wcache_unverified_hits", "Hits whose engine skipped the checkpoint comparison (--trust-daemon).",
+            "wcache_unverified_hits", "Hits whose engine trusted the daemon, skipping the checkpoint comparison.",
             labels=labels)
         misses = CounterMetricFamily("wcache_misses", "Hellos whose key did not match, by reason.",
                                      labels=[*labels, "reason"])

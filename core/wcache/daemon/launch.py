@@ -23,7 +23,14 @@ from typing import IO
 import psutil
 
 from wcache.daemon.argv import LoadArgs
-from wcache.errors import EXIT_UNAVAILABLE, BadInputError, UnavailableError, WcacheError
+from wcache.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_DIFFERENCE,
+    EXIT_UNAVAILABLE,
+    BadInputError,
+    UnavailableError,
+    option,
+)
 from wcache.ipc.client import DaemonError, request_once
 from wcache.ipc.interpreter import python_module_argv
 from wcache.ipc.loading import LoadingRecord, read_loading, record_lock_path
@@ -51,8 +58,28 @@ STOP_TIMEOUT_S = 15.0
 ProgressCallback = Callable[[int, int], None]
 
 
-class PreloadFailedError(WcacheError):
-    """A rank failed to load; the others were stopped."""
+class PreloadFailedError(UnavailableError):
+    """A rank failed to load, crashed or was killed; the others were stopped. Its class says the exit code: this
+    one, a daemon that is unavailable; its subclasses, the verdict a rank reached on the user's checkpoint."""
+
+    @staticmethod
+    def of(reason: str, exit_code: int) -> PreloadFailedError:
+        """The error for a rank's `reason` and the exit code it gave (a crash's or an unknown one: unavailable)."""
+        kind = next((c for c in (PreloadBadInputError, PreloadRefusedError) if c.exit_code == exit_code),
+                    PreloadFailedError)
+        return kind(reason)
+
+
+class PreloadBadInputError(PreloadFailedError):
+    """A rank could not use the user's checkpoint or options."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class PreloadRefusedError(PreloadFailedError):
+    """A rank refused the checkpoint: its files differ from what was published (`require_provenance`)."""
+
+    exit_code = EXIT_DIFFERENCE
 
 
 @dataclass
@@ -218,9 +245,7 @@ def _supervise(path: Path, load: LoadArgs, health_host: str, health_port: int,
     if not isinstance(outcome, GroupReady):
         code = process.wait()
         reason = outcome.reason if outcome else f"the supervisor exited with code {code}; see {log_path}"
-        error = PreloadFailedError(reason.rstrip(".") + ".")
-        error.exit_code = outcome.exit_code if outcome else EXIT_UNAVAILABLE
-        raise error
+        raise PreloadFailedError.of(reason.rstrip(".") + ".", outcome.exit_code if outcome else EXIT_UNAVAILABLE)
     _refuse_a_lost_rank(DaemonGroup(path, process, outcome, where))
     return DaemonGroup(path, process, outcome, where)
 
@@ -239,10 +264,8 @@ def _refuse_a_lost_rank(group: DaemonGroup) -> None:
                 remove_daemon_files(group.run_dir, r.name)
     first = lost[0]
     log = rank_log_path(group.run_dir, group.supervisor.pid, first.rank)
-    error = PreloadFailedError(f"rank {first.rank} (daemon {first.name}) exited right after it became ready, so "
-                               f"nothing was left running; its log is {log}.")
-    error.exit_code = EXIT_UNAVAILABLE
-    raise error
+    raise PreloadFailedError(f"rank {first.rank} (daemon {first.name}) exited right after it became ready, so "
+                             f"nothing was left running; its log is {log}.")
 
 
 def stop_daemon(descriptor: DaemonDescriptor, *, force: bool = False) -> int:
@@ -363,7 +386,7 @@ def replace_daemons(source: Path, devices: list[str], run_dir: Path, *, force: b
         held = [f"{d.name} ({n} lease(s))" for d in ready if (n := lease_count(d))]
         if held:
             raise UnavailableError(f"engines hold leases on {', '.join(held)}; detach them first, or replace "
-                                   "with --force.")
+                                   f"with {option('force', True)}.")
     stop_daemons(ready, force=True)
     for record in loading:
         stop_loading(run_dir, record)
@@ -395,7 +418,7 @@ def stop_targets(run_dir: Path, ident: str | None, *, group: bool = False) -> li
             raise BadInputError(
                 f"daemon {descriptor.name} is rank {descriptor.tp_rank} of a tensor-parallel group of "
                 f"{descriptor.tp_size} ({', '.join(d.name for d in members)}); stop the whole group with "
-                "--group."
+                f"{option('group', True)}."
             )
         targets += [d for d in members if d.name not in chosen]
         chosen.update(d.name for d in members)
@@ -413,7 +436,7 @@ def stop_daemons(
     held = {} if force else {d.name: n for d in targets if (n := lease_count(d))}
     if held:
         busy = ", ".join(f"{name} ({n} lease(s))" for name, n in held.items())
-        raise BadInputError(f"engines still hold leases on {busy}; detach them first or use --force.")
+        raise BadInputError(f"engines still hold leases on {busy}; detach them first or use {option('force', True)}.")
     refused = []
     for descriptor in targets:
         try:
@@ -429,7 +452,8 @@ def stop_daemons(
         elif on_stopped is not None:
             on_stopped(descriptor.name)
     if refused:
-        raise BadInputError(f"engines still hold leases on {', '.join(refused)}; detach them first or use --force.")
+        raise BadInputError(f"engines still hold leases on {', '.join(refused)}; detach them first or use "
+                            f"{option('force', True)}.")
 
 
 def terminate_started(pid: int, marker: str, timeout_s: float = STOP_TIMEOUT_S) -> None:

@@ -1,10 +1,7 @@
 """The daemon's serve loop: one thread per client, leases for zero-copy clients, any bad client dropped alone.
 
-A copy-mode engine that has its copy asks the daemon to release its weights. The release waits until no other
-attach is in flight (a connection that has not sent its first request yet, or said hello with our key and not
-yet mapped or released) and no zero-copy lease is held, so engines that started together all get the weights;
-only an engine that arrives after the weights are really gone is told so. A silent connection holds a release
-back for CLIENT_TIMEOUT_S at most.
+The lease and release rules are `lease_rules`' decisions; this module keeps the state they read and carries
+them out. A silent connection holds a release back for CLIENT_TIMEOUT_S at most.
 """
 
 from __future__ import annotations
@@ -21,6 +18,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from wcache.daemon import lease_rules
+from wcache.daemon.lease_rules import Holders
 from wcache.daemon.scrub import Corruption, Scrubber, first_difference_from_checkpoint
 from wcache.ipc.arena import ArenaClosedError, ArenaEntry, CpuArena
 from wcache.ipc.messages import (
@@ -32,7 +31,6 @@ from wcache.ipc.messages import (
     ErrorReply,
     Hello,
     HelloReply,
-    HelloStatus,
     Manifest,
     ManifestReply,
     MapReply,
@@ -86,7 +84,7 @@ class _Client:
     @property
     def attaching(self) -> bool:
         """Said hello with our key and has neither taken a lease nor released."""
-        return self.matched and self.mode != "zero_copy"
+        return lease_rules.still_attaching(self.matched, self.mode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,7 +335,7 @@ class DaemonServer:
         """Carry out a queued copy-mode release once no attach is in flight and no lease is held."""
         with self.shared.lock:
             asked = self.shared.release
-            if asked is None or self.shared.state != "ready" or self.shared.attaching or self.shared.leases:
+            if asked is None or not lease_rules.release_due(self._holders()):
                 return
             self.shared.release = None
             self.shared.state = "released"
@@ -348,6 +346,11 @@ class DaemonServer:
         append_event(self.run_dir, "release", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
                      mode="copy", client_pid=asked.client_pid, weights_dropped=True,
                      queued_s=round(time.time() - asked.asked, 3))
+
+    def _holders(self) -> Holders:
+        """What the lease rules read (the caller holds the shared lock)."""
+        return Holders(self.shared.state, len(self.shared.attaching), len(self.shared.leases),
+                       self.shared.release is not None)
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -375,22 +378,11 @@ class DaemonServer:
             released = self.shared.state != "ready"
             self.shared.counters["hellos"] += 1
             corrupt = tuple(self.shared.corrupt)
-        status: HelloStatus
-        if corrupt and not mismatched:
-            status = "corrupt"
-            self._count("misses_corrupt")
-        elif released:
-            status = "released"
-            self._count("misses_released")
-        elif mismatched:
-            status = "miss"
-            self._count("misses_" + "_".join(mismatched))
-        else:
-            status = "hit"
-            self._count("hits")
-            if request.key.checkpoint is None:
-                # --trust-daemon: the engine never compared its checkpoint's content with ours.
-                self._count("hits_unverified")
+        # --trust-daemon leaves out `checkpoint`: the engine never compared its checkpoint's content with ours.
+        decision = lease_rules.hello(mismatched, not released, bool(corrupt), request.key.checkpoint is None)
+        status = decision.status
+        for counter in decision.counters:
+            self._count(counter)
         if status != "hit":
             log.info("Engine pid %s missed (%s).", client.pid, status if released else ", ".join(mismatched))
         client.matched = status == "hit"
@@ -409,7 +401,7 @@ class DaemonServer:
         with self.shared.lock:
             ready = self.shared.state == "ready"
             if ready:
-                if mode == "zero_copy":
+                if lease_rules.takes_lease(mode):
                     self.shared.leases.add(client.ident)
                     self.shared.lease_pids[client.ident] = client.pid
                 self.shared.counters["attaches"] += 1
@@ -428,20 +420,19 @@ class DaemonServer:
         return MapReply(kind="cuda", total_bytes=arena.total_bytes, entries=self._wire_entries, cuda=cuda), fds
 
     def _handle_release(self, client: _Client, request: Release) -> Reply:
-        if client.mode == "copy":
-            # Copy mode hands ownership to the engine: the daemon lets go of its weights once no other
-            # engine is attaching or holds a lease (their memory stays in use anyway).
-            with self.shared.lock:
+        # Copy mode hands ownership to the engine: the daemon lets go of its weights once no other engine is
+        # attaching or holds a lease (their memory stays in use anyway).
+        with self.shared.lock:
+            if client.mode == "copy":
                 self.shared.attaching.discard(client.ident)
-                others = len(self.shared.attaching), len(self.shared.leases)
-                queued = self.shared.state == "ready" and self.shared.release is None
-                if queued:
-                    self.shared.release = _Release(client.pid, time.time())
-            if queued and any(others):
-                append_event(self.run_dir, "release", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
-                             mode="copy", client_pid=client.pid, weights_dropped=False,
-                             kept_for_attaches=others[0], kept_for_leases=others[1])
-        else:
+            decision = lease_rules.release(client.mode, self._holders())
+            if decision.queue:
+                self.shared.release = _Release(client.pid, time.time())
+        if decision.kept:
+            append_event(self.run_dir, "release", daemon=self.descriptor.name, key_id=self.descriptor.key_id,
+                         mode="copy", client_pid=client.pid, weights_dropped=False,
+                         kept_for_attaches=decision.kept_for_attaches, kept_for_leases=decision.kept_for_leases)
+        if decision.end_lease:
             self._end_lease(client)
         client.matched = False  # another map on this connection needs another hello
         client.mode = None
@@ -495,7 +486,7 @@ class DaemonServer:
     def _handle_shutdown(self, client: _Client, request: Shutdown) -> Reply:
         with self.shared.lock:
             leases = len(self.shared.leases - {client.ident})
-        if leases and not request.force:
+        if not lease_rules.shutdown_stops(leases, request.force):
             return ShutdownReply(stopping=False, leases=leases), ()
         self.request_stop()
         return ShutdownReply(stopping=True, leases=leases), ()

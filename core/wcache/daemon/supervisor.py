@@ -19,7 +19,7 @@ from pathlib import Path
 
 from wcache.daemon.argv import LoadArgs
 from wcache.daemon.health import RankTable, serve_health
-from wcache.errors import EXIT_UNAVAILABLE, WcacheError
+from wcache.errors import EXIT_OK, EXIT_UNAVAILABLE, WcacheError, api_words, in_words, marked, option
 from wcache.ipc.http_server import http_url
 from wcache.ipc.interpreter import python_module_argv
 from wcache.ipc.loading import forget_dead_rank
@@ -43,9 +43,10 @@ def rank_devices(device: str, tp_size: int) -> list[str]:
     if device.startswith("cuda:"):
         indices = device.removeprefix("cuda:").split(",")
         if len(indices) != tp_size or not all(i.isdigit() for i in indices):
-            raise WcacheError(f"--device {device} must list exactly {tp_size} CUDA device numbers for --tp {tp_size}.")
+            raise WcacheError(f"{option('device', device)} must list exactly {tp_size} CUDA device numbers for "
+                              f"{option('tp', tp_size)}.")
         return [f"cuda:{i}" for i in indices]
-    raise WcacheError(f"--device must be cpu, cuda or cuda:N[,M...], not {device!r}.")
+    raise WcacheError(f"{option('device')} must be cpu, cuda or cuda:N[,M...], not {device!r}.")
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Supervisor:
     def run(self) -> int:
         census(self.run_dir)  # clean descriptors of dead daemons before adding ours
         server = serve_health(self.table, self.args.health_host, self.args.health_port,
-                              ("--health-host", "--health-port"))
+                              (option("health_host"), option("health_port")))
         health_url = http_url(self.args.health_host, server.server_address[1])
         append_event(self.run_dir, "preload", source=str(self.args.model), device=self.args.device,
                      tp_size=self.args.tp, health_url=health_url)
@@ -92,12 +93,15 @@ class Supervisor:
             self._terminate_all()
             self.status.emit(Exists(reason=outcome[0]))
             server.shutdown()
-            return 0
+            return EXIT_OK
         if outcome is not None:
             reason, code = outcome
-            log.error("preload failed: %s", reason)
+            # The log and the event log are read as they are: options in a Python caller's words there; the
+            # status line keeps them marked for the CLI to name as flags.
+            log.error("preload failed: %s", in_words(reason, api_words))
             self._terminate_all()
-            append_event(self.run_dir, "preload_failed", source=str(self.args.model), reason=reason)
+            append_event(self.run_dir, "preload_failed", source=str(self.args.model),
+                         reason=in_words(reason, api_words))
             self.status.emit(Failed(reason=reason, exit_code=code))
             server.shutdown()
             return code
@@ -112,7 +116,7 @@ class Supervisor:
         server.shutdown()
         # A rank that died (rather than being stopped) makes this a failure: service managers restart on it.
         died = [r for r in self.ranks if r.exit_code not in (0, None)]
-        return 0 if self.stopping or not died else EXIT_UNAVAILABLE
+        return EXIT_OK if self.stopping or not died else EXIT_UNAVAILABLE
 
     def _spawn(self, rank: int, device: str, health_url: str) -> _Rank:
         a = self.args
@@ -156,7 +160,7 @@ class Supervisor:
                     state.exists = message.reason
                 elif isinstance(message, Failed):
                     state.failure = message.reason
-                    state.failure_code = message.exit_code if message.exit_code > 0 else 1
+                    state.failure_code = message.exit_code if message.exit_code > 0 else EXIT_UNAVAILABLE
                 self.changed.notify_all()
         code = state.process.wait()
         if state.ready is None:
@@ -189,7 +193,7 @@ class Supervisor:
                     if r.exit_code is not None and r.ready is None:
                         return _death(r), EXIT_UNAVAILABLE
                 if self.stopping:
-                    return "preload was stopped before every rank was ready.", 1
+                    return "preload was stopped before every rank was ready.", EXIT_UNAVAILABLE
                 if all(r.ready is not None for r in self.ranks):
                     return None
                 self.changed.wait(0.5)
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         supervisor = Supervisor(args)
     except WcacheError as exc:
-        StatusWriter().emit(Failed(reason=str(exc), exit_code=exc.exit_code))
+        StatusWriter().emit(Failed(reason=marked(exc), exit_code=exc.exit_code))
         return exc.exit_code
     signal.signal(signal.SIGTERM, lambda *_: supervisor.stop())
     signal.signal(signal.SIGINT, lambda *_: supervisor.stop())
@@ -265,12 +269,12 @@ def main(argv: list[str] | None = None) -> int:
         supervisor._terminate_all()
         log.error("preload failed: %s", exc)
         append_event(supervisor.run_dir, "preload_failed", source=str(args.model), reason=str(exc))
-        supervisor.status.emit(Failed(reason=str(exc), exit_code=exc.exit_code))
+        supervisor.status.emit(Failed(reason=marked(exc), exit_code=exc.exit_code))
         return exc.exit_code
     except OSError as exc:
         supervisor._terminate_all()
-        supervisor.status.emit(Failed(reason=f"the supervisor failed: {exc}.", exit_code=1))
-        return 1
+        supervisor.status.emit(Failed(reason=f"the supervisor failed: {exc}.", exit_code=EXIT_UNAVAILABLE))
+        return EXIT_UNAVAILABLE
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The decoder-only transformer (Llama/Qwen2/Qwen3/Mistral) over processed weights of one TP rank.
 
-The model holds no cache: each layer hands q, k and v to an attention backend the runner supplies for the
-step, which decides what is read from and written to the KV caches.
+The model holds no cache: each layer hands q, k and v to an attention backend the engine supplies for the
+step (`kv_cache.StepAttention`), which decides what is read from and written to the KV caches.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from wcache.attach import AttachedWeights, AttachMissError, attach_with
 from wcache.attach_options import AttachOptions
 from wcache.checkpoint.files import locate
 from wcache.checkpoint.model_path import resolve_model_path
-from wcache.errors import CheckpointError, UnavailableError, WcacheError
+from wcache.errors import CheckpointError, UnavailableError, WcacheError, in_words, marked
 from wcache.integrations import vllm_formats
 from wcache.integrations.vllm_api import (
     BaseModelLoader,
@@ -52,6 +52,7 @@ from wcache.integrations.vllm_api import (
     process_weights_after_loading,
     set_default_torch_dtype,
 )
+from wcache.integrations.vllm_words import EXTRA_CONFIG, vllm_words
 from wcache.ipc.rundir import default_run_dir, ensure_run_dir
 from wcache.key.digest_store import DigestStore
 from wcache.monitor.events import append_event
@@ -63,7 +64,6 @@ from wcache.plan.spec import PlanSpec
 logger = init_logger("vllm.wcache")
 
 ENGINE = "vllm"
-EXTRA_CONFIG = "model_loader_extra_config"
 
 
 class CannotAttachError(UnavailableError):
@@ -261,7 +261,7 @@ class WcacheModelLoader(BaseModelLoader):
             path = resolve_model_path(model_config.model, model_config.revision)
             daemon = pick_daemon(path, plan, self._run_dir(), device_name(vllm_config), self.options.daemon)
         except WcacheError as exc:
-            logger.info("wcache: no daemon memory to account for (%s)", exc)
+            logger.info("wcache: no daemon memory to account for (%s)", in_words(marked(exc), vllm_words))
             return 0
         return daemon.weights_bytes
 
@@ -279,7 +279,8 @@ class WcacheModelLoader(BaseModelLoader):
         except CannotAttachError as exc:
             if not self.options.fallback:
                 raise
-            logger.warning("wcache: cannot load from a daemon (%s); loading from disk", exc)
+            logger.warning("wcache: cannot load from a daemon (%s); loading from disk",
+                           in_words(marked(exc), vllm_words))
             self._disk_loader().load_weights(model, model_config)
             return
         _keep_lease(model, weights)
@@ -289,12 +290,12 @@ class WcacheModelLoader(BaseModelLoader):
         try:
             weights = self._attach(vllm_config, model_config)
         except CannotAttachError as exc:
-            return self._fall_back(vllm_config, model_config, prefix, str(exc))
+            return self._fall_back(vllm_config, model_config, prefix, marked(exc))
         try:
             model, placement = self._build(vllm_config, model_config, prefix, weights)
         except CannotAttachError as exc:
             weights.close()
-            return self._fall_back(vllm_config, model_config, prefix, str(exc))
+            return self._fall_back(vllm_config, model_config, prefix, marked(exc))
         report = weights.report
         how = "zero-copy views of its arena" if report.mode == "zero_copy" else "private copies (copy mode)"
         total = placement.assigned + len(placement.copied)
@@ -333,7 +334,7 @@ class WcacheModelLoader(BaseModelLoader):
             raise CannotAttachError(exc.report.reason or str(exc)) from None
         except (UnsupportedPlanError, CheckpointError) as exc:
             # E.g. a Hugging Face id not downloaded yet: vLLM's own loader fetches it; wcache never downloads.
-            raise CannotAttachError(str(exc).rstrip(".")) from None
+            raise CannotAttachError(marked(exc).rstrip(".")) from None
 
     def _target_device(self, vllm_config: VllmConfig) -> torch.device:
         return torch.device(self.load_config.device or vllm_config.device_config.device_type)
@@ -363,7 +364,10 @@ class WcacheModelLoader(BaseModelLoader):
         _keep_lease(model, weights)
         return model.eval(), placement
 
-    def _fall_back(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, reason: str) -> nn.Module:
+    def _fall_back(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, marked_reason: str,
+                   ) -> nn.Module:
+        """vLLM's own loader; `marked_reason` (why not the daemon) names options as vLLM users set them."""
+        reason = in_words(marked_reason, vllm_words)
         if not self.options.fallback:
             raise CannotAttachError(f"wcache: {reason}; not falling back to disk (fallback is false).")
         logger.warning("wcache: weight cache miss for %s: %s; falling back to disk loading (load_format=auto)",

@@ -259,7 +259,7 @@ def make_http_server(host: str, port: int, handler: type[QuietHandler],
                      flags: tuple[str, str] | None = None) -> ThreadingHTTPServer:
     """A server bound to `host:port` (an IPv4 or IPv6 address or a host name; the family is the address's).
 
-    `flags` names the options that chose the host and the port (("--health-host", "--health-port")), so a
+    `flags` names the options that chose the host and the port (`errors.option("health_host")`, …), so a
     ListenError's one sentence says which one to change.
     """
     host_flag, port_flag = (f" ({flags[0]})", f" ({flags[1]})") if flags else ("", "")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Generic, Literal, TypeVar, cast
 
 from wcache.checkpoint.manifest import TensorDigest
@@ -21,7 +21,6 @@ from wcache.plan.spec import PlanSpec
 
 MapMode = Literal["zero_copy", "copy"]
 HelloStatus = Literal["hit", "miss", "released", "corrupt"]
-KEY_FIELDS = tuple(f.name for f in fields(WeightCacheKey))
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from wcache.canonical import INT64_BITS, loads_finite
 from wcache.checkpoint.provenance import FileDigest, Verdict
-from wcache.errors import EXIT_OK, BadInputError, WcacheError
+from wcache.errors import EXIT_OK, BadInputError, WcacheError, option
 from wcache.ipc.codec import Wire
 from wcache.ipc.protocol import ProtocolError
 from wcache.key.cache_key import WeightCacheKey
@@ -68,7 +68,7 @@ def check_run_dir(path: Path) -> Path:
     if st.st_mode & 0o077:
         raise RunDirError(
             f"run directory {path} is accessible to group or others (mode {stat.S_IMODE(st.st_mode):o}); "
-            "use chmod 700 or another --run-dir."
+            f"use chmod 700 or another {option('run_dir')}."
         )
     return path
 
@@ -132,7 +132,7 @@ def daemon_name(device: str, key_id: str) -> str:
 def socket_path(run_dir: Path, name: str) -> Path:
     path = run_dir / f"{name}{SOCKET_SUFFIX}"
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
-        raise RunDirError(f"socket path {path} is longer than AF_UNIX allows; choose a shorter --run-dir.")
+        raise RunDirError(f"socket path {path} is longer than AF_UNIX allows; choose a shorter {option('run_dir')}.")
     return path
 
 

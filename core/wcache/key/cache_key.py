@@ -44,7 +44,7 @@ class WeightCacheKey:
         return self.digest[:SHORT_ID_HEX]
 
     def mismatched_fields(self, other: WeightCacheKey) -> list[str]:
-        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+        return [name for name in KEY_FIELDS if getattr(self, name) != getattr(other, name)]
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,8 +52,6 @@ class WeightCacheKey:
 
 # The compared fields by name, in order: what a hello carries and a descriptor records.
 KEY_FIELDS = tuple(f.name for f in fields(WeightCacheKey))
-# What an engine that trusts the daemon still compares: every field but the checkpoint's digest.
-TRUSTED_FIELDS = tuple(f for f in KEY_FIELDS if f != "checkpoint")
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,8 @@ def resolve_plan_from_headers(layout: CheckpointLayout, plan: PlanSpec) -> PlanS
 
 
 def trusted_key(path: Path, plan: PlanSpec) -> dict[str, Any]:
-    """The `TRUSTED_FIELDS` of `path`'s key under `plan`, without hashing a shard ("auto" as the key resolves it)."""
+    """What an engine that trusts the daemon compares of `path`'s key under `plan` (every field but the
+    checkpoint's digest), without hashing a shard ("auto" as the key resolves it)."""
     layout = locate(path)
     resolved = resolve_plan_from_headers(layout, plan)
     return {"config": config_digest(layout.config), "plan": resolved.digest(), "format": FORMAT_VERSION}

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 from wcache.checkpoint.provenance import FileDigest, FileVerdict, judge, read_expected
-from wcache.errors import EXIT_DIFFERENCE, CheckpointError
+from wcache.errors import EXIT_DIFFERENCE, CheckpointError, option
 
 # What a load refuses: nothing (a warning), a file that differs, or also a file whose provenance is unknown.
 Requirement = Literal["warn", "differs", "unknown"]
@@ -33,12 +33,12 @@ def refusal(verdicts: tuple[FileVerdict, ...], requirement: Requirement, model: 
     if differs:
         named = "; ".join(v.sentence() for v in differs)
         return (f"{model} was refused: {named}. Download the file again (hf download --force-download) or drop "
-                "--require-provenance.")
+                f"{option('require_provenance')}.")
     unknown = [v for v in verdicts if v.verdict == "unknown"]
     if requirement == "unknown" and unknown:
         return (f"{model} was refused: the provenance of {unknown[0].name} is unknown ({unknown[0].why})"
-                f"{f' and of {len(unknown) - 1} more file(s)' if len(unknown) > 1 else ''}; drop --refuse-unknown "
-                "or give the expected digests with --expected.")
+                f"{f' and of {len(unknown) - 1} more file(s)' if len(unknown) > 1 else ''}; drop "
+                f"{option('refuse_unknown')} or give the expected digests with {option('expected')}.")
     return None
 
 

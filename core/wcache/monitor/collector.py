@@ -149,7 +149,7 @@ def summarize(event: dict[str, Any]) -> EventRow:
         if event.get("verified") is False:
             # --trust-daemon: the checkpoint was never compared with the daemon's, so it may not be the same.
             severity = "warning"
-            summary = f"unverified {summary} for {event.get('source', '?')} (--trust-daemon)"
+            summary = f"unverified {summary} for {event.get('source', '?')} (the engine trusted the daemon)"
     elif kind == "scrub_failed":
         severity = "error"
         summary = f"daemon {event.get('daemon', '?')}: {event.get('reason', 'weights changed in memory')}"
@@ -201,7 +201,8 @@ def alerts(events: Iterable[EventRow], now: float) -> tuple[str, ...]:
                      f"{event.detail.get('reason', 'a tensor changed in memory')}; it refuses new attaches")
     unverified = [e for e in recent if e.kind == "attach_hit" and e.detail.get("verified") is False]
     if unverified:
-        found.append(f"{len(unverified)} unverified hit(s) (--trust-daemon) in the last {STORM_WINDOW_S:.0f} s: "
+        found.append(f"{len(unverified)} unverified hit(s) (engines trusting the daemon) in the last "
+                     f"{STORM_WINDOW_S:.0f} s: "
                      "those engines never compared their checkpoint with the daemon's")
     return tuple(found)
 

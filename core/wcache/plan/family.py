@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from wcache.errors import BadInputError
+from wcache.errors import BadInputError, option
 
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
@@ -108,7 +108,8 @@ class ModelDims:
         """The dimensions, or UnsupportedPlanError naming the field that is missing or not a positive integer."""
         if config is None:
             raise UnsupportedPlanError(
-                "the fused plan needs the model's config.json to split heads; add it or use --plan identity."
+                "the fused plan needs the model's config.json to split heads; add it or use "
+                f"{option('layout', 'identity')}."
             )
 
         def number(key: str, default: int | None = None) -> int:
@@ -165,12 +166,13 @@ def check_engine_fusions(packed: Mapping[str, Sequence[str]], dims: ModelDims, m
         if ours.get(name) != parts:
             raise UnsupportedPlanError(
                 f"{model} fuses {name} from {', '.join(parts)}, which the fused plan does not make; "
-                "preload it with --plan identity."
+                f"preload it with {option('layout', 'identity')}."
             )
     for name in ours:
         if name not in theirs:
             raise UnsupportedPlanError(
-                f"{model} does not fuse {name}, which the fused plan makes; preload it with --plan identity."
+                f"{model} does not fuse {name}, which the fused plan makes; preload it with "
+                f"{option('layout', 'identity')}."
             )
 
 

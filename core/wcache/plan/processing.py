@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from wcache.checkpoint.dtypes import CASTABLE, TORCH_ITEMSIZE, TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest
-from wcache.errors import CheckpointError
+from wcache.errors import CheckpointError, option
 from wcache.plan import family
 from wcache.plan.family import ModelDims, UnsupportedPlanError
 from wcache.plan.quantize import QUANTIZED_DTYPES, channel_scales, is_linear_weight, quantize_rows, scale_name
@@ -239,7 +239,7 @@ class _Builder:
         else:
             raise UnsupportedPlanError(
                 f"tensor {sources[0]!r} is stored as {entries[0].dtype}, which the fused plan cannot shard or cast "
-                "without a quantization_config in config.json; use --plan identity."
+                f"without a quantization_config in config.json; use {option('layout', 'identity')}."
             )
         self._emit(OutputSpec(name, dtype, shape, sources), Recipe("tensor", pieces, shape))
 
@@ -282,11 +282,12 @@ def build_plan(spec: PlanSpec, config: Mapping[str, Any] | None, tensors: Sequen
 
 
 def check_tp_split(spec: PlanSpec, config: Mapping[str, Any] | None) -> None:
-    """UnsupportedPlanError unless `spec`'s --tp splits a model with this config; reads no tensors, so a TP
+    """UnsupportedPlanError unless `spec`'s TP size splits a model with this config; reads no tensors, so a TP
     launcher can refuse before starting a process per rank."""
     if spec.layout == "identity":
         if spec.tp_size != 1:
-            raise UnsupportedPlanError("the identity plan holds unsharded weights; use --tp 1 or --plan fused.")
+            raise UnsupportedPlanError(f"the identity plan holds unsharded weights; use {option('tp_size', 1)} or "
+                                       f"{option('layout', 'fused')}.")
         return
     _check_split(spec.tp_size, ModelDims.from_config(config))
 
@@ -303,16 +304,17 @@ def _torch_name(entry: TensorDigest) -> str:
 
 def _check_split(tp: int, d: ModelDims) -> None:
     if d.heads % tp:
-        raise UnsupportedPlanError(f"{d.heads} attention heads cannot be split evenly across --tp {tp}.")
+        raise UnsupportedPlanError(f"{d.heads} attention heads cannot be split evenly across {option('tp_size', tp)}.")
     if d.kv_heads % tp and tp % d.kv_heads:
         raise UnsupportedPlanError(
-            f"{d.kv_heads} key/value heads can be neither split nor replicated evenly across --tp {tp}."
+            f"{d.kv_heads} key/value heads can be neither split nor replicated evenly across {option('tp_size', tp)}."
         )
     if len(d.sparse_layers) < d.layers and d.intermediate % tp:
-        raise UnsupportedPlanError(f"intermediate_size {d.intermediate} cannot be split evenly across --tp {tp}.")
+        raise UnsupportedPlanError(f"intermediate_size {d.intermediate} cannot be split evenly across "
+                                   f"{option('tp_size', tp)}.")
     if d.is_moe and d.expert_intermediate % tp:
         raise UnsupportedPlanError(
-            f"moe_intermediate_size {d.expert_intermediate} cannot be split evenly across --tp {tp}."
+            f"moe_intermediate_size {d.expert_intermediate} cannot be split evenly across {option('tp_size', tp)}."
         )
 
 
@@ -400,7 +402,8 @@ def _build_fused(b: _Builder, d: ModelDims, manifest: Mapping[str, TensorDigest]
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise UnsupportedPlanError(
-            f"the fused plan does not know tensor {unknown[0]!r}{more}; use --plan identity to load it by name."
+            f"the fused plan does not know tensor {unknown[0]!r}{more}; use {option('layout', 'identity')} to load "
+            "it by name."
         )
     missing = [n for n in required if n not in manifest]
     if missing:

@@ -9,7 +9,7 @@ from typing import Any
 
 from wcache.canonical import digest_of
 from wcache.checkpoint.dtypes import PLAN_DTYPES
-from wcache.errors import BadInputError
+from wcache.errors import BadInputError, option
 
 LAYOUTS = ("fused", "identity")
 QUANTIZATIONS = ("none", "int8", "fp8")
@@ -32,17 +32,18 @@ class PlanSpec:
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
-            raise BadInputError(f"--tp must be at least 1, not {self.tp_size}.")
+            raise BadInputError(f"{option('tp_size')} must be at least 1, not {self.tp_size}.")
         if not 0 <= self.tp_rank < self.tp_size:
-            raise BadInputError(f"--rank must be between 0 and {self.tp_size - 1} for --tp {self.tp_size}.")
+            raise BadInputError(f"{option('tp_rank')} must be between 0 and {self.tp_size - 1} for "
+                                f"{option('tp_size', self.tp_size)}.")
         if self.dtype not in DTYPES:
-            raise BadInputError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
+            raise BadInputError(f"{option('dtype')} must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
         if self.quantization not in QUANTIZATIONS:
             raise BadInputError(
-                f"--quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}."
+                f"{option('quantization')} must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}."
             )
         if self.layout not in LAYOUTS:
-            raise BadInputError(f"--plan must be one of {', '.join(LAYOUTS)}, not {self.layout!r}.")
+            raise BadInputError(f"{option('layout')} must be one of {', '.join(LAYOUTS)}, not {self.layout!r}.")
 
     def resolve(self, checkpoint_dtype: str) -> PlanSpec:
         """This plan with "auto" replaced by `checkpoint_dtype` (a plan dtype name)."""

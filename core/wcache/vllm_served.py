@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 from wcache.checkpoint.files import locate
 from wcache.checkpoint.model_path import resolve_model_path
-from wcache.engine.client import EngineRequestError, call_engine, engine_base_url
 from wcache.errors import BadInputError, UnavailableError
 from wcache.integrations.vllm_switch import LOAD_FORMAT, VllmSwitchError, worker_reason
 from wcache.ipc.rundir import census, default_run_dir, matches
 from wcache.monitor.events import read_events
+from wcache.plan.spec import PlanSpec, preload_command
+from wcache.serving.client import EngineRequestError, call_engine, engine_base_url
 
 if TYPE_CHECKING:
     from wcache.verify import GreedyReport
@@ -143,13 +144,15 @@ def _target(engine: ServedVllm, model: Path | None, daemon: str | None) -> tuple
             model = Path(named[0].source)
     assert model is not None  # the command asks for MODEL or --daemon
     path = resolve_model_path(model).absolute()
+    # The command to run: the plan's other fields are vLLM's, which `wcache preload` defaults to as well.
+    preload = preload_command(path, PlanSpec(tp_size=engine.tp_size))
     if daemon is not None and fitting[0].tp_size != engine.tp_size:
         raise UnavailableError(f"daemon {fitting[0].name} holds TP {fitting[0].tp_size} shards, but the engine runs "
-                               f"TP {engine.tp_size}; preload {path} with --tp {engine.tp_size}. The engine keeps "
+                               f"TP {engine.tp_size}; run `{preload}` first. The engine keeps "
                                "its weights.")
     if not [d for d in fitting if d.tp_size == engine.tp_size]:
         raise UnavailableError(f"no daemon in {engine.run_dir} holds TP {engine.tp_size} shards on {engine.device} "
-                               f"for the engine; preload {path} with --tp {engine.tp_size} first. The engine keeps "
+                               f"for the engine; run `{preload}` first. The engine keeps "
                                "its weights.")
     _same_architecture(engine.model, path)
     return path, fitting[0].key_id if daemon is not None else None

@@ -18,8 +18,17 @@ class EngineRequestError(UnavailableError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
-        if status == 400:
-            self.exit_code = BadInputError.exit_code
+
+    @staticmethod
+    def of(message: str, status: int) -> EngineRequestError:
+        """The error for an answer with `status`: 400, the request was bad input; anything else, unavailable."""
+        return (EngineRefusedRequestError if status == 400 else EngineRequestError)(message, status)
+
+
+class EngineRefusedRequestError(EngineRequestError):
+    """The engine refused the request itself (400): the user's input, not the engine, is at fault."""
+
+    exit_code = BadInputError.exit_code
 
 
 def engine_base_url(url: str) -> str:
@@ -55,7 +64,7 @@ def call_engine(url: str, method: str, path: str, body: dict[str, Any] | None = 
     if status != 200:
         error = document.get("error") if isinstance(document, dict) else None
         message = error.get("message") if isinstance(error, dict) else None
-        raise EngineRequestError(str(message or f"{base}{path} answered {status}"), status)
+        raise EngineRequestError.of(str(message or f"{base}{path} answered {status}"), status)
     if not isinstance(document, dict):
         raise UnavailableError(f"{base}{path} answered something other than a JSON object.")
     return document

@@ -25,7 +25,11 @@ from wcache.attach_options import AttachOptions
 from wcache.engine.config import EngineConfig
 from wcache.engine.engine import Engine, Generation
 from wcache.engine.parallel import TensorParallel
-from wcache.engine.server import (
+from wcache.errors import option
+from wcache.ipc.http_server import http_url
+from wcache.ipc.rundir import ensure_run_dir
+from wcache.plan.spec import PlanSpec
+from wcache.serving.server import (
     MAX_BODY_BYTES,
     MAX_TOKENS_LIMIT,
     CounterEvents,
@@ -33,9 +37,6 @@ from wcache.engine.server import (
     make_server,
     write_engine_descriptor,
 )
-from wcache.ipc.http_server import http_url
-from wcache.ipc.rundir import ensure_run_dir
-from wcache.plan.spec import PlanSpec
 
 # Every request starts with the header [opcode, prompt length, max new tokens].
 _GENERATE, _STOP = 1, 2
@@ -147,7 +148,7 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
         _stats_lines_to_stderr()
         served = ServedEngine(engine, model.name, driver.generate if driver is not None else engine.generate,
                               lambda switched: write_engine_descriptor(run_dir, url, switched))
-        server = make_server(served, host, port, ("--host", "--port"))
+        server = make_server(served, host, port, (option("host"), option("port")))
         url = http_url(host, server.server_address[1])
         ensure_run_dir(run_dir)
         descriptor = write_engine_descriptor(run_dir, url, served)

@@ -59,7 +59,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from wcache.engine.parallel import TensorParallel
-from wcache.errors import UnavailableError, WcacheError
+from wcache.errors import UnavailableError, WcacheError, marked
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -308,9 +308,10 @@ def _describe(exc: BaseException) -> dict[str, Any]:
     """A rank's error as plain strings: the parent rebuilds wcache errors by class name, never by unpickling."""
     classes = [f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__
                if isinstance(c, type) and issubclass(c, WcacheError)]
-    lines = str(exc).strip().splitlines()
+    message = marked(exc)  # options still marked: the caller words them for its user
+    lines = message.strip().splitlines()
     summary = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return {"error_classes": classes, "message": str(exc), "summary": summary,
+    return {"error_classes": classes, "message": message, "summary": summary,
             "traceback": traceback.format_exc()}
 
 

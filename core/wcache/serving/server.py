@@ -167,7 +167,7 @@ def _completion(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
 
 def weights_document(engine: Engine) -> dict[str, Any]:
     """GET /v1/weights: the checkpoint and key the engine serves, under which plan, and how it got them."""
-    from wcache.engine.switch import weights_json
+    from wcache.serving.switch import weights_json
 
     report = engine.attach_report
     plan = engine.attach_plan
@@ -179,7 +179,7 @@ def weights_document(engine: Engine) -> dict[str, Any]:
 def _switch(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
     """POST /v1/weights: move the engine to {"model": PATH} and/or {"daemon": ID}; 409 when nothing serves it."""
     from wcache.checkpoint.model_path import looks_like_repo_id, resolve_model_path
-    from wcache.engine.switch import SwitchMissError, daemon_source, switch_weights
+    from wcache.serving.switch import SwitchMissError, daemon_source, switch_weights
 
     model, daemon = body.get("model"), body.get("daemon")
     unknown = sorted(set(body) - {"model", "daemon"})

@@ -1,0 +1,69 @@
+"""What an attach did: hit, miss or fallback, why, against which daemon, and how long each step took."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from wcache.errors import UnavailableError
+from wcache.key.diff import KeyDiff
+
+MAX_DIFF_TENSORS_IN_EVENT = 50
+
+
+class AttachMissError(UnavailableError):
+    """No daemon could serve this key and falling back to disk was not allowed."""
+
+    def __init__(self, message: str, report: AttachReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass(frozen=True, slots=True)
+class AttachReport:
+    """What happened: hit, miss or fallback, why, against which daemon, and how long each step took.
+
+    Built once, when the attach is over; only `daemon_lost` changes after (the lease's watcher sets `lost`).
+    """
+
+    outcome: str
+    mode: str
+    device: str
+    key_id: str | None
+    daemon: str | None = None
+    daemon_key_id: str | None = None
+    reason: str | None = None
+    mismatched: list[str] = field(default_factory=list)
+    diff: KeyDiff | None = None
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    bytes_mapped: int = 0
+    num_tensors: int = 0
+    lost: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+
+    @property
+    def daemon_lost(self) -> bool:
+        """The daemon backing zero-copy tensors went away after the attach."""
+        return self.lost.is_set()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "outcome": self.outcome, "mode": self.mode, "device": self.device, "key_id": self.key_id,
+            "daemon": self.daemon, "daemon_key_id": self.daemon_key_id, "reason": self.reason,
+            "mismatched": self.mismatched, "diff": diff_summary(self.diff) if self.diff else None,
+            "timings_ms": self.timings_ms, "bytes_mapped": self.bytes_mapped, "num_tensors": self.num_tensors,
+            "daemon_lost": self.daemon_lost,
+        }
+
+
+def diff_summary(diff: KeyDiff) -> dict[str, Any]:
+    """A compact, JSON-ready diff for events and reports."""
+    return {
+        "fields": [c.name for c in diff.fields],
+        "plan": {c.name: [c.a, c.b] for c in diff.plan},
+        "config": [c.name for c in diff.config],
+        "changed": [c.name for c in diff.changed[:MAX_DIFF_TENSORS_IN_EVENT]],
+        "added": [e.name for e in diff.added[:MAX_DIFF_TENSORS_IN_EVENT]],
+        "removed": [e.name for e in diff.removed[:MAX_DIFF_TENSORS_IN_EVENT]],
+        "num_changed": len(diff.changed), "num_added": len(diff.added), "num_removed": len(diff.removed),
+    }

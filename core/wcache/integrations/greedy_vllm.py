@@ -1,0 +1,62 @@
+"""`wcache verify --greedy --engine vllm`: vLLM's `wcache` load format against its default loader, each
+engine in a child process (`vllm_runner`); the attached side's report is its hit in the run dir's events."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from wcache.attach_options import AttachOptions
+from wcache.errors import BadInputError, UnavailableError, option
+from wcache.integrations.registry import GreedyTokens
+from wcache.plan.spec import PlanSpec
+
+# The files a Hugging Face tokenizer is read from; a checkpoint with none of them gives vLLM no tokenizer.
+VLLM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def run_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int, options: AttachOptions,
+               device: str) -> GreedyTokens:
+    """Both sides' greedy tokens; vLLM picks its own device."""
+    from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_tokens
+    from wcache.ipc.rundir import default_run_dir
+
+    if not any((model / name).exists() for name in VLLM_TOKENIZER_FILES):
+        # vLLM would start anyway, encode every prompt to nothing and stop at "The decoder prompt cannot be empty".
+        raise BadInputError(f"{model} has no tokenizer ({', '.join(VLLM_TOKENIZER_FILES)}) for vLLM to encode "
+                            f"the prompts with; add one, or verify with {option('engine', 'reference')}.")
+    run_dir = Path(options.run_dir) if options.run_dir else default_run_dir()
+    extra = replace(options, run_dir=str(run_dir)).to_mapping()
+    base = VllmRun(str(model), prompts, max_new_tokens, tensor_parallel_size=plan.tp_size, dtype=plan.dtype)
+    since = time.time()
+    try:
+        cached = greedy_tokens(VllmRun(**{**asdict(base), "load_format": "wcache", "extra_config": extra})).tokens
+    except VllmRunError as exc:
+        raise UnavailableError(f"vLLM could not start on a daemon's weights: {exc}") from None
+    attach = _hit_event(run_dir, "vllm", since)
+    try:
+        disk = greedy_tokens(base).tokens
+    except VllmRunError as exc:
+        raise UnavailableError(f"vLLM could not load {model} from disk: {exc}") from None
+    return GreedyTokens(cached, disk, attach)
+
+
+def _hit_event(run_dir: Path, engine: str, since: float) -> dict[str, Any]:
+    """The attach report of an engine that ran in other processes: its latest hit in the run dir's events."""
+    from wcache.monitor.events import read_events
+
+    hits = [e for e in read_events(run_dir) if e["kind"] == "attach_hit" and e.get("engine") == engine
+            and float(e.get("ts", 0)) >= since]
+    if not hits:
+        return {"outcome": "unknown", "engine": engine}
+    last = hits[-1]
+    # One hit per rank; an integration that says where each tensor went (vLLM's) adds its placement events.
+    placements = sorted((e for e in read_events(run_dir) if e["kind"] == "placement" and e.get("engine") == engine
+                         and float(e.get("ts", 0)) >= since), key=lambda e: int(e.get("tp_rank", 0)))
+    ranks = [{key: e.get(key) for key in ("tp_rank", "daemon", "mode", "parameters", "assigned", "copied",
+                                          "private_bytes")} for e in placements]
+    return {"outcome": "hit", "engine": engine, "daemon": last.get("daemon"), "mode": last.get("mode"),
+            "key_id": last.get("key_id"), "timings_ms": last.get("timings_ms", {}),
+            "hits": [{"daemon": e.get("daemon"), "pid": e.get("pid")} for e in hits], "ranks": ranks}
