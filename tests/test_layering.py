@@ -44,7 +44,9 @@ ALLOWED: dict[str, set[str]] = {
                                   "attach_options", "daemon_choice", "engine", "tp_launch"},
     "verify": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options",
                             "daemon_choice", "engine", "tp_launch", "integrations"},
-    "verify_served": FOUNDATION | {"plan", "key", "load", "engine", "serving", "verify"},
+    # A served vLLM, over HTTP: switched through its endpoints and verified against a vLLM disk load.
+    "vllm_served": FOUNDATION | {"checkpoint", "plan", "ipc", "monitor", "serving", "integrations", "verify"},
+    "verify_served": FOUNDATION | {"plan", "key", "load", "engine", "serving", "verify", "vllm_served"},
 }
 
 

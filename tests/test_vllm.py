@@ -8,7 +8,8 @@ each test starts only the engines it needs, and the greedy runs whose subject is
 interpreter importing vLLM instead of three (front end, engine core, worker). The wcache loader still runs
 in a child of its own, never in pytest. The two tests whose subject is vLLM's multi-process layout keep it:
 a refused start, whose reason only the worker's log holds, and the OpenAI server, which loads through the
-entry-point plugin in a spawned worker.
+entry-point plugin in a spawned worker: one server for the module (`served_vllm`, with vLLM's dev endpoints),
+which answers completions, shows in `wcache top`, then switches to the copy's daemon in place.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from helpers import plant_wcache
 from wcache.errors import BadInputError
 from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_tokens
 from wcache.ipc.rundir import DaemonDescriptor
+from wcache.vllm_served import DEV_MODE
 from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint
 
 PROMPTS = ["the weights cache keeps", "a daemon holds the shard and"]
@@ -190,8 +192,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.xdist_group("test_vllm-served")
-def test_served_vllm_answers_completions_and_shows_in_top(vllm_rig: VllmRig) -> None:
+@dataclass
+class ServedVllm:
+    url: str
+    log: Path
+    process: subprocess.Popen[bytes]
+
+    def complete(self, prompt: str) -> list[int]:
+        body = json.dumps({"model": "small", "prompt": prompt, "max_tokens": MAX_NEW_TOKENS, "temperature": 0,
+                           "return_token_ids": True}).encode()
+        request = urllib.request.Request(f"{self.url}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            completion = json.loads(response.read())
+        assert completion["usage"]["completion_tokens"] == MAX_NEW_TOKENS, completion
+        return list(completion["choices"][0]["token_ids"])
+
+
+@pytest.fixture(scope="module")
+def served_vllm(vllm_rig: VllmRig) -> Iterator[ServedVllm]:
+    """One OpenAI server for the module, on the original's daemon, with vLLM's dev endpoints (a switch's)."""
     rig = vllm_rig.rig
     port = _free_port()
     log_path = rig.base / "vllm-server.log"
@@ -199,7 +219,7 @@ def test_served_vllm_answers_completions_and_shows_in_top(vllm_rig: VllmRig) -> 
                "--port", str(port), "--host", "127.0.0.1", "--load-format", "wcache",
                "--model-loader-extra-config", json.dumps(vllm_rig.extra()), "--enforce-eager",
                "--max-model-len", "512", "--served-model-name", "small"]
-    env = {**os.environ, **rig.env, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, **rig.env, "VLLM_CPU_KVCACHE_SPACE": "1", DEV_MODE: "1"}
     with log_path.open("w") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                   start_new_session=True)
@@ -208,23 +228,7 @@ def test_served_vllm_answers_completions_and_shows_in_top(vllm_rig: VllmRig) -> 
         wait_for(lambda: server.poll() is not None or _healthy(f"{base}/health"),
                  timeout=SERVER_START_S, interval=1.0, what="the vLLM server to come up")
         assert server.poll() is None, log_path.read_text()[-3000:]
-        body = json.dumps({"model": "small", "prompt": PROMPTS[0], "max_tokens": MAX_NEW_TOKENS,
-                           "temperature": 0}).encode()
-        request = urllib.request.Request(f"{base}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            completion = json.loads(response.read())
-        assert completion["choices"][0]["text"], completion
-        assert completion["usage"]["completion_tokens"] == MAX_NEW_TOKENS
-        text = log_path.read_text()
-        assert "wcache: weight cache hit from daemon " + vllm_rig.daemon.name in text
-        top = rig.cli("top", "--once", "--json", "--interval", "0.5", "--scrape", f"{base}/metrics",
-                      "--run-dir", str(rig.run_dir), as_json=True)
-        [engine] = top["engines"]
-        assert engine["kind"] == "vllm" and engine["up"] and engine["model"] == "small"
-        assert vllm_rig.daemon.name in {d["name"] for d in top["daemons"]}
-        # The zero-copy engine holds a lease on the daemon it maps.
-        assert rig.stats(vllm_rig.daemon)["leases"] >= 1
+        yield ServedVllm(base, log_path, server)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGTERM)
@@ -236,3 +240,43 @@ def test_served_vllm_answers_completions_and_shows_in_top(vllm_rig: VllmRig) -> 
             server.wait()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGKILL)  # vLLM's engine core and workers share its session
+
+
+@pytest.mark.xdist_group("test_vllm-served")  # one server for both (tests/conftest.py)
+def test_served_vllm_answers_completions_and_shows_in_top(vllm_rig: VllmRig, served_vllm: ServedVllm) -> None:
+    rig = vllm_rig.rig
+    assert served_vllm.complete(PROMPTS[0])
+    text = served_vllm.log.read_text()
+    assert "wcache: weight cache hit from daemon " + vllm_rig.daemon.name in text
+    top = rig.cli("top", "--once", "--json", "--interval", "0.5", "--scrape", f"{served_vllm.url}/metrics",
+                  "--run-dir", str(rig.run_dir), as_json=True)
+    [engine] = top["engines"]
+    assert engine["kind"] == "vllm" and engine["up"] and engine["model"] == "small"
+    assert vllm_rig.daemon.name in {d["name"] for d in top["daemons"]}
+    # The zero-copy engine holds a lease on the daemon it maps.
+    assert rig.stats(vllm_rig.daemon)["leases"] >= 1
+
+
+@pytest.mark.xdist_group("test_vllm-served")
+def test_served_vllm_switches_in_place_and_verifies(vllm_rig: VllmRig, served_vllm: ServedVllm) -> None:
+    """`wcache switch URL` moves the served engine to the copy's daemon: its tokens are then a fresh disk load's
+    of the copy (`wcache verify URL --greedy`); a switch no daemon serves is refused and changes nothing."""
+    rig, url = vllm_rig.rig, served_vllm.url
+    before = served_vllm.complete(PROMPTS[0])
+    refused = rig.cli("switch", url, str(vllm_rig.unserved_copy))
+    assert refused.returncode == 3 and "vLLM keeps serving" in refused.stderr, refused.stderr
+    assert VICTIM in refused.stderr and "\n" not in refused.stderr.strip(), refused.stderr
+    assert served_vllm.complete(PROMPTS[0]) == before, "a refused switch must leave the old weights serving"
+    result = rig.cli("switch", url, "--daemon", vllm_rig.copy_daemon.name, "--json", as_json=True)
+    assert result["current"]["key_id"] == vllm_rig.copy_daemon.key_id, result
+    assert result["current"]["model"] == str(vllm_rig.served_copy) and result["attach"]["confirmed"], result
+    assert result["previous"]["key_id"] == vllm_rig.daemon.key_id, result
+    assert served_vllm.complete(PROMPTS[0]) != before, "the copy's zeroed lm_head must change the tokens"
+    verified = rig.cli("verify", url, "--greedy", "--num-prompts", "2", "--max-new-tokens", str(MAX_NEW_TOKENS),
+                       "--json", timeout=600, env=IN_PROCESS_ENGINE)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    greedy = json.loads(verified.stdout)["greedy"]
+    assert greedy["all_match"] and greedy["attach"]["model"] == str(vllm_rig.served_copy), greedy
+    back = rig.cli("switch", url, str(vllm_rig.original), "--json", as_json=True)
+    assert back["current"]["key_id"] == vllm_rig.daemon.key_id
+    assert served_vllm.complete(PROMPTS[0]) == before, "back on the original, with a reset prefix cache"

@@ -7,6 +7,8 @@ engine's completions API as token ids; its answer names the weights that ran it 
 difference). The served engine may answer from its prefix cache: the disk engine, with the same cache
 settings, first computes the prefix the served engine reported as its hit, so both run the same steps. With
 bounded replay an adopted hit recomputes one window only, as on the served side.
+
+A vLLM server has no /v1/weights: `wcache.vllm_served` verifies it through vLLM's own API.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from wcache.errors import BadInputError, UnavailableError
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
-from wcache.serving.client import call_engine
+from wcache.serving.client import EngineRequestError, call_engine
 from wcache.verify import GreedyReport, PromptResult, compare_prompts
 
 if TYPE_CHECKING:
@@ -52,7 +54,12 @@ def verify_served(url: str, prompts: list[str], max_new_tokens: int) -> GreedyRe
 
     if not prompts:
         raise BadInputError("there are no prompts to verify with.")
-    model, claimed, plan, config, document = _claim(url)
+    try:
+        model, claimed, plan, config, document = _claim(url)
+    except EngineRequestError as exc:
+        if exc.status != 404:
+            raise
+        return _verify_vllm(url, prompts, max_new_tokens)
     attach = {**(document.get("attach") or {}), "engine": "reference (served)", "url": url, "model": str(model),
               "key_id": claimed.short_id}
     with DigestStore.open() as store:
@@ -85,3 +92,10 @@ def verify_served(url: str, prompts: list[str], max_new_tokens: int) -> GreedyRe
         disk.append(engine.generate(ids, max_new_tokens).token_ids)
     results: list[PromptResult] = compare_prompts(prompts, served, disk)
     return GreedyReport(results, attach, problem)
+
+
+def _verify_vllm(url: str, prompts: list[str], max_new_tokens: int) -> GreedyReport:
+    """The engine at `url` has no /v1/weights: a vLLM server, verified through its own API."""
+    from wcache.vllm_served import verify_served_vllm, vllm_version
+
+    return verify_served_vllm(url, vllm_version(url), prompts, max_new_tokens)

@@ -1,9 +1,10 @@
-"""`wcache switch`: move a served reference engine to another daemon's weights without a restart."""
+"""`wcache switch`: move a served engine (wcache's reference engine, or vLLM's OpenAI server) to another daemon's
+weights without a restart."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from wcache.errors import BadInputError
@@ -26,12 +27,12 @@ def switch(
 ) -> None:
     """Switch a served engine to the weights a daemon holds for MODEL, between requests.
 
-    The request running finishes on the old weights; the next one runs on the new. The switch never falls
-    back to disk: when no daemon holds MODEL's key under the engine's plan it is refused with the reason (exit
-    3) and the engine keeps serving its old weights. Prefix-cache blocks are keyed by the weights' content key,
-    so none computed under the old weights can hit after the switch.
+    The engine is wcache's reference engine or vLLM's OpenAI server; vLLM must run with
+    VLLM_SERVER_DEV_MODE=1, whose endpoints pause it, reload its weights in place through the wcache load
+    format and reset its prefix cache. The request running finishes on the old weights; the next one runs on
+    the new. The switch never falls back to disk: when no daemon holds MODEL's key under the engine's plan it
+    is refused with the reason (exit 3) and the engine keeps serving its old weights.
     """
-    from wcache.errors import UnavailableError
     from wcache.serving.client import EngineRequestError, call_engine
 
     if model is None and daemon is None:
@@ -41,7 +42,8 @@ def switch(
         from wcache.checkpoint.model_path import resolve_model_path
 
         # Absolute: the engine resolves paths in its own working directory, not this shell's.
-        body["model"] = str(resolve_model_path(model).absolute())
+        model = resolve_model_path(model).absolute()
+        body["model"] = str(model)
     if daemon is not None:
         body["daemon"] = daemon
     try:
@@ -49,11 +51,17 @@ def switch(
     except EngineRequestError as exc:
         if exc.status != 404:
             raise
-        raise UnavailableError(f"{url} has no /v1/weights: it is not a wcache reference engine (a vLLM engine "
-                               "switches with wcache.integrations.vllm_switch.switch).") from None
+        result = _switch_vllm(url, model, daemon)
     if json:
         out.json(result)
         return
     previous, current = result["previous"], result["current"]
     out.print(f"SWITCHED {url}: {previous['key_id']} → {current['key_id']} ({current['model']}, daemon "
               f"{result['attach']['daemon']}) in {result['switch_ms']:.1f} ms")
+
+
+def _switch_vllm(url: str, model: Path | None, daemon: str | None) -> dict[str, Any]:
+    """The engine at `url` has no /v1/weights: a vLLM server, switched through its own endpoints."""
+    from wcache.vllm_served import switch_served, vllm_version
+
+    return switch_served(url, vllm_version(url), model, daemon)

@@ -175,7 +175,7 @@ def _verify_served(url: str, content: bool, engine: Engine, prompts: Path | None
     if content:
         raise BadInputError("--content checks a daemon against a checkpoint; give the checkpoint, not an engine URL.")
     if engine.value != DEFAULT_ENGINE.value:
-        raise BadInputError("an engine URL is a served reference engine; drop --engine.")
+        raise BadInputError("an engine URL names its engine itself (wcache's reference engine or vLLM); drop --engine.")
     texts = _read_prompts(prompts) if prompts is not None else default_prompts(num_prompts)
     report = verify_served(url, texts, max_new_tokens).to_json()
     if json:

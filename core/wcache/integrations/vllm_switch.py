@@ -14,6 +14,7 @@ the engine keeps its old weights and `switch` raises with wcache's reason.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from wcache.integrations.vllm_loader import WcacheModelLoader
 
 LOAD_FORMAT = "wcache"
+_QUOTED_WORKER_ERROR = re.compile(r"Worker failed with error '(.*)', please check")
 
 
 class VllmSwitchError(UnavailableError):
@@ -56,15 +58,19 @@ def switch(llm: Any, model: str | Path, **options: Any) -> None:
     try:
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path), "is_checkpoint_format": True})
     except Exception as exc:  # a worker's error, re-raised by vLLM in this process with the worker's message
-        raise VllmSwitchError(f"vLLM keeps its previous weights, no switch to {path}: {_reason(exc)}") from None
+        raise VllmSwitchError(f"vLLM keeps its previous weights, no switch to {path}: {worker_reason(exc)}") from None
     llm.reset_prefix_cache()
     llm.llm_engine.vllm_config.model_config.model = str(path)
 
 
-def _reason(exc: BaseException) -> str:
+def worker_reason(exc: BaseException) -> str:
+    """The wcache sentence of a worker's exception as vLLM re-raises it (locally, or in an HTTP error)."""
     text = str(exc).strip() or type(exc).__name__
-    # vLLM wraps a worker's exception in its own; the wcache sentence is the last line of it.
-    return text.splitlines()[-1].removeprefix("wcache: ").rstrip(".")
+    # vLLM wraps a worker's exception in its own; the wcache sentence is the last line of it, quoted once more
+    # when it crossed processes ("Worker failed with error '…', please check the stack trace above …").
+    line = text.splitlines()[-1]
+    quoted = _QUOTED_WORKER_ERROR.search(line)
+    return (quoted.group(1) if quoted else line).removeprefix("wcache: ").rstrip(".")
 
 
 def daemon_weights(loader: WcacheModelLoader, model: nn.Module,

@@ -1,0 +1,276 @@
+"""A served vLLM (its OpenAI server) as `wcache switch URL` and `wcache verify URL` reach it, over HTTP only.
+
+vLLM 0.32's server has no endpoint that loads other weights; its development endpoints
+(VLLM_SERVER_DEV_MODE=1) reach every worker, and with them a switch is the offline one
+(`wcache.integrations.vllm_switch`) driven from outside:
+
+1. `POST /pause?mode=wait`: requests running finish on the old weights; new ones wait (no request sees two);
+2. `POST /collective_rpc` `update_config`: the workers' load format becomes `wcache`, pinned to the daemon named;
+3. `POST /collective_rpc` `reload_weights`: each rank attaches the new checkpoint's daemon and vLLM reloads
+   in place; on a miss every rank refuses before any layer is touched, and the engine keeps its weights;
+4. `POST /reset_prefix_cache`: no KV computed under the old weights is reused;
+5. `POST /update_weight_version`: vLLM keeps, and `GET /weight_info` reports, what wcache switched it to (the
+   front end's own configuration still names the checkpoint it started with);
+6. `POST /resume`, whatever happened before.
+
+The switch is then confirmed from the run dir's events: the attach hits of the server's own processes after
+step 3. Nothing here imports vLLM: the client needs none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from wcache.checkpoint.files import locate
+from wcache.checkpoint.model_path import resolve_model_path
+from wcache.errors import BadInputError, UnavailableError
+from wcache.integrations.vllm_switch import LOAD_FORMAT, VllmSwitchError, worker_reason
+from wcache.ipc.rundir import census, default_run_dir, matches
+from wcache.monitor.events import read_events
+from wcache.plan.spec import PlanSpec, preload_command
+from wcache.serving.client import EngineRequestError, call_engine, engine_base_url
+
+if TYPE_CHECKING:
+    from wcache.verify import GreedyReport
+
+DEV_MODE = "VLLM_SERVER_DEV_MODE"
+CLAIM = "wcache"  # the key of wcache's claim in the weight version it sets
+# config.json fields that say nothing about the tensors' shapes: a switch may change them.
+NOT_ARCHITECTURE = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype"})
+
+
+@dataclass(frozen=True, slots=True)
+class ServedVllm:
+    """What a served vLLM says about itself: its configuration at start and the weights wcache last gave it."""
+
+    url: str
+    version: str
+    model_name: str  # the name its completions API takes
+    started_model: str  # the checkpoint it started with, as its front end still names it
+    load_format: str
+    extra_config: dict[str, Any]  # the wcache options it started with
+    tp_size: int
+    device: str  # vLLM's device type: "cpu", "cuda"
+    dtype: str
+    max_model_len: int
+    claim: dict[str, Any] | None  # what the last `wcache switch` set: model, key_id, daemon
+
+    @property
+    def model(self) -> Path:
+        """The checkpoint it serves now."""
+        return Path(self.claim["model"] if self.claim else self.started_model)
+
+    @property
+    def run_dir(self) -> Path:
+        configured = self.extra_config.get("run_dir") if self.load_format == LOAD_FORMAT else None
+        return Path(configured) if configured else default_run_dir()
+
+
+def vllm_version(url: str) -> str:
+    """The vLLM version the server at `url` reports (GET /version); what a caller asks once the engine there
+    turned out to be no wcache reference engine (it has no /v1/weights)."""
+    try:
+        version = call_engine(url, "GET", "/version", timeout=30).get("version")
+    except EngineRequestError:
+        version = None
+    if not isinstance(version, str):
+        raise UnavailableError(f"{engine_base_url(url)} is neither a wcache reference engine (no /v1/weights) nor "
+                               "a vLLM server (no /version).")
+    return version
+
+
+def describe(url: str, version: str, *, dev_mode: bool = True) -> ServedVllm:
+    """The served vLLM at `url`. Without its dev endpoints: UnavailableError saying how to start it, or with
+    `dev_mode` false what /v1/models tells (the checkpoint it started with, at TP 1 and vLLM's default dtype)."""
+    try:
+        info: dict[str, Any] | None = call_engine(url, "GET", "/server_info?config_format=json", timeout=60)
+    except EngineRequestError as exc:
+        if exc.status != 404:
+            raise
+        if dev_mode:
+            raise UnavailableError(f"the vLLM server at {engine_base_url(url)} has no development endpoints, so it "
+                                   f"cannot reload weights in place; start it with {DEV_MODE}=1 in its "
+                                   "environment (it keeps its weights).") from None
+        info = None
+    models = call_engine(url, "GET", "/v1/models", timeout=30).get("data") or [{}]
+    try:
+        if info is None:
+            listed = models[0]
+            return ServedVllm(engine_base_url(url), version, str(listed["id"]), str(listed["root"]), "auto", {}, 1,
+                              "cpu", "auto", int(listed["max_model_len"]), None)
+        weight_version = call_engine(url, "GET", "/weight_info", timeout=30).get("weight_version")
+        config = info["vllm_config"]
+        model, load, parallel = config["model_config"], config["load_config"], config["parallel_config"]
+        return ServedVllm(
+            url=engine_base_url(url), version=version, model_name=str(models[0].get("id") or model["model"]),
+            started_model=str(model["model"]), load_format=str(load["load_format"]),
+            extra_config=dict(load.get("model_loader_extra_config") or {}),
+            tp_size=int(parallel["tensor_parallel_size"]), device=str(config["device_config"]["device"]),
+            dtype=str(model["dtype"]).removeprefix("torch."), max_model_len=int(model["max_model_len"]),
+            claim=_claim(weight_version))
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise UnavailableError(f"the vLLM server at {engine_base_url(url)} describes its configuration in a form "
+                               f"wcache does not read ({exc!r}).") from None
+
+
+def _claim(weight_version: Any) -> dict[str, Any] | None:
+    with contextlib.suppress(TypeError, ValueError):
+        document = json.loads(weight_version)
+        if isinstance(document, dict) and isinstance(document.get(CLAIM), dict):
+            return dict(document[CLAIM])
+    return None
+
+
+def _target(engine: ServedVllm, model: Path | None, daemon: str | None) -> tuple[Path, str | None]:
+    """The checkpoint to switch to and the key id to pin (a named daemon's), after every check that needs no
+    engine: the named daemon exists and fits the engine's device and TP size, some daemon could, and the
+    checkpoint's shapes are the engine's. The pin is a key, not a name: each TP rank attaches its own daemon."""
+    live = census(engine.run_dir).live if engine.run_dir.exists() else ()
+    fitting = [d for d in live if d.device.split(":")[0] == engine.device]
+    if daemon is not None:
+        named = [d for d in fitting if matches(d, daemon)]
+        if len({d.key_id for d in named}) != 1:
+            raise UnavailableError(f"{len(named)} running daemons on {engine.device} match {daemon!r} in "
+                                   f"{engine.run_dir}; name one daemon (or one key).")
+        fitting = named
+        if model is None:
+            model = Path(named[0].source)
+    assert model is not None  # the command asks for MODEL or --daemon
+    path = resolve_model_path(model).absolute()
+    # The command to run: the plan's other fields are vLLM's, which `wcache preload` defaults to as well.
+    preload = preload_command(path, PlanSpec(tp_size=engine.tp_size))
+    if daemon is not None and fitting[0].tp_size != engine.tp_size:
+        raise UnavailableError(f"daemon {fitting[0].name} holds TP {fitting[0].tp_size} shards, but the engine runs "
+                               f"TP {engine.tp_size}; run `{preload}` first. The engine keeps "
+                               "its weights.")
+    if not [d for d in fitting if d.tp_size == engine.tp_size]:
+        raise UnavailableError(f"no daemon in {engine.run_dir} holds TP {engine.tp_size} shards on {engine.device} "
+                               f"for the engine; run `{preload}` first. The engine keeps "
+                               "its weights.")
+    _same_architecture(engine.model, path)
+    return path, fitting[0].key_id if daemon is not None else None
+
+
+def _same_architecture(current: Path, new: Path) -> None:
+    old_config, new_config = (locate(resolve_model_path(p)).config or {} for p in (current, new))
+    changed = sorted(k for k in (old_config.keys() | new_config.keys()) - NOT_ARCHITECTURE
+                     if old_config.get(k) != new_config.get(k))
+    if changed:
+        raise BadInputError(f"{new} has another architecture than {current} ({', '.join(changed)} differ); an "
+                            "in-place reload keeps vLLM's model and KV cache, so start a new engine for it.")
+
+
+def switch_served(url: str, version: str, model: Path | None, daemon: str | None) -> dict[str, Any]:
+    """Move the served vLLM at `url` to the weights a daemon holds for `model` (or the daemon `daemon`'s).
+
+    Returns what it replaced and with what, as `POST /v1/weights` of a reference engine does. Raises (the
+    engine keeping its weights) UnavailableError when it runs without dev endpoints or no daemon fits, and
+    VllmSwitchError when its ranks refused the attach.
+    """
+    engine = describe(url, version)
+    path, pin = _target(engine, model, daemon)
+    # No pin unpins what an earlier switch pinned; the rest (run dir, mode, …) stays as the server started.
+    extra = {**(engine.extra_config if engine.load_format == LOAD_FORMAT else {}), "daemon": pin}
+    pids = server_pids(url)
+    previous = {"model": str(engine.model), "key_id": (engine.claim or {}).get("key_id")
+                or _last_key(engine.run_dir, pids)}
+    began_at, began = time.time(), time.perf_counter()
+    call_engine(url, "POST", "/pause?mode=wait&clear_cache=false")
+    try:
+        override = {"load_config": {"load_format": LOAD_FORMAT, "model_loader_extra_config": extra}}
+        call_engine(url, "POST", "/collective_rpc", {"method": "update_config", "args": [override]})
+        try:
+            call_engine(url, "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {
+                "weights_path": str(path), "is_checkpoint_format": True}})
+        except EngineRequestError as exc:
+            hits = _events(engine.run_dir, "attach_hit", began_at, pids)
+            raise _refusal(engine, path, worker_reason(exc), hits) from None
+        reset = call_engine(url, "POST", "/reset_prefix_cache")
+        hits = _events(engine.run_dir, "attach_hit", began_at, pids)
+        current = {"model": str(path), "key_id": hits[-1]["key_id"] if hits else None,
+                   "daemon": hits[-1]["daemon"] if hits else pin}
+        call_engine(url, "POST", "/update_weight_version", {"new_version": json.dumps({CLAIM: current})})
+    finally:
+        call_engine(url, "POST", "/resume")
+    seconds = time.perf_counter() - began
+    if not reset.get("success"):
+        raise UnavailableError(f"vLLM serves {path} now but did not reset its prefix cache; reset it with POST "
+                               f"{engine.url}/reset_prefix_cache before trusting its answers.")
+    return {"engine": f"vllm {version}", "previous": previous, "current": current,
+            "attach": {"daemon": current["daemon"], "confirmed": len(hits) >= engine.tp_size,
+                       "hits": [{"daemon": e.get("daemon"), "key_id": e.get("key_id"), "pid": e.get("pid")}
+                                for e in hits]},
+            "switch_ms": round(seconds * 1000, 3)}
+
+
+def _refusal(engine: ServedVllm, path: Path, reason: str, hits: list[dict[str, Any]]) -> UnavailableError:
+    if hits:  # some rank attached and began to reload: its layers may hold either version now
+        return UnavailableError(f"vLLM's reload of {path} failed after {len(hits)} rank(s) attached, so its weights "
+                                f"may be mixed: {reason}; restart the engine.")
+    return VllmSwitchError(f"vLLM keeps serving {engine.model}, no switch to {path}: {reason}.")
+
+
+def server_pids(url: str) -> set[int] | None:
+    """The processes of the server listening at `url` on this host (its engine core and workers included), or
+    None when it cannot be told (another host, or another user's process)."""
+    import psutil
+
+    parts = urllib.parse.urlsplit(engine_base_url(url))
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(parts.hostname, parts.port or 80)}
+        local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs} | {"0.0.0.0", "::"}
+        if not addresses & local:
+            return None
+        listening = [c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.pid
+                     and c.laddr and c.laddr.port == parts.port]
+        if len(set(listening)) != 1:
+            return None
+        server = psutil.Process(listening[0])
+        return {server.pid, *(child.pid for child in server.children(recursive=True))}
+    except (OSError, psutil.Error):
+        return None
+
+
+def _events(run_dir: Path, kind: str, since: float, pids: set[int] | None) -> list[dict[str, Any]]:
+    """The vLLM loader's events of `kind` since `since`, of the server's processes when they are known."""
+    if not run_dir.exists():
+        return []
+    return [e for e in read_events(run_dir) if e["kind"] == kind and e.get("engine") == "vllm"
+            and float(e.get("ts", 0)) >= since and (pids is None or e.get("pid") in pids)]
+
+
+def _last_key(run_dir: Path, pids: set[int] | None) -> str | None:
+    """The key of the server's latest attach: what it serves when no `wcache switch` moved it yet."""
+    hits = _events(run_dir, "attach_hit", 0.0, pids) if pids is not None else []
+    return hits[-1].get("key_id") if hits else None
+
+
+
+def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_tokens: int) -> GreedyReport:
+    """Greedy tokens of the served vLLM at `url`, through its completions API, against a fresh vLLM disk load
+    (`load_format="auto"`) of the checkpoint it serves, with its dtype, TP size and context length."""
+    from wcache.integrations.vllm_runner import VllmRun, greedy_tokens
+    from wcache.verify import GreedyReport, compare_prompts
+
+    engine = describe(url, version, dev_mode=False)
+    attach = {"engine": f"vllm {version} (served)", "url": engine.url, "model": str(engine.model),
+              **{k: v for k, v in (engine.claim or {}).items() if k != "model"}}
+    # One request for all prompts: vLLM schedules them together, as the disk engine's one generate() does.
+    answer = call_engine(url, "POST", "/v1/completions", {
+        "model": engine.model_name, "prompt": prompts, "max_tokens": max_new_tokens, "temperature": 0,
+        "return_token_ids": True})
+    choices = sorted(answer["choices"], key=lambda choice: int(choice["index"]))
+    served = [list(choice["token_ids"]) for choice in choices]
+    problem = None
+    if describe(url, version, dev_mode=False).claim != engine.claim:
+        problem = "the engine switched its weights during the verification"
+    disk = greedy_tokens(VllmRun(str(engine.model), prompts, max_new_tokens, dtype=engine.dtype,
+                                 tensor_parallel_size=engine.tp_size, max_model_len=engine.max_model_len))
+    return GreedyReport(compare_prompts(prompts, served, disk.tokens), attach, problem)

@@ -1,0 +1,78 @@
+"""`wcache switch URL` against servers that are not a switchable vLLM, without starting vLLM: a stand-in HTTP
+server answers as vLLM 0.32's OpenAI server does without VLLM_SERVER_DEV_MODE (GET /version, 404 elsewhere),
+or as no engine at all. Either way: one sentence, exit 3, and nothing that would change weights is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from helpers import wcache_process
+from wcache_dev.synth import write_checkpoint
+
+
+class StandIn(ThreadingHTTPServer):
+    version: str | None
+    requests: list[str]
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: StandIn
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def _answer(self) -> None:
+        self.server.requests.append(f"{self.command} {self.path}")
+        if self.path == "/version" and self.server.version is not None:
+            status, body = 200, {"version": self.server.version}
+        else:
+            status, body = 404, {"detail": "Not Found"}  # FastAPI's answer for a route it lacks
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _answer
+
+
+@pytest.fixture
+def stand_in() -> Iterator[StandIn]:
+    server = StandIn(("127.0.0.1", 0), Handler)
+    server.version, server.requests = "0.32.0", []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def _url(server: StandIn) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_a_vllm_server_without_dev_mode_is_told_how_to_start(stand_in: StandIn, tmp_path: Path) -> None:
+    model = write_checkpoint("tiny", tmp_path / "tiny")
+    result = wcache_process("switch", _url(stand_in), str(model))
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "VLLM_SERVER_DEV_MODE=1" in result.stderr and "keeps its weights" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not [r for r in stand_in.requests if "/collective_rpc" in r or "/pause" in r], stand_in.requests
+
+
+def test_a_server_that_is_no_engine_is_named_so(stand_in: StandIn, tmp_path: Path) -> None:
+    stand_in.version = None
+    model = write_checkpoint("tiny", tmp_path / "tiny")
+    result = wcache_process("switch", _url(stand_in), str(model))
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "neither a wcache reference engine" in result.stderr and "nor a vLLM server" in result.stderr
