@@ -41,7 +41,7 @@ UNIT_ENV = DEPLOY / "systemd" / "example.env"
 KUBERNETES = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
 COMPOSE = DEPLOY / "compose" / "docker-compose.yaml"
 README = DEPLOY / "README.md"
-ENGINE_SERVER = REPO / "core" / "wcache" / "engine" / "server.py"
+ENGINE_SERVER = REPO / "core" / "wcache" / "serving" / "server.py"
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 # Words that may stand before `wcache` on a command line: what runs it, not arguments of something else
