@@ -17,12 +17,13 @@ import msgspec
 
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.errors import WcacheError
-from wcache.ipc.arena import WireEntry
 from wcache.ipc.protocol import Frame, Limits, ProtocolError, frame_bytes, send_encoded
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
 from wcache.schema import Schema, schema_error
 
+# One entry as a map reply carries it: (name, dtype, shape, offset, nbytes) (`arena.ArenaEntry.to_wire()`).
+WireEntry = tuple[str, str, tuple[int, ...], int, int]
 MapMode = Literal["zero_copy", "copy"]
 HelloStatus = Literal["hit", "miss", "released", "corrupt"]
 
@@ -124,7 +125,7 @@ class MapReply(Message, frozen=True, tag="map"):
     kind: Literal["memfd", "cuda"]
     total_bytes: int
     # (name, dtype, shape, offset, nbytes) per tensor, as `ArenaEntry.to_wire()` writes them: a tuple per tensor,
-    # not an object, and arena_views.views_from_wire checks that they fit the arena.
+    # not an object, and mapped_arena.views_from_wire checks that they fit the arena.
     entries: list[WireEntry]
     cuda: CudaHandle | None = None
     # Not a wire field: the descriptors that came with the frame, set by `MapRequest.reply_from` (the receiver
