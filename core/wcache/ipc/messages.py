@@ -143,8 +143,9 @@ class ArenaReport(Message, frozen=True, tag="arena"):
     changed: tuple[str, ...]
 
 
-class StatsReply(Message, frozen=True, tag="stats"):
-    """One daemon's state and counters: what `wcache status`, `wcache top` and the health endpoints show."""
+class DaemonStats(Schema, frozen=True):
+    """One daemon's state and counters: what `wcache status`, `wcache top` and the health endpoints show (a
+    supervisor's `/health` rank rows are these, untagged)."""
 
     name: str
     pid: int
@@ -165,6 +166,14 @@ class StatsReply(Message, frozen=True, tag="stats"):
     released: ReleasedTo | None
     provenance: str | None = None  # its files against what the Hub published, at load (checkpoint.provenance)
     corrupt: tuple[str, ...] | None = None  # tensors its background re-check found changed, one sentence each
+
+
+class StatsReply(Message, DaemonStats, frozen=True, tag="stats"):
+    """A daemon's answer to `Stats`: its `DaemonStats` as a tagged reply."""
+
+    def stats(self) -> DaemonStats:
+        """Its fields, untagged."""
+        return DaemonStats(**msgspec.structs.asdict(self))
 
 
 class ShutdownReply(Message, frozen=True, tag="shutdown"):
