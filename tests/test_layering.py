@@ -103,3 +103,56 @@ def test_package_inits_import_no_part_eagerly() -> None:
                  and not (isinstance(node, ast.ImportFrom) and node.module in {"__future__", "typing",
                                                                                  "wcache.lazy_exports"})]
         assert eager == [], f"{init.relative_to(ROOT)} imports eagerly"
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(CORE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Which module of core imports which (lazy imports included; a package's `__init__` is not followed)."""
+    modules = {_module(path): path for path in CORE.rglob("*.py") if path.name != "__init__.py"}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets.add(node.module)
+                targets.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from pkg import module`
+        graph[name] = {target for target in targets if target in modules and target != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The groups of two or more modules that reach each other through imports (strongly connected)."""
+    reach = {name: set() for name in graph}
+    for start in graph:
+        todo = list(graph[start])
+        while todo:
+            name = todo.pop()
+            if name not in reach[start]:
+                reach[start].add(name)
+                todo.extend(graph[name])
+    groups = {frozenset({name, *(other for other in reach[name] if name in reach[other])}) for name in graph}
+    return [group for group in groups if len(group) > 1]
+
+
+# Left to the vLLM switch's owners: the switch names the loader's types, and the loader asks the switch for
+# its weights.
+KNOWN_CYCLES = {frozenset({"wcache.integrations.vllm_loader", "wcache.integrations.vllm_switch"})}
+
+
+def test_no_modules_import_each_other_in_a_cycle() -> None:
+    assert set(_cycles(_module_graph())) <= KNOWN_CYCLES
+
+
+def test_an_engines_side_of_the_arena_imports_nothing_of_the_daemons() -> None:
+    """`ipc.arena` makes, fills and seals arenas (torch-free); `ipc.mapped_arena` maps and views them. The daemon's
+    side may borrow the engine's dtype lookup for its own views, never the other way round."""
+    graph = _module_graph()
+    assert "wcache.ipc.arena" not in graph["wcache.ipc.mapped_arena"]
+    assert graph["wcache.ipc.arena"] <= {"wcache.errors", "wcache.ipc.mapped_arena", "wcache.ipc.messages"}

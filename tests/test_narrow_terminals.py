@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 from textual.widgets import DataTable
+from wcache.monitor.status_row import StatusRow
 from wcache_cli.commands.status import _table as status_table
 from wcache_cli.top.app import TopApp
 from wcache_cli.top.once import once_renderable
@@ -38,14 +39,14 @@ def _text(renderable: Any, width: int, height: int) -> str:
     return console.export_text()
 
 
-def _status_rows() -> list[dict[str, Any]]:
+def _status_rows() -> list[StatusRow]:
     """What `status --json` lists for the sample's daemons."""
-    return [{
-        "name": d.name, "pid": d.pid, "device": d.device, "tp_size": d.tp_size, "tp_rank": d.tp_rank,
-        "source": f"/models/{d.model}", "key_id": d.key_id, "state": "ready" if d.alive else "unreachable",
-        "holds_weights": d.alive, "weights_bytes": d.weights_bytes, "leases": d.leases, "uptime_s": d.uptime_s,
-        "health_url": None, "health_status": d.health_status, "counters": {}, "provenance": d.provenance,
-    } for d in SAMPLE.daemons]
+    return [StatusRow(
+        name=d.name, pid=d.pid, device=d.device, tp_size=d.tp_size, tp_rank=d.tp_rank,
+        source=f"/models/{d.model}", key_id=d.key_id, state="ready" if d.alive else "unreachable",
+        holds_weights=d.alive, weights_bytes=d.weights_bytes, leases=d.leases, uptime_s=d.uptime_s,
+        health_url=None, health_status=d.health_status, counters={}, provenance=d.provenance,
+    ) for d in SAMPLE.daemons]
 
 
 def _lines_fit(text: str, width: int) -> None:
@@ -54,7 +55,7 @@ def _lines_fit(text: str, width: int) -> None:
 
 @pytest.mark.parametrize(("width", "height"), SIZES, ids=lambda v: str(v))
 def test_status_fits_and_keeps_every_name_whole(width: int, height: int, snapshot: Any) -> None:
-    text = _text(status_table(RUN_DIR, _status_rows(), width), width, height)  # type: ignore[arg-type]
+    text = _text(status_table(RUN_DIR, _status_rows(), width), width, height)
     _lines_fit(text, width)
     for d in SAMPLE.daemons:
         assert d.name in text

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -74,9 +73,12 @@ class Output:
         return Console(stderr=True, highlight=False, soft_wrap=True)
 
     def json(self, value: Any) -> None:
+        """Print `value` as indented JSON; msgspec writes it, so Schema structs in it are written as they are."""
+        import msgspec
+
         # Plain print: rich would re-wrap long strings and break the document.
         try:
-            sys.stdout.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+            sys.stdout.write(msgspec.json.format(msgspec.json.encode(value), indent=2).decode() + "\n")
             sys.stdout.flush()
         except BrokenPipeError:
             reader_gone()  # here, not in main(): Click turns EPIPE into exit 1 before main() could see it

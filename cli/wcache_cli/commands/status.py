@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from wcache.errors import BadInputError, UnavailableError
@@ -15,9 +14,7 @@ from wcache_cli.params import JsonOpt, RunDirOpt, run_dir_or_default
 
 if TYPE_CHECKING:
     from rich.table import Table
-    from wcache.ipc.loading import LoadingRecord
-    from wcache.ipc.rundir import DaemonDescriptor
-    from wcache.monitor.daemon_status import DaemonStatus
+    from wcache.monitor.status_row import StatusRow
 
 HEALTH_TIMEOUT_S = 2.0
 
@@ -31,45 +28,21 @@ def _health(url: str | None) -> int | None:
     return http_get(f"{url}/health", HEALTH_TIMEOUT_S)[0]
 
 
-def _row(descriptor: DaemonDescriptor, answer: DaemonStatus) -> dict[str, Any]:
-    stats = answer.stats
-    return {
-        "name": descriptor.name, "pid": descriptor.pid, "device": descriptor.device,
-        "tp_size": descriptor.tp_size, "tp_rank": descriptor.tp_rank, "source": descriptor.source,
-        "key_id": descriptor.key_id, "state": answer.state, "holds_weights": stats is not None and stats.holds_weights,
-        "weights_bytes": stats.weights_bytes if stats else 0, "leases": stats.leases if stats else 0,
-        "uptime_s": stats.uptime_s if stats else None, "health_url": descriptor.health_url,
-        "health_status": _health(descriptor.health_url), "counters": stats.counters if stats else {},
-        "provenance": descriptor.provenance,
-        "parent_key_id": descriptor.parent_key_id, "corrupt": list(stats.corrupt or ()) if stats else [],
-    }
-
-
-def _loading_row(record: LoadingRecord) -> dict[str, Any]:
-    return {
-        "name": record.name, "pid": record.pid, "device": record.device, "tp_size": record.tp_size,
-        "tp_rank": record.tp_rank, "source": record.source, "key_id": None, "state": "loading",
-        "phase": record.phase, "done_bytes": record.done_bytes, "total_bytes": record.total_bytes,
-        "holds_weights": False, "weights_bytes": 0, "leases": 0, "uptime_s": round(time.time() - record.started, 3),
-        "health_url": None, "health_status": None, "counters": {}, "provenance": None,
-    }
-
-
-def _unhealthy(row: dict[str, Any]) -> str | None:
+def _unhealthy(row: StatusRow) -> str | None:
     """Why a daemon is not ready to serve, or None when it is."""
-    name = row["name"] or f"pid {row['pid']}"
-    if row["state"] == "loading":
-        total = int(row["total_bytes"] or 0)
-        progress = f", {int(row['done_bytes']) * 100 // total}% read" if total else ""
-        return f"daemon {name} is still loading ({row['phase']}{progress})"
-    if row["state"] == "unreachable":
+    name = row.name or f"pid {row.pid}"
+    if row.state == "loading":
+        total = int(row.total_bytes or 0)
+        progress = f", {int(row.done_bytes or 0) * 100 // total}% read" if total else ""
+        return f"daemon {name} is still loading ({row.phase or ''}{progress})"
+    if row.state == "unreachable":
         return f"daemon {name} does not answer"
-    if row["state"] == "released" or not row["holds_weights"]:
-        return f"daemon {name} no longer holds weights (state {row['state']})"
-    if row.get("corrupt"):
-        return f"daemon {name} found its weights changed in memory: {row['corrupt'][0]}"
-    if row["health_status"] not in (None, 200):
-        return f"the health server of daemon {name} answers {row['health_status']}"
+    if row.state == "released" or not row.holds_weights:
+        return f"daemon {name} no longer holds weights (state {row.state})"
+    if row.corrupt:
+        return f"daemon {name} found its weights changed in memory: {row.corrupt[0]}"
+    if row.health_status not in (None, 200):
+        return f"the health server of daemon {name} answers {row.health_status}"
     return None
 
 
@@ -92,12 +65,14 @@ def status(
     from wcache.ipc.loading import read_loading
     from wcache.ipc.rundir import census
     from wcache.monitor.daemon_status import collect
+    from wcache.monitor.status_row import StatusRow
 
     where = run_dir_or_default(run_dir)
     found = census(where) if where.exists() else None
     live = found.live if found else ()
-    rows = [_row(d, answer) for d, answer in zip(live, collect([d.socket for d in live]), strict=True)]
-    rows += [_loading_row(r) for r in read_loading(where)] if where.exists() else []
+    rows = [StatusRow.of(d, answer, _health(d.health_url))
+            for d, answer in zip(live, collect([d.socket for d in live]), strict=True)]
+    rows += [StatusRow.loading(r) for r in read_loading(where)] if where.exists() else []
     stale = [{"name": d.name, "pid": d.pid, "source": d.source} for d in found.stale] if found else []
     problems = [p for p in map(_unhealthy, rows) if p is not None]
     if json:
@@ -126,7 +101,7 @@ STATUS_COLUMNS = (("daemon", 0), ("device", 6), ("rank", 5), ("model", 2), ("key
                   ("memory", 3), ("leases", 4), ("uptime", 7), ("health", 4))
 
 
-def _table(where: Path, rows: list[dict[str, Any]], width: int | None = None) -> Table:
+def _table(where: Path, rows: list[StatusRow], width: int | None = None) -> Table:
     from rich.table import Table
     from rich.text import Text
 
@@ -145,30 +120,30 @@ def _table(where: Path, rows: list[dict[str, Any]], width: int | None = None) ->
     return table
 
 
-def _cells(r: dict[str, Any]) -> list[str]:
+def _cells(r: StatusRow) -> list[str]:
     """One daemon's cells, as markup. Every string here comes from a file in the run dir, which anything
     running as this user may forge: shown through `literal`."""
     from wcache_cli.render import PROVENANCE_MARK, human_bytes
 
-    uptime = f"{r['uptime_s']:.0f} s" if isinstance(r["uptime_s"], int | float) else "?"
-    health = str(r["health_status"]) if r["health_status"] is not None else "off"
-    model = literal(Path(r["source"]).name)  # a directory name may hold brackets or escapes
-    state = str(r["state"])
+    uptime = f"{r.uptime_s:.0f} s" if isinstance(r.uptime_s, int | float) else "?"
+    health = str(r.health_status) if r.health_status is not None else "off"
+    model = literal(Path(r.source).name)  # a directory name may hold brackets or escapes
+    state = str(r.state)
     if state == "loading":
-        total = int(r["total_bytes"] or 0)
-        state = (f"loading {human_bytes(int(r['done_bytes']))}/{human_bytes(total)}" if total
-                 else f"loading ({literal(r['phase'])})")
-    elif not r["holds_weights"] and state == "ready":
+        total = int(r.total_bytes or 0)
+        state = (f"loading {human_bytes(int(r.done_bytes or 0))}/{human_bytes(total)}" if total
+                 else f"loading ({literal(r.phase or '')})")
+    elif not r.holds_weights and state == "ready":
         state = "ready, no weights"
-    if r.get("corrupt"):
-        state = "CORRUPT: " + "; ".join(literal(c) for c in r["corrupt"])
-    if unverified := int((r["counters"] or {}).get("hits_unverified", 0)):
+    if r.corrupt:
+        state = "CORRUPT: " + "; ".join(literal(c) for c in r.corrupt)
+    if unverified := int((r.counters or {}).get("hits_unverified", 0)):
         state += f", {unverified} unverified hit(s)"  # --trust-daemon engines never compared checkpoints
-    name = literal(r["name"]) if r["name"] else f"(pid {r['pid']})"
-    key = literal(f"{r['parent_key_id']} → {r['key_id']}" if r.get("parent_key_id") else (r["key_id"] or "-"))
-    mark, style = PROVENANCE_MARK.get(r["provenance"] or "", ("-", "dim"))
-    return [name, literal(r["device"]), f"{r['tp_rank']}/{r['tp_size']}", model, key,
-            state, f"[{style}]{mark}[/]", human_bytes(int(r["weights_bytes"] or 0)), str(r["leases"]),
+    name = literal(r.name) if r.name else f"(pid {r.pid})"
+    key = literal(f"{r.parent_key_id} → {r.key_id}" if r.parent_key_id else (r.key_id or "-"))
+    mark, style = PROVENANCE_MARK.get(r.provenance or "", ("-", "dim"))
+    return [name, literal(r.device), f"{r.tp_rank}/{r.tp_size}", model, key,
+            state, f"[{style}]{mark}[/]", human_bytes(int(r.weights_bytes or 0)), str(r.leases),
             uptime, health]
 
 

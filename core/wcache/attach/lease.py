@@ -18,7 +18,7 @@ from wcache.monitor.events import append_event
 if TYPE_CHECKING:
     import torch
 
-    from wcache.ipc.arena import MappedArena
+    from wcache.ipc.mapped_arena import MappedArena
 
 
 class AttachedWeights:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     # reports (`wcache attach` without --prompt/--serve) never loads torch.
     import torch
 
-    from wcache.ipc.arena import MappedArena
+    from wcache.ipc.mapped_arena import MappedArena
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +68,12 @@ def try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, wanted: 
             connection.close()
             raise UnavailableError(f"daemon {descriptor.name} sent no arena descriptor.")
         if ctx.views:
-            from wcache.ipc.arena import map_cpu_arena
+            from wcache.ipc.mapped_arena import map_cpu_arena
 
             mapping = map_cpu_arena(reply.fds[0], reply.total_bytes, entries)
             tensors = mapping.tensors
         else:  # only a report: what mapping would check first, and nothing mapped
-            from wcache.ipc.arena import check_arena_size
+            from wcache.ipc.mapped_arena import check_arena_size
 
             try:
                 check_arena_size(reply.fds[0], reply.total_bytes)
@@ -82,8 +82,7 @@ def try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, wanted: 
     elif ctx.views:
         import torch
 
-        from wcache.ipc.arena import open_cuda_handle
-        from wcache.ipc.arena_views import views_from_wire
+        from wcache.ipc.mapped_arena import open_cuda_handle, views_from_wire
 
         if reply.cuda is None:
             connection.close()

@@ -1,6 +1,9 @@
 """The supervisor's HTTP endpoints: /livez, /readyz (and /health, its older name), /metrics (Prometheus text)
 and /stats (JSON).
 
+A rank's row is typed once, from its daemon's stats reply (`DaemonStats`) or, when it gives none, its state
+(`RankState`); the readiness rules and the metrics read the rows, and msgspec writes them as JSON.
+
 Liveness and readiness differ on purpose: a rank whose weights went to a copy-mode client serves no more
 attaches (not ready) but is a healthy process (alive); a liveness probe that failed on it would restart it
 in a loop.
@@ -11,8 +14,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
-from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -20,10 +23,24 @@ from prometheus_client.registry import Collector
 from wcache.attach_options import MODES
 from wcache.checkpoint.provenance import VERDICTS
 from wcache.ipc import counters as counter_names
-from wcache.ipc.http_server import HTTPRequestError, QuietHandler, make_http_server
+from wcache.ipc.http_server import JSON_TYPE, HTTPRequestError, QuietHandler, make_http_server
+from wcache.ipc.messages import DaemonStats
 from wcache.monitor.daemon_status import collect
+from wcache.schema import Schema
 
 DEAD_STATES = frozenset({"exited", "unreachable"})
+
+
+class RankState(Schema, frozen=True):
+    """A rank that gave no stats: still loading, exited, or not answering (`error` says why)."""
+
+    tp_rank: int
+    state: str
+    holds_weights: bool
+    error: str | None = None
+
+
+RankRow = DaemonStats | RankState
 
 
 class RankTable:
@@ -43,38 +60,43 @@ class RankTable:
         with self._lock:
             self._gone.add(rank)
 
-    def snapshot(self) -> list[dict[str, Any]]:
+    def snapshot(self) -> list[RankRow]:
         """Each expected rank's stats, or its state when it cannot answer."""
         with self._lock:
             sockets, gone = dict(self._sockets), set(self._gone)
         asked = [rank for rank in range(self.expected) if rank not in gone and rank in sockets]
         answers = dict(zip(asked, collect([sockets[rank] for rank in asked]), strict=True))
-        ranks = []
+        ranks: list[RankRow] = []
         for rank in range(self.expected):
             answer = answers.get(rank)
             if answer is not None and answer.stats is not None:
-                ranks.append(answer.stats.to_wire())
+                ranks.append(answer.stats.stats())
             elif answer is not None:
-                ranks.append({"tp_rank": rank, "state": answer.state, "holds_weights": False, "error": answer.error})
+                ranks.append(RankState(tp_rank=rank, state=answer.state, holds_weights=False, error=answer.error))
             else:
-                ranks.append({"tp_rank": rank, "state": "exited" if rank in gone else "loading",
-                              "holds_weights": False})
+                ranks.append(RankState(tp_rank=rank, state="exited" if rank in gone else "loading",
+                                       holds_weights=False))
         return ranks
 
 
-def healthy(ranks: list[dict[str, Any]]) -> bool:
+def healthy(ranks: list[RankRow]) -> bool:
     """Ready: every rank is ready and holds weights (what /readyz and /health answer 200 to)."""
-    return bool(ranks) and all(r.get("state") == "ready" and r.get("holds_weights") and not r.get("corrupt")
-                               for r in ranks)
+    return bool(ranks) and all(isinstance(r, DaemonStats) and r.state == "ready" and r.holds_weights
+                               and not r.corrupt for r in ranks)
 
 
-def alive(ranks: list[dict[str, Any]]) -> bool:
+def alive(ranks: list[RankRow]) -> bool:
     """Alive: no rank has exited or stopped answering; loading and released ranks are alive."""
     return bool(ranks) and all(rank_alive(r) for r in ranks)
 
 
-def rank_alive(rank: dict[str, Any]) -> bool:
-    return rank.get("state") not in DEAD_STATES
+def rank_alive(rank: RankRow) -> bool:
+    return rank.state not in DEAD_STATES
+
+
+def health_json(ranks: list[RankRow], status: str | None = None) -> bytes:
+    """The JSON document of an endpoint: its status (none for /stats) and the rank rows."""
+    return msgspec.json.encode({"ranks": ranks} if status is None else {"status": status, "ranks": ranks})
 
 
 class _StatsCollector(Collector):
@@ -109,15 +131,16 @@ class _StatsCollector(Collector):
         passes = CounterMetricFamily("wcache_scrub_passes", "Completed background re-checks of the arena.",
                                      labels=labels)
         for r in ranks:
-            values = [str(r.get("tp_rank", "")), str(r.get("key_id", ""))]
-            counters = r.get("counters", {})
+            stats = r if isinstance(r, DaemonStats) else None
+            values = [str(r.tp_rank), stats.key_id if stats else ""]
+            counters = stats.counters if stats else {}
             ready.add_metric(values, 1.0 if healthy([r]) else 0.0)
-            corrupt.add_metric(values, float(len(r.get("corrupt", ()))))
+            corrupt.add_metric(values, float(len(stats.corrupt or ()) if stats else 0))
             scrubbed.add_metric(values, float(counters.get("scrub_bytes", 0)))
             passes.add_metric(values, float(counters.get("scrub_passes", 0)))
             live.add_metric(values, 1.0 if rank_alive(r) else 0.0)
-            weights.add_metric(values, float(r.get("weights_bytes", 0)))
-            leases.add_metric(values, float(r.get("leases", 0)))
+            weights.add_metric(values, float(stats.weights_bytes if stats else 0))
+            leases.add_metric(values, float(stats.leases if stats else 0))
             for mode in MODES:
                 attaches.add_metric([*values, mode], float(counters.get(counter_names.attaches(mode), 0)))
             hits.add_metric(values, float(counters.get("hits", 0)))
@@ -126,9 +149,9 @@ class _StatsCollector(Collector):
                 misses.add_metric([*values, reason], float(count))
             served.add_metric(values, float(counters.get("bytes_served", 0)))
             bad.add_metric(values, float(counters.get("bad_frames", 0)))
-            if r.get("provenance") in VERDICTS:
+            if stats and stats.provenance in VERDICTS:
                 for verdict in VERDICTS:
-                    provenance.add_metric([*values, verdict], 1.0 if r["provenance"] == verdict else 0.0)
+                    provenance.add_metric([*values, verdict], 1.0 if stats.provenance == verdict else 0.0)
         yield from (ready, live, weights, leases, attaches, hits, unverified, misses, served, bad, provenance,
                     corrupt, scrubbed, passes)
 
@@ -148,15 +171,15 @@ def serve_health(table: RankTable, host: str, port: int,
             if path in ("/readyz", "/health"):
                 ranks = table.snapshot()
                 ok = healthy(ranks)
-                self.send_json(200 if ok else 503, {"status": "ok" if ok else "unavailable", "ranks": ranks})
+                self.send_body(200 if ok else 503, JSON_TYPE, health_json(ranks, "ok" if ok else "unavailable"))
             elif path == "/livez":
                 ranks = table.snapshot()
                 ok = alive(ranks)
-                self.send_json(200 if ok else 503, {"status": "ok" if ok else "down", "ranks": ranks})
+                self.send_body(200 if ok else 503, JSON_TYPE, health_json(ranks, "ok" if ok else "down"))
             elif path == "/metrics":
                 self.send_metrics(registry)
             elif path == "/stats":
-                self.send_json(200, {"ranks": table.snapshot()})
+                self.send_body(200, JSON_TYPE, health_json(table.snapshot()))
             else:
                 raise HTTPRequestError(f"no route {path}; try /livez, /readyz, /metrics or /stats", 404)
 

@@ -310,7 +310,7 @@ class _TorchSide:
     place that holds them: the arena, else the parent's checkpoint on disk (checked against its manifest)."""
 
     def __init__(self, build: _Build) -> None:
-        from wcache.ipc.arena import map_cpu_arena
+        from wcache.ipc.mapped_arena import map_cpu_arena
 
         self.build = build
         self.new_tensors = build.arena.tensors(build.entries)

@@ -9,7 +9,8 @@ CUDA: one device allocation per rank and one IPC handle exported per client. Wit
 used by PyTorch, the memory dies with the exporting process, so an engine must treat daemon loss as fatal.
 
 A CPU arena is made, filled and served without torch (a daemon whose outputs are checkpoint bytes unchanged
-never imports it); only views as tensors and CUDA import it.
+never imports it); only views as tensors and CUDA import it. This is the daemon's side; an engine's (mapping
+what it receives, viewing it as tensors) is `mapped_arena`, which imports nothing from here.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from wcache.errors import UnavailableError
 if TYPE_CHECKING:
     import torch
 
-# One entry as a map reply carries it: (name, dtype, shape, offset, nbytes) (ArenaEntry.to_wire()).
-WireEntry = tuple[str, str, tuple[int, ...], int, int]
+    from wcache.ipc.messages import WireEntry
 
 # 256 bytes covers every SIMD width and CUDA's allocation granularity for vectorised loads.
 ALIGNMENT = 256
@@ -56,15 +56,6 @@ class ArenaEntry:
         return (self.name, self.dtype, tuple(self.shape), self.offset, self.nbytes)
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    import torch
-
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype {name!r}")
-    return dtype
-
-
 def plan_layout(specs: Sequence[tuple[str, str, tuple[int, ...], int]]) -> tuple[tuple[ArenaEntry, ...], int]:
     """Aligned offsets for (name, dtype, shape, nbytes) in order; returns the entries and the total size."""
     entries = []
@@ -85,6 +76,8 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def view_tensors(buffer: Any, entries: Sequence[ArenaEntry]) -> dict[str, torch.Tensor]:
     """Tensors over a CPU buffer (no copies)."""
     import torch
+
+    from wcache.ipc.mapped_arena import torch_dtype
 
     tensors = {}
     for e in entries:
@@ -175,38 +168,6 @@ class CpuArena:
             self.fd = -1
 
 
-@dataclass
-class MappedArena:
-    """An engine's copy-on-write map of a daemon's CPU arena, and the tensors viewing it."""
-
-    mapping: mmap.mmap
-    tensors: dict[str, torch.Tensor]
-
-
-
-
-def check_arena_size(fd: int, total_bytes: int) -> None:
-    """A received memfd holds at least the bytes its daemon announced (mapping past its end would be SIGBUS)."""
-    size = os.fstat(fd).st_size
-    if size < total_bytes:
-        raise UnavailableError(f"the daemon's arena holds {size} bytes, fewer than the {total_bytes} it announced.")
-
-
-def map_cpu_arena(fd: int, total_bytes: int, entries: Sequence[WireEntry]) -> MappedArena:
-    """Map a received memfd copy-on-write and view its tensors; the descriptor is closed afterwards."""
-    import torch
-
-    try:
-        check_arena_size(fd, total_bytes)
-        mapping = mmap.mmap(fd, total_bytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    from wcache.ipc.arena_views import views_from_wire
-
-    # One tensor over the whole map; its storage holds the map object, so the map lives while any view does.
-    return MappedArena(mapping, views_from_wire(torch.frombuffer(mapping, dtype=torch.uint8), entries))
-
-
 class CudaArena:
     """One device allocation per rank, exported as a CUDA IPC handle per client.
 
@@ -242,6 +203,8 @@ class CudaArena:
             self.block[offset : offset + source.numel()].copy_(source, non_blocking=False)
 
     def tensors(self, entries: Sequence[ArenaEntry]) -> dict[str, torch.Tensor]:
+        from wcache.ipc.mapped_arena import torch_dtype
+
         block = self.block
         return {
             e.name: block[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).reshape(e.shape)
@@ -270,20 +233,3 @@ class CudaArena:
         import torch
 
         torch.cuda.empty_cache()
-
-
-def open_cuda_handle(fields: dict[str, Any], device_index: int) -> torch.Tensor:
-    """Rebuild a daemon's CUDA block in this process from its exported IPC fields."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise UnavailableError("the daemon serves CUDA memory but this process sees no CUDA device.")
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    total = int(fields["total_bytes"])
-    return rebuild_cuda_tensor(
-        torch.Tensor, (total,), (1,), 0, torch.storage.TypedStorage, torch.uint8, device_index,
-        fields["handle"], int(fields["storage_size"]), int(fields["storage_offset"]), False,
-        fields["ref_counter_handle"], int(fields["ref_counter_offset"]),
-        fields["event_handle"] or None, bool(fields["event_sync_required"]),
-    )

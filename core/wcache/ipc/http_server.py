@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from wcache.errors import ListenError
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+JSON_TYPE = "application/json"
 REQUEST_DEADLINE_S = 10.0  # to receive one whole request: line, headers and body
 WRITE_TIMEOUT_S = 30.0  # per send, for a reply to a client that stopped reading
 MAX_SENTENCE = 200  # characters of a client's own bytes echoed in an error
@@ -166,7 +167,7 @@ class QuietHandler(BaseHTTPRequestHandler):
         body = json.dumps(self.error_document(code, sentence)).encode()
         self.send_response(code)
         self.send_header("Connection", "close")
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", JSON_TYPE)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if self.command != "HEAD":
@@ -225,7 +226,7 @@ class QuietHandler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def send_json(self, code: int, value: Any) -> None:
-        self.send_body(code, "application/json", json.dumps(value).encode())
+        self.send_body(code, JSON_TYPE, json.dumps(value).encode())
 
     def send_metrics(self, registry: CollectorRegistry) -> None:
         self.send_body(200, PROMETHEUS_TEXT, generate_latest(registry))

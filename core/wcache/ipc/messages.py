@@ -17,12 +17,13 @@ import msgspec
 
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.errors import WcacheError
-from wcache.ipc.arena import WireEntry
 from wcache.ipc.protocol import Frame, Limits, ProtocolError, frame_bytes, send_encoded
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
 from wcache.schema import Schema, schema_error
 
+# One entry as a map reply carries it: (name, dtype, shape, offset, nbytes) (`arena.ArenaEntry.to_wire()`).
+WireEntry = tuple[str, str, tuple[int, ...], int, int]
 MapMode = Literal["zero_copy", "copy"]
 HelloStatus = Literal["hit", "miss", "released", "corrupt"]
 
@@ -124,7 +125,7 @@ class MapReply(Message, frozen=True, tag="map"):
     kind: Literal["memfd", "cuda"]
     total_bytes: int
     # (name, dtype, shape, offset, nbytes) per tensor, as `ArenaEntry.to_wire()` writes them: a tuple per tensor,
-    # not an object, and arena_views.views_from_wire checks that they fit the arena.
+    # not an object, and mapped_arena.views_from_wire checks that they fit the arena.
     entries: list[WireEntry]
     cuda: CudaHandle | None = None
     # Not a wire field: the descriptors that came with the frame, set by `MapRequest.reply_from` (the receiver
@@ -142,8 +143,9 @@ class ArenaReport(Message, frozen=True, tag="arena"):
     changed: tuple[str, ...]
 
 
-class StatsReply(Message, frozen=True, tag="stats"):
-    """One daemon's state and counters: what `wcache status`, `wcache top` and the health endpoints show."""
+class DaemonStats(Schema, frozen=True):
+    """One daemon's state and counters: what `wcache status`, `wcache top` and the health endpoints show (a
+    supervisor's `/health` rank rows are these, untagged)."""
 
     name: str
     pid: int
@@ -164,6 +166,14 @@ class StatsReply(Message, frozen=True, tag="stats"):
     released: ReleasedTo | None
     provenance: str | None = None  # its files against what the Hub published, at load (checkpoint.provenance)
     corrupt: tuple[str, ...] | None = None  # tensors its background re-check found changed, one sentence each
+
+
+class StatsReply(Message, DaemonStats, frozen=True, tag="stats"):
+    """A daemon's answer to `Stats`: its `DaemonStats` as a tagged reply."""
+
+    def stats(self) -> DaemonStats:
+        """Its fields, untagged."""
+        return DaemonStats(**msgspec.structs.asdict(self))
 
 
 class ShutdownReply(Message, frozen=True, tag="shutdown"):

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import urllib.parse
 from typing import Any
 
 from wcache.errors import BadInputError, UnavailableError
+from wcache.ipc.http_client import NoAnswerError, http_call
 
 TIMEOUT_S = 300.0  # a switch attaches a checkpoint (hashing it when its receipts are stale); a request decodes
 
@@ -44,19 +44,12 @@ def call_engine(url: str, method: str, path: str, body: dict[str, Any] | None = 
     """One request to the engine at `url`; its JSON answer, or an error sentence (the engine's own when it gave
     one)."""
     base = engine_base_url(url)
-    parts = urllib.parse.urlsplit(base)
-    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    connection = kind(parts.hostname or "", parts.port, timeout=timeout)
+    payload = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"} if payload is not None else {}
     try:
-        payload = json.dumps(body).encode() if body is not None else None
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
-        connection.request(method, path, body=payload, headers=headers)
-        response = connection.getresponse()
-        status, data = response.status, response.read()
-    except (OSError, http.client.HTTPException) as exc:
+        status, data = http_call(f"{base}{path}", method=method, body=payload, headers=headers, timeout=timeout)
+    except NoAnswerError as exc:
         raise UnavailableError(f"no engine answers at {base} ({exc}).") from None
-    finally:
-        connection.close()
     try:
         document = json.loads(data)
     except ValueError:

@@ -1,15 +1,26 @@
-"""An engine's tensors over a mapped arena: one view per entry of a map reply, made a run of layers at a time."""
+"""An engine's side of a daemon's arena: map a received CPU arena, open a CUDA handle, and view either as tensors,
+one view per entry of a map reply, made a run of layers at a time.
+
+It imports nothing from `arena` (the daemon's side: making, filling and sealing one), and torch and numpy only
+where tensors are made: an attach that only reports checks the arena's size without loading them.
+"""
 
 from __future__ import annotations
 
 import bisect
+import mmap
+import os
 from collections.abc import Iterator, Sequence
-
-import numpy as np
-import torch
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from wcache.errors import UnavailableError
-from wcache.ipc.arena import WireEntry, torch_dtype
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from wcache.ipc.messages import WireEntry
 
 # Tensors of one dtype and shape per layer that a run may interleave (a layer's norms, its k and v projections).
 MAX_PERIOD = 8
@@ -24,6 +35,60 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
         step *= max(dim, 1)
         numel *= dim
     return tuple(reversed(strides)), numel
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r}")
+    return dtype
+
+
+@dataclass
+class MappedArena:
+    """An engine's copy-on-write map of a daemon's CPU arena, and the tensors viewing it."""
+
+    mapping: mmap.mmap
+    tensors: dict[str, torch.Tensor]
+
+
+def check_arena_size(fd: int, total_bytes: int) -> None:
+    """A received memfd holds at least the bytes its daemon announced (mapping past its end would be SIGBUS)."""
+    size = os.fstat(fd).st_size
+    if size < total_bytes:
+        raise UnavailableError(f"the daemon's arena holds {size} bytes, fewer than the {total_bytes} it announced.")
+
+
+def map_cpu_arena(fd: int, total_bytes: int, entries: Sequence[WireEntry]) -> MappedArena:
+    """Map a received memfd copy-on-write and view its tensors; the descriptor is closed afterwards."""
+    import torch
+
+    try:
+        check_arena_size(fd, total_bytes)
+        mapping = mmap.mmap(fd, total_bytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    # One tensor over the whole map; its storage holds the map object, so the map lives while any view does.
+    return MappedArena(mapping, views_from_wire(torch.frombuffer(mapping, dtype=torch.uint8), entries))
+
+
+def open_cuda_handle(fields: dict[str, Any], device_index: int) -> torch.Tensor:
+    """Rebuild a daemon's CUDA block in this process from its exported IPC fields."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UnavailableError("the daemon serves CUDA memory but this process sees no CUDA device.")
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    total = int(fields["total_bytes"])
+    return rebuild_cuda_tensor(
+        torch.Tensor, (total,), (1,), 0, torch.storage.TypedStorage, torch.uint8, device_index,
+        fields["handle"], int(fields["storage_size"]), int(fields["storage_offset"]), False,
+        fields["ref_counter_handle"], int(fields["ref_counter_offset"]),
+        fields["event_handle"] or None, bool(fields["event_sync_required"]),
+    )
 
 
 def views_from_wire(block: torch.Tensor, items: Sequence[WireEntry]) -> dict[str, torch.Tensor]:
@@ -43,6 +108,8 @@ def views_from_wire(block: torch.Tensor, items: Sequence[WireEntry]) -> dict[str
 
 
 def _views(block: torch.Tensor, total: int, items: Sequence[WireEntry]) -> dict[str, torch.Tensor]:
+    import numpy as np
+
     if not items:
         return {}
     if set(map(len, items)) != {5}:
@@ -90,6 +157,7 @@ def _runs(element_offsets: np.ndarray) -> Iterator[tuple[slice, int, int]]:
     and a last one (the final norm) may follow: every `period`-th member is taken together, with the period
     that leaves the fewest runs.
     """
+
     count = len(element_offsets)
     best_period, fewest = 1, count + 1
     for period in range(1, min(MAX_PERIOD, count) + 1):
@@ -106,11 +174,15 @@ def _runs(element_offsets: np.ndarray) -> Iterator[tuple[slice, int, int]]:
 
 def _run_estimate(element_offsets: np.ndarray) -> int:
     """About how many runs _step_runs makes of these offsets: one more than the times the step changes."""
+    import numpy as np
+
     return 1 + int(np.count_nonzero(np.diff(element_offsets, 2))) if len(element_offsets) > 2 else 1
 
 
 def _step_runs(element_offsets: np.ndarray) -> Iterator[tuple[slice, int, int]]:
     """Runs of consecutive offsets at one positive step, split where the step changes."""
+    import numpy as np
+
     count = len(element_offsets)
     offsets = element_offsets.tolist()
     steps = np.diff(element_offsets)
