@@ -243,8 +243,6 @@ class WcacheModelLoader(BaseModelLoader):
 
     def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """vLLM's in-place reload (`reload_weights`, what `wcache.integrations.vllm_switch.switch` runs)."""
-        from wcache.integrations.vllm_switch import daemon_weights
-
         return daemon_weights(self, model, model_config)
 
     def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
@@ -396,3 +394,30 @@ def _keep_lease(model: nn.Module, weights: AttachedWeights) -> None:
 
 def _names(names: tuple[str, ...], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def daemon_weights(loader: WcacheModelLoader, model: nn.Module,
+                   model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """What the loader gives vLLM's in-place reload: the daemon's tensors for `model_config.model` under
+    checkpoint names. Attaches now, before vLLM touches a layer, and refuses (no fallback) on a miss."""
+    from wcache.integrations.vllm_api import get_current_vllm_config
+
+    previous = getattr(model, "_wcache_weights", None)
+    try:
+        weights = loader._attach(get_current_vllm_config(), model_config)
+    except CannotAttachError as exc:
+        # vLLM already pointed the config at the new path; the engine still runs the old checkpoint's weights.
+        if previous is not None:
+            model_config.model = previous.key_file.source
+        raise CannotAttachError(f"{exc}".rstrip(".")) from None
+    return _load_then_keep(model, weights)
+
+
+def _load_then_keep(model: nn.Module, weights: AttachedWeights) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        yield from weights.checkpoint_tensors().items()
+    except BaseException:
+        weights.close()
+        raise
+    # The new lease is what the engine holds now (the daemon counts it); the old daemon may go once it ends.
+    _keep_lease(model, weights)

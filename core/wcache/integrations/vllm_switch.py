@@ -13,9 +13,7 @@ the engine keeps its old weights and `switch` raises with wcache's reason.
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,11 +21,8 @@ from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import UnavailableError
 
 if TYPE_CHECKING:
-    import torch
-    from torch import nn
+    pass
 
-    from wcache.integrations.vllm_api import ModelConfig
-    from wcache.integrations.vllm_loader import WcacheModelLoader
 
 LOAD_FORMAT = "wcache"
 _QUOTED_WORKER_ERROR = re.compile(r"Worker failed with error '(.*)', please check")
@@ -71,34 +66,3 @@ def worker_reason(exc: BaseException) -> str:
     line = text.splitlines()[-1]
     quoted = _QUOTED_WORKER_ERROR.search(line)
     return (quoted.group(1) if quoted else line).removeprefix("wcache: ").rstrip(".")
-
-
-def daemon_weights(loader: WcacheModelLoader, model: nn.Module,
-                   model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """What the loader gives vLLM's in-place reload: the daemon's tensors for `model_config.model` under
-    checkpoint names. Attaches now, before vLLM touches a layer, and refuses (no fallback) on a miss."""
-    from wcache.integrations.vllm_api import get_current_vllm_config
-    from wcache.integrations.vllm_loader import CannotAttachError
-
-    previous = getattr(model, "_wcache_weights", None)
-    try:
-        weights = loader._attach(get_current_vllm_config(), model_config)
-    except CannotAttachError as exc:
-        # vLLM already pointed the config at the new path; the engine still runs the old checkpoint's weights.
-        if previous is not None:
-            model_config.model = previous.key_file.source
-        raise CannotAttachError(f"{exc}".rstrip(".")) from None
-    return _load_then_release(model, weights, previous)
-
-
-def _load_then_release(model: nn.Module, weights: Any, previous: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    try:
-        yield from weights.checkpoint_tensors().items()
-    except BaseException:
-        weights.close()
-        raise
-    # The new lease is what the engine holds now (the daemon counts it); the old daemon may go once it ends.
-    model._wcache_weights = weights
-    if previous is not None:
-        with contextlib.suppress(Exception):
-            previous.close()
