@@ -106,6 +106,28 @@ def test_moe_experts_are_the_daemons_tensors_and_tokens_equal_vllms_disk_load(fo
     assert hits and all(e["mode"] == "zero_copy" for e in hits)
 
 
+@pytest.mark.xdist_group("test_vllm_formats-moe-tp2")  # its two TP 2 engines start beside the others
+def test_moe_at_tp_2_shards_the_stacked_experts_as_vllm_does(formats_rig: FormatsRig,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = formats_rig.rig
+    daemons = rig.preload(formats_rig.checkpoints["moe"], "--tp", "2")
+    # Two CPU workers need a core each; vLLM's engine core keeps its own process at TP 2.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    model = str(formats_rig.checkpoints["moe"])
+    extra = {"run_dir": str(rig.run_dir), "fallback": False}
+    runs = [VllmRun(model, PROMPTS, MAX_NEW_TOKENS, tensor_parallel_size=2),
+            VllmRun(model, PROMPTS, MAX_NEW_TOKENS, tensor_parallel_size=2, load_format="wcache", extra_config=extra)]
+    with ThreadPoolExecutor(len(runs)) as pool:
+        auto, hit = pool.map(greedy_tokens, runs)
+    assert hit.tokens == auto.tokens
+    lines = [line for line in hit.log.splitlines() if "wcache: weight cache hit" in line]
+    assert len(lines) == len(daemons) == 2
+    for daemon in daemons:  # one hit per rank, each on its own rank's daemon, every expert stack zero-copy
+        [line] = [line for line in lines if f"from daemon {daemon.name} " in line]
+        assert "none was materialized" in line and "8 of 8 stacked expert parameters" in line, line
+
+
 def test_a_changed_quantization_config_misses_and_the_miss_names_it(formats_rig: FormatsRig) -> None:
     rig = formats_rig.rig
     changed = copy_checkpoint(formats_rig.checkpoints["int8-w8a8"], rig.base / "w8a8-changed")
