@@ -33,7 +33,7 @@ from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import BadInputError, UnavailableError
 from wcache.integrations.vllm_switch import LOAD_FORMAT, VllmSwitchError, worker_reason
 from wcache.ipc.rundir import census, default_run_dir, matches
-from wcache.monitor.events import read_events
+from wcache.monitor.events import engine_events
 from wcache.plan.spec import PlanSpec, preload_command
 from wcache.serving.client import EngineRequestError, call_engine, engine_base_url
 
@@ -242,15 +242,13 @@ def _events(run_dir: Path, kind: str, since: float, pids: set[int] | None) -> li
     """The vLLM loader's events of `kind` since `since`, of the server's processes when they are known."""
     if not run_dir.exists():
         return []
-    return [e for e in read_events(run_dir) if e["kind"] == kind and e.get("engine") == "vllm"
-            and float(e.get("ts", 0)) >= since and (pids is None or e.get("pid") in pids)]
+    return [e for e in engine_events(run_dir, kind, "vllm", since) if pids is None or e.get("pid") in pids]
 
 
 def _last_key(run_dir: Path, pids: set[int] | None) -> str | None:
     """The key of the server's latest attach: what it serves when no `wcache switch` moved it yet."""
     hits = _events(run_dir, "attach_hit", 0.0, pids) if pids is not None else []
     return hits[-1].get("key_id") if hits else None
-
 
 
 def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_tokens: int) -> GreedyReport:

@@ -45,16 +45,14 @@ def run_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: 
 
 def _hit_event(run_dir: Path, engine: str, since: float) -> dict[str, Any]:
     """The attach report of an engine that ran in other processes: its latest hit in the run dir's events."""
-    from wcache.monitor.events import read_events
+    from wcache.monitor.events import engine_events
 
-    hits = [e for e in read_events(run_dir) if e["kind"] == "attach_hit" and e.get("engine") == engine
-            and float(e.get("ts", 0)) >= since]
+    hits = engine_events(run_dir, "attach_hit", engine, since)
     if not hits:
         return {"outcome": "unknown", "engine": engine}
     last = hits[-1]
     # One hit per rank; an integration that says where each tensor went (vLLM's) adds its placement events.
-    placements = sorted((e for e in read_events(run_dir) if e["kind"] == "placement" and e.get("engine") == engine
-                         and float(e.get("ts", 0)) >= since), key=lambda e: int(e.get("tp_rank", 0)))
+    placements = sorted(engine_events(run_dir, "placement", engine, since), key=lambda e: int(e.get("tp_rank", 0)))
     ranks = [{key: e.get(key) for key in ("tp_rank", "daemon", "mode", "parameters", "assigned", "copied",
                                           "private_bytes")} for e in placements]
     return {"outcome": "hit", "engine": engine, "daemon": last.get("daemon"), "mode": last.get("mode"),

@@ -120,6 +120,12 @@ def read_events(run_dir: Path) -> Iterator[dict[str, Any]]:
     yield from _read_log(path)
 
 
+def engine_events(run_dir: Path, kind: str, engine: str, since: float = 0.0) -> list[dict[str, Any]]:
+    """The events of `kind` an engine integration (`engine`) wrote at or after `since`, in order."""
+    return [e for e in read_events(run_dir)
+            if e["kind"] == kind and e.get("engine") == engine and float(e.get("ts", 0)) >= since]
+
+
 def parse_event(line: bytes | str) -> dict[str, Any] | None:
     """One line of the log as an event's fields, those it has a value for, or None for a torn or foreign line
     (see `read_event`)."""
