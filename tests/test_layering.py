@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "schema": set(),
     "canonical": set(),
     "lazy_exports": set(),
-    "attach_options": {"errors"},
+    "attach_options": {"errors", "schema"},
     "checkpoint": FOUNDATION,
     "plan": FOUNDATION | {"checkpoint"},
     "key": FOUNDATION | {"checkpoint", "plan"},

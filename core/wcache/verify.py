@@ -9,9 +9,11 @@ the daemon re-hash its processed arena against the digests it recorded when it b
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from wcache.attach_options import AttachOptions
 from wcache.checkpoint.provenance import FileVerdict, overall, report
@@ -92,7 +94,7 @@ def verify_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_token
     attached side never falls back to disk, whatever `options` say: a miss is an error, not a comparison.
     `device` is the reference engine's; vLLM and transformers pick their own.
     """
-    options = replace(options or AttachOptions(), fallback=False)
+    options = msgspec.structs.replace(options or AttachOptions(), fallback=False)
     if not prompts:
         raise BadInputError("there are no prompts to verify with.")
     entry = engine_entry(engine)

@@ -4,9 +4,11 @@ engine in a child process (`vllm_runner`); the attached side's report is its hit
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from wcache.attach_options import AttachOptions
 from wcache.errors import BadInputError, UnavailableError, option
@@ -28,7 +30,7 @@ def run_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: 
         raise BadInputError(f"{model} has no tokenizer ({', '.join(VLLM_TOKENIZER_FILES)}) for vLLM to encode "
                             f"the prompts with; add one, or verify with {option('engine', 'reference')}.")
     run_dir = Path(options.run_dir) if options.run_dir else default_run_dir()
-    extra = replace(options, run_dir=str(run_dir)).to_mapping()
+    extra = msgspec.structs.replace(options, run_dir=str(run_dir)).to_mapping()
     base = VllmRun(str(model), prompts, max_new_tokens, tensor_parallel_size=plan.tp_size, dtype=plan.dtype)
     since = time.time()
     try:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import AbstractContextManager
-from dataclasses import replace
 from typing import Any
 
+import msgspec
 import torch
 
 from wcache.attach import AttachedWeights, AttachMissError, attach_with
@@ -67,7 +67,8 @@ def from_pretrained(model: str | os.PathLike[str], *, revision: str | None = Non
     plan = PlanSpec(dtype=_plan_dtype(kwargs), layout=layout_for_architectures(getattr(config, "architectures", None)))
     try:
         with DigestStore.open() as store:
-            weights = attach_with(path, plan, replace(options, fallback=False), store=store, engine=ENGINE)
+            no_fallback = msgspec.structs.replace(options, fallback=False)
+            weights = attach_with(path, plan, no_fallback, store=store, engine=ENGINE)
     except AttachMissError as exc:
         if not options.fallback:
             raise

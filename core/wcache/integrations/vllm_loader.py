@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import torch
 from torch import nn
 
@@ -328,7 +329,7 @@ class WcacheModelLoader(BaseModelLoader):
             plan = plan_for(vllm_config, model_config)
             path = resolve_model_path(model_config.model, model_config.revision)
             with DigestStore.open() as store:
-                options = dataclasses.replace(self.options, fallback=False)
+                options = msgspec.structs.replace(self.options, fallback=False)
                 return attach_with(path, plan, options, device=device_name(vllm_config), store=store, engine=ENGINE)
         except AttachMissError as exc:
             raise CannotAttachError(exc.report.reason or str(exc)) from None

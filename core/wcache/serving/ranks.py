@@ -15,10 +15,10 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
+import msgspec
 import torch
 
 from wcache.attach_options import AttachOptions
@@ -138,7 +138,7 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
     """One rank's life: attach, build the engine, then serve (rank 0) or follow rank 0 (others). The engine
     publishes itself in `run_dir`, where `options` look for daemons unless they name another."""
     spec = PlanSpec.from_json({**plan, "tp_rank": tp.rank})
-    options = options if options.run_dir is not None else replace(options, run_dir=str(run_dir))
+    options = options if options.run_dir is not None else msgspec.structs.replace(options, run_dir=str(run_dir))
     engine = Engine.from_attach(model, spec, engine_config, tp, options=options, device=device)
     try:
         if tp.rank != 0:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from wcache.attach import AttachMissError, AttachReport, attach_with
 from wcache.daemon_choice import on_device
@@ -85,7 +87,7 @@ def switch_weights(engine: Engine, checkpoint: Path, daemon: str | None = None) 
         if changed:
             raise BadInputError(f"{checkpoint} has another architecture ({', '.join(changed)} differ); a switch "
                                 "keeps the engine's KV cache, so start a new engine for it.")
-        options = replace(engine.attach_options, fallback=False, daemon=daemon, wait_s=0.0)
+        options = msgspec.structs.replace(engine.attach_options, fallback=False, daemon=daemon, wait_s=0.0)
         try:
             with DigestStore.open() as store:
                 attached = attach_with(checkpoint, engine.attach_plan, options, device=engine.device, store=store)
