@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from wcache.ipc.rundir import read_descriptors
+from wcache.ipc.run_dir.directory import read_descriptors
 from wcache.key.digest_store import RACY_WINDOW_NS
 
 READ_CHUNK_BYTES = 16 * 1024 * 1024

@@ -2,7 +2,7 @@
 
 A daemon answers `manifest` with one entry per tensor (large MoE checkpoints come near 100k); the client
 decodes it whole before it can compare a single digest. This times, in one run, the message codec the
-protocol uses now (`wcache.ipc.messages`: one msgspec pass, every field checked) and, where the repository
+protocol uses now (`wcache.ipc.wire.messages`: one msgspec pass, every field checked) and, where the repository
 has its history, the hand-written `Wire` codec it replaced, loaded from `git show main:core/wcache/ipc/codec.py`
 (msgpack to plain maps, then a checker per field), on the same data and a frame body of the same fields.
 
@@ -28,8 +28,8 @@ from typing import Any
 
 import msgpack
 from wcache.checkpoint.manifest import TensorDigest
-from wcache.ipc.messages import DaemonSummary, ManifestReply, encode, read_reply
-from wcache.ipc.protocol import HEADER, REPLY_LIMITS, Frame
+from wcache.ipc.wire.framing import HEADER, REPLY_LIMITS, Frame
+from wcache.ipc.wire.messages import DaemonSummary, ManifestReply, encode, read_reply
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
 

@@ -58,7 +58,7 @@ from restart import our_leftovers, resident_fraction, try_drop_caches
 from rich.console import Console, JustifyMethod
 from rich.table import Table
 from wcache.checkpoint.files import locate
-from wcache.ipc.arena import plan_layout
+from wcache.ipc.arenas.daemon_side import plan_layout
 from wcache.key.compute import compute_key
 from wcache.plan.processing import build_plan
 from wcache.plan.spec import PlanSpec

@@ -29,13 +29,13 @@ import psutil
 from bench_common import fmt_seconds, stop_preloaded, timed_preload, wcache_command, workspace
 from restart import our_leftovers
 from wcache.daemon.scrub import DEFAULT_INTERVAL_S, SHARE
-from wcache.ipc.rundir import read_descriptors
+from wcache.ipc.run_dir.directory import read_descriptors
 from wcache.monitor.events import read_events
 
 
 def _stats(descriptor: Any) -> dict[str, Any]:
-    from wcache.ipc.client import request_once
-    from wcache.ipc.messages import Stats
+    from wcache.ipc.wire.client import request_once
+    from wcache.ipc.wire.messages import Stats
 
     return request_once(descriptor.socket, Stats()).to_wire()
 

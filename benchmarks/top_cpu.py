@@ -48,7 +48,7 @@ from typing import Any
 import psutil
 from rich.console import Console
 from rich.table import Table
-from wcache.ipc.http_server import PROMETHEUS_TEXT, QuietHandler, make_http_server
+from wcache.ipc.http.server import PROMETHEUS_TEXT, QuietHandler, make_http_server
 from wcache_dev.synth import write_checkpoint
 
 TARGET_PERCENT = 5.0

@@ -39,7 +39,7 @@ from preload_floor import checkpoint_in_memory, fill_arena
 from restart import our_leftovers, resident_fraction
 from rich.console import Console
 from rich.table import Table
-from wcache.ipc.rundir import read_descriptors
+from wcache.ipc.run_dir.directory import read_descriptors
 from wcache.plan import family
 
 _WRITE_STEP = """

@@ -29,11 +29,7 @@ import msgpack
 import psutil
 import pytest
 from helpers import CLI_TIMEOUT_S, cmdline, kill_and_wait, processes_mentioning, run_python, wcache_process
-from wcache.ipc.client import request_once
-from wcache.ipc.messages import Stats
-from wcache.ipc.protocol import HEADER, PROTOCOL_VERSION
-from wcache.ipc.run_paths import RunPaths
-from wcache.ipc.rundir import (
+from wcache.ipc.run_dir.directory import (
     DaemonDescriptor,
     daemon_name,
     lock_held,
@@ -43,6 +39,10 @@ from wcache.ipc.rundir import (
     socket_path,
     write_descriptor,
 )
+from wcache.ipc.run_dir.paths import RunPaths
+from wcache.ipc.wire.client import request_once
+from wcache.ipc.wire.framing import HEADER, PROTOCOL_VERSION
+from wcache.ipc.wire.messages import Stats
 from wcache.key.cache_key import WeightCacheKey
 from wcache.monitor.events import read_events
 from wcache.plan.spec import PlanSpec

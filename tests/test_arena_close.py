@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-from wcache.ipc.arena import ArenaClosedError, CpuArena, CudaArena, plan_layout
-from wcache.ipc.mapped_arena import map_cpu_arena
+from wcache.ipc.arenas.daemon_side import ArenaClosedError, CpuArena, CudaArena, plan_layout
+from wcache.ipc.arenas.engine_side import map_cpu_arena
 
 ENTRIES, TOTAL = plan_layout([("w", "float32", (4, 8), 4 * 8 * 4), ("b", "float32", (8,), 8 * 4)])
 WEIGHTS = {"w": torch.arange(32, dtype=torch.float32).reshape(4, 8), "b": torch.full((8,), 7.0)}

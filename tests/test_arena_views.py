@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 from wcache.errors import UnavailableError
-from wcache.ipc.arena import CpuArena, plan_layout
-from wcache.ipc.mapped_arena import map_cpu_arena, views_from_wire
+from wcache.ipc.arenas.daemon_side import CpuArena, plan_layout
+from wcache.ipc.arenas.engine_side import map_cpu_arena, views_from_wire
 
 WEIGHTS = {
     "w": torch.arange(24, dtype=torch.float32).reshape(2, 3, 4),

@@ -20,8 +20,8 @@ from daemon_fixtures import (
     http_status,
     nothing_survives,  # noqa: F401
 )
-from wcache.ipc.client import request_once
-from wcache.ipc.messages import ArenaReport, CheckArena, Hello, Stats, WantedKey
+from wcache.ipc.wire.client import request_once
+from wcache.ipc.wire.messages import ArenaReport, CheckArena, Hello, Stats, WantedKey
 from wcache_dev.synth import write_checkpoint, write_tensors
 
 # What a probe may take while a check runs: the kubelet's default probe timeout. Unloaded, they take ms.

@@ -18,9 +18,9 @@ from daemon_fixtures import (
     wait_for,
 )
 from wcache.attach import AttachedWeights, attach
-from wcache.ipc.client import DaemonConnection
-from wcache.ipc.messages import Hello, MapRequest, Release, ReleaseReply, WantedKey
-from wcache.ipc.rundir import DaemonDescriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor
+from wcache.ipc.wire.client import DaemonConnection
+from wcache.ipc.wire.messages import Hello, MapRequest, Release, ReleaseReply, WantedKey
 
 RELEASED = "released its weights to a copy-mode engine"
 

@@ -33,9 +33,9 @@ from daemon_fixtures import (
 )
 from helpers import WCACHE, one_sentence, processes_mentioning, wait_past_racy_window
 from wcache.attach import AttachedWeights, attach
-from wcache.ipc.client import request_once
-from wcache.ipc.messages import CheckArena, Stats
-from wcache.ipc.rundir import DaemonDescriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor
+from wcache.ipc.wire.client import request_once
+from wcache.ipc.wire.messages import CheckArena, Stats
 from wcache.key.compute import compute_key
 from wcache.load.loader import load_from_disk, processed_digest
 from wcache.plan.spec import PlanSpec

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from daemon_fixtures import daemon_rig, wait_for
 from helpers import WCACHE, environment, wcache_in_process, wcache_process
-from wcache.ipc.rundir import process_created, write_descriptor
+from wcache.ipc.run_dir.directory import process_created, write_descriptor
 
 CHECKS = ["run dir", "memfd and seals", "shared memory", "huge pages", "cgroup memory", "daemon owners", "vllm",
           "cuda", "digest store"]

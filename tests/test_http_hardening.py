@@ -34,7 +34,7 @@ from daemon_fixtures import (
     wait_for,
 )
 from wcache.errors import BadInputError, ListenError
-from wcache.ipc.http_server import QuietHandler, make_http_server
+from wcache.ipc.http.server import QuietHandler, make_http_server
 
 KV_TOKENS = 128  # 8 blocks of 16: a short prompt already overflows it
 SHORT_DEADLINE_S = 0.6
@@ -485,7 +485,7 @@ class _Lines(logging.Handler):
 def test_idle_engines_write_no_counter_lines_and_busy_ones_log_stats(
     engine_server: tuple[ThreadingHTTPServer, int], served: Any, tmp_path: Path
 ) -> None:
-    from wcache.ipc.rundir import ensure_run_dir
+    from wcache.ipc.run_dir.directory import ensure_run_dir
     from wcache.monitor.events import read_events
     from wcache.serving.server import CounterEvents
 

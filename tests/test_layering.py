@@ -146,8 +146,30 @@ def test_no_modules_import_each_other_in_a_cycle() -> None:
 
 
 def test_an_engines_side_of_the_arena_imports_nothing_of_the_daemons() -> None:
-    """`ipc.arena` makes, fills and seals arenas (torch-free); `ipc.mapped_arena` maps and views them. The daemon's
-    side may borrow the engine's dtype lookup for its own views, never the other way round."""
+    """`ipc.arenas.daemon_side` makes, fills and seals arenas (torch-free); `ipc.arenas.engine_side` maps and views
+    them. The daemon's side may borrow the engine's dtype lookup for its own views, never the other way round."""
     graph = _module_graph()
-    assert "wcache.ipc.arena" not in graph["wcache.ipc.mapped_arena"]
-    assert graph["wcache.ipc.arena"] <= {"wcache.errors", "wcache.ipc.mapped_arena", "wcache.ipc.messages"}
+    daemon_side, engine_side = "wcache.ipc.arenas.daemon_side", "wcache.ipc.arenas.engine_side"
+    assert daemon_side not in graph[engine_side]
+    assert graph[daemon_side] <= {"wcache.errors", engine_side, "wcache.ipc.wire.messages"}
+
+
+# The sub-packages of ipc and what of ipc each may import (besides itself).
+IPC_ALLOWED: dict[str, set[str]] = {
+    "wire": set(),
+    "http": set(),
+    "interpreter": set(),
+    "run_dir": {"wire"},
+    "arenas": {"wire"},
+}
+
+
+def test_ipc_sub_packages_import_one_way() -> None:
+    ipc = CORE / "ipc"
+    modules = [path for path in ipc.rglob("*.py") if path != ipc / "__init__.py"]
+    sub = {path: path.relative_to(ipc).parts[0].removesuffix(".py") for path in modules}
+    assert set(sub.values()) == set(IPC_ALLOWED)
+    wrong = sorted(f"{sub[path]} imports {module}" for path in modules for module in _imports(path)
+                   if module.startswith("wcache.ipc.")
+                   and module.split(".")[2] not in {sub[path], *IPC_ALLOWED[sub[path]]})
+    assert wrong == []

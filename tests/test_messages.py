@@ -15,8 +15,18 @@ from typing import Any
 import msgpack
 import pytest
 from wcache.checkpoint.manifest import TensorDigest
-from wcache.ipc.client import DaemonConnection, DaemonError
-from wcache.ipc.messages import (
+from wcache.ipc.run_dir.directory import DaemonDescriptor
+from wcache.ipc.wire.client import DaemonConnection, DaemonError
+from wcache.ipc.wire.framing import (
+    HEADER,
+    PROTOCOL_VERSION,
+    REPLY_LIMITS,
+    REQUEST_LIMITS,
+    Limits,
+    ProtocolError,
+    receive,
+)
+from wcache.ipc.wire.messages import (
     ArenaReport,
     CheckArena,
     CudaHandle,
@@ -42,9 +52,7 @@ from wcache.ipc.messages import (
     read_request,
     send,
 )
-from wcache.ipc.protocol import HEADER, PROTOCOL_VERSION, REPLY_LIMITS, REQUEST_LIMITS, Limits, ProtocolError, receive
-from wcache.ipc.rundir import DaemonDescriptor
-from wcache.ipc.status_pipe import (
+from wcache.ipc.wire.status_pipe import (
     FROM_RANK,
     FROM_SUPERVISOR,
     Exists,

@@ -23,8 +23,8 @@ from daemon_fixtures import (
 )
 from helpers import WCACHE, wcache_in_process
 from wcache.attach import attach
-from wcache.ipc.loading import read_loading
-from wcache.ipc.run_paths import RunPaths
+from wcache.ipc.run_dir.loading import read_loading
+from wcache.ipc.run_dir.paths import RunPaths
 from wcache.monitor.collector import EventTail
 from wcache.monitor.event_types import Stop
 from wcache.monitor.events import append_event, read_events, rotated_path

@@ -27,8 +27,8 @@ from daemon_fixtures import (
     wait_for,
 )
 from helpers import CLI_TIMEOUT_S, WCACHE, environment
-from wcache.ipc.run_paths import RunPaths
-from wcache.ipc.rundir import descriptor_path
+from wcache.ipc.run_dir.directory import descriptor_path
+from wcache.ipc.run_dir.paths import RunPaths
 from wcache_dev.synth import write_checkpoint
 
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]

@@ -19,7 +19,7 @@ from wcache.checkpoint.files import locate
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.checkpoint.safetensors_header import read_header
 from wcache.errors import BadInputError, CheckpointError
-from wcache.ipc.mapped_arena import torch_dtype
+from wcache.ipc.arenas.engine_side import torch_dtype
 from wcache.key.fingerprint import fingerprint_checkpoint
 from wcache.plan.processing import (
     OutputSpec,

@@ -39,10 +39,10 @@ from daemon_fixtures import (
 )
 from wcache.attach import attach
 from wcache.daemon.server import MAX_CLIENTS
-from wcache.ipc.client import DaemonConnection, DaemonError, request_once
-from wcache.ipc.messages import Hello, MapRequest, Stats, WantedKey
-from wcache.ipc.protocol import HEADER, MAX_FDS, PROTOCOL_VERSION, REQUEST_LIMITS
-from wcache.ipc.rundir import DaemonDescriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor
+from wcache.ipc.wire.client import DaemonConnection, DaemonError, request_once
+from wcache.ipc.wire.framing import HEADER, MAX_FDS, PROTOCOL_VERSION, REQUEST_LIMITS
+from wcache.ipc.wire.messages import Hello, MapRequest, Stats, WantedKey
 from wcache.key.cache_key import FORMAT_VERSION
 
 

@@ -20,9 +20,9 @@ import msgspec
 import psutil
 import pytest
 from helpers import cli_env, kill_and_wait, wcache_in_process
-from wcache.ipc.loading import hold_record_lock, record_lock_path
-from wcache.ipc.run_paths import RunPaths
-from wcache.ipc.rundir import DaemonDescriptor, write_descriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor, write_descriptor
+from wcache.ipc.run_dir.loading import hold_record_lock, record_lock_path
+from wcache.ipc.run_dir.paths import RunPaths
 from wcache.monitor.event_types import Stop
 from wcache.monitor.events import append_event, events_path, rotated_path
 

@@ -24,7 +24,7 @@ from daemon_fixtures import (
     wait_for,
 )
 from engine_serving import Server, metrics, post, serving
-from wcache.ipc.rundir import DaemonDescriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor
 
 # Two prompts sharing a 96-byte prefix (the byte tokenizer makes that 96 tokens: six blocks of 16, well past
 # tiny's 32-token window, so the hit is adopted even with bounded replay on).

@@ -16,7 +16,7 @@ from helpers import run_python, wait_past_racy_window
 from wcache.checkpoint.files import locate
 from wcache.checkpoint.safetensors_header import read_header
 from wcache.errors import CheckpointError, UnavailableError
-from wcache.ipc.arena import CpuArena, plan_layout
+from wcache.ipc.arenas.daemon_side import CpuArena, plan_layout
 from wcache.key.cache_key import KeyFile
 from wcache.key.compute import compute_key
 from wcache.key.digest_store import RACY_WINDOW_NS, DigestStore

@@ -19,15 +19,15 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers import assert_one_error_sentence, cli_env, wcache_in_process
-from wcache.ipc.loading import hold_record_lock, record_lock_path
-from wcache.ipc.run_paths import RunPaths
+from wcache.ipc.run_dir.loading import hold_record_lock, record_lock_path
+from wcache.ipc.run_dir.paths import RunPaths
 from wcache.monitor.events import events_path
 
 HOSTILE = "\u202eevil\x1b[31m\nerror: forged line"
 RAW = ("\u202e", "\x1b", "\nerror: forged")
 # A stand-in for a loading rank: it holds its record's lock, as a rank does (a record whose lock is free is a
 # dead rank's, removed by the next reader), and says so once it does.
-HOLDS_ITS_LOCK = ("import os, sys, time; from wcache.ipc.loading import hold_record_lock, record_lock_path; "
+HOLDS_ITS_LOCK = ("import os, sys, time; from wcache.ipc.run_dir.loading import hold_record_lock, record_lock_path; "
                   "from pathlib import Path; hold_record_lock(record_lock_path(Path(sys.argv[1]), os.getpid())); "
                   "print('locked', flush=True); time.sleep(60)")
 

@@ -31,7 +31,7 @@ from helpers import CLI_TIMEOUT_S, environment, wait_past_racy_window
 from swap_during_key import exchange, flip, unbind
 from wcache.checkpoint.files import CONFIG_NAME, SINGLE_NAME, locate
 from wcache.errors import CheckpointError
-from wcache.ipc.rundir import DaemonDescriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor
 from wcache.key.compute import compute_key
 from wcache.key.digest_store import DigestStore
 from wcache_dev.synth import write_checkpoint

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from helpers import run_python, wcache_in_process
-from wcache.ipc.http_server import PROMETHEUS_TEXT, QuietHandler, make_http_server
+from wcache.ipc.http.server import PROMETHEUS_TEXT, QuietHandler, make_http_server
 from wcache.monitor.collector import Collector
 from wcache.monitor.snapshot import SCHEMA
 

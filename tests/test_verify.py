@@ -29,9 +29,9 @@ from daemon_fixtures import (
 )
 from helpers import one_sentence, wcache_in_process
 from wcache.errors import EXIT_BAD_INPUT, EXIT_DIFFERENCE, EXIT_OK, EXIT_UNAVAILABLE
-from wcache.ipc.client import DaemonConnection
-from wcache.ipc.messages import Hello, MapRequest, WantedKey
-from wcache.ipc.rundir import DaemonDescriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor
+from wcache.ipc.wire.client import DaemonConnection
+from wcache.ipc.wire.messages import Hello, MapRequest, WantedKey
 from wcache_dev.synth import overwrite_tensor_bytes
 
 EMBED = "model.embed_tokens.weight"

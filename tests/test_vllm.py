@@ -39,7 +39,7 @@ from daemon_fixtures import (
 from helpers import plant_wcache
 from wcache.errors import BadInputError
 from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_tokens
-from wcache.ipc.rundir import DaemonDescriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor
 from wcache.vllm_served import DEV_MODE
 from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from daemon_fixtures import DaemonRig, copy_checkpoint, daemon_rig, nothing_survives  # noqa: F401
 from wcache.integrations.vllm_runner import VllmResult, VllmRun, greedy_tokens
-from wcache.ipc.rundir import DaemonDescriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor
 from wcache.plan import family
 from wcache.plan.family import ModelDims, UnsupportedPlanError
 from wcache_dev.synth import PRESETS as DEV_PRESETS

@@ -29,7 +29,7 @@ from helpers import assert_one_error_sentence
 from torch import nn
 from wcache.integrations.vllm_runner import VllmRun, greedy_tokens
 from wcache.integrations.vllm_version import DISTRIBUTIONS, TESTED_RANGE
-from wcache.ipc.rundir import DaemonDescriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor
 from wcache.plan.spec import PlanSpec, preload_command
 from wcache.verify import default_prompts
 from wcache_dev.synth import PRESETS, make_tensors, write_byte_tokenizer, write_checkpoint, write_tensors

@@ -16,7 +16,10 @@ import typer
 
 def _live_daemons(ctx: typer.Context) -> list[tuple[str, str, str]]:
     """(name, key id, description) of every live daemon in the run dir the command line names, else the default."""
-    from wcache.ipc.rundir import census, default_run_dir  # psutil: paid at completion time only, never by `--help`
+    from wcache.ipc.run_dir.directory import (  # psutil: paid at completion time only, never by `--help`
+        census,
+        default_run_dir,
+    )
 
     logger = logging.getLogger("wcache")
     was_disabled, logger.disabled = logger.disabled, True  # an unreadable descriptor is warned about otherwise

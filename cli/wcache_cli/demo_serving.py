@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from wcache.daemon.launch import start_daemons, stop_daemon, terminate_started
-from wcache.ipc.engine_descriptor import read_engine_descriptor
-from wcache.ipc.http_client import http_request
+from wcache.ipc.http.client import http_request
 from wcache.ipc.interpreter import python_module_argv
-from wcache.ipc.run_paths import RunPaths
-from wcache.ipc.rundir import census, ensure_run_dir
+from wcache.ipc.run_dir.directory import census, ensure_run_dir
+from wcache.ipc.run_dir.engines import read_engine_descriptor
+from wcache.ipc.run_dir.paths import RunPaths
 
 from wcache_cli.output import out
 

@@ -10,7 +10,7 @@ from wcache.errors import BadInputError
 from wcache_cli.params import run_dir_or_default
 
 if TYPE_CHECKING:
-    from wcache.ipc.rundir import DaemonDescriptor
+    from wcache.ipc.run_dir.directory import DaemonDescriptor
     from wcache.key.cache_key import KeyFile
     from wcache.plan.spec import PlanSpec
 
@@ -38,16 +38,16 @@ def check_tp_fits(model: Path, spec: PlanSpec) -> None:
 
 def find_daemons(run_dir: Path, ident: str) -> list[DaemonDescriptor]:
     """Live daemons whose name or key id starts with `ident`."""
-    from wcache.ipc.rundir import census, matches
+    from wcache.ipc.run_dir.directory import census, matches
 
     live = census(run_dir).live if run_dir.exists() else ()
     return [d for d in live if matches(d, ident)]
 
 
 def key_of_daemon(descriptor: DaemonDescriptor) -> KeyFile:
-    from wcache.ipc.client import request_once
-    from wcache.ipc.messages import Manifest
-    from wcache.ipc.remote_key import daemon_key_file
+    from wcache.ipc.run_dir.remote_key import daemon_key_file
+    from wcache.ipc.wire.client import request_once
+    from wcache.ipc.wire.messages import Manifest
 
     return daemon_key_file(descriptor, request_once(descriptor.socket, Manifest()).tensors)
 

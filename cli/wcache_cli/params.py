@@ -66,7 +66,9 @@ def plan_from_options(tp: int, rank: int, dtype: Dtype, quantization: Quantizati
 def run_dir_or_default(run_dir: Path | None) -> Path:
     if run_dir is not None:
         return run_dir
-    from wcache.ipc.rundir import default_run_dir  # it imports psutil, which only commands that look at daemons need
+    from wcache.ipc.run_dir.directory import (
+        default_run_dir,  # it imports psutil, which only commands that look at daemons need
+    )
 
     return default_run_dir()
 

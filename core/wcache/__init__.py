@@ -39,9 +39,9 @@ _EXPORTS = {
     "stop_daemon": "wcache.daemon.launch",
     "DaemonGroup": "wcache.daemon.launch",
     "PreloadFailedError": "wcache.daemon.launch",
-    "DaemonDescriptor": "wcache.ipc.rundir",
-    "DaemonExistsError": "wcache.ipc.rundir",
-    "census": "wcache.ipc.rundir",
+    "DaemonDescriptor": "wcache.ipc.run_dir.directory",
+    "DaemonExistsError": "wcache.ipc.run_dir.directory",
+    "census": "wcache.ipc.run_dir.directory",
     "resolve_model_path": "wcache.checkpoint.model_path",
     "WcacheError": "wcache.errors",
     "BadInputError": "wcache.errors",
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from wcache.checkpoint.model_path import resolve_model_path
     from wcache.daemon.launch import DaemonGroup, PreloadFailedError, start_daemons, stop_daemon
     from wcache.errors import BadInputError, UnavailableError, WcacheError
-    from wcache.ipc.rundir import DaemonDescriptor, DaemonExistsError, census
+    from wcache.ipc.run_dir.directory import DaemonDescriptor, DaemonExistsError, census
     from wcache.key.cache_key import KeyFile, WeightCacheKey
     from wcache.key.compute import compute_key
     from wcache.key.diff import KeyDiff, diff_keys

@@ -9,8 +9,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from wcache.errors import UnavailableError, option
-from wcache.ipc.messages import WantedKey
-from wcache.ipc.rundir import DaemonDescriptor, census, matches
+from wcache.ipc.run_dir.directory import DaemonDescriptor, census, matches
+from wcache.ipc.wire.messages import WantedKey
 from wcache.plan.spec import PlanSpec
 
 

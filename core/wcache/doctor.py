@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from wcache.errors import WcacheError, option
-from wcache.ipc.rundir import DaemonDescriptor, census, default_run_dir
+from wcache.ipc.run_dir.directory import DaemonDescriptor, census, default_run_dir
 from wcache.key.digest_store import DigestStore, default_store_dir
 
 Status = Literal["ok", "warn", "fail"]

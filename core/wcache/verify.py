@@ -20,9 +20,9 @@ from wcache.checkpoint.provenance import FileVerdict, overall, report
 from wcache.daemon_choice import pick_daemon
 from wcache.errors import BadInputError, UnavailableError
 from wcache.integrations.registry import engine_entry
-from wcache.ipc.client import DaemonConnection, DaemonError
-from wcache.ipc.messages import CheckArena, Manifest
-from wcache.ipc.remote_key import daemon_key_file
+from wcache.ipc.run_dir.remote_key import daemon_key_file
+from wcache.ipc.wire.client import DaemonConnection, DaemonError
+from wcache.ipc.wire.messages import CheckArena, Manifest
 from wcache.key.compute import compute_key
 from wcache.key.diff import KeyDiff, diff_keys
 from wcache.key.provenance import verdicts_of

@@ -32,7 +32,7 @@ from wcache.checkpoint.files import locate
 from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import BadInputError, UnavailableError
 from wcache.integrations.vllm_switch import LOAD_FORMAT, VllmSwitchError, worker_reason
-from wcache.ipc.rundir import census, default_run_dir, matches
+from wcache.ipc.run_dir.directory import census, default_run_dir, matches
 from wcache.monitor.events import engine_events
 from wcache.plan.spec import PlanSpec, preload_command
 from wcache.serving.client import EngineRequestError, call_engine, engine_base_url

@@ -153,7 +153,7 @@ def _serve_attach_verify(
     from rich.markup import escape
     from wcache.attach_options import AttachOptions
     from wcache.engine import Engine
-    from wcache.ipc.run_paths import RunPaths
+    from wcache.ipc.run_dir.paths import RunPaths
     from wcache.key.digest_store import DigestStore
     from wcache.monitor.events import read_events
     from wcache.plan.spec import PlanSpec

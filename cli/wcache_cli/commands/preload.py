@@ -40,7 +40,7 @@ from wcache_cli.words import cli_message
 
 if TYPE_CHECKING:
     from wcache.daemon.launch import DaemonGroup
-    from wcache.ipc.status_pipe import GroupReady
+    from wcache.ipc.wire.status_pipe import GroupReady
 
 
 def _launch(
@@ -149,7 +149,7 @@ def preload(
     from wcache.daemon.launch import replace_daemons, replacing
     from wcache.daemon.sd_notify import Notifier
     from wcache.daemon.supervisor import rank_devices
-    from wcache.ipc.rundir import DaemonExistsError, ensure_run_dir
+    from wcache.ipc.run_dir.directory import DaemonExistsError, ensure_run_dir
 
     where = ensure_run_dir(run_dir_or_default(run_dir))
     warn_if_exposed(health_host, "--health-host", "/health, /metrics and /stats")
@@ -242,7 +242,7 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 def _warn_provenance(ready: GroupReady, run_dir: Path, expected: Path | None) -> None:
     """A warning for each file of the loaded checkpoint that differs from what was published."""
-    from wcache.ipc.rundir import census
+    from wcache.ipc.run_dir.directory import census
     from wcache.key.provenance import verdicts_of
 
     names = {r.name for r in ready.ranks}

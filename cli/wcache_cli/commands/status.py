@@ -23,7 +23,7 @@ def _health(url: str | None) -> int | None:
     if not url:
         return None
     # Imported per use: the help and a run dir without daemons must not pay for http.client, sockets or psutil.
-    from wcache.ipc.http_client import http_get
+    from wcache.ipc.http.client import http_get
 
     return http_get(f"{url}/health", HEALTH_TIMEOUT_S)[0]
 
@@ -62,8 +62,8 @@ def status(
     Daemons still loading are listed with their progress. Descriptors left by daemons that died are reported
     and removed. With --check, exit 0 only when at least one daemon runs and every daemon holds its weights.
     """
-    from wcache.ipc.loading import read_loading
-    from wcache.ipc.rundir import census
+    from wcache.ipc.run_dir.directory import census
+    from wcache.ipc.run_dir.loading import read_loading
     from wcache.monitor.daemon_status import collect
     from wcache.monitor.status_row import StatusRow
 
@@ -166,7 +166,7 @@ def stop(
     if (ident is None) == (not all_daemons):
         raise BadInputError("name one daemon to stop, or pass --all (not both).")
     from wcache.daemon.launch import stop_daemons, stop_loading, stop_targets
-    from wcache.ipc.loading import read_loading
+    from wcache.ipc.run_dir.loading import read_loading
 
     where = run_dir_or_default(run_dir)
     targets = stop_targets(where, None if all_daemons else ident, group=group)

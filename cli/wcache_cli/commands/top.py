@@ -57,7 +57,7 @@ def top(
         raise BadInputError("--count goes with --json and without --once (it counts the lines streamed).")
     if not (once or json) and not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise BadInputError("wcache top needs a terminal; use --once or --json to script it.")
-    from wcache.ipc.rundir import check_run_dir
+    from wcache.ipc.run_dir.directory import check_run_dir
 
     from wcache_cli.top.source import open_source
 

@@ -14,8 +14,8 @@ from wcache.attach.mapping import Mapped, Refusal, try_map
 from wcache.attach_options import AttachOptions
 from wcache.daemon_choice import holding
 from wcache.errors import BadInputError, option
-from wcache.ipc.client import DaemonConnection
-from wcache.ipc.rundir import default_run_dir, ensure_run_dir
+from wcache.ipc.run_dir.directory import default_run_dir, ensure_run_dir
+from wcache.ipc.wire.client import DaemonConnection
 from wcache.key.compute import compute_key
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import HashProgress

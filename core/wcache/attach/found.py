@@ -9,9 +9,9 @@ from pathlib import Path
 
 from wcache.attach.context import AttachContext, collector_paused
 from wcache.daemon_choice import on_device
-from wcache.ipc.client import DaemonConnection, DaemonError
-from wcache.ipc.messages import WantedKey
-from wcache.ipc.rundir import DaemonDescriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor
+from wcache.ipc.wire.client import DaemonConnection, DaemonError
+from wcache.ipc.wire.messages import WantedKey
 from wcache.key.cache_key import KeyFile
 from wcache.key.compute import compute_key, trusted_key
 

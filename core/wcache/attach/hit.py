@@ -8,8 +8,8 @@ from wcache.attach.context import AttachContext
 from wcache.attach.lease import AttachedWeights
 from wcache.attach.mapping import Mapped
 from wcache.attach.report import AttachReport
-from wcache.ipc.client import DaemonConnection
-from wcache.ipc.rundir import DaemonDescriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor
+from wcache.ipc.wire.client import DaemonConnection
 from wcache.key.cache_key import KeyFile
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event

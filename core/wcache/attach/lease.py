@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wcache.attach.report import AttachReport
-from wcache.ipc.client import DaemonConnection
+from wcache.ipc.wire.client import DaemonConnection
 from wcache.key.cache_key import KeyFile
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
@@ -18,7 +18,7 @@ from wcache.monitor.events import append_event
 if TYPE_CHECKING:
     import torch
 
-    from wcache.ipc.mapped_arena import MappedArena
+    from wcache.ipc.arenas.engine_side import MappedArena
 
 
 class AttachedWeights:

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, cast
 
 from wcache.attach.context import AttachContext
 from wcache.errors import UnavailableError
-from wcache.ipc.client import DaemonConnection, DaemonError
-from wcache.ipc.messages import Hello, HelloReply, Manifest, MapMode, MapRequest, Release, WantedKey
-from wcache.ipc.remote_key import daemon_key_file
-from wcache.ipc.rundir import DaemonDescriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor
+from wcache.ipc.run_dir.remote_key import daemon_key_file
+from wcache.ipc.wire.client import DaemonConnection, DaemonError
+from wcache.ipc.wire.messages import Hello, HelloReply, Manifest, MapMode, MapRequest, Release, WantedKey
 from wcache.key.cache_key import KeyFile
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     # reports (`wcache attach` without --prompt/--serve) never loads torch.
     import torch
 
-    from wcache.ipc.mapped_arena import MappedArena
+    from wcache.ipc.arenas.engine_side import MappedArena
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +68,12 @@ def try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, wanted: 
             connection.close()
             raise UnavailableError(f"daemon {descriptor.name} sent no arena descriptor.")
         if ctx.views:
-            from wcache.ipc.mapped_arena import map_cpu_arena
+            from wcache.ipc.arenas.engine_side import map_cpu_arena
 
             mapping = map_cpu_arena(reply.fds[0], reply.total_bytes, entries)
             tensors = mapping.tensors
         else:  # only a report: what mapping would check first, and nothing mapped
-            from wcache.ipc.mapped_arena import check_arena_size
+            from wcache.ipc.arenas.engine_side import check_arena_size
 
             try:
                 check_arena_size(reply.fds[0], reply.total_bytes)
@@ -82,7 +82,7 @@ def try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, wanted: 
     elif ctx.views:
         import torch
 
-        from wcache.ipc.mapped_arena import open_cuda_handle, views_from_wire
+        from wcache.ipc.arenas.engine_side import open_cuda_handle, views_from_wire
 
         if reply.cuda is None:
             connection.close()

@@ -9,9 +9,9 @@ from pathlib import Path
 from wcache.attach.found import Found
 from wcache.attach.mapping import Refusal
 from wcache.daemon_choice import nearest
-from wcache.ipc.client import DaemonConnection, DaemonError
-from wcache.ipc.messages import Hello, Manifest, WantedKey
-from wcache.ipc.remote_key import daemon_key_file
+from wcache.ipc.run_dir.remote_key import daemon_key_file
+from wcache.ipc.wire.client import DaemonConnection, DaemonError
+from wcache.ipc.wire.messages import Hello, Manifest, WantedKey
 from wcache.key.cache_key import KeyFile
 from wcache.key.diff import KeyDiff, diff_keys
 from wcache.plan.spec import preload_command

@@ -17,8 +17,7 @@ from wcache.daemon.argv import LoadArgs
 from wcache.daemon.server import DaemonServer
 from wcache.delta.arena import build_next, find_parent
 from wcache.errors import EXIT_OK, EXIT_UNAVAILABLE, WcacheError, marked, option
-from wcache.ipc.loading import LoadingBoard, LoadingRecord
-from wcache.ipc.rundir import (
+from wcache.ipc.run_dir.directory import (
     DaemonDescriptor,
     DaemonExistsError,
     daemon_name,
@@ -28,7 +27,8 @@ from wcache.ipc.rundir import (
     socket_path,
     write_descriptor,
 )
-from wcache.ipc.status_pipe import Exists, Failed, ProgressReporter, RankReady, StatusWriter
+from wcache.ipc.run_dir.loading import LoadingBoard, LoadingRecord
+from wcache.ipc.wire.status_pipe import Exists, Failed, ProgressReporter, RankReady, StatusWriter
 from wcache.key.cache_key import KeyFile, WeightCacheKey
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import HashProgress

@@ -22,9 +22,9 @@ from prometheus_client.registry import Collector
 
 from wcache.attach_options import MODES
 from wcache.checkpoint.provenance import VERDICTS
-from wcache.ipc import counters as counter_names
-from wcache.ipc.http_server import JSON_TYPE, HTTPRequestError, QuietHandler, make_http_server
-from wcache.ipc.messages import DaemonStats
+from wcache.ipc.http.server import JSON_TYPE, HTTPRequestError, QuietHandler, make_http_server
+from wcache.ipc.wire import counters as counter_names
+from wcache.ipc.wire.messages import DaemonStats
 from wcache.monitor.daemon_status import collect
 from wcache.schema import Schema
 

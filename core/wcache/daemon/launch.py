@@ -31,13 +31,8 @@ from wcache.errors import (
     UnavailableError,
     option,
 )
-from wcache.ipc.client import DaemonError, request_once
 from wcache.ipc.interpreter import python_module_argv
-from wcache.ipc.loading import LoadingRecord, read_loading, record_lock_path
-from wcache.ipc.messages import Shutdown, Stats
-from wcache.ipc.protocol import ProtocolError
-from wcache.ipc.run_paths import RunPaths
-from wcache.ipc.rundir import (
+from wcache.ipc.run_dir.directory import (
     DaemonDescriptor,
     DaemonExistsError,
     census,
@@ -51,7 +46,12 @@ from wcache.ipc.rundir import (
     read_descriptors,
     remove_daemon_files,
 )
-from wcache.ipc.status_pipe import FROM_SUPERVISOR, Exists, Failed, GroupReady, Progress, parse_line
+from wcache.ipc.run_dir.loading import LoadingRecord, read_loading, record_lock_path
+from wcache.ipc.run_dir.paths import RunPaths
+from wcache.ipc.wire.client import DaemonError, request_once
+from wcache.ipc.wire.framing import ProtocolError
+from wcache.ipc.wire.messages import Shutdown, Stats
+from wcache.ipc.wire.status_pipe import FROM_SUPERVISOR, Exists, Failed, GroupReady, Progress, parse_line
 
 STOP_TIMEOUT_S = 15.0
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from wcache.ipc import counters as counter_names
-from wcache.ipc.messages import HelloStatus
+from wcache.ipc.wire import counters as counter_names
+from wcache.ipc.wire.messages import HelloStatus
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wcache.errors import WcacheError
-from wcache.ipc.arena import ArenaClosedError, ArenaEntry, CpuArena
+from wcache.ipc.arenas.daemon_side import ArenaClosedError, ArenaEntry, CpuArena
 
 if TYPE_CHECKING:
     from wcache.checkpoint.manifest import TensorDigest

@@ -21,9 +21,20 @@ from typing import Any
 from wcache.daemon import lease_rules
 from wcache.daemon.lease_rules import Holders
 from wcache.daemon.scrub import Corruption, Scrubber, first_difference_from_checkpoint
-from wcache.ipc import counters as counter_names
-from wcache.ipc.arena import ArenaClosedError, ArenaEntry, CpuArena
-from wcache.ipc.messages import (
+from wcache.ipc.arenas.daemon_side import ArenaClosedError, ArenaEntry, CpuArena
+from wcache.ipc.run_dir.directory import DaemonDescriptor, remove_daemon_files
+from wcache.ipc.wire import counters as counter_names
+from wcache.ipc.wire.framing import (
+    REPLY_LIMITS,
+    REQUEST_LIMITS,
+    Frame,
+    PeerClosedError,
+    ProtocolError,
+    peer_uid,
+    receive,
+    send_encoded,
+)
+from wcache.ipc.wire.messages import (
     ArenaReport,
     BadRequestError,
     CheckArena,
@@ -48,17 +59,6 @@ from wcache.ipc.messages import (
     encode,
     read_request,
 )
-from wcache.ipc.protocol import (
-    REPLY_LIMITS,
-    REQUEST_LIMITS,
-    Frame,
-    PeerClosedError,
-    ProtocolError,
-    peer_uid,
-    receive,
-    send_encoded,
-)
-from wcache.ipc.rundir import DaemonDescriptor, remove_daemon_files
 from wcache.load.loader import LoadedRank
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event

@@ -20,13 +20,22 @@ from pathlib import Path
 from wcache.daemon.argv import LoadArgs
 from wcache.daemon.health import RankTable, serve_health
 from wcache.errors import EXIT_OK, EXIT_UNAVAILABLE, WcacheError, api_words, in_words, marked, option
-from wcache.ipc.http_server import http_url
+from wcache.ipc.http.server import http_url
 from wcache.ipc.interpreter import python_module_argv
-from wcache.ipc.loading import forget_dead_rank
-from wcache.ipc.protocol import ProtocolError
-from wcache.ipc.run_paths import RunPaths
-from wcache.ipc.rundir import census, ensure_run_dir, lock_path, lock_taken_if_free, remove_daemon_files
-from wcache.ipc.status_pipe import FROM_RANK, Exists, Failed, GroupReady, Progress, RankReady, StatusWriter, parse_line
+from wcache.ipc.run_dir.directory import census, ensure_run_dir, lock_path, lock_taken_if_free, remove_daemon_files
+from wcache.ipc.run_dir.loading import forget_dead_rank
+from wcache.ipc.run_dir.paths import RunPaths
+from wcache.ipc.wire.framing import ProtocolError
+from wcache.ipc.wire.status_pipe import (
+    FROM_RANK,
+    Exists,
+    Failed,
+    GroupReady,
+    Progress,
+    RankReady,
+    StatusWriter,
+    parse_line,
+)
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 from wcache.monitor.logs import configure as configure_logging

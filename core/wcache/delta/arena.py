@@ -40,10 +40,10 @@ from wcache.checkpoint.dtypes import TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest, merkle_root
 from wcache.delta.format import Change, Delta, DeltaError, read_delta
 from wcache.errors import BadInputError, CheckpointError, UnavailableError
-from wcache.ipc.arena import ArenaEntry, CpuArena, plan_layout
-from wcache.ipc.client import DaemonConnection, DaemonError
-from wcache.ipc.messages import Hello, Manifest, MapRequest, WantedKey
-from wcache.ipc.rundir import DaemonDescriptor
+from wcache.ipc.arenas.daemon_side import ArenaEntry, CpuArena, plan_layout
+from wcache.ipc.run_dir.directory import DaemonDescriptor
+from wcache.ipc.wire.client import DaemonConnection, DaemonError
+from wcache.ipc.wire.messages import Hello, Manifest, MapRequest, WantedKey
 from wcache.key.cache_key import KeyFile, WeightCacheKey
 from wcache.key.shard_hash import tensor_hasher
 from wcache.load.loader import LoadedRank, arena_digest, plant_fault, processed_digest
@@ -71,7 +71,7 @@ class NextVersion:
 
 def find_parent(run_dir: Path, name: str) -> DaemonDescriptor:
     """The running daemon called `name` (a new version's rank starts from it)."""
-    from wcache.ipc.rundir import census
+    from wcache.ipc.run_dir.directory import census
 
     for descriptor in census(run_dir).live:
         if descriptor.name == name:
@@ -310,7 +310,7 @@ class _TorchSide:
     place that holds them: the arena, else the parent's checkpoint on disk (checked against its manifest)."""
 
     def __init__(self, build: _Build) -> None:
-        from wcache.ipc.mapped_arena import map_cpu_arena
+        from wcache.ipc.arenas.engine_side import map_cpu_arena
 
         self.build = build
         self.new_tensors = build.arena.tensors(build.entries)

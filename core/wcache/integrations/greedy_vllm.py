@@ -23,7 +23,7 @@ def run_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: 
                device: str) -> GreedyTokens:
     """Both sides' greedy tokens; vLLM picks its own device."""
     from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_tokens
-    from wcache.ipc.rundir import default_run_dir
+    from wcache.ipc.run_dir.directory import default_run_dir
 
     if not any((model / name).exists() for name in VLLM_TOKENIZER_FILES):
         # vLLM would start anyway, encode every prompt to nothing and stop at "The decoder prompt cannot be empty".

@@ -54,7 +54,7 @@ from wcache.integrations.vllm_api import (
     set_default_torch_dtype,
 )
 from wcache.integrations.vllm_words import EXTRA_CONFIG, vllm_words
-from wcache.ipc.rundir import default_run_dir, ensure_run_dir
+from wcache.ipc.run_dir.directory import default_run_dir, ensure_run_dir
 from wcache.key.digest_store import DigestStore
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event

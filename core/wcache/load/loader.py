@@ -19,7 +19,7 @@ import blake3
 from wcache.checkpoint.files import CheckpointLayout, locate
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.errors import BadInputError, CheckpointError
-from wcache.ipc.arena import ArenaEntry, CpuArena, CudaArena, plan_layout
+from wcache.ipc.arenas.daemon_side import ArenaEntry, CpuArena, CudaArena, plan_layout
 from wcache.key.cache_key import KeyFile
 from wcache.key.compute import make_key_file, resolve_plan
 from wcache.key.digest_store import DigestStore

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from wcache.checkpoint.dtypes import TORCH_ITEMSIZE, TORCH_NAMES
 from wcache.checkpoint.safetensors_header import TensorInfo
-from wcache.ipc.mapped_arena import torch_dtype
+from wcache.ipc.arenas.engine_side import torch_dtype
 from wcache.key.file_digest import FileSha256
 from wcache.key.fingerprint import HashProgress
 from wcache.key.shard_hash import CHUNK_BYTES, OpenShard, tensor_hasher

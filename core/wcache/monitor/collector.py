@@ -20,12 +20,12 @@ from typing import Any
 
 import psutil
 
-from wcache.ipc import counters as counter_names
-from wcache.ipc.engine_descriptor import EngineDescriptor, read_engine_descriptor
-from wcache.ipc.http_client import http_get
-from wcache.ipc.loading import LoadingRecord, read_loading
-from wcache.ipc.run_paths import RunPaths
-from wcache.ipc.rundir import DaemonDescriptor, read_descriptors, run_subdir
+from wcache.ipc.http.client import http_get
+from wcache.ipc.run_dir.directory import DaemonDescriptor, read_descriptors, run_subdir
+from wcache.ipc.run_dir.engines import EngineDescriptor, read_engine_descriptor
+from wcache.ipc.run_dir.loading import LoadingRecord, read_loading
+from wcache.ipc.run_dir.paths import RunPaths
+from wcache.ipc.wire import counters as counter_names
 from wcache.monitor.daemon_status import DaemonStatus, collect
 from wcache.monitor.event_types import FEED_KINDS
 from wcache.monitor.events import events_path, parse_event, rotated_path

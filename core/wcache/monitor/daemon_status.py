@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from wcache.ipc.client import DaemonError, request_once
-from wcache.ipc.messages import Stats, StatsReply
+from wcache.ipc.wire.client import DaemonError, request_once
+from wcache.ipc.wire.messages import Stats, StatsReply
 
 # Long enough for a daemon busy attaching a burst of engines, short enough that a hung one does not stall
 # a probe or a `top` refresh: a stats reply takes well under a millisecond.

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from wcache.ipc.run_paths import RunPaths
+from wcache.ipc.run_dir.paths import RunPaths
 from wcache.monitor.event_types import AnyEvent, Event
 
 log = logging.getLogger("wcache")

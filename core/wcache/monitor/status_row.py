@@ -11,8 +11,8 @@ from msgspec import UNSET, UnsetType
 from wcache.schema import Schema
 
 if TYPE_CHECKING:
-    from wcache.ipc.loading import LoadingRecord
-    from wcache.ipc.rundir import DaemonDescriptor
+    from wcache.ipc.run_dir.directory import DaemonDescriptor
+    from wcache.ipc.run_dir.loading import LoadingRecord
     from wcache.monitor.daemon_status import DaemonStatus
 
 

@@ -7,7 +7,7 @@ import urllib.parse
 from typing import Any
 
 from wcache.errors import BadInputError, UnavailableError
-from wcache.ipc.http_client import NoAnswerError, http_call
+from wcache.ipc.http.client import NoAnswerError, http_call
 
 TIMEOUT_S = 300.0  # a switch attaches a checkpoint (hashing it when its receipts are stale); a request decodes
 

@@ -26,8 +26,8 @@ from wcache.engine.config import EngineConfig
 from wcache.engine.engine import Engine, Generation
 from wcache.engine.parallel import TensorParallel
 from wcache.errors import option
-from wcache.ipc.http_server import http_url
-from wcache.ipc.rundir import ensure_run_dir
+from wcache.ipc.http.server import http_url
+from wcache.ipc.run_dir.directory import ensure_run_dir
 from wcache.plan.spec import PlanSpec
 from wcache.serving.server import (
     MAX_BODY_BYTES,

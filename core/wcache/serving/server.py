@@ -28,9 +28,9 @@ from prometheus_client.registry import Collector
 from wcache.engine.block_manager import KVCacheFullError
 from wcache.engine.engine import Engine, Generation
 from wcache.errors import UnavailableError, WcacheError
-from wcache.ipc.engine_descriptor import EngineDescriptor
-from wcache.ipc.engine_descriptor import write_engine_descriptor as write_descriptor
-from wcache.ipc.http_server import HTTPRequestError, QuietHandler, make_http_server
+from wcache.ipc.http.server import HTTPRequestError, QuietHandler, make_http_server
+from wcache.ipc.run_dir.engines import EngineDescriptor
+from wcache.ipc.run_dir.engines import write_engine_descriptor as write_descriptor
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 

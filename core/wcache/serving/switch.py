@@ -23,7 +23,7 @@ from wcache.daemon_choice import on_device
 from wcache.engine.engine import Engine, ServedWeights, checkpoint_model
 from wcache.engine.model import Transformer
 from wcache.errors import BadInputError, UnavailableError
-from wcache.ipc.rundir import default_run_dir
+from wcache.ipc.run_dir.directory import default_run_dir
 from wcache.key.digest_store import DigestStore
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event

@@ -22,8 +22,8 @@ from typing import Annotated, Any
 import msgspec
 
 from wcache.canonical import INT64_BITS
-from wcache.ipc.run_paths import RunPaths
-from wcache.ipc.rundir import Pid, lock_taken_if_free, read_run_file, run_subdir
+from wcache.ipc.run_dir.directory import Pid, lock_taken_if_free, read_run_file, run_subdir
+from wcache.ipc.run_dir.paths import RunPaths
 from wcache.schema import Schema
 
 log = logging.getLogger("wcache")

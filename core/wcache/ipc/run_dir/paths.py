@@ -10,7 +10,7 @@
 ```
 
 `RunPaths(run_dir)` spells them; nothing else in wcache joins a file name onto a run dir. Checking the run
-dir (owner, mode) and reading what is in it stay with `rundir` and the modules of each file.
+dir (owner, mode) and reading what is in it stay with `directory` and the modules of each file.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """An engine's side of a daemon's arena: map a received CPU arena, open a CUDA handle, and view either as tensors,
 one view per entry of a map reply, made a run of layers at a time.
 
-It imports nothing from `arena` (the daemon's side: making, filling and sealing one), and torch and numpy only
+It imports nothing from `daemon_side` (the daemon's side: making, filling and sealing one), and torch and numpy only
 where tensors are made: an attach that only reports checks the arena's size without loading them.
 """
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from wcache.ipc.messages import WireEntry
+    from wcache.ipc.wire.messages import WireEntry
 
 # Tensors of one dtype and shape per layer that a run may interleave (a layer's norms, its k and v projections).
 MAX_PERIOD = 8

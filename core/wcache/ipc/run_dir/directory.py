@@ -20,8 +20,8 @@ import msgspec
 from wcache.canonical import INT64_BITS, loads_finite
 from wcache.checkpoint.provenance import FileDigest, Verdict
 from wcache.errors import EXIT_OK, BadInputError, WcacheError, option
-from wcache.ipc.protocol import ProtocolError
-from wcache.ipc.run_paths import RunPaths
+from wcache.ipc.run_dir.paths import RunPaths
+from wcache.ipc.wire.framing import ProtocolError
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
 from wcache.schema import Schema

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from wcache.errors import UnavailableError
-from wcache.ipc.messages import Message, RefusedError, Request, send
-from wcache.ipc.protocol import REPLY_LIMITS, REQUEST_LIMITS, ProtocolError, peer_uid, receive
+from wcache.ipc.wire.framing import REPLY_LIMITS, REQUEST_LIMITS, ProtocolError, peer_uid, receive
+from wcache.ipc.wire.messages import Message, RefusedError, Request, send
 
 R = TypeVar("R", bound=Message)
 

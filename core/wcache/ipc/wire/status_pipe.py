@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any, ClassVar, TextIO
 
-from wcache.ipc.protocol import ProtocolError
+from wcache.ipc.wire.framing import ProtocolError
 from wcache.schema import Schema, SchemaError
 
 

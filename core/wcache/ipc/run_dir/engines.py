@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from wcache.ipc.run_paths import RunPaths
-from wcache.ipc.rundir import Pid, read_run_file
+from wcache.ipc.run_dir.directory import Pid, read_run_file
+from wcache.ipc.run_dir.paths import RunPaths
 from wcache.schema import Schema
 
 # An announcement is a URL, a model name and an attach report: hundreds of bytes. Anything far larger is not one.

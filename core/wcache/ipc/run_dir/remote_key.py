@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from wcache.checkpoint.manifest import TensorDigest
-from wcache.ipc.rundir import DaemonDescriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor
 from wcache.key.cache_key import KeyFile
 
 

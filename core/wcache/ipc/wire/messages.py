@@ -17,7 +17,7 @@ import msgspec
 
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.errors import WcacheError
-from wcache.ipc.protocol import Frame, Limits, ProtocolError, frame_bytes, send_encoded
+from wcache.ipc.wire.framing import Frame, Limits, ProtocolError, frame_bytes, send_encoded
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
 from wcache.schema import Schema, schema_error

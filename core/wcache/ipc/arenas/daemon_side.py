@@ -10,7 +10,7 @@ used by PyTorch, the memory dies with the exporting process, so an engine must t
 
 A CPU arena is made, filled and served without torch (a daemon whose outputs are checkpoint bytes unchanged
 never imports it); only views as tensors and CUDA import it. This is the daemon's side; an engine's (mapping
-what it receives, viewing it as tensors) is `mapped_arena`, which imports nothing from here.
+what it receives, viewing it as tensors) is `engine_side`, which imports nothing from here.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from wcache.errors import UnavailableError
 if TYPE_CHECKING:
     import torch
 
-    from wcache.ipc.messages import WireEntry
+    from wcache.ipc.wire.messages import WireEntry
 
 # 256 bytes covers every SIMD width and CUDA's allocation granularity for vectorised loads.
 ALIGNMENT = 256
@@ -77,7 +77,7 @@ def view_tensors(buffer: Any, entries: Sequence[ArenaEntry]) -> dict[str, torch.
     """Tensors over a CPU buffer (no copies)."""
     import torch
 
-    from wcache.ipc.mapped_arena import torch_dtype
+    from wcache.ipc.arenas.engine_side import torch_dtype
 
     tensors = {}
     for e in entries:
@@ -203,7 +203,7 @@ class CudaArena:
             self.block[offset : offset + source.numel()].copy_(source, non_blocking=False)
 
     def tensors(self, entries: Sequence[ArenaEntry]) -> dict[str, torch.Tensor]:
-        from wcache.ipc.mapped_arena import torch_dtype
+        from wcache.ipc.arenas.engine_side import torch_dtype
 
         block = self.block
         return {
