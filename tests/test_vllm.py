@@ -2,14 +2,14 @@
 
 One module-wide rig: the `small` checkpoint (head_dim 64, which vLLM's CPU attention accepts) with a daemon,
 a copy whose lm_head differs under an unchanged header with a daemon of its own (for the planted wrong
-hit), and a second such copy that no daemon holds (for the miss). Every vLLM start costs ~30 s here, so
-each test starts only the engines it needs, and the greedy runs whose subject is the tokens and the attach
-(not vLLM's process layout) run vLLM's engine core in its own front process (`IN_PROCESS_ENGINE`): one
-interpreter importing vLLM instead of three (front end, engine core, worker). The wcache loader still runs
-in a child of its own, never in pytest. The two tests whose subject is vLLM's multi-process layout keep it:
-a refused start, whose reason only the worker's log holds, and the OpenAI server, which loads through the
-entry-point plugin in a spawned worker: one server for the module (`served_vllm`, with vLLM's dev endpoints),
-which answers completions, shows in `wcache top`, then switches to the copy's daemon in place.
+hit), and a second such copy that no daemon holds (for the miss). Importing vLLM costs more than starting
+an engine here, so the greedy runs whose subject is the tokens and the attach (not vLLM's process layout)
+start their engines one after another in one child with each engine core in it (`greedy_runs`, as `wcache
+verify` does). The wcache loader still runs in a child of its own, never in pytest. The two tests whose
+subject is vLLM's multi-process layout keep it: a refused start, whose reason only the engine core's log
+holds, and the OpenAI server, which loads through the entry-point plugin in a spawned engine core: one server
+for the module (`served_vllm`, with vLLM's dev endpoints), which answers completions, shows in `wcache top`,
+then switches to the copy's daemon in place.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from daemon_fixtures import (
 )
 from helpers import plant_wcache
 from wcache.errors import BadInputError
-from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_tokens
+from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_runs, greedy_tokens
 from wcache.ipc.run_dir.directory import DaemonDescriptor
 from wcache.vllm_served import DEV_MODE
 from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint
@@ -48,8 +47,6 @@ MAX_NEW_TOKENS = 8
 VICTIM = "lm_head.weight"  # zeroed past its first rows: greedy tokens change, the header does not
 VICTIM_BYTES = 320 * 128 * 2  # the small preset's vocab × hidden, bf16
 SERVER_START_S = 240.0
-# vLLM's engine core in the process that drives it (with no worker process of its own on CPU).
-IN_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @dataclass
@@ -70,7 +67,7 @@ class VllmRig:
 
 @pytest.fixture(scope="module")
 def vllm_rig() -> Iterator[VllmRig]:
-    with daemon_rig() as rig:
+    with daemon_rig() as rig, pytest.MonkeyPatch.context() as environment:
         original = write_checkpoint("small", rig.base / "small")
         served = copy_checkpoint(original, rig.base / "small-zeroed")
         overwrite_tensor_bytes(served, VICTIM, 1024, bytes(VICTIM_BYTES - 1024))
@@ -78,23 +75,16 @@ def vllm_rig() -> Iterator[VllmRig]:
         overwrite_tensor_bytes(unserved, VICTIM, 2048, bytes(VICTIM_BYTES - 2048))
         [daemon] = rig.preload(original)
         [copy_daemon] = rig.preload(served)
-        previous = os.environ.get("WCACHE_CACHE_DIR")
-        # In-process runs (greedy_tokens) pass the environment on to vLLM: keep its digest store private too.
-        os.environ["WCACHE_CACHE_DIR"] = rig.env["WCACHE_CACHE_DIR"]
-        try:
-            yield VllmRig(rig, original, served, unserved, daemon, copy_daemon)
-        finally:
-            if previous is None:
-                os.environ.pop("WCACHE_CACHE_DIR", None)
-            else:
-                os.environ["WCACHE_CACHE_DIR"] = previous
+        # greedy_runs passes this process's environment on to vLLM: keep its digest store private too.
+        environment.setenv("WCACHE_CACHE_DIR", rig.env["WCACHE_CACHE_DIR"])
+        yield VllmRig(rig, original, served, unserved, daemon, copy_daemon)
 
 
 def test_hit_gives_the_greedy_tokens_of_vllms_own_disk_load(vllm_rig: VllmRig) -> None:
     rig = vllm_rig.rig
     result = rig.cli("verify", str(vllm_rig.original), "--greedy", "--engine", "vllm", "--num-prompts", "2",
                      "--max-new-tokens", str(MAX_NEW_TOKENS), "--run-dir", str(rig.run_dir), "--json",
-                     timeout=600, env=IN_PROCESS_ENGINE)
+                     timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     greedy = json.loads(result.stdout)["greedy"]
     assert greedy["all_match"] and all(p["cached_tokens"] for p in greedy["prompts"])
@@ -108,8 +98,7 @@ def test_planted_wrong_hit_fails_verify_with_vllm(vllm_rig: VllmRig) -> None:
     rig = vllm_rig.rig
     result = rig.cli("verify", str(vllm_rig.original), "--greedy", "--engine", "vllm", "--trust-daemon",
                      "--daemon", vllm_rig.copy_daemon.name, "--num-prompts", "2", "--max-new-tokens",
-                     str(MAX_NEW_TOKENS), "--run-dir", str(rig.run_dir), "--json", timeout=600,
-                     env=IN_PROCESS_ENGINE)
+                     str(MAX_NEW_TOKENS), "--run-dir", str(rig.run_dir), "--json", timeout=600)
     assert result.returncode == 1, result.stdout + result.stderr
     greedy = json.loads(result.stdout)["greedy"]
     assert greedy["attach"]["daemon"] == vllm_rig.copy_daemon.name
@@ -120,8 +109,6 @@ def test_planted_wrong_hit_fails_verify_with_vllm(vllm_rig: VllmRig) -> None:
 @pytest.mark.xdist_group("test_vllm-changed-copy")
 def test_changed_copy_misses_and_serves_its_own_tokens(vllm_rig: VllmRig, monkeypatch: pytest.MonkeyPatch) -> None:
     rig = vllm_rig.rig
-    for name, value in IN_PROCESS_ENGINE.items():
-        monkeypatch.setenv(name, value)  # greedy_tokens hands this environment to vLLM
     # Run from a directory holding a `wcache/` package: the runner must import the installed one.
     marker = rig.base / "planted-code-ran"
     monkeypatch.chdir(plant_wcache(rig.base / "cwd", marker))
@@ -130,9 +117,7 @@ def test_changed_copy_misses_and_serves_its_own_tokens(vllm_rig: VllmRig, monkey
         vllm_rig.run(vllm_rig.unserved_copy),
         vllm_rig.run(vllm_rig.original, load_format="wcache", extra_config=vllm_rig.extra()),
     ]
-    # Three engines that share nothing: started side by side, each in its own process.
-    with ThreadPoolExecutor(len(runs)) as pool:
-        cached, disk, original = pool.map(greedy_tokens, runs)
+    cached, disk, original = greedy_runs(runs)
     assert not marker.exists(), marker.read_text()
     assert cached.tokens == disk.tokens, "the fallback must serve the copy's own weights"
     assert cached.tokens != original.tokens, "the zeroed lm_head must change the tokens"
@@ -273,7 +258,7 @@ def test_served_vllm_switches_in_place_and_verifies(vllm_rig: VllmRig, served_vl
     assert result["previous"]["key_id"] == vllm_rig.daemon.key_id, result
     assert served_vllm.complete(PROMPTS[0]) != before, "the copy's zeroed lm_head must change the tokens"
     verified = rig.cli("verify", url, "--greedy", "--num-prompts", "2", "--max-new-tokens", str(MAX_NEW_TOKENS),
-                       "--json", timeout=600, env=IN_PROCESS_ENGINE)
+                       "--json", timeout=600)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     greedy = json.loads(verified.stdout)["greedy"]
     assert greedy["all_match"] and greedy["attach"]["model"] == str(vllm_rig.served_copy), greedy

@@ -1,23 +1,22 @@
 """Real vLLM engines (the CPU build) attach pre-quantized and mixture-of-experts checkpoints through `wcache`.
 
 One module-wide rig: a daemon per checkpoint (compressed-tensors W8A8 int8 and fp8, and a Qwen3-MoE), each
-preloaded with the default fused plan. Each configuration starts two engines side by side,
-`load_format="auto"` and a `wcache` hit with fallback off, once for the module; vLLM's engine core runs in
-its front process (one interpreter instead of three). Run under the vLLM lock.
+preloaded with the default fused plan. Each configuration gets two engines, `load_format="auto"` and a
+`wcache` hit with fallback off, all six started one after another in one child that imports vLLM once
+(`greedy_runs`), once for the module. The mixture of experts at TP 2 is tests/test_vllm_tp.py's checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from daemon_fixtures import DaemonRig, copy_checkpoint, daemon_rig, nothing_survives  # noqa: F401
-from wcache.integrations.vllm_runner import VllmResult, VllmRun, greedy_tokens
+from wcache.integrations.vllm_runner import VllmResult, VllmRun, greedy_runs
 from wcache.ipc.run_dir.directory import DaemonDescriptor
 from wcache.plan import family
 from wcache.plan.family import ModelDims, UnsupportedPlanError
@@ -26,7 +25,6 @@ from wcache_dev.synth import write_checkpoint
 
 PROMPTS = ["the weights cache keeps", "a daemon holds the shard and"]
 MAX_NEW_TOKENS = 8
-IN_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # Configuration → the dev preset that writes its checkpoint.
 # vLLM's own per-tensor fp8 format (dev preset small-fp8-tensor) is absent: vLLM CPU here fails in its own
 # disk load of it (this build's _C::static_scaled_fp8_quant takes no arguments).
@@ -38,37 +36,26 @@ class FormatsRig:
     rig: DaemonRig
     checkpoints: dict[str, Path]
     daemons: dict[str, DaemonDescriptor]
-    runs: dict[str, tuple[VllmResult, VllmResult]] = field(default_factory=dict)
 
-    def auto_and_hit(self, configuration: str) -> tuple[VllmResult, VllmResult]:
-        """vLLM's own disk load and a wcache hit (fallback off) of one configuration, started side by side once."""
-        if configuration not in self.runs:
-            model = str(self.checkpoints[configuration])
-            extra = {"run_dir": str(self.rig.run_dir), "fallback": False}
-            runs = [VllmRun(model, PROMPTS, MAX_NEW_TOKENS),
-                    VllmRun(model, PROMPTS, MAX_NEW_TOKENS, load_format="wcache", extra_config=extra)]
-            with ThreadPoolExecutor(len(runs)) as pool:
-                auto, hit = pool.map(greedy_tokens, runs)
-            self.runs[configuration] = (auto, hit)
-        return self.runs[configuration]
+    @functools.cached_property
+    def runs(self) -> dict[str, tuple[VllmResult, VllmResult]]:
+        """Per configuration, vLLM's own disk load and a wcache hit (fallback off): one child for them all."""
+        extra = {"run_dir": str(self.rig.run_dir), "fallback": False}
+        runs = [run for path in map(str, self.checkpoints.values())
+                for run in (VllmRun(path, PROMPTS, MAX_NEW_TOKENS),
+                            VllmRun(path, PROMPTS, MAX_NEW_TOKENS, load_format="wcache", extra_config=extra))]
+        results = greedy_runs(runs, timeout=600)
+        return {configuration: (results[2 * i], results[2 * i + 1]) for i, configuration in enumerate(self.checkpoints)}
 
 
 @pytest.fixture(scope="module")
 def formats_rig() -> Iterator[FormatsRig]:
-    saved = {name: os.environ.get(name) for name in ("WCACHE_CACHE_DIR", *IN_PROCESS_ENGINE)}
-    with daemon_rig() as rig:
+    with daemon_rig() as rig, pytest.MonkeyPatch.context() as environment:
         checkpoints = {c: write_checkpoint(preset, rig.base / preset) for c, preset in PRESETS.items()}
         daemons = {c: rig.preload(path)[0] for c, path in checkpoints.items()}
-        # greedy_tokens hands this environment to vLLM: the rig's digest store, vLLM's in-process engine core.
-        os.environ.update({"WCACHE_CACHE_DIR": rig.env["WCACHE_CACHE_DIR"], **IN_PROCESS_ENGINE})
-        try:
-            yield FormatsRig(rig, checkpoints, daemons)
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        # greedy_runs hands this process's environment to vLLM: the rig's digest store.
+        environment.setenv("WCACHE_CACHE_DIR", rig.env["WCACHE_CACHE_DIR"])
+        yield FormatsRig(rig, checkpoints, daemons)
 
 
 def _hit_line(result: VllmResult) -> str:
@@ -76,12 +63,10 @@ def _hit_line(result: VllmResult) -> str:
     return line
 
 
-# Each configuration's engines on a pytest-xdist worker of their own, overlapping (tests/conftest.py).
-@pytest.mark.parametrize("configuration", ["int8-w8a8", pytest.param("fp8-w8a8",
-                                                                    marks=pytest.mark.xdist_group("test_vllm_formats-fp8"))])
+@pytest.mark.parametrize("configuration", ["int8-w8a8", "fp8-w8a8"])
 def test_pre_quantized_checkpoint_hits_with_the_tokens_of_vllms_disk_load(formats_rig: FormatsRig,
                                                                           configuration: str) -> None:
-    auto, hit = formats_rig.auto_and_hit(configuration)
+    auto, hit = formats_rig.runs[configuration]
     assert hit.tokens == auto.tokens and len(set(map(tuple, auto.tokens))) == len(PROMPTS)
     line = _hit_line(hit)
     assert f"from daemon {formats_rig.daemons[configuration].name}" in line and "zero-copy views" in line
@@ -94,9 +79,8 @@ def test_pre_quantized_checkpoint_hits_with_the_tokens_of_vllms_disk_load(format
     assert "vLLM's post-processing" in line
 
 
-@pytest.mark.xdist_group("test_vllm_formats-moe")
 def test_moe_experts_are_the_daemons_tensors_and_tokens_equal_vllms_disk_load(formats_rig: FormatsRig) -> None:
-    auto, hit = formats_rig.auto_and_hit("moe")
+    auto, hit = formats_rig.runs["moe"]
     assert hit.tokens == auto.tokens
     line = _hit_line(hit)
     assert "none was materialized" in line, line
@@ -104,28 +88,6 @@ def test_moe_experts_are_the_daemons_tensors_and_tokens_equal_vllms_disk_load(fo
     assert "8 of 8 stacked expert parameters took the daemon's tensors" in line, line
     hits = [e for e in formats_rig.rig.events("attach_hit") if e.get("daemon") == formats_rig.daemons["moe"].name]
     assert hits and all(e["mode"] == "zero_copy" for e in hits)
-
-
-@pytest.mark.xdist_group("test_vllm_formats-moe-tp2")  # its two TP 2 engines start beside the others
-def test_moe_at_tp_2_shards_the_stacked_experts_as_vllm_does(formats_rig: FormatsRig,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    rig = formats_rig.rig
-    daemons = rig.preload(formats_rig.checkpoints["moe"], "--tp", "2")
-    # Two CPU workers need a core each; vLLM's engine core keeps its own process at TP 2.
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    model = str(formats_rig.checkpoints["moe"])
-    extra = {"run_dir": str(rig.run_dir), "fallback": False}
-    runs = [VllmRun(model, PROMPTS, MAX_NEW_TOKENS, tensor_parallel_size=2),
-            VllmRun(model, PROMPTS, MAX_NEW_TOKENS, tensor_parallel_size=2, load_format="wcache", extra_config=extra)]
-    with ThreadPoolExecutor(len(runs)) as pool:
-        auto, hit = pool.map(greedy_tokens, runs)
-    assert hit.tokens == auto.tokens
-    lines = [line for line in hit.log.splitlines() if "wcache: weight cache hit" in line]
-    assert len(lines) == len(daemons) == 2
-    for daemon in daemons:  # one hit per rank, each on its own rank's daemon, every expert stack zero-copy
-        [line] = [line for line in lines if f"from daemon {daemon.name} " in line]
-        assert "none was materialized" in line and "8 of 8 stacked expert parameters" in line, line
 
 
 def test_a_changed_quantization_config_misses_and_the_miss_names_it(formats_rig: FormatsRig) -> None:

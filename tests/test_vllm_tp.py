@@ -1,11 +1,12 @@
 """vLLM at tensor parallel 2 (real CPU engines), and the vLLM API boundary (version check, one import module).
 
-The TP 2 checkpoint is the `small` preset with a vocabulary of 288 rows: vLLM pads it to 320 and gives each
-rank 160 (the plan must pad as vLLM does), and its one key/value head is fewer than the two ranks (vLLM
-replicates it). One `wcache verify --greedy --engine vllm --tp 2` (two TP 2 engines: on the daemons' weights
-and vLLM's own disk load) serves the hit, per-rank and zero-copy assertions; one more TP 2 engine, on a checkpoint
-whose only daemons hold float32, serves the per-rank miss. vLLM's CPU workers need VLLM_CPU_OMP_THREADS_BIND at
-TP 2 (one core each).
+The TP 2 checkpoint is the `small-moe` preset (a Qwen3-MoE) with a vocabulary of 288 rows: vLLM pads it to 320
+and gives each rank 160 (the plan must pad as vLLM does), its one key/value head is fewer than the two ranks
+(vLLM replicates it), and each rank takes its slice of every expert's stacked projections. One `wcache verify
+--greedy --engine vllm --tp 2` (two TP 2 engines, on the daemons' weights and vLLM's own disk load, one after
+the other in one child) serves the hit, per-rank and zero-copy assertions; one more TP 2 engine, on a
+checkpoint whose only daemons hold float32, serves the per-rank miss. vLLM's CPU workers need
+VLLM_CPU_OMP_THREADS_BIND at TP 2 (one core each).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import pytest
 from daemon_fixtures import DaemonRig, daemon_rig
 from helpers import assert_one_error_sentence
 from torch import nn
-from wcache.integrations.vllm_runner import VllmRun, greedy_tokens
+from wcache.integrations.vllm_runner import VllmRun, greedy_runs
 from wcache.integrations.vllm_version import DISTRIBUTIONS, TESTED_RANGE
 from wcache.ipc.run_dir.directory import DaemonDescriptor
 from wcache.plan.spec import PlanSpec, preload_command
@@ -39,7 +40,9 @@ NUM_PROMPTS = 2
 MAX_NEW_TOKENS = 8
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 ODD_VOCAB = 288  # not a multiple of 64: vLLM pads it to 320 before splitting
-PARAMETERS = 35  # vLLM's Qwen3 parameters for 4 layers (qkv and gate_up fused, lm_head untied)
+# vLLM's Qwen3-MoE parameters for 4 layers: per layer qkv (fused), o, the q and k norms, two layer norms, the
+# router and the two stacked expert projections (w13: gate and up fused, w2: down); embeddings, norm, lm_head.
+PARAMETERS = 4 * 9 + 3
 
 
 def _has_metadata(distribution: str) -> bool:
@@ -51,8 +54,8 @@ def _has_metadata(distribution: str) -> bool:
 
 
 def write_odd_vocab_checkpoint(dest: Path, seed: int = 0) -> Path:
-    small = PRESETS["small"]
-    preset = dataclasses.replace(small, config={**small.config, "vocab_size": ODD_VOCAB})
+    moe = PRESETS["small-moe"]
+    preset = dataclasses.replace(moe, config={**moe.config, "vocab_size": ODD_VOCAB})
     path = write_tensors(make_tensors(preset, seed), preset.config, dest, preset.num_shards)
     write_byte_tokenizer(path, preset.config)
     return path
@@ -111,8 +114,8 @@ def test_tp2_each_rank_hits_its_own_daemon(tp2: Tp2Rig) -> None:
 
 
 def test_tp2_every_parameter_is_the_daemons_tensor_on_every_rank(tp2: Tp2Rig) -> None:
-    # Including embed_tokens and lm_head (the vocabulary padded as vLLM pads it) and qkv_proj (the replicated
-    # key/value head): nothing materialized, nothing copied.
+    # Including embed_tokens and lm_head (the vocabulary padded as vLLM pads it), qkv_proj (the replicated
+    # key/value head) and the stacked experts (each rank's slice): nothing materialized, nothing copied.
     ranks = tp2.verify["attach"]["ranks"]
     assert [r["tp_rank"] for r in ranks] == [0, 1]
     for rank in ranks:
@@ -125,10 +128,10 @@ def test_tp2_miss_is_explained_on_every_rank_with_the_command_that_serves_it(
         tp2_daemons: Tp2Daemons, monkeypatch: pytest.MonkeyPatch) -> None:
     rig = tp2_daemons.rig
     for name, value in {**TP2_ENV, "WCACHE_CACHE_DIR": rig.env["WCACHE_CACHE_DIR"]}.items():
-        monkeypatch.setenv(name, value)  # greedy_tokens hands this environment to vLLM
+        monkeypatch.setenv(name, value)  # greedy_runs hands this environment to vLLM
     run = VllmRun(str(tp2_daemons.float32_only), default_prompts(NUM_PROMPTS), MAX_NEW_TOKENS,
                   load_format="wcache", extra_config={"run_dir": str(rig.run_dir)}, tensor_parallel_size=2)
-    result = greedy_tokens(run, timeout=600)  # vLLM's default loader serves it, after the warnings
+    [result] = greedy_runs([run], timeout=600)  # vLLM's default loader serves it, after the warnings
     assert [len(tokens) for tokens in result.tokens] == [MAX_NEW_TOKENS] * NUM_PROMPTS
     command = preload_command(tp2_daemons.float32_only, PlanSpec(tp_size=2, dtype="bfloat16"))
     warnings = [line for line in result.log.splitlines() if "wcache: weight cache miss" in line]

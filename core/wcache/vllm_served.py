@@ -254,7 +254,7 @@ def _last_key(run_dir: Path, pids: set[int] | None) -> str | None:
 def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_tokens: int) -> GreedyReport:
     """Greedy tokens of the served vLLM at `url`, through its completions API, against a fresh vLLM disk load
     (`load_format="auto"`) of the checkpoint it serves, with its dtype, TP size and context length."""
-    from wcache.integrations.vllm_runner import VllmRun, greedy_tokens
+    from wcache.integrations.vllm_runner import VllmRun, greedy_runs
     from wcache.verify import GreedyReport, compare_prompts
 
     engine = describe(url, version, dev_mode=False)
@@ -269,6 +269,6 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
     problem = None
     if describe(url, version, dev_mode=False).claim != engine.claim:
         problem = "the engine switched its weights during the verification"
-    disk = greedy_tokens(VllmRun(str(engine.model), prompts, max_new_tokens, dtype=engine.dtype,
-                                 tensor_parallel_size=engine.tp_size, max_model_len=engine.max_model_len))
+    [disk] = greedy_runs([VllmRun(str(engine.model), prompts, max_new_tokens, dtype=engine.dtype,
+                                  tensor_parallel_size=engine.tp_size, max_model_len=engine.max_model_len)])
     return GreedyReport(compare_prompts(prompts, served, disk.tokens), attach, problem)

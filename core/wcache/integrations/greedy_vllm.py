@@ -1,5 +1,6 @@
-"""`wcache verify --greedy --engine vllm`: vLLM's `wcache` load format against its default loader, each
-engine in a child process (`vllm_runner`); the attached side's report is its hit in the run dir's events."""
+"""`wcache verify --greedy --engine vllm`: vLLM's `wcache` load format against its default loader, the two
+engines one after the other in one child process (`vllm_runner`); the attached side's report is its hit in the
+run dir's events."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ VLLM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.mo
 def run_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int, options: AttachOptions,
                device: str) -> GreedyTokens:
     """Both sides' greedy tokens; vLLM picks its own device."""
-    from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_tokens
+    from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_runs
     from wcache.ipc.run_dir.directory import default_run_dir
 
     if not any((model / name).exists() for name in VLLM_TOKENIZER_FILES):
@@ -32,17 +33,16 @@ def run_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: 
     run_dir = Path(options.run_dir) if options.run_dir else default_run_dir()
     extra = msgspec.structs.replace(options, run_dir=str(run_dir)).to_mapping()
     base = VllmRun(str(model), prompts, max_new_tokens, tensor_parallel_size=plan.tp_size, dtype=plan.dtype)
+    cached = VllmRun(**{**asdict(base), "load_format": "wcache", "extra_config": extra})
     since = time.time()
     try:
-        cached = greedy_tokens(VllmRun(**{**asdict(base), "load_format": "wcache", "extra_config": extra})).tokens
+        on_daemon, from_disk = greedy_runs([cached, base])
     except VllmRunError as exc:
-        raise UnavailableError(f"vLLM could not start on a daemon's weights: {exc}") from None
-    attach = _hit_event(run_dir, "vllm", since)
-    try:
-        disk = greedy_tokens(base).tokens
-    except VllmRunError as exc:
+        if exc.index == 0:
+            raise UnavailableError(f"vLLM could not start on a daemon's weights: {exc}") from None
         raise UnavailableError(f"vLLM could not load {model} from disk: {exc}") from None
-    return GreedyTokens(cached, disk, attach)
+    attach = _hit_event(run_dir, "vllm", since)
+    return GreedyTokens(on_daemon.tokens, from_disk.tokens, attach)
 
 
 def _hit_event(run_dir: Path, engine: str, since: float) -> dict[str, Any]:

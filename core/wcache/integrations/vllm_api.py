@@ -29,6 +29,13 @@ from vllm.model_executor.model_loader.utils import (  # noqa: E402
 )
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 
+
+def shutdown_engine(llm: LLM) -> None:
+    """Stop `llm`'s engine core and its workers now, removing the shared memory they made (vLLM 0.32's `LLM`
+    has no shutdown of its own; its engine core client's is what garbage collection would call, some time)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 __all__ = [
     "DEFAULT_VOCAB_PADDING_SIZE",
     "LLM",
@@ -48,4 +55,5 @@ __all__ = [
     "process_weights_after_loading",
     "register_model_loader",
     "set_default_torch_dtype",
+    "shutdown_engine",
 ]
