@@ -6,8 +6,9 @@ page, completion and recipe checks, `e2e` for every module that starts real proc
 CLI, interpreters: its source uses one of `STARTERS`, or it is one of `E2E_MODULES`). Under pytest-xdist each
 module is one group (`xdist_group`, for `--dist loadgroup`), so that its module-scoped daemons and engines
 start once, on one worker (a long vLLM test whose engines share nothing with its module's names a group of
-its own, so that they start beside the others); the vLLM modules are collected first, so that their engine
-starts, the longest waits, overlap the rest.
+its own, so that they start beside the others, and the tests that import vLLM into pytest's process share
+one, `helpers.VLLM_IN_PYTEST`, so that one worker imports it); the vLLM modules are collected first, so that
+their engine starts, the longest waits, overlap the rest, and the modules that start no process last.
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=_start_order)  # stable: the order within each module stays
 
 
-def _start_order(item: pytest.Item) -> int:
-    """The vLLM modules first, the longest first; then the rest as collected."""
-    return VLLM_LONGEST_FIRST.index(item.path.name) if item.path.name in VLLM_LONGEST_FIRST else len(VLLM_LONGEST_FIRST)
+def _start_order(item: pytest.Item) -> tuple[int, int]:
+    """The vLLM modules first, the longest first; then the other modules that start processes; then the rest,
+    quick in-process tests that fill the workers' last minute. Each as collected within its rank."""
+    if item.path.name in VLLM_LONGEST_FIRST:
+        return 0, VLLM_LONGEST_FIRST.index(item.path.name)
+    return (1 if "e2e" in _module_marks(item.path) else 2), 0
 
 
 @pytest.fixture(autouse=True)

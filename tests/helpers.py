@@ -23,9 +23,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import psutil
+import pytest
 from wcache.key.digest_store import RACY_WINDOW_NS
 
 CLI_TIMEOUT_S = 120.0
+# The tests that import vLLM into pytest's own process, from whichever module, on one pytest-xdist worker:
+# an import costs a core ~7 s here, once per worker that makes it.
+VLLM_IN_PYTEST = pytest.mark.xdist_group("vllm-in-pytest")
 KILL_WAIT_S = 15.0
 # `python -m wcache_cli.main`: the console script's own entry point, with this interpreter and sys.path.
 WCACHE = [sys.executable, "-m", "wcache_cli.main"]

@@ -5,11 +5,10 @@ a copy whose lm_head differs under an unchanged header with a daemon of its own 
 hit), and a second such copy that no daemon holds (for the miss). Importing vLLM costs more than starting
 an engine here, so the greedy runs whose subject is the tokens and the attach (not vLLM's process layout)
 start their engines one after another in one child with each engine core in it (`greedy_runs`, as `wcache
-verify` does). The wcache loader still runs in a child of its own, never in pytest. The two tests whose
-subject is vLLM's multi-process layout keep it: a refused start, whose reason only the engine core's log
-holds, and the OpenAI server, which loads through the entry-point plugin in a spawned engine core: one server
-for the module (`served_vllm`, with vLLM's dev endpoints), which answers completions, shows in `wcache top`,
-then switches to the copy's daemon in place.
+verify` does). The wcache loader still runs in a child of its own, never in pytest. The OpenAI server keeps
+vLLM's multi-process layout: it loads through the entry-point plugin in a spawned engine core. One server
+for the module (`served_vllm`, with vLLM's dev endpoints) answers completions, shows in `wcache top`, then
+switches to the copy's daemon in place.
 """
 
 from __future__ import annotations
@@ -35,9 +34,9 @@ from daemon_fixtures import (
     nothing_survives,  # noqa: F401
     wait_for,
 )
-from helpers import plant_wcache
+from helpers import VLLM_IN_PYTEST, plant_wcache
 from wcache.errors import BadInputError
-from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_runs, greedy_tokens
+from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_runs
 from wcache.ipc.run_dir.directory import DaemonDescriptor
 from wcache.vllm_served import DEV_MODE
 from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint
@@ -132,12 +131,13 @@ def test_changed_copy_misses_and_serves_its_own_tokens(vllm_rig: VllmRig, monkey
 def test_fallback_false_refuses_to_start_and_names_the_tensor(vllm_rig: VllmRig) -> None:
     run = vllm_rig.run(vllm_rig.unserved_copy, load_format="wcache", extra_config=vllm_rig.extra(fallback=False))
     with pytest.raises(VllmRunError) as failure:
-        greedy_tokens(run)
+        greedy_runs([run])
     message = str(failure.value)
     assert VICTIM in message and "fallback is false" in message, message
     assert "\n" not in message
 
 
+@VLLM_IN_PYTEST
 def test_unknown_extra_config_key_is_one_clear_error() -> None:
     from vllm.config.load import LoadConfig
     from wcache.integrations.vllm_loader import WcacheModelLoader
@@ -150,6 +150,7 @@ def test_unknown_extra_config_key_is_one_clear_error() -> None:
     assert loader.options.mode == "copy" and loader.options.fallback
 
 
+@VLLM_IN_PYTEST
 def test_the_plugin_is_found_through_vllms_entry_point() -> None:
     from importlib.metadata import entry_points
 

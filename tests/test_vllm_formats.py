@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from daemon_fixtures import DaemonRig, copy_checkpoint, daemon_rig, nothing_survives  # noqa: F401
+from helpers import VLLM_IN_PYTEST
 from wcache.integrations.vllm_runner import VllmResult, VllmRun, greedy_runs
 from wcache.ipc.run_dir.directory import DaemonDescriptor
 from wcache.plan import family
@@ -104,6 +105,7 @@ def test_a_changed_quantization_config_misses_and_the_miss_names_it(formats_rig:
     assert "quantization_config" in report["reason"]
 
 
+@VLLM_IN_PYTEST
 def test_vllms_model_classes_fuse_as_the_plan_does() -> None:
     from vllm.model_executor.models.llama import LlamaForCausalLM
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM

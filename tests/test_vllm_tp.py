@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 from daemon_fixtures import DaemonRig, daemon_rig
-from helpers import assert_one_error_sentence
+from helpers import VLLM_IN_PYTEST, assert_one_error_sentence
 from torch import nn
-from wcache.integrations.vllm_runner import VllmRun, greedy_runs
+from wcache.integrations.vllm_runner import VllmResult, VllmRun, greedy_runs
 from wcache.integrations.vllm_version import DISTRIBUTIONS, TESTED_RANGE
 from wcache.ipc.run_dir.directory import DaemonDescriptor
 from wcache.plan.spec import PlanSpec, preload_command
@@ -123,18 +123,26 @@ def test_tp2_every_parameter_is_the_daemons_tensor_on_every_rank(tp2: Tp2Rig) ->
         assert rank["assigned"] == rank["parameters"] == PARAMETERS and rank["copied"] == [], rank
 
 
-@pytest.mark.xdist_group("test_vllm_tp-miss")  # its engine overlaps the verify's two (tests/conftest.py)
-def test_tp2_miss_is_explained_on_every_rank_with_the_command_that_serves_it(
-        tp2_daemons: Tp2Daemons, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="module")
+def tp2_miss(tp2_daemons: Tp2Daemons) -> VllmResult:
+    """One TP 2 engine through `wcache` on the checkpoint whose only daemons hold float32."""
     rig = tp2_daemons.rig
-    for name, value in {**TP2_ENV, "WCACHE_CACHE_DIR": rig.env["WCACHE_CACHE_DIR"]}.items():
-        monkeypatch.setenv(name, value)  # greedy_runs hands this environment to vLLM
     run = VllmRun(str(tp2_daemons.float32_only), default_prompts(NUM_PROMPTS), MAX_NEW_TOKENS,
                   load_format="wcache", extra_config={"run_dir": str(rig.run_dir)}, tensor_parallel_size=2)
-    [result] = greedy_runs([run], timeout=600)  # vLLM's default loader serves it, after the warnings
-    assert [len(tokens) for tokens in result.tokens] == [MAX_NEW_TOKENS] * NUM_PROMPTS
+    with pytest.MonkeyPatch.context() as environment:
+        for name, value in {**TP2_ENV, "WCACHE_CACHE_DIR": rig.env["WCACHE_CACHE_DIR"]}.items():
+            environment.setenv(name, value)  # greedy_runs hands this environment to vLLM
+        [result] = greedy_runs([run], timeout=600)  # vLLM's default loader serves it, after the warnings
+    return result
+
+
+@pytest.mark.xdist_group("test_vllm_tp-miss")  # its engine overlaps the verify's two (tests/conftest.py)
+def test_tp2_miss_is_explained_on_every_rank_with_the_command_that_serves_it(tp2_daemons: Tp2Daemons,
+                                                                             tp2_miss: VllmResult) -> None:
+    rig = tp2_daemons.rig
+    assert [len(tokens) for tokens in tp2_miss.tokens] == [MAX_NEW_TOKENS] * NUM_PROMPTS
     command = preload_command(tp2_daemons.float32_only, PlanSpec(tp_size=2, dtype="bfloat16"))
-    warnings = [line for line in result.log.splitlines() if "wcache: weight cache miss" in line]
+    warnings = [line for line in tp2_miss.log.splitlines() if "wcache: weight cache miss" in line]
     assert {re.search(r"Worker_TP(\d)", line)[1] for line in warnings} == {"0", "1"}, warnings  # type: ignore[index]
     for line in warnings:
         assert "WARNING" in line and "dtype float32→bfloat16" in line and f"`{command}`" in line, line
@@ -142,6 +150,15 @@ def test_tp2_miss_is_explained_on_every_rank_with_the_command_that_serves_it(
     assert command == f"wcache preload {tp2_daemons.float32_only} --tp 2 --dtype bfloat16"
     misses = [e for e in rig.events("attach_miss") if e.get("engine") == "vllm"]
     assert len(misses) == 2 and all(e["diff"]["plan"]["dtype"] == ["float32", "bfloat16"] for e in misses), misses
+
+
+@pytest.mark.xdist_group("test_vllm_tp-miss")
+def test_tp2_workers_leave_no_shared_memory_behind(tp2_miss: VllmResult) -> None:
+    # vLLM names its CPU workers' all-reduce segments after their rendezvous file; they go only when the
+    # workers exit on their own (the runner shuts each engine down and waits), never when they are signalled.
+    [ident] = set(re.findall(r"distributed_init_method=file://\S*/(vllm_dist_\w+)", tp2_miss.log))
+    assert sorted(Path("/dev/shm").glob(f"{ident}*")) == []
+    assert "Executor: workers still running" not in tp2_miss.log
 
 
 # -- no engine: the API boundary -----------------------------------------------------------------------------
@@ -193,6 +210,7 @@ def test_vllm_is_imported_only_through_vllm_api() -> None:
     assert offenders == []
 
 
+@VLLM_IN_PYTEST
 def test_the_plans_vocab_padding_is_vllms() -> None:
     from wcache.integrations.vllm_api import DEFAULT_VOCAB_PADDING_SIZE
     from wcache.plan.processing import VOCAB_PADDING
@@ -200,6 +218,7 @@ def test_the_plans_vocab_padding_is_vllms() -> None:
     assert VOCAB_PADDING == DEFAULT_VOCAB_PADDING_SIZE
 
 
+@VLLM_IN_PYTEST
 def test_parameters_go_to_meta_and_buffers_and_late_attributes_stay() -> None:
     import torch
     from wcache.integrations.vllm_loader import _same_kind, parameters_on_meta
