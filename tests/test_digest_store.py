@@ -210,7 +210,23 @@ GARBAGE_BLOBS = {
     "offset-nan": lambda blob: _first_tensor_edited(blob, 4, float("nan")),
     "shape-infinite": lambda blob: _first_tensor_edited(blob, 2, [float("inf")]),
     "header-size-infinite": lambda blob: _packed({**msgpack.unpackb(blob, raw=False), "h": float("inf")}),
+    "sha256-not-hex": lambda blob: _packed({**msgpack.unpackb(blob, raw=False), "s": "z" * 64}),
+    "metadata-value-a-number": lambda blob: _packed({**msgpack.unpackb(blob, raw=False), "m": {"format": 1}}),
+    "header-size-a-bool": lambda blob: _packed({**msgpack.unpackb(blob, raw=False), "h": True}),
 }
+
+
+def test_a_receipt_is_the_map_msgpacks_own_packer_writes(tmp_path: Path, aged: dict[str, Path]) -> None:
+    """Records are written through msgspec; a store written with msgpack's packer (before) reads on unchanged."""
+    cache = tmp_path / "cache"
+    key_with(aged["shared"], cache)
+    with sqlite3.connect(cache / DB_NAME) as conn:
+        blobs = [blob for (blob,) in conn.execute("SELECT record FROM shards")]
+    assert len(blobs) == NUM_SHARDS
+    for blob in blobs:
+        payload = msgpack.unpackb(blob, raw=False)
+        assert list(payload) == ["h", "m", "t", "s"] and len(payload["s"]) == 64
+        assert _packed(payload) == blob
 
 
 @pytest.mark.parametrize("case", list(GARBAGE_BLOBS))

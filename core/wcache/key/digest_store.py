@@ -12,9 +12,9 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated
 
-import msgpack
+import msgspec
 import platformdirs
 
 from wcache.checkpoint.safetensors_header import PREFIX_BYTES, ShardHeader, TensorInfo
@@ -75,35 +75,51 @@ def is_trusted(identity: FileIdentity, hashed_at_ns: int) -> bool:
     return max(identity.mtime_ns, identity.ctime_ns) < hashed_at_ns - RACY_WINDOW_NS
 
 
+class _StoredTensor(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One tensor of a receipt, as a row: name, dtype, shape, start, end, digest."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    digest: str
+
+
+class _StoredShard(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
+    """A receipt's record blob: a msgpack map with one-letter keys (h: the header's length, m: its metadata,
+    t: the tensor rows, s: the file's SHA-256 when known). The same bytes msgpack's own packer wrote for the
+    same map, so a store written before reads on."""
+
+    h: int
+    m: dict[str, str]
+    t: tuple[_StoredTensor, ...]
+    s: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
+
+
+_RECORD_ENCODER = msgspec.msgpack.Encoder()
+_RECORD_DECODER = msgspec.msgpack.Decoder(_StoredShard)
+
+
 def encode_record(record: ShardRecord) -> bytes:
-    tensors = [
-        [t.name, t.dtype, list(t.shape), t.start, t.end, digest]
-        for t, digest in zip(record.header.tensors, record.digests, strict=True)
-    ]
-    payload: dict[str, Any] = {"h": record.header.header_bytes, "m": record.header.metadata, "t": tensors}
-    if record.sha256 is not None:
-        payload["s"] = record.sha256
-    return msgpack.packb(payload, use_bin_type=True)
+    tensors = tuple(_StoredTensor(t.name, t.dtype, t.shape, t.start, t.end, digest)
+                    for t, digest in zip(record.header.tensors, record.digests, strict=True))
+    return _RECORD_ENCODER.encode(_StoredShard(record.header.header_bytes, record.header.metadata, tensors,
+                                               record.sha256))
 
 
 def decode_record(blob: bytes, path: Path, identity: FileIdentity, hashed_at_ns: int) -> ShardRecord | None:
     """Decode a stored record; anything malformed is treated as absent rather than trusted."""
     try:
-        # Tuples, positional fields and map(): a warm key decodes one row per tensor (a third less time).
-        payload: Any = msgpack.unpackb(blob, raw=False, use_list=False)
-        rows = payload["t"]
-        tensors = tuple(TensorInfo(str(n), str(d), tuple(map(int, s)), int(a), int(b)) for n, d, s, a, b, _ in rows)
-        digests = tuple(str(row[5]) for row in rows)
-        header = ShardHeader(header_bytes=int(payload["h"]), metadata=dict(payload["m"]), tensors=tensors)
-        sha256 = payload.get("s")
-        if sha256 is not None and (not isinstance(sha256, str) or len(sha256) != 64 or not _HEX.issuperset(sha256)):
-            return None
-    except Exception:  # any way a cached blob fails to decode means the same thing: no receipt
+        stored = _RECORD_DECODER.decode(blob)
+    except (msgspec.DecodeError, msgspec.ValidationError):  # a blob that fails to decode is no receipt
         return None
+    tensors = tuple(TensorInfo(t.name, t.dtype, t.shape, t.start, t.end) for t in stored.t)
+    header = ShardHeader(header_bytes=stored.h, metadata=stored.m, tensors=tensors)
     if PREFIX_BYTES + header.header_bytes + header.data_bytes != identity.size:
         return None
-    return ShardRecord(path=path, identity=identity, header=header, digests=digests, hashed_at_ns=hashed_at_ns,
-                       sha256=sha256)
+    return ShardRecord(path=path, identity=identity, header=header, digests=tuple(t.digest for t in stored.t),
+                       hashed_at_ns=hashed_at_ns, sha256=stored.s)
 
 
 class DigestStore:
