@@ -429,6 +429,18 @@ def _infinite_shape(document: dict[str, object]) -> str:
     return json.dumps(document)  # Python writes Infinity, which json.loads reads back as a float
 
 
+def _size_a_bool(document: dict[str, object]) -> str:
+    tensors: list[dict[str, object]] = document["tensors"]  # type: ignore[assignment]
+    tensors[0]["nbytes"] = True
+    return json.dumps(document)
+
+
+def _sha256_not_hex(document: dict[str, object]) -> str:
+    files: list[dict[str, object]] = document["files"]  # type: ignore[assignment]
+    files[0]["sha256"] = "Z" * 64
+    return json.dumps(document)
+
+
 KEY_FILE_CASES: dict[str, Callable[[dict[str, object]], str]] = {
     "not-json": lambda _: "this is not { a key file\n",
     "json-list": lambda _: "[1, 2, 3]\n",
@@ -436,6 +448,9 @@ KEY_FILE_CASES: dict[str, Callable[[dict[str, object]], str]] = {
     "tensor-digest-hand-edited": _edited_digest,
     "tensor-removed-by-hand": _dropped_tensor,
     "tensor-shape-infinite": _infinite_shape,
+    "tensor-size-a-bool": _size_a_bool,
+    "file-sha256-not-hex": _sha256_not_hex,
+    "an-unknown-field": lambda document: json.dumps({**document, "tensor_count": 3}),
 }
 
 

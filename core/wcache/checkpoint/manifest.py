@@ -27,12 +27,6 @@ class TensorDigest(Schema, frozen=True, gc=False):
     nbytes: int
     digest: str
 
-    @classmethod
-    def from_json(cls, data: Any) -> TensorDigest:
-        """From to_json()'s form; malformed input raises KeyError, TypeError, ValueError or OverflowError."""
-        return cls(str(data["name"]), str(data["dtype"]), tuple(map(int, data["shape"])),
-                   int(data["nbytes"]), str(data["digest"]))
-
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes,
                 "digest": self.digest}

@@ -16,7 +16,9 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 from wcache.errors import BadInputError
 from wcache.schema import Schema
@@ -24,7 +26,8 @@ from wcache.schema import Schema
 Verdict = Literal["matches", "differs", "unknown"]
 VERDICTS: tuple[Verdict, ...] = ("matches", "differs", "unknown")
 REPO_DIR_PREFIXES = ("models--", "datasets--", "spaces--")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+SHA256_PATTERN = "^[0-9a-f]{64}$"
+_SHA256 = re.compile(SHA256_PATTERN)
 _GIT_SHA1 = re.compile(r"^[0-9a-f]{40}$")
 # One line of `sha256sum` output: digest, a space, a space or "*" (binary mode), the name.
 _SUMS_LINE = re.compile(r"^\\?([0-9a-fA-F]{64}) [ *](.+)$")
@@ -36,17 +39,10 @@ class FileDigest(Schema, frozen=True):
 
     name: str
     size: int
-    sha256: str | None
+    sha256: Annotated[str, msgspec.Meta(pattern=SHA256_PATTERN)] | None
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "size": self.size, "sha256": self.sha256}
-
-    @classmethod
-    def from_json(cls, data: Any) -> FileDigest:
-        sha = data["sha256"]
-        if sha is not None and not _SHA256.match(str(sha)):
-            raise ValueError(f"sha256 {sha!r} is not 64 hex digits")
-        return cls(name=str(data["name"]), size=int(data["size"]), sha256=None if sha is None else str(sha))
 
 
 # The files' digests, or what reads them (a key whose root came from the digest store reads receipts only if asked).
@@ -129,8 +125,8 @@ def read_expected(path: Path) -> dict[str, str]:
         raise BadInputError(f"{path} cannot be read as a list of expected digests ({exc}).") from None
     if text.lstrip().startswith("{"):
         try:
-            files = [FileDigest.from_json(entry) for entry in json.loads(text)["files"]]
-        except (ValueError, KeyError, TypeError, RecursionError):
+            files = [FileDigest.from_wire(entry) for entry in json.loads(text)["files"]]
+        except (ValueError, KeyError, TypeError, RecursionError):  # SchemaError is a ValueError
             raise BadInputError(f"{path} is a JSON file but not a wcache key file with files' SHA-256 "
                                 "(save one with: wcache key MODEL --json > model.key).") from None
         return {f.name: f.sha256 for f in files if f.sha256 is not None}

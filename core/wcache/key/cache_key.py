@@ -56,6 +56,31 @@ class WeightCacheKey(Schema, frozen=True):
 KEY_FIELDS: tuple[str, ...] = WeightCacheKey.__struct_fields__
 
 
+class KeyInfo(Schema, frozen=True):
+    """Where a key file came from and what it describes; informational, outside the key."""
+
+    source: str
+    created: str
+    wcache_version: str
+    num_tensors: int
+    total_bytes: int
+
+
+class KeyDocument(Schema, frozen=True):
+    """A key file as saved: `wcache key --json` prints one (with `provenance`, its verdicts, beside the key;
+    such output saved reads as a key file too)."""
+
+    schema: str
+    id: str
+    key: WeightCacheKey
+    plan: dict[str, Any]  # PlanSpec's every field: its digest is over all of them, its defaults included
+    config: dict[str, Any] | None
+    info: KeyInfo
+    tensors: tuple[TensorDigest, ...]
+    files: tuple[FileDigest, ...] | None = None  # each shard's size and SHA-256; older key files have none
+    provenance: dict[str, Any] | None = None
+
+
 @dataclass(frozen=True)
 class KeyFile:
     """A key with what explains it: the plan, the canonical config, the manifest, and where it came from.
@@ -89,39 +114,25 @@ class KeyFile:
 
     def to_json(self) -> dict[str, Any]:
         """The key file document; `stats` describe one computation and are not part of it."""
-        return {
-            "schema": KEY_SCHEMA,
-            "id": self.key.short_id,
-            "key": self.key.to_json(),
-            "plan": self.plan.to_json(),
-            "config": self.config,
-            "info": {
-                "source": self.source,
-                "created": self.created,
-                "wcache_version": self.wcache_version,
-                "num_tensors": len(self.manifest),
-                "total_bytes": self.total_bytes,
-            },
-            "tensors": [e.to_json() for e in self.manifest],
-            "files": [f.to_json() for f in self.files],
-        }
+        info = KeyInfo(self.source, self.created, self.wcache_version, len(self.manifest), self.total_bytes)
+        return KeyDocument(KEY_SCHEMA, self.key.short_id, self.key, self.plan.to_json(), self.config, info,
+                           self.manifest, self.files).to_wire()
 
     @classmethod
     def from_json(cls, data: Any, origin: str) -> KeyFile:
         """Rebuild a key file, checking that its manifest still adds up to its checkpoint digest."""
         try:
-            if data.get("schema") != KEY_SCHEMA:
-                raise ValueError(f"schema is {data.get('schema')!r}, expected {KEY_SCHEMA!r}")
-            key = WeightCacheKey(**data["key"])
-            manifest = tuple(TensorDigest.from_json(t) for t in data["tensors"])
-            plan = PlanSpec.from_json(data["plan"])
-            info = data["info"]
-            files = tuple(FileDigest.from_json(f) for f in data.get("files", ()))  # older key files have none
-            result = cls(key=key, plan=plan, config=data["config"], manifest_source=manifest,
-                         source=str(info["source"]), created=str(info["created"]),
-                         wcache_version=str(info["wcache_version"]), files_source=files)
-        except (AttributeError, KeyError, TypeError, ValueError, OverflowError, BadInputError) as exc:
+            if not isinstance(data, dict) or data.get("schema") != KEY_SCHEMA:
+                found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+                raise ValueError(f"schema is {found!r}, expected {KEY_SCHEMA!r}")
+            document = KeyDocument.from_wire(data)
+            plan = PlanSpec.from_wire(document.plan)
+        except (ValueError, BadInputError) as exc:  # SchemaError is a ValueError
             raise KeyFileError(f"{origin} is not a wcache key file ({exc}).") from None
+        key, manifest = document.key, document.tensors
+        result = cls(key=key, plan=plan, config=document.config, manifest_source=manifest,
+                     source=document.info.source, created=document.info.created,
+                     wcache_version=document.info.wcache_version, files_source=document.files or ())
         # A hand-edited key file must not pass for the checkpoint it claims to describe.
         if not manifest or merkle_root(manifest) != key.checkpoint:
             raise KeyFileError(f"{origin} has a tensor list that does not match its checkpoint digest.")
