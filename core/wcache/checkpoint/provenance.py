@@ -41,9 +41,6 @@ class FileDigest(Schema, frozen=True):
     size: int
     sha256: Annotated[str, msgspec.Meta(pattern=SHA256_PATTERN)] | None
 
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "size": self.size, "sha256": self.sha256}
-
 
 # The files' digests, or what reads them (a key whose root came from the digest store reads receipts only if asked).
 FilesSource = tuple[FileDigest, ...] | Callable[[], tuple[FileDigest, ...]]

@@ -17,6 +17,7 @@ from typing import Annotated
 import msgspec
 import platformdirs
 
+from wcache.checkpoint.provenance import SHA256_PATTERN
 from wcache.checkpoint.safetensors_header import PREFIX_BYTES, ShardHeader, TensorInfo
 from wcache.key.shard_hash import FileIdentity, ShardRecord
 
@@ -94,7 +95,7 @@ class _StoredShard(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     h: int
     m: dict[str, str]
     t: tuple[_StoredTensor, ...]
-    s: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
+    s: Annotated[str, msgspec.Meta(pattern=SHA256_PATTERN)] | None = None
 
 
 _RECORD_ENCODER = msgspec.msgpack.Encoder()
