@@ -108,9 +108,12 @@ def test_planted_wrong_hit_fails_verify_with_vllm(vllm_rig: VllmRig) -> None:
 @pytest.mark.xdist_group("test_vllm-changed-copy")
 def test_changed_copy_misses_and_serves_its_own_tokens(vllm_rig: VllmRig, monkeypatch: pytest.MonkeyPatch) -> None:
     rig = vllm_rig.rig
-    # Run from a directory holding a `wcache/` package: the runner must import the installed one.
+    # Run from a directory holding a `wcache/` package: the runner must import the installed one, and so must
+    # the interpreters vLLM starts itself: with no model info cached, its registry inspects the model class in
+    # `python -m vllm.model_executor.models.registry`, which loads the plugins, wcache's among them.
     marker = rig.base / "planted-code-ran"
     monkeypatch.chdir(plant_wcache(rig.base / "cwd", marker))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(rig.base / "vllm-cache"))
     runs = [
         vllm_rig.run(vllm_rig.unserved_copy, load_format="wcache", extra_config=vllm_rig.extra()),
         vllm_rig.run(vllm_rig.unserved_copy),

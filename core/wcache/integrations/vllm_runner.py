@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from wcache.errors import EXIT_OK, UnavailableError
-from wcache.ipc.interpreter import python_module_argv
+from wcache.ipc.interpreter import python_module_argv, safe_path_env
 
 # Small enough for the CPU backend on a laptop-sized machine; vLLM's own default takes 92% of RAM.
 DEFAULT_KV_CACHE_GIB = "1"
@@ -103,7 +103,7 @@ def _in_child(runs: Sequence[VllmRun], env: dict[str, str], timeout: float | Non
             # vLLM's engine core and workers inherit the log, not a pipe: nothing waits on their output.
             process = subprocess.Popen(
                 python_module_argv("wcache.integrations.vllm_runner", str(spec)), stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                stdout=log, stderr=subprocess.STDOUT, env=safe_path_env(env), start_new_session=True,
             )
             try:
                 code = process.wait(timeout=timeout)
