@@ -143,11 +143,18 @@ def wcache_command() -> list[str]:
     return [found]
 
 
-def preload_arguments(description: str) -> argparse.ArgumentParser:
-    """The options every preload benchmark takes: --preset, --repeat, --workdir, --plan."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--preset", default="qwen3-0.6b", help="wcache_dev.synth preset (qwen3-0.6b)")
+def benchmark_arguments(description: str, preset: str = "qwen3-0.6b",
+                        presets: list[str] | None = None) -> argparse.ArgumentParser:
+    """The options every benchmark of one checkpoint takes: --preset, --repeat, --workdir."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default=preset, choices=presets, help=f"wcache_dev.synth preset ({preset})")
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is shown")
     parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: temp dir)")
+    return parser
+
+
+def preload_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every preload benchmark takes: --preset, --repeat, --workdir, --plan."""
+    parser = benchmark_arguments(description)
     parser.add_argument("--plan", choices=("fused", "identity"), default="fused", help="processing plan (fused)")
     return parser

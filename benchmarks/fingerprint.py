@@ -23,7 +23,6 @@ shards (as wide as the warm key issues them), which is what the emulator itself 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import os
@@ -37,7 +36,16 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from bench_common import RACY_WINDOW_S, READ_CHUNK_BYTES, fmt_rate, fmt_seconds, read_all, speed_ratio, workspace
+from bench_common import (
+    RACY_WINDOW_S,
+    READ_CHUNK_BYTES,
+    benchmark_arguments,
+    fmt_rate,
+    fmt_seconds,
+    read_all,
+    speed_ratio,
+    workspace,
+)
 from rich.console import Console, JustifyMethod
 from rich.table import Table
 from wcache.checkpoint.files import locate
@@ -291,11 +299,8 @@ def results_table(title: str, storages: dict[str, dict[str, Samples]], stat_s: d
 
 def main(argv: list[str] | None = None) -> int:
     """Run every measurement and print the tables; exit 1 when keys disagree across storages."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="many-shards", help="wcache_dev.synth preset (many-shards)")
+    parser = benchmark_arguments(__doc__.splitlines()[0], "many-shards")
     parser.add_argument("--latency-ms", type=float, default=20.0, help="latencyfs sleep per request (20)")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is shown")
-    parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: temp dir)")
     parser.add_argument("--skip-fuse", action="store_true", help="measure local storage only")
     parser.add_argument(
         "--throughput-preset",

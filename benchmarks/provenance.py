@@ -21,7 +21,6 @@ Run::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
@@ -30,7 +29,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench_common import fmt_rate, fmt_seconds, workspace
+from bench_common import benchmark_arguments, fmt_rate, fmt_seconds, workspace
 from rich.console import Console
 from rich.table import Table
 from wcache.checkpoint.files import locate
@@ -105,11 +104,7 @@ def _pair(repeat: int, run: Callable[[bool], float]) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="qwen3-0.6b")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--workdir", type=Path, default=None)
-    args = parser.parse_args()
+    args = benchmark_arguments(__doc__ or "").parse_args()
     console = Console()
     with workspace(args.workdir) as work:
         model = work / args.preset

@@ -18,13 +18,11 @@ Run::
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
-from bench_common import fmt_seconds, speed_ratio, workspace
+from bench_common import benchmark_arguments, fmt_seconds, speed_ratio, workspace
 from rich.console import Console
 from rich.table import Table
 from wcache.daemon.launch import start_daemons
@@ -44,11 +42,7 @@ def _one_child(runs: list[VllmRun]) -> list[list[list[int]]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--workdir", type=Path, default=None)
-    args = parser.parse_args()
+    args = benchmark_arguments(__doc__ or "", "small", sorted(PRESETS)).parse_args()
     for name in IN_PROCESS_ENGINE_CORE:  # vLLM's default layout for the children-each side
         os.environ.pop(name, None)
     with workspace(args.workdir) as work:

@@ -20,15 +20,13 @@ Run::
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
 import statistics
 import time
-from pathlib import Path
 
-from bench_common import fmt_seconds, speed_ratio, workspace
+from bench_common import benchmark_arguments, fmt_seconds, speed_ratio, workspace
 from rich.console import Console
 from rich.table import Table
 from wcache.daemon.launch import start_daemons
@@ -48,11 +46,7 @@ def _timed(run: VllmRun) -> tuple[float, float | None, list[list[int]]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="qwen3-0.6b")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--workdir", type=Path, default=None)
-    args = parser.parse_args()
+    args = benchmark_arguments(__doc__ or "").parse_args()
     console = Console()
     with workspace(args.workdir) as work:
         run_dir = work / "run"

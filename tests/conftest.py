@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import re
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -71,6 +73,16 @@ def isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     cache = tmp_path / "wcache-cache"
     monkeypatch.setenv("WCACHE_CACHE_DIR", str(cache))
     return cache
+
+
+@pytest.fixture
+def utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Event times are local times of day: pin the zone so what `top` shows does not depend on the machine's."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
 
 
 @pytest.fixture(scope="session")

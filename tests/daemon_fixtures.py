@@ -255,6 +255,15 @@ def copy_checkpoint(source: Path, dest: Path) -> Path:
     return dest
 
 
+@contextlib.contextmanager
+def preloaded_tiny(template: Path) -> Iterator[tuple[DaemonRig, Path, DaemonDescriptor]]:
+    """A rig of its own holding a copy of the `tiny` checkpoint `template`, preloaded (TP 1) as one daemon."""
+    with daemon_rig() as rig:
+        model = copy_checkpoint(template, rig.base / "tiny")
+        (daemon,) = rig.preload(model)
+        yield rig, model, daemon
+
+
 # -- raw protocol --------------------------------------------------------------------------------------------
 
 def raw_frame(body: bytes, version: int = PROTOCOL_VERSION) -> bytes:

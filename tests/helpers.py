@@ -12,6 +12,7 @@ everything main() does (the typed-error sentence, the warning handler, --verbose
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -117,6 +118,40 @@ def run_python(code: str, *args: str, env: EnvOverrides | None = None, timeout: 
     """Run a Python snippet in a fresh interpreter (import costs, audit hooks, another process's view)."""
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           env=environment(env), timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+# Records every imported module at exit (atexit runs after the SystemExit that Typer ends with).
+_MODULES_PROBE = """
+import atexit, json, sys
+record = sys.argv[1]
+def dump():
+    with open(record, "w") as f:
+        json.dump(sorted(sys.modules), f)
+atexit.register(dump)
+sys.argv = ["wcache", *sys.argv[2:]]
+from wcache_cli.main import main
+main()
+"""
+
+
+def modules_after_cli(tmp_path: Path, *args: str, env: EnvOverrides | None = None,
+                      ) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """Run `wcache ARGS` (the console script's entry point) in a fresh interpreter: its result, and every module
+    it had imported when it exited."""
+    record = tmp_path / "modules.json"
+    record.unlink(missing_ok=True)
+    result = run_python(_MODULES_PROBE, str(record), *args, env={"NO_COLOR": "1", **(env or {})}, timeout=120)
+    assert record.exists(), result.stderr
+    return result, json.loads(record.read_text())
+
+
+# What a light command never imports: the tensor stack and the dashboard's UI.
+HEAVY = ("torch", "textual", "numpy", "safetensors")
+
+
+def loaded_of(modules: list[str], packages: tuple[str, ...]) -> list[str]:
+    """The modules of `packages` (a package and its sub-modules) among `modules`."""
+    return [m for m in modules if any(m == p or m.startswith(p + ".") for p in packages)]
 
 
 def plant_wcache(where: Path, marker: Path) -> Path:

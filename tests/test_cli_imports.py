@@ -11,30 +11,16 @@ measures them.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import typer.main
-from helpers import run_python
+from helpers import loaded_of, modules_after_cli
 from typer._coercion import build_runtime_param
 from wcache_cli.app import app
 from wcache_cli.coercion import _PlainFirst
 from wcache_dev.synth import write_checkpoint
-
-# Records every imported module at exit (atexit runs after the SystemExit that Typer ends with).
-_PROBE = """
-import atexit, json, sys
-record = sys.argv[1]
-def dump():
-    with open(record, "w") as f:
-        json.dump(sorted(sys.modules), f)
-atexit.register(dump)
-sys.argv = ["wcache", *sys.argv[2:]]
-from wcache_cli.main import main
-main()
-"""
 
 NOT_FOR_HELP_OR_STATUS = (
     "torch", "wcache.daemon", "wcache.engine", "textual", "prometheus_client", "pydantic", "psutil",
@@ -44,34 +30,20 @@ NOT_FOR_KEY = ("torch", "wcache.daemon", "wcache.engine", "pydantic")
 NOT_FOR_COMPLETION = ("torch", "wcache.daemon", "wcache.engine", "textual", "prometheus_client", "pydantic")
 
 
-def _modules_after(
-    tmp_path: Path, *args: str, env: dict[str, str] | None = None
-) -> tuple[subprocess.CompletedProcess[str], list[str]]:
-    record = tmp_path / "modules.json"
-    record.unlink(missing_ok=True)
-    result = run_python(_PROBE, str(record), *args, env={"NO_COLOR": "1", **(env or {})}, timeout=120)
-    assert record.exists(), result.stderr
-    return result, json.loads(record.read_text())
-
-
-def _loaded(modules: list[str], packages: tuple[str, ...]) -> list[str]:
-    return [m for m in modules if any(m == p or m.startswith(p + ".") for p in packages)]
-
-
 def test_help_imports_no_machinery(tmp_path: Path) -> None:
-    result, modules = _modules_after(tmp_path, "--help")
+    result, modules = modules_after_cli(tmp_path, "--help")
     assert result.returncode == 0, result.stderr
     assert "status" in result.stdout
-    assert _loaded(modules, NOT_FOR_HELP_OR_STATUS) == []
+    assert loaded_of(modules, NOT_FOR_HELP_OR_STATUS) == []
 
 
 def test_status_of_an_empty_run_dir_imports_no_machinery(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
-    result, modules = _modules_after(tmp_path, "status", "--run-dir", str(run_dir))
+    result, modules = modules_after_cli(tmp_path, "status", "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     assert "No daemons" in result.stdout
-    assert _loaded(modules, NOT_FOR_HELP_OR_STATUS) == []
+    assert loaded_of(modules, NOT_FOR_HELP_OR_STATUS) == []
 
 
 def test_completing_a_daemon_id_imports_no_torch(tmp_path: Path) -> None:
@@ -80,19 +52,19 @@ def test_completing_a_daemon_id_imports_no_torch(tmp_path: Path) -> None:
     with daemon_rig() as rig:
         daemon = rig.publish_stand_in()
         shell = {"_WCACHE_COMPLETE": "complete_bash", "COMP_WORDS": "wcache stop ", "COMP_CWORD": "2"}
-        result, modules = _modules_after(tmp_path, env={**rig.env, **shell})
+        result, modules = modules_after_cli(tmp_path, env={**rig.env, **shell})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [daemon.name]
-    assert _loaded(modules, NOT_FOR_COMPLETION) == []
+    assert loaded_of(modules, NOT_FOR_COMPLETION) == []
 
 
 def test_key_imports_no_torch(tmp_path: Path) -> None:
     model = write_checkpoint("tiny", tmp_path / "tiny")
     for _ in range(2):  # cold (hashes every shard), then from the digest store
-        result, modules = _modules_after(tmp_path, "key", str(model), "--tp", "1", "--dtype", "float32")
+        result, modules = modules_after_cli(tmp_path, "key", str(model), "--tp", "1", "--dtype", "float32")
         assert result.returncode == 0, result.stderr
         assert "checkpoint" in result.stdout
-        assert _loaded(modules, NOT_FOR_KEY) == []
+        assert loaded_of(modules, NOT_FOR_KEY) == []
 
 
 # Values a user or a default may hand an option: plain ones and every kind Typer has to refuse or re-read.
@@ -132,9 +104,9 @@ def test_attach_that_only_reports_imports_no_torch(tmp_path: Path) -> None:
         model = write_checkpoint("tiny", rig.base / "tiny")
         rig.preload(model)
         for mode in ("zero_copy", "copy"):  # a hit maps nothing and makes no tensor when only the report is asked
-            result, modules = _modules_after(tmp_path, "attach", str(model), "--mode", mode, "--no-fallback",
+            result, modules = modules_after_cli(tmp_path, "attach", str(model), "--mode", mode, "--no-fallback",
                                              "--json", "--run-dir", str(rig.run_dir))
             assert result.returncode == 0, result.stderr
             report = json.loads(result.stdout)
             assert (report["outcome"], report["num_tensors"]) == ("hit", 35)
-            assert _loaded(modules, ("torch",)) == []
+            assert loaded_of(modules, ("torch",)) == []

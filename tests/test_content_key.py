@@ -9,7 +9,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from helpers import run_python, wait_past_racy_window, wcache_in_process
+from helpers import HEAVY, loaded_of, modules_after_cli, wait_past_racy_window, wcache_in_process
 from wcache.checkpoint.safetensors_header import read_header
 from wcache.key.cache_key import KeyFile
 from wcache.key.compute import compute_key
@@ -211,18 +211,10 @@ def test_added_and_removed_tensors(tiny_template: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "argv", [["--help"], ["key", "{tiny}"], ["diff", "{tiny}", "{tiny}"], ["--version"], ["status"]]
 )
-def test_light_commands_do_not_import_torch_or_textual(argv: list[str], tiny_template: Path) -> None:
+def test_light_commands_do_not_import_torch_or_textual(argv: list[str], tiny_template: Path, tmp_path: Path,
+                                                        ) -> None:
     args = [a.format(tiny=tiny_template) for a in argv]
-    probe = (
-        "import sys, json\n"
-        f"sys.argv = ['wcache', *{args!r}]\n"
-        "from wcache_cli.main import main\n"
-        "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
-        "heavy = sorted(m for m in ('torch', 'textual', 'numpy', 'safetensors') if m in sys.modules)\n"
-        "sys.stderr.write(json.dumps({'code': code, 'heavy': heavy}))\n"
-    )
-    result = run_python(probe)
-    report = json.loads(result.stderr.strip().splitlines()[-1])
-    assert report["code"] in (0, None)
-    assert report["heavy"] == []
+    result, modules = modules_after_cli(tmp_path, *args)
+    assert result.returncode == 0, result.stderr
+    assert loaded_of(modules, HEAVY) == []
 

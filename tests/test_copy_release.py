@@ -12,9 +12,8 @@ import pytest
 import torch
 from daemon_fixtures import (
     DaemonRig,
-    copy_checkpoint,
-    daemon_rig,
     nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
+    preloaded_tiny,
     wait_for,
 )
 from wcache.attach import AttachedWeights, attach
@@ -28,10 +27,8 @@ RELEASED = "released its weights to a copy-mode engine"
 @pytest.fixture
 def served(tiny_template: Path) -> Iterator[tuple[DaemonRig, Path, DaemonDescriptor]]:
     """A daemon of its own for each test: a release is the end of its weights."""
-    with daemon_rig() as rig:
-        model = copy_checkpoint(tiny_template, rig.base / "tiny")
-        (daemon,) = rig.preload(model)
-        yield rig, model, daemon
+    with preloaded_tiny(tiny_template) as preloaded:
+        yield preloaded
 
 
 def map_and_close_fds(connection: DaemonConnection, mode: str) -> None:

@@ -46,7 +46,8 @@ ALLOWED: dict[str, set[str]] = {
                             "daemon_choice", "engine", "tp_launch", "integrations"},
     # A served vLLM, over HTTP: switched through its endpoints and verified against a vLLM disk load.
     "vllm_served": FOUNDATION | {"checkpoint", "plan", "ipc", "monitor", "serving", "integrations", "verify"},
-    "verify_served": FOUNDATION | {"plan", "key", "load", "engine", "serving", "verify", "vllm_served"},
+    "verify_served": FOUNDATION | {"plan", "key", "load", "ipc", "engine", "serving", "integrations", "verify",
+                                   "vllm_served"},
 }
 
 
@@ -159,7 +160,8 @@ IPC_ALLOWED: dict[str, set[str]] = {
     "wire": set(),
     "http": set(),
     "interpreter": set(),
-    "run_dir": {"wire"},
+    "attach_summary": set(),
+    "run_dir": {"wire", "attach_summary"},
     "arenas": {"wire"},
 }
 

@@ -7,7 +7,6 @@ with `pytest tests/test_narrow_terminals.py --snapshot-update` and read the diff
 from __future__ import annotations
 
 import io
-import time
 from typing import Any
 
 import pytest
@@ -19,18 +18,12 @@ from wcache_cli.top.app import TopApp
 from wcache_cli.top.once import once_renderable
 from wcache_dev.top_sample import FROZEN_NOW, RUN_DIR, SampleSource, sample_snapshot
 
+pytestmark = pytest.mark.usefixtures("utc")  # event times are shown in local time
 SIZES = [(80, 24), (120, 40)]
 SAMPLE = sample_snapshot(0)
 KEY_IDS = sorted({d.key_id for d in SAMPLE.daemons})
 
 
-@pytest.fixture(autouse=True)
-def utc(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 def _text(renderable: Any, width: int, height: int) -> str:

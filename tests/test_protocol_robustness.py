@@ -25,11 +25,10 @@ import pytest
 from as_nobody import run_as_nobody
 from daemon_fixtures import (
     DaemonRig,
-    copy_checkpoint,
-    daemon_rig,
     msg,
     nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
     open_fds,
+    preloaded_tiny,
     raw_connect,
     raw_frame,
     read_reply,
@@ -48,9 +47,7 @@ from wcache.key.cache_key import FORMAT_VERSION
 
 @pytest.fixture(scope="module")
 def live(tiny_template: Path) -> Iterator[tuple[DaemonRig, DaemonDescriptor]]:
-    with daemon_rig() as rig:
-        model = copy_checkpoint(tiny_template, rig.base / "tiny")
-        (daemon,) = rig.preload(model)
+    with preloaded_tiny(tiny_template) as (rig, _, daemon):
         yield rig, daemon
 
 
@@ -281,9 +278,7 @@ def test_many_bad_clients_leak_no_descriptors(live: tuple[DaemonRig, DaemonDescr
 @pytest.fixture
 def flood_rig(tiny_template: Path) -> Iterator[tuple[DaemonRig, DaemonDescriptor]]:
     """A daemon of its own: this test squeezes its descriptor limit."""
-    with daemon_rig() as rig:
-        model = copy_checkpoint(tiny_template, rig.base / "tiny")
-        (daemon,) = rig.preload(model)
+    with preloaded_tiny(tiny_template) as (rig, _, daemon):
         yield rig, daemon
 
 

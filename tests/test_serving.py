@@ -17,10 +17,9 @@ import openai
 import pytest
 from daemon_fixtures import (
     DaemonRig,
-    copy_checkpoint,
-    daemon_rig,
     http_status,
     nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
+    preloaded_tiny,
     wait_for,
 )
 from engine_serving import Server, metrics, post, serving
@@ -39,10 +38,8 @@ def engine_events(rig: DaemonRig, pid: int) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def preloaded(tiny_template: Path) -> Iterator[tuple[DaemonRig, Path, DaemonDescriptor]]:
-    with daemon_rig() as rig:
-        model = copy_checkpoint(tiny_template, rig.base / "tiny")
-        (daemon,) = rig.preload(model)
-        yield rig, model, daemon
+    with preloaded_tiny(tiny_template) as preloaded:
+        yield preloaded
 
 
 @pytest.fixture(scope="module")

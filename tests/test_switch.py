@@ -142,7 +142,10 @@ def test_switch_serves_the_new_weights_with_a_cache_of_their_own(versions: Versi
     assert announced["key_id"] == keys[1] and announced["attach"]["daemon"] == f"cpu-{keys[1]}"
 
     checked = rig.cli("verify", server.url, "--greedy", "--json", as_json=True)
-    assert checked["ok"] and checked["greedy"]["attach"]["key_id"] == keys[1]
+    served = checked["greedy"]["attach"]
+    assert checked["ok"] and (served["engine"], served["url"], served["key_id"]) == (
+        "reference (served)", server.url, keys[1])
+    assert served["report"] == announced["attach"], "verify reads the report the engine announced"
     assert len(checked["greedy"]["prompts"]) == 4
 
     hits = by_weights(server.url, "wcache:prefix_cache_hits_by_weights_total")

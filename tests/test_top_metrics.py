@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import run_python, wcache_in_process
+from helpers import HEAVY, loaded_of, modules_after_cli, wcache_in_process
 from wcache.ipc.http.server import PROMETHEUS_TEXT, QuietHandler, make_http_server
 from wcache.monitor.collector import Collector
 from wcache.monitor.snapshot import SCHEMA
@@ -349,15 +349,10 @@ def test_bad_option_combinations_exit_2(tmp_path: Path) -> None:
 
 
 def test_scripting_modes_never_import_textual(tmp_path: Path) -> None:
-    probe = (
-        "import sys, json\n"
-        f"sys.argv = ['wcache', 'top', '--once', '--json', '--interval', '0.1', '--run-dir', {str(tmp_path)!r}]\n"
-        "from wcache_cli.main import main\n"
-        "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
-        "heavy = sorted(m for m in ('torch', 'textual', 'numpy', 'safetensors') if m in sys.modules)\n"
-        "sys.stderr.write(json.dumps({'code': code, 'heavy': heavy}))\n"
-    )
-    result = run_python(probe)
-    report = json.loads(result.stderr.strip().splitlines()[-1])
-    assert report == {"code": 0, "heavy": []}
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    result, modules = modules_after_cli(probe, "top", "--once", "--json", "--interval", "0.1", "--run-dir",
+                                        str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert loaded_of(modules, HEAVY) == []
     check_schema(json.loads(result.stdout))

@@ -6,23 +6,14 @@ at the SVGs under tests/__snapshots__/test_top_snapshots/ before committing them
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from wcache_cli.top.app import TopApp
 from wcache_dev.top_sample import FROZEN_NOW, RUN_DIR, SampleSource
 
+pytestmark = pytest.mark.usefixtures("utc")  # event times are shown in local time
 SIZE = (120, 40)
 
 
-@pytest.fixture(autouse=True)
-def utc(monkeypatch: pytest.MonkeyPatch):
-    """Event times are local times of day: pin the zone so the screenshots do not depend on the machine's."""
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 def make_app() -> TopApp:

@@ -26,6 +26,7 @@ from daemon_fixtures import (
     copy_checkpoint,
     daemon_rig,
     nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
+    preloaded_tiny,
 )
 from helpers import one_sentence, wcache_in_process
 from wcache.errors import EXIT_BAD_INPUT, EXIT_DIFFERENCE, EXIT_OK, EXIT_UNAVAILABLE
@@ -44,10 +45,8 @@ SHORT = ("--num-prompts", "1", "--max-new-tokens", "4")
 @pytest.fixture(scope="module")
 def hit(tiny_template: Path) -> Iterator[tuple[DaemonRig, Path, DaemonDescriptor]]:
     """`tiny` preloaded (TP=1) in a private run dir."""
-    with daemon_rig() as rig:
-        model = copy_checkpoint(tiny_template, rig.base / "tiny")
-        (daemon,) = rig.preload(model)
-        yield rig, model, daemon
+    with preloaded_tiny(tiny_template) as preloaded:
+        yield preloaded
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +89,13 @@ def test_correct_hit_passes_greedy_and_content(hit: tuple[DaemonRig, Path, Daemo
     assert content["arena"]["checked"] > 0 and content["arena"]["changed"] == []
     greedy = document["greedy"]
     assert greedy["all_match"] is True
-    assert (greedy["attach"]["outcome"], greedy["attach"]["daemon"]) == ("hit", daemon.name)
+    attach = greedy["attach"]
+    assert (attach["engine"], attach["outcome"], attach["daemon"]) == ("reference", "hit", daemon.name)
+    # The head is the whole report's, which the reference engine, attaching in reach, adds.
+    report = attach["report"]
+    assert [report[k] for k in ("outcome", "daemon", "mode", "key_id")] == [
+        attach[k] for k in ("outcome", "daemon", "mode", "key_id")]
+    assert report["num_tensors"] > 0 and report["reason"] is None and report["daemon_lost"] is False
     assert len(greedy["prompts"]) == 2
     for prompt in greedy["prompts"]:
         assert prompt["match"] is True and prompt["first_divergence"] is None
@@ -100,7 +105,7 @@ def test_correct_hit_passes_greedy_and_content(hit: tuple[DaemonRig, Path, Daemo
     assert human.returncode == EXIT_OK, human.stderr
     assert "VERIFIED" in human.stdout and "MISMATCH" not in human.stdout
     assert "SOURCE OK" in human.stdout and "ARENA OK" in human.stdout
-    assert f"hit from {daemon.name}" in human.stdout
+    assert f"cached reference engine: hit from {daemon.name} ({attach['mode']})" in human.stdout
 
 
 # -- 2. a trusted daemon holding the zeroed-tensor copy fails, naming the tensor ------------------------

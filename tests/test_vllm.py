@@ -90,6 +90,9 @@ def test_hit_gives_the_greedy_tokens_of_vllms_own_disk_load(vllm_rig: VllmRig) -
     assert greedy["attach"]["outcome"] == "hit" and greedy["attach"]["daemon"] == vllm_rig.daemon.name
     [hit] = [e for e in rig.events("attach_hit") if e.get("engine") == "vllm"]
     assert hit["daemon"] == vllm_rig.daemon.name and hit["mode"] == "zero_copy" and hit["pid"] != os.getpid()
+    # vLLM attached in its own process: the report is that process's hit, as the run dir's events tell it.
+    assert greedy["attach"]["hits"] == [{"daemon": hit["daemon"], "pid": hit["pid"], "timings_ms": hit["timings_ms"]}]
+    assert (greedy["attach"]["engine"], greedy["attach"]["key_id"]) == ("vllm", hit["key_id"])
 
 
 @pytest.mark.xdist_group("test_vllm-wrong-hit")  # its engines overlap the others (tests/conftest.py)
@@ -266,6 +269,8 @@ def test_served_vllm_switches_in_place_and_verifies(vllm_rig: VllmRig, served_vl
     assert verified.returncode == 0, verified.stdout + verified.stderr
     greedy = json.loads(verified.stdout)["greedy"]
     assert greedy["all_match"] and greedy["attach"]["model"] == str(vllm_rig.served_copy), greedy
+    served = greedy["attach"]
+    assert (served["outcome"], served["key_id"], served["url"]) == ("hit", vllm_rig.copy_daemon.key_id, url), served
     back = rig.cli("switch", url, str(vllm_rig.original), "--json", as_json=True)
     assert back["current"]["key_id"] == vllm_rig.daemon.key_id
     assert served_vllm.complete(PROMPTS[0]) == before, "back on the original, with a reset prefix cache"

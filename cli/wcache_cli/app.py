@@ -83,16 +83,6 @@ def root(
     state.verbose = state.verbose or verbose
 
 
-app.command(cls=_WcacheCommand)(preload)
-app.command(cls=_WcacheCommand)(status)
-app.command(cls=_WcacheCommand)(stop)
-app.command(cls=_WcacheCommand)(attach)
-app.command(cls=_WcacheCommand)(key)
-app.command(cls=_WcacheCommand)(diff)
-app.command(cls=_WcacheCommand)(switch)
-app.command(cls=_WcacheCommand)(delta)
-app.command(cls=_WcacheCommand)(verify)
-app.command(cls=_WcacheCommand)(top)
-app.command(cls=_WcacheCommand)(doctor)
-app.command(cls=_WcacheCommand)(demo)
-app.command(cls=_WcacheCommand)(completion)
+# In the order `wcache --help` lists them.
+for command in (preload, status, stop, attach, key, diff, switch, delta, verify, top, doctor, demo, completion):
+    app.command(cls=_WcacheCommand)(command)

@@ -27,9 +27,10 @@ def print_content(report: dict[str, Any]) -> None:
 def print_greedy(report: dict[str, Any]) -> None:
     from rich.table import Table
 
-    attach = report["attach"]
-    engine = attach.get("engine", "reference")
-    out.print(f"cached {engine} engine: {attach.get('outcome')} from {attach.get('daemon')} ({attach.get('mode')})")
+    attach = report["attach"]  # a GreedyAttach: its head is what every engine tells
+    source = f" from {attach['daemon']}" if attach.get("daemon") else ""
+    mode = f" ({attach['mode']})" if attach.get("mode") else ""
+    out.print(f"cached {attach['engine']} engine: {attach['outcome']}{source}{mode}")
     table = Table(title="greedy tokens, cached vs disk", title_justify="left")
     table.add_column("#", justify="right")
     table.add_column("prompt")

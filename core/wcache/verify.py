@@ -9,7 +9,7 @@ the daemon re-hash its processed arena against the digests it recorded when it b
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from wcache.attach_options import AttachOptions
 from wcache.checkpoint.provenance import FileVerdict, overall, report
 from wcache.daemon_choice import pick_daemon
 from wcache.errors import BadInputError, UnavailableError
-from wcache.integrations.registry import engine_entry
+from wcache.integrations.registry import GreedyAttach, engine_entry
 from wcache.ipc.run_dir.remote_key import daemon_key_file
 from wcache.ipc.wire.client import DaemonConnection, DaemonError
 from wcache.ipc.wire.messages import CheckArena, Manifest
@@ -57,7 +57,7 @@ class GreedyReport:
     """Per-prompt comparison of cached and disk engines, and how the cached engine got its weights."""
 
     results: list[PromptResult]
-    attach: dict[str, Any] = field(default_factory=dict)
+    attach: GreedyAttach
     problem: str | None = None  # a difference found before or beside the tokens (a served engine's claim)
 
     @property
@@ -65,7 +65,7 @@ class GreedyReport:
         return self.problem is None and all(r.match for r in self.results)
 
     def to_json(self) -> dict[str, Any]:
-        return {"all_match": self.all_match, "attach": self.attach, "problem": self.problem,
+        return {"all_match": self.all_match, "attach": self.attach.to_wire(), "problem": self.problem,
                 "prompts": [asdict(r) for r in self.results]}
 
 

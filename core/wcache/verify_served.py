@@ -14,9 +14,11 @@ A vLLM server has no /v1/weights: `wcache.vllm_served` verifies it through vLLM'
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from wcache.errors import BadInputError, UnavailableError
+from wcache.integrations.registry import GreedyAttach
+from wcache.ipc.attach_summary import AttachSummary
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
 from wcache.serving.client import EngineRequestError, call_engine
@@ -25,9 +27,12 @@ from wcache.verify import GreedyReport, PromptResult, compare_prompts
 if TYPE_CHECKING:
     from wcache.engine import EngineConfig
 
+SERVED = "reference (served)"  # the engine a served reference engine's report names
 
-def _claim(url: str) -> tuple[Path, WeightCacheKey, PlanSpec, EngineConfig, dict[str, Any]]:
-    """What the engine at `url` says it serves: checkpoint, key, plan, its cache settings, and the document."""
+
+def _claim(url: str) -> tuple[Path, WeightCacheKey, PlanSpec, EngineConfig, AttachSummary | None]:
+    """What the engine at `url` says it serves: checkpoint, key, plan, its cache settings, and how it attached
+    them (None: it loaded them from disk)."""
     from wcache.engine import EngineConfig
 
     document = call_engine(url, "GET", "/v1/weights")
@@ -38,7 +43,8 @@ def _claim(url: str) -> tuple[Path, WeightCacheKey, PlanSpec, EngineConfig, dict
         if document.get("model") is None or document.get("key") is None or document.get("plan") is None:
             raise BadInputError(f"the engine at {url} does not say which keyed checkpoint it serves.")
         return (Path(document["model"]), WeightCacheKey(**document["key"]), PlanSpec.from_json(document["plan"]),
-                EngineConfig(**(document.get("engine_config") or {})), document)
+                EngineConfig(**(document.get("engine_config") or {})),
+                None if document.get("attach") is None else AttachSummary.from_wire(document["attach"]))
     except (TypeError, ValueError) as exc:
         raise UnavailableError(f"the engine at {url} describes its weights in a form wcache does not read "
                                f"({exc}).") from None
@@ -55,13 +61,13 @@ def verify_served(url: str, prompts: list[str], max_new_tokens: int) -> GreedyRe
     if not prompts:
         raise BadInputError("there are no prompts to verify with.")
     try:
-        model, claimed, plan, config, document = _claim(url)
+        model, claimed, plan, config, report = _claim(url)
     except EngineRequestError as exc:
         if exc.status != 404:
             raise
         return _verify_vllm(url, prompts, max_new_tokens)
-    attach = {**(document.get("attach") or {}), "engine": "reference (served)", "url": url, "model": str(model),
-              "key_id": claimed.short_id}
+    attach = (GreedyAttach.of_report(SERVED, report, url=url, model=str(model)) if report is not None
+              else GreedyAttach(SERVED, "disk", key_id=claimed.short_id, url=url, model=str(model)))
     with DigestStore.open() as store:
         key_file = compute_key(model, plan, store=store)
     if key_file.key != claimed:

@@ -28,11 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from wcache.checkpoint.files import locate
 from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import BadInputError, UnavailableError
+from wcache.integrations.registry import GreedyAttach
 from wcache.integrations.vllm_switch import LOAD_FORMAT, VllmSwitchError, worker_reason
 from wcache.ipc.run_dir.directory import census, default_run_dir, matches
+from wcache.monitor import event_types as ev
 from wcache.monitor.events import engine_events
 from wcache.plan.spec import PlanSpec, preload_command
 from wcache.serving.client import EngineRequestError, call_engine, engine_base_url
@@ -179,8 +183,9 @@ def switch_served(url: str, version: str, model: Path | None, daemon: str | None
     # No pin unpins what an earlier switch pinned; the rest (run dir, mode, …) stays as the server started.
     extra = {**(engine.extra_config if engine.load_format == LOAD_FORMAT else {}), "daemon": pin}
     pids = server_pids(url)
+    last = _last_hit(engine.run_dir, pids)
     previous = {"model": str(engine.model), "key_id": (engine.claim or {}).get("key_id")
-                or _last_key(engine.run_dir, pids)}
+                or (last.key_id if last is not None else None)}
     began_at, began = time.time(), time.perf_counter()
     call_engine(url, "POST", "/pause?mode=wait&clear_cache=false")
     try:
@@ -190,12 +195,12 @@ def switch_served(url: str, version: str, model: Path | None, daemon: str | None
             call_engine(url, "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {
                 "weights_path": str(path), "is_checkpoint_format": True}})
         except EngineRequestError as exc:
-            hits = _events(engine.run_dir, "attach_hit", began_at, pids)
+            hits = _hits(engine.run_dir, began_at, pids)
             raise _refusal(engine, path, worker_reason(exc), hits) from None
         reset = call_engine(url, "POST", "/reset_prefix_cache")
-        hits = _events(engine.run_dir, "attach_hit", began_at, pids)
-        current = {"model": str(path), "key_id": hits[-1]["key_id"] if hits else None,
-                   "daemon": hits[-1]["daemon"] if hits else pin}
+        hits = _hits(engine.run_dir, began_at, pids)
+        current = {"model": str(path), "key_id": hits[-1].key_id if hits else None,
+                   "daemon": hits[-1].daemon if hits else pin}
         call_engine(url, "POST", "/update_weight_version", {"new_version": json.dumps({CLAIM: current})})
     finally:
         call_engine(url, "POST", "/resume")
@@ -205,12 +210,11 @@ def switch_served(url: str, version: str, model: Path | None, daemon: str | None
                                f"{engine.url}/reset_prefix_cache before trusting its answers.")
     return {"engine": f"vllm {version}", "previous": previous, "current": current,
             "attach": {"daemon": current["daemon"], "confirmed": len(hits) >= engine.tp_size,
-                       "hits": [{"daemon": e.get("daemon"), "key_id": e.get("key_id"), "pid": e.get("pid")}
-                                for e in hits]},
+                       "hits": [{"daemon": e.daemon, "key_id": e.key_id, "pid": e.pid} for e in hits]},
             "switch_ms": round(seconds * 1000, 3)}
 
 
-def _refusal(engine: ServedVllm, path: Path, reason: str, hits: list[dict[str, Any]]) -> UnavailableError:
+def _refusal(engine: ServedVllm, path: Path, reason: str, hits: list[ev.AttachHit]) -> UnavailableError:
     if hits:  # some rank attached and began to reload: its layers may hold either version now
         return UnavailableError(f"vLLM's reload of {path} failed after {len(hits)} rank(s) attached, so its weights "
                                 f"may be mixed: {reason}; restart the engine.")
@@ -238,17 +242,17 @@ def server_pids(url: str) -> set[int] | None:
         return None
 
 
-def _events(run_dir: Path, kind: str, since: float, pids: set[int] | None) -> list[dict[str, Any]]:
-    """The vLLM loader's events of `kind` since `since`, of the server's processes when they are known."""
+def _hits(run_dir: Path, since: float, pids: set[int] | None) -> list[ev.AttachHit]:
+    """The vLLM loader's attach hits since `since`, of the server's processes when they are known."""
     if not run_dir.exists():
         return []
-    return [e for e in engine_events(run_dir, kind, "vllm", since) if pids is None or e.get("pid") in pids]
+    return [e for e in engine_events(run_dir, ev.AttachHit, "vllm", since) if pids is None or e.pid in pids]
 
 
-def _last_key(run_dir: Path, pids: set[int] | None) -> str | None:
-    """The key of the server's latest attach: what it serves when no `wcache switch` moved it yet."""
-    hits = _events(run_dir, "attach_hit", 0.0, pids) if pids is not None else []
-    return hits[-1].get("key_id") if hits else None
+def _last_hit(run_dir: Path, pids: set[int] | None) -> ev.AttachHit | None:
+    """The server's latest attach: what it serves when no `wcache switch` moved it yet."""
+    hits = _hits(run_dir, 0.0, pids) if pids is not None else []
+    return hits[-1] if hits else None
 
 
 def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_tokens: int) -> GreedyReport:
@@ -258,8 +262,7 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
     from wcache.verify import GreedyReport, compare_prompts
 
     engine = describe(url, version, dev_mode=False)
-    attach = {"engine": f"vllm {version} (served)", "url": engine.url, "model": str(engine.model),
-              **{k: v for k, v in (engine.claim or {}).items() if k != "model"}}
+    attach = _served_attach(engine, server_pids(url))
     # One request for all prompts: vLLM schedules them together, as the disk engine's one generate() does.
     answer = call_engine(url, "POST", "/v1/completions", {
         "model": engine.model_name, "prompt": prompts, "max_tokens": max_new_tokens, "temperature": 0,
@@ -272,3 +275,19 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
     [disk] = greedy_runs([VllmRun(str(engine.model), prompts, max_new_tokens, dtype=engine.dtype,
                                   tensor_parallel_size=engine.tp_size, max_model_len=engine.max_model_len)])
     return GreedyReport(compare_prompts(prompts, served, disk.tokens), attach, problem)
+
+
+def _served_attach(engine: ServedVllm, pids: set[int] | None) -> GreedyAttach:
+    """How the served vLLM got the weights it serves: what the last `wcache switch` claimed, else its latest
+    attach hit (of its own processes, where they can be told), else from disk when it loads no other way."""
+    served = GreedyAttach(f"vllm {engine.version} (served)", "unknown", url=engine.url, model=str(engine.model))
+    if engine.claim is not None:
+        key_id = engine.claim.get("key_id")
+        return msgspec.structs.replace(served, outcome="hit" if key_id else "unknown",
+                                       daemon=engine.claim.get("daemon"), key_id=key_id)
+    if engine.load_format != LOAD_FORMAT:
+        return msgspec.structs.replace(served, outcome="disk")
+    last = _last_hit(engine.run_dir, pids)
+    if last is None:
+        return served
+    return msgspec.structs.replace(served, outcome="hit", daemon=last.daemon, mode=last.mode, key_id=last.key_id)

@@ -107,11 +107,11 @@ def _report_only(model: Path, spec: Any, options: AttachOptions, device: str, js
             weights = attach_with(model, spec, options, device=device, store=store, views=False)
     except AttachMissError as miss:
         if json:
-            out.json(miss.report.to_json())
+            out.json(miss.report.summary().to_wire())
         raise
     with weights:
         if json:
-            out.json(weights.report.to_json())
+            out.json(weights.report.summary().to_wire())
         else:
             _print_report(weights.report)
 
@@ -151,7 +151,7 @@ def generate_rank(tp: Any, model: Path, plan: dict[str, Any], engine_config: Any
         seconds = time.perf_counter() - began
         report = engine.attach_report
         return {"text": text, "token_ids": generation.token_ids, "prompt_tokens": generation.prompt_tokens,
-                "generate_ms": round(seconds * 1000, 3), "attach": report.to_json() if report else None}
+                "generate_ms": round(seconds * 1000, 3), "attach": report.summary().to_wire() if report else None}
     finally:
         engine.close()
 

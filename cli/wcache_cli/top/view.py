@@ -400,7 +400,7 @@ def _as_list(value: Any) -> list[str]:
 
 
 def diff_lines(diff: dict[str, Any]) -> list[str]:
-    """A key diff as `wcache.attach.diff_summary` records it, one fact per line."""
+    """A key diff as `wcache.key.diff.diff_summary` records it, one fact per line."""
     lines = []
     fields = _as_list(diff.get("fields"))
     if fields:

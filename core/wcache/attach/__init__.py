@@ -22,17 +22,15 @@ _EXPORTS = {
     "AttachedWeights": "wcache.attach.lease",
     "AttachMissError": "wcache.attach.report",
     "AttachReport": "wcache.attach.report",
-    "diff_summary": "wcache.attach.report",
     "describe_diff": "wcache.attach.miss",
 }
-__all__ = ["AttachMissError", "AttachReport", "AttachedWeights", "attach", "attach_with", "describe_diff",
-           "diff_summary"]
+__all__ = ["AttachMissError", "AttachReport", "AttachedWeights", "attach", "attach_with", "describe_diff"]
 assert set(__all__) == set(_EXPORTS)
 
 if TYPE_CHECKING:
     from wcache.attach.flow import attach, attach_with
     from wcache.attach.lease import AttachedWeights
     from wcache.attach.miss import describe_diff
-    from wcache.attach.report import AttachMissError, AttachReport, diff_summary
+    from wcache.attach.report import AttachMissError, AttachReport
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -10,9 +10,10 @@ from wcache.attach.found import Found
 from wcache.attach.lease import AttachedWeights
 from wcache.attach.mapping import Refusal
 from wcache.attach.miss import explain_miss
-from wcache.attach.report import AttachMissError, AttachReport, diff_summary
+from wcache.attach.report import AttachMissError, AttachReport
 from wcache.errors import option
 from wcache.key.cache_key import KeyFile
+from wcache.key.diff import diff_summary
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 from wcache.errors import UnavailableError
-from wcache.key.diff import KeyDiff
-
-MAX_DIFF_TENSORS_IN_EVENT = 50
+from wcache.ipc.attach_summary import AttachSummary
+from wcache.key.diff import KeyDiff, diff_summary
 
 
 class AttachMissError(UnavailableError):
@@ -46,24 +44,10 @@ class AttachReport:
         """The daemon backing zero-copy tensors went away after the attach."""
         return self.lost.is_set()
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "outcome": self.outcome, "mode": self.mode, "device": self.device, "key_id": self.key_id,
-            "daemon": self.daemon, "daemon_key_id": self.daemon_key_id, "reason": self.reason,
-            "mismatched": self.mismatched, "diff": diff_summary(self.diff) if self.diff else None,
-            "timings_ms": self.timings_ms, "bytes_mapped": self.bytes_mapped, "num_tensors": self.num_tensors,
-            "daemon_lost": self.daemon_lost,
-        }
-
-
-def diff_summary(diff: KeyDiff) -> dict[str, Any]:
-    """A compact, JSON-ready diff for events and reports."""
-    return {
-        "fields": [c.name for c in diff.fields],
-        "plan": {c.name: [c.a, c.b] for c in diff.plan},
-        "config": [c.name for c in diff.config],
-        "changed": [c.name for c in diff.changed[:MAX_DIFF_TENSORS_IN_EVENT]],
-        "added": [e.name for e in diff.added[:MAX_DIFF_TENSORS_IN_EVENT]],
-        "removed": [e.name for e in diff.removed[:MAX_DIFF_TENSORS_IN_EVENT]],
-        "num_changed": len(diff.changed), "num_added": len(diff.added), "num_removed": len(diff.removed),
-    }
+    def summary(self) -> AttachSummary:
+        """The report as it crosses a process (`/v1/weights`, the engine descriptor, `verify --json`)."""
+        return AttachSummary(
+            outcome=self.outcome, mode=self.mode, device=self.device, key_id=self.key_id, daemon=self.daemon,
+            daemon_key_id=self.daemon_key_id, reason=self.reason, mismatched=tuple(self.mismatched),
+            diff=diff_summary(self.diff) if self.diff else None, timings_ms=self.timings_ms,
+            bytes_mapped=self.bytes_mapped, num_tensors=self.num_tensors, daemon_lost=self.daemon_lost)

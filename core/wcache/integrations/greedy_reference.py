@@ -8,7 +8,7 @@ from typing import Any
 
 from wcache.attach_options import AttachOptions
 from wcache.errors import BadInputError
-from wcache.integrations.registry import GreedyTokens
+from wcache.integrations.registry import GreedyAttach, GreedyTokens
 from wcache.plan.spec import PlanSpec
 
 
@@ -44,7 +44,8 @@ def _run_prompts(tp: Any, model: Path, plan: dict[str, Any], prompts: list[str],
         from_cache = [cached.generate(ids, max_new_tokens).token_ids for ids in encoded]
         from_disk = [disk.generate(ids, max_new_tokens).token_ids for ids in encoded]
         report = cached.attach_report
-        attach = report.to_json() if report is not None else {}
+        attach = (GreedyAttach.of_report("reference", report.summary()) if report is not None
+                  else GreedyAttach("reference", "unknown"))
         return GreedyTokens(from_cache, from_disk, attach)
     finally:
         cached.close()

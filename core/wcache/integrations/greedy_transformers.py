@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from wcache.attach_options import AttachOptions
-from wcache.integrations.registry import GreedyTokens
+from wcache.integrations.registry import GreedyAttach, GreedyTokens
 from wcache.plan.spec import PlanSpec
 
 
@@ -34,6 +34,6 @@ def run_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: 
 
     cached = [generate(cached_model, p) for p in prompts]
     disk = [generate(disk_model, p) for p in prompts]
-    report = cached_model.wcache_report.to_json()
+    report = cached_model.wcache_report.summary()
     cached_model._wcache_weights.close()
-    return GreedyTokens(cached, disk, {**report, "engine": "transformers"})
+    return GreedyTokens(cached, disk, GreedyAttach.of_report("transformers", report))

@@ -7,13 +7,12 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
 from wcache.attach_options import AttachOptions
 from wcache.errors import BadInputError, UnavailableError, option
-from wcache.integrations.registry import GreedyTokens
+from wcache.integrations.registry import GreedyAttach, GreedyTokens, RankHit, RankPlacement
 from wcache.plan.spec import PlanSpec
 
 # The files a Hugging Face tokenizer is read from; a checkpoint with none of them gives vLLM no tokenizer.
@@ -45,18 +44,18 @@ def run_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: 
     return GreedyTokens(on_daemon.tokens, from_disk.tokens, attach)
 
 
-def _hit_event(run_dir: Path, engine: str, since: float) -> dict[str, Any]:
-    """The attach report of an engine that ran in other processes: its latest hit in the run dir's events."""
+def _hit_event(run_dir: Path, engine: str, since: float) -> GreedyAttach:
+    """How an engine that ran in other processes attached: its ranks' hits in the run dir's events."""
+    from wcache.monitor import event_types as ev
     from wcache.monitor.events import engine_events
 
-    hits = engine_events(run_dir, "attach_hit", engine, since)
+    hits = engine_events(run_dir, ev.AttachHit, engine, since)
     if not hits:
-        return {"outcome": "unknown", "engine": engine}
+        return GreedyAttach(engine, "unknown")
     last = hits[-1]
     # One hit per rank; an integration that says where each tensor went (vLLM's) adds its placement events.
-    placements = sorted(engine_events(run_dir, "placement", engine, since), key=lambda e: int(e.get("tp_rank", 0)))
-    ranks = [{key: e.get(key) for key in ("tp_rank", "daemon", "mode", "parameters", "assigned", "copied",
-                                          "private_bytes")} for e in placements]
-    return {"outcome": "hit", "engine": engine, "daemon": last.get("daemon"), "mode": last.get("mode"),
-            "key_id": last.get("key_id"), "timings_ms": last.get("timings_ms", {}),
-            "hits": [{"daemon": e.get("daemon"), "pid": e.get("pid")} for e in hits], "ranks": ranks}
+    placements = sorted(engine_events(run_dir, ev.Placement, engine, since), key=lambda e: e.tp_rank or 0)
+    ranks = tuple(RankPlacement(e.tp_rank, e.daemon, e.mode, e.parameters, e.assigned, tuple(e.copied),
+                                e.private_bytes) for e in placements)
+    return GreedyAttach(engine, "hit", last.daemon, last.mode, last.key_id, ranks=ranks,
+                        hits=tuple(RankHit(e.daemon, e.pid, e.timings_ms) for e in hits))

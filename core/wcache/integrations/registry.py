@@ -11,13 +11,64 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from wcache.errors import BadInputError, option
+from wcache.ipc.attach_summary import AttachSummary
+from wcache.schema import Schema
 
 if TYPE_CHECKING:
     from wcache.attach_options import AttachOptions
     from wcache.plan.spec import PlanSpec
+
+
+class RankHit(Schema, frozen=True):
+    """One rank's attach of an engine that ran in other processes, as its `attach_hit` event tells it."""
+
+    daemon: str | None
+    pid: int
+    timings_ms: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class RankPlacement(Schema, frozen=True):
+    """How one vLLM rank's parameters took the arena's tensors, as its `placement` event tells it."""
+
+    tp_rank: int | None
+    daemon: str | None
+    mode: str | None
+    parameters: int | None
+    assigned: int | None
+    copied: tuple[str, ...]
+    private_bytes: int | None
+
+
+class GreedyAttach(Schema, frozen=True):
+    """How the attached side of a greedy verification got its weights.
+
+    The head (engine to key_id) is what every engine tells; the rest is what one kind of engine adds: the
+    whole report where wcache's attach ran in reach (in this process, or a served reference engine's own), the
+    ranks' hits and placements where vLLM ran them, the address of a served engine.
+    """
+
+    engine: str  # an entry of REGISTRY, or a served engine: "reference (served)", "vllm 0.32.0 (served)"
+    outcome: str  # an attach's ("hit", "fallback"), "disk", or "unknown": ran elsewhere and told nothing
+    daemon: str | None = None
+    mode: str | None = None
+    key_id: str | None = None
+    report: AttachSummary | None = None
+    hits: tuple[RankHit, ...] = ()
+    ranks: tuple[RankPlacement, ...] = ()
+    url: str | None = None
+    model: str | None = None
+
+    @classmethod
+    def of_report(cls, engine: str, report: AttachSummary, *, url: str | None = None,
+                  model: str | None = None) -> GreedyAttach:
+        """The head read off a whole report."""
+        return cls(engine, report.outcome, report.daemon, report.mode, report.key_id, report=report, url=url,
+                   model=model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +77,7 @@ class GreedyTokens:
 
     cached: list[list[int]]
     disk: list[list[int]]
-    attach: dict[str, Any]
+    attach: GreedyAttach
 
 
 # (model, plan, prompts, max_new_tokens, options, device) → both sides' tokens; the attached side never

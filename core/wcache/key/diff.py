@@ -5,10 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.key.cache_key import KeyFile
+from wcache.schema import Record
 
 _MISSING = object()
+# How many tensor names of each kind (changed, added, removed) a compact diff keeps; the counts stay whole.
+MAX_DIFF_TENSORS_IN_EVENT = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,3 +91,33 @@ def diff_keys(a: KeyFile, b: KeyFile) -> KeyDiff:
         added=tuple(right[n] for n in sorted(right.keys() - left.keys())),
         removed=tuple(left[n] for n in sorted(left.keys() - right.keys())),
     )
+
+
+class DiffSummary(Record, frozen=True, omit_defaults=False):
+    """A key diff, compact: which fields differ, and the first tensors of each kind with their counts.
+
+    A `Record` (unknown fields skipped) because it is also a field of the `attach_miss` event, and logs outlive
+    versions; every field is written, even when empty. Lists, as the event's other fields: its plain form is
+    what reading the log back gives.
+    """
+
+    fields: list[str] = msgspec.field(default_factory=list)
+    # name → [the daemon's value, this checkpoint's]
+    plan: dict[str, list[Any]] = msgspec.field(default_factory=dict)
+    config: list[str] = msgspec.field(default_factory=list)
+    changed: list[str] = msgspec.field(default_factory=list)
+    added: list[str] = msgspec.field(default_factory=list)
+    removed: list[str] = msgspec.field(default_factory=list)
+    num_changed: int = 0
+    num_added: int = 0
+    num_removed: int = 0
+
+
+def diff_summary(diff: KeyDiff) -> DiffSummary:
+    """A compact diff for events and reports: at most `MAX_DIFF_TENSORS_IN_EVENT` names of each kind."""
+    return DiffSummary(
+        fields=[c.name for c in diff.fields], plan={c.name: [c.a, c.b] for c in diff.plan},
+        config=[c.name for c in diff.config], changed=[c.name for c in diff.changed[:MAX_DIFF_TENSORS_IN_EVENT]],
+        added=[e.name for e in diff.added[:MAX_DIFF_TENSORS_IN_EVENT]],
+        removed=[e.name for e in diff.removed[:MAX_DIFF_TENSORS_IN_EVENT]],
+        num_changed=len(diff.changed), num_added=len(diff.added), num_removed=len(diff.removed))

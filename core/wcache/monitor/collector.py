@@ -26,6 +26,7 @@ from wcache.ipc.run_dir.engines import EngineDescriptor, read_engine_descriptor
 from wcache.ipc.run_dir.loading import LoadingRecord, read_loading
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.ipc.wire import counters as counter_names
+from wcache.monitor import event_types as ev
 from wcache.monitor.daemon_status import DaemonStatus, collect
 from wcache.monitor.event_types import FEED_KINDS
 from wcache.monitor.events import events_path, parse_event, rotated_path
@@ -104,39 +105,42 @@ class EventTail:
         return partial + rest + (b"" if rest.endswith(b"\n") or not rest else b"\n")
 
 
+# The kinds whose one line is their fields in a sentence: (severity, template, fields' stand-ins when absent);
+# a field neither the event nor the stand-ins have reads "?".
+_TEMPLATES: dict[str, tuple[str, str, dict[str, str]]] = {
+    ev.AttachMiss.KIND: ("warning", "miss on {device}: {reason}", {"reason": "no reason recorded"}),
+    ev.Fallback.KIND: ("warning", "fell back to disk for {source}: {reason}", {"reason": ""}),
+    ev.DaemonLost.KIND: ("error", "engine lost daemon {daemon}", {}),
+    ev.PreloadFailed.KIND: ("error", "preload of {source} failed: {reason}", {"reason": ""}),
+    ev.EngineSwitch.KIND: ("info", "engine {engine_pid} switched {previous_key_id} → {key_id} ({source})", {}),
+    ev.SwitchRefused.KIND: ("warning", "engine {engine_pid} refused a switch to {source}: {reason}", {"reason": ""}),
+    ev.GroupStopped.KIND: ("error", "TP group of {source} stopped whole: {reason}", {"reason": ""}),
+    ev.ScrubFailed.KIND: ("error", "daemon {daemon}: {reason}", {"reason": "weights changed in memory"}),
+}
+
+
+class _Fields(dict[str, Any]):
+    def __missing__(self, key: str) -> str:
+        return "?"
+
+
 def summarize(event: dict[str, Any]) -> EventRow:
     """Severity and a one-line summary; misses, fallbacks and losses stand out, with their reason."""
     kind = event["kind"]
     detail = {k: v for k, v in event.items() if k not in ("ts", "kind")}
     severity = "info"
-    if kind == "attach_miss":
-        severity = "warning"
-        summary = f"miss on {event.get('device', '?')}: {event.get('reason', 'no reason recorded')}"
-    elif kind == "fallback":
-        severity = "warning"
-        summary = f"fell back to disk for {event.get('source', '?')}: {event.get('reason', '')}"
-    elif kind == "daemon_lost":
-        severity = "error"
-        summary = f"engine lost daemon {event.get('daemon', '?')}"
+    if kind in _TEMPLATES:
+        severity, template, defaults = _TEMPLATES[kind]
+        summary = template.format_map(_Fields({**defaults, **event}))
     elif kind == "daemon_exited":
         severity = "error" if event.get("exit_code") not in (0, None) else "info"
         summary = f"daemon {event.get('daemon', '?')} exited with code {event.get('exit_code')}"
-    elif kind == "preload_failed":
-        severity = "error"
-        summary = f"preload of {event.get('source', '?')} failed: {event.get('reason', '')}"
     elif kind == "provenance":
         verdict = event.get("verdict", "?")
         severity = "warning" if verdict == "differs" else "info"
         named = event.get("differs") or []
         which = f": {', '.join(map(str, named))} differ from what was published" if named else ""
         summary = f"provenance of {event.get('daemon', '?')}: {verdict}{which}"
-    elif kind == "engine_switch":
-        summary = (f"engine {event.get('engine_pid', '?')} switched {event.get('previous_key_id', '?')} → "
-                   f"{event.get('key_id', '?')} ({event.get('source', '?')})")
-    elif kind == "switch_refused":
-        severity = "warning"
-        summary = (f"engine {event.get('engine_pid', '?')} refused a switch to {event.get('source', '?')}: "
-                   f"{event.get('reason', '')}")
     elif kind == "attach_hit":
         total_ms = _number(_mapping(event.get("timings_ms")).get("total"))
         timing = f", {total_ms:.1f} ms" if total_ms is not None else ""
@@ -145,12 +149,6 @@ def summarize(event: dict[str, Any]) -> EventRow:
             # --trust-daemon: the checkpoint was never compared with the daemon's, so it may not be the same.
             severity = "warning"
             summary = f"unverified {summary} for {event.get('source', '?')} (the engine trusted the daemon)"
-    elif kind == "group_stopped":
-        severity = "error"
-        summary = f"TP group of {event.get('source', '?')} stopped whole: {event.get('reason', '')}"
-    elif kind == "scrub_failed":
-        severity = "error"
-        summary = f"daemon {event.get('daemon', '?')}: {event.get('reason', 'weights changed in memory')}"
     elif kind == "ready" and event.get("parent_key_id"):
         summary = (f"version {event['parent_key_id']} → {event.get('key_id', '?')} ready in {event.get('daemon', '?')} "
                    f"({event.get('bytes_read', '?')} bytes read)")
@@ -168,11 +166,6 @@ def _mapping(value: Any) -> dict[str, Any]:
 def _number(value: Any) -> float | None:
     """A field that should be a number of milliseconds; anything else (a string, a flag) reads as absent."""
     return float(value) if type(value) in (int, float) else None
-
-
-def _text(value: Any) -> str | None:
-    """A field that should be a string; anything else reads as absent."""
-    return value if isinstance(value, str) else None
 
 
 def _loading_row(record: LoadingRecord) -> DaemonRow:
@@ -363,8 +356,11 @@ class Collector:
         if interval_rate is not None:
             history.append(interval_rate)
         announced = target.announced
-        attach = announced.attach if announced is not None else {}
-        weights = _text(attach.get("outcome")) or label_value(samples, "wcache:engine_weights_info", "outcome")
+        attach = announced.attach if announced is not None else None
+        if announced is not None:
+            weights: str | None = attach.outcome if attach is not None else "disk"
+        else:
+            weights = label_value(samples, "wcache:engine_weights_info", "outcome")
         is_wcache = target.announced is not None or "wcache:replayed_tokens_total" in samples
         key_id = ((announced.key_id if announced is not None else None)
                   or label_value(samples, "wcache:engine_weights_info", "key_id") or None)
@@ -373,9 +369,9 @@ class Collector:
             model=str((announced.model if announced is not None else None)
                       or next((m for n in PREFIX_QUERIES if (m := label_value(samples, n, "model_name"))), None)
                       or "?"),
-            up=text is not None, weights=weights, mode=_text(attach.get("mode")),
-            daemon=_text(attach.get("daemon")),
-            attach_ms=_number(_mapping(attach.get("timings_ms")).get("total")),
+            up=text is not None, weights=weights, mode=attach.mode if attach is not None else None,
+            daemon=attach.daemon if attach is not None else None,
+            attach_ms=attach.timings_ms.get("total") if attach is not None else None,
             prefix_queries_total=queries, prefix_hits_total=hits,
             hit_rate_interval=interval_rate, hit_rate_overall=ratio(hits, queries),
             adopted_hits_total=total(samples, "wcache:prefix_cache_adopted_hits_total"),

@@ -14,6 +14,8 @@ from typing import Annotated, Any, ClassVar
 
 import msgspec
 
+from wcache.key.diff import DiffSummary
+
 # Seconds since the epoch no event can be from (the year 5138): a larger ts is a forged line, not a time to show.
 MAX_TS = 1e11
 Timestamp = Annotated[float, msgspec.Meta(ge=0, lt=MAX_TS)]
@@ -144,7 +146,7 @@ class AttachMiss(Event, frozen=True, tag="attach_miss"):
     reason: str | None = None
     daemon: str | None = None
     mismatched: list[str] = []
-    diff: dict[str, Any] | None = None
+    diff: DiffSummary | None = None
     dp_size: int | None = None
     engine: str | None = None
 

@@ -18,7 +18,7 @@ import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -30,6 +30,7 @@ log = logging.getLogger("wcache")
 DEFAULT_MAX_EVENTS_BYTES = 16 * 1024 * 1024
 _ENCODER = msgspec.json.Encoder()
 _DECODER: msgspec.json.Decoder[Any] = msgspec.json.Decoder(AnyEvent)
+E = TypeVar("E", bound=Event)
 
 
 def events_path(run_dir: Path) -> Path:
@@ -114,23 +115,34 @@ def _reason(exc: OSError) -> str:
 
 
 def read_events(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """Every well-formed event still kept (the rotated generation, then the current one), in order, as the
+    fields it has a value for."""
+    for event in read_typed_events(run_dir):
+        yield _fields(event)
+
+
+def read_typed_events(run_dir: Path) -> Iterator[Event]:
     """Every well-formed event still kept (the rotated generation, then the current one), in order."""
     path = events_path(run_dir)
     yield from _read_log(rotated_path(path))
     yield from _read_log(path)
 
 
-def engine_events(run_dir: Path, kind: str, engine: str, since: float = 0.0) -> list[dict[str, Any]]:
+def engine_events(run_dir: Path, kind: type[E], engine: str, since: float = 0.0) -> list[E]:
     """The events of `kind` an engine integration (`engine`) wrote at or after `since`, in order."""
-    return [e for e in read_events(run_dir)
-            if e["kind"] == kind and e.get("engine") == engine and float(e.get("ts", 0)) >= since]
+    return [e for e in read_typed_events(run_dir)
+            if isinstance(e, kind) and getattr(e, "engine", None) == engine and e.ts >= since]
 
 
 def parse_event(line: bytes | str) -> dict[str, Any] | None:
     """One line of the log as an event's fields, those it has a value for, or None for a torn or foreign line
     (see `read_event`)."""
     event = read_event(line)
-    return None if event is None else {k: v for k, v in event.to_wire().items() if v is not None}
+    return None if event is None else _fields(event)
+
+
+def _fields(event: Event) -> dict[str, Any]:
+    return {k: v for k, v in event.to_wire().items() if v is not None}
 
 
 def read_event(line: bytes | str) -> Event | None:
@@ -143,7 +155,7 @@ def read_event(line: bytes | str) -> Event | None:
     return event
 
 
-def _read_log(path: Path) -> Iterator[dict[str, Any]]:
+def _read_log(path: Path) -> Iterator[Event]:
     """One file's well-formed events; a torn or foreign line is skipped."""
     try:
         fd = _open_log(path, os.O_RDONLY)
@@ -155,7 +167,7 @@ def _read_log(path: Path) -> Iterator[dict[str, Any]]:
     try:
         with os.fdopen(fd, "rb") as f:
             for raw in f:
-                if (event := parse_event(raw)) is not None:
+                if (event := read_event(raw)) is not None:
                     yield event
     except FileNotFoundError:
         return

@@ -174,7 +174,7 @@ def weights_document(engine: Engine) -> dict[str, Any]:
     plan = engine.attach_plan
     return {"object": "weights", **weights_json(engine.served), "plan": plan.to_json() if plan is not None else None,
             "tp_size": engine.tp.size, "device": engine.device, "engine_config": asdict(engine.config),
-            "attach": report.to_json() if report else None}
+            "attach": report.summary().to_wire() if report else None}
 
 
 def _switch(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
@@ -322,5 +322,5 @@ def write_engine_descriptor(run_dir: Path, url: str, served: ServedEngine) -> Pa
     report = served.engine.attach_report
     return write_descriptor(run_dir, EngineDescriptor(
         pid=os.getpid(), url=url, model=served.model_name, source=str(served.engine.served.source),
-        attach=report.to_json() if report is not None else {"outcome": "disk"},
+        attach=report.summary() if report is not None else None,
         key_id=served.engine.served.key_id, started=time.time()))

@@ -44,7 +44,7 @@ class SwitchResult:
 
     def to_json(self) -> dict[str, Any]:
         return {"previous": weights_json(self.previous), "current": weights_json(self.current),
-                "attach": self.report.to_json(), "switch_ms": round(self.seconds * 1000, 3)}
+                "attach": self.report.summary().to_wire(), "switch_ms": round(self.seconds * 1000, 3)}
 
 
 def weights_json(served: ServedWeights) -> dict[str, Any]:

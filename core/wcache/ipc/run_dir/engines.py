@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
+from wcache.ipc.attach_summary import AttachSummary
 from wcache.ipc.run_dir.directory import Pid, read_run_file
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.schema import Schema
@@ -22,7 +22,7 @@ class EngineDescriptor(Schema, frozen=True):
     url: str
     model: str
     source: str
-    attach: dict[str, Any]  # the engine's attach report (`AttachReport.to_json()`), or {"outcome": "disk"}
+    attach: AttachSummary | None  # how the engine attached its weights; None: it loaded them from disk
     key_id: str | None
     started: float
 

@@ -1,0 +1,29 @@
+"""An attach report as plain data: what crosses a process when an engine says how it got its weights (a
+served engine's `/v1/weights` and its announcement in the run dir, `wcache attach --json`, `verify --json`)."""
+
+from __future__ import annotations
+
+from wcache.key.diff import DiffSummary
+from wcache.schema import Schema
+
+
+class AttachSummary(Schema, frozen=True):
+    """How an attach went (`wcache.attach.AttachReport.summary()`): hit, miss or fallback, against which daemon,
+    why, and how long each step took.
+
+    Every field is required, so every one is written: a reader sees `reason: null`, not a missing key.
+    """
+
+    outcome: str  # "hit", "miss" or "fallback"
+    mode: str
+    device: str
+    key_id: str | None
+    daemon: str | None
+    daemon_key_id: str | None
+    reason: str | None
+    mismatched: tuple[str, ...]
+    diff: DiffSummary | None
+    timings_ms: dict[str, float]
+    bytes_mapped: int
+    num_tensors: int
+    daemon_lost: bool
