@@ -141,7 +141,8 @@ def test_the_wire_form_is_a_tagged_map_of_the_fields() -> None:
     assert HelloReply("hit", (), SUMMARY).to_wire()["daemon"]["plan"] == {"tp_size": 2, "tp_rank": 1,
                                                                           "dtype": "bfloat16"}
     digest = TensorDigest("w", "F32", (1,), 4, "d")
-    assert list(ManifestReply((digest,), SUMMARY).to_wire()["tensors"]) == [{**digest.to_json(), "shape": (1,)}]
+    assert list(ManifestReply((digest,), SUMMARY).to_wire()["tensors"]) == [
+        {"name": "w", "dtype": "F32", "shape": (1,), "nbytes": 4, "digest": "d"}]
     assert set(STATS.to_wire()) == {
         "name", "pid", "device", "tp_size", "tp_rank", "key_id", "source", "state", "holds_weights",
         "weights_bytes", "leases", "uptime_s", "load_s", "counters", "connections", "release_queued", "released"}

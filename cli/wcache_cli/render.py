@@ -153,10 +153,10 @@ def diff_json(diff: KeyDiff, a: KeyFile, b: KeyFile) -> dict[str, Any]:
         "config": values(diff.config),
         "tensors": {
             "changed": [
-                {"name": c.name, "what": c.what.split(", "), "a": c.a.to_json(), "b": c.b.to_json()}
+                {"name": c.name, "what": c.what.split(", "), "a": c.a.to_wire(), "b": c.b.to_wire()}
                 for c in diff.changed
             ],
-            "added": [e.to_json() for e in diff.added],
-            "removed": [e.to_json() for e in diff.removed],
+            "added": [e.to_wire() for e in diff.added],
+            "removed": [e.to_wire() for e in diff.removed],
         },
     }

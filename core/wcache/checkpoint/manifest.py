@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from json.encoder import encode_basestring
 from operator import attrgetter
-from typing import Any
 
 import blake3
 
@@ -26,10 +25,6 @@ class TensorDigest(Schema, frozen=True, gc=False):
     shape: tuple[int, ...]
     nbytes: int
     digest: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes,
-                "digest": self.digest}
 
 
 # A manifest, or what builds it when first asked for: a key whose root came from the digest store builds its
