@@ -3,12 +3,13 @@
 A daemon answers `manifest` with one entry per tensor (large MoE checkpoints come near 100k); the client
 decodes it whole before it can compare a single digest. This times, in one run, the message codec the
 protocol uses now (`wcache.ipc.wire.messages`: one msgspec pass, every field checked) and, where the repository
-has its history, the hand-written `Wire` codec it replaced, loaded from `git show main:core/wcache/ipc/codec.py`
-(msgpack to plain maps, then a checker per field), on the same data and a frame body of the same fields.
+has its history, the hand-written `Wire` codec it replaced, loaded with `git show` from the last revision that
+had `core/wcache/ipc/codec.py` (msgpack to plain maps, then a checker per field), on the same data and a frame
+body of the same fields.
 
 Run::
 
-    .venv/bin/python benchmarks/manifest_codec.py [--tensors 100000] [--repeat 5] [--old-ref main]
+    .venv/bin/python benchmarks/manifest_codec.py [--tensors 100000] [--repeat 5] [--old-ref REV]
 """
 
 from __future__ import annotations
@@ -48,6 +49,16 @@ def manifest(count: int) -> ManifestReply:
     return ManifestReply(tensors=tensors, daemon=summary)
 
 
+def last_revision_with_old_codec() -> str:
+    """The parent of the commit that deleted the hand-written codec (HEAD's history), or HEAD without one."""
+    try:
+        deleted = subprocess.run(["git", "log", "-1", "--format=%h", "--diff-filter=D", "--", OLD_CODEC], cwd=ROOT,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "HEAD"
+    return f"{deleted}^" if deleted else "HEAD"
+
+
 def old_codec(ref: str) -> ModuleType | None:
     """The hand-written codec as it was at `ref`, loaded as a module of its own; None without the history."""
     try:
@@ -55,6 +66,9 @@ def old_codec(ref: str) -> ModuleType | None:
                                 check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
+    # The one module it imports that moved since: its error type is the framing's now.
+    source = source.replace("from wcache.ipc.protocol import ProtocolError",
+                            "from wcache.ipc.wire.framing import ProtocolError")
     path = Path(tempfile.mkdtemp(prefix="wcache-old-codec-")) / "old_codec.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("old_codec", path)
@@ -114,8 +128,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tensors", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--old-ref", default="main", help="git revision holding the hand-written codec")
+    parser.add_argument("--old-ref", default=None,
+                        help="git revision holding the hand-written codec (default: the last one that had it)")
     args = parser.parse_args()
+    args.old_ref = args.old_ref or last_revision_with_old_codec()
 
     reply = manifest(args.tensors)
     frame = encode(reply, REPLY_LIMITS)
