@@ -137,3 +137,15 @@ def test_the_cli_names_the_flag_a_plan_check_refuses(tiny_template: Path, tmp_pa
     assert result.returncode == EXIT_BAD_INPUT, result.stderr
     assert result.stderr.strip().splitlines() == [
         "error: the identity plan holds unsharded weights; use --tp 1 or --plan fused."], result.stderr
+
+
+def test_the_scrub_interval_help_states_the_daemons_own_default() -> None:
+    """The CLI may not import the daemon package to read it (its start would grow), so a test keeps the two
+    equal."""
+    import typer.main
+    from wcache.daemon.argv import LoadArgs
+    from wcache_cli.app import app
+
+    preload = typer.main.get_command(app).commands["preload"]  # type: ignore[attr-defined]
+    [param] = [p for p in preload.params if p.name == "scrub_interval"]
+    assert f"[default: the daemons' own, {LoadArgs.scrub_interval:g}]" in param.help
