@@ -58,7 +58,7 @@ class ServedVllm:
     version: str
     model_name: str  # the name its completions API takes
     started_model: str  # the checkpoint it started with, as its front end still names it
-    load_format: str
+    load_format: str | None  # None: its front end does not say (no development endpoints)
     extra_config: dict[str, Any]  # the wcache options it started with
     tp_size: int
     device: str  # vLLM's device type: "cpu", "cuda"
@@ -107,7 +107,7 @@ def describe(url: str, version: str, *, dev_mode: bool = True) -> ServedVllm:
     try:
         if info is None:
             listed = models[0]
-            return ServedVllm(engine_base_url(url), version, str(listed["id"]), str(listed["root"]), "auto", {}, 1,
+            return ServedVllm(engine_base_url(url), version, str(listed["id"]), str(listed["root"]), None, {}, 1,
                               "cpu", "auto", int(listed["max_model_len"]), None)
         weight_version = call_engine(url, "GET", "/weight_info", timeout=30).get("weight_version")
         config = info["vllm_config"]
@@ -279,13 +279,13 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
 
 def _served_attach(engine: ServedVllm, pids: set[int] | None) -> GreedyAttach:
     """How the served vLLM got the weights it serves: what the last `wcache switch` claimed, else its latest
-    attach hit (of its own processes, where they can be told), else from disk when it loads no other way."""
+    attach hit (of its own processes, where they can be told), else from disk when it says it loads no other way."""
     served = GreedyAttach(f"vllm {engine.version} (served)", "unknown", url=engine.url, model=str(engine.model))
     if engine.claim is not None:
         key_id = engine.claim.get("key_id")
         return msgspec.structs.replace(served, outcome="hit" if key_id else "unknown",
                                        daemon=engine.claim.get("daemon"), key_id=key_id)
-    if engine.load_format != LOAD_FORMAT:
+    if engine.load_format is not None and engine.load_format != LOAD_FORMAT:
         return msgspec.structs.replace(served, outcome="disk")
     last = _last_hit(engine.run_dir, pids)
     if last is None:
