@@ -134,11 +134,11 @@ main()
 """
 
 
-def modules_after_cli(tmp_path: Path, *args: str, env: EnvOverrides | None = None,
+def modules_after_cli(scratch: Path, *args: str, env: EnvOverrides | None = None,
                       ) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     """Run `wcache ARGS` (the console script's entry point) in a fresh interpreter: its result, and every module
-    it had imported when it exited."""
-    record = tmp_path / "modules.json"
+    it had imported when it exited (recorded in a file in the directory `scratch`)."""
+    record = scratch / "modules.json"
     record.unlink(missing_ok=True)
     result = run_python(_MODULES_PROBE, str(record), *args, env={"NO_COLOR": "1", **(env or {})}, timeout=120)
     assert record.exists(), result.stderr
