@@ -33,6 +33,7 @@ from typing import Any
 
 import psutil
 from bench_common import fmt_seconds, preload_arguments, stop_preloaded, timed_preload, workspace
+from wcache.serving.credentials import control_token
 from wcache_dev.synth import write_checkpoint
 
 SERVING = re.compile(r"SERVING (http://127\.0\.0\.1:\d+)/v1/completions")
@@ -45,9 +46,10 @@ def cli() -> list[str]:
     return [sys.executable, "-m", "wcache_cli.main"]
 
 
-def post(url: str, route: str, body: dict[str, Any]) -> dict[str, Any]:
+def post(url: str, route: str, body: dict[str, Any], token: str | None = None) -> dict[str, Any]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
     request = urllib.request.Request(f"{url}{route}", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers=headers)
     with urllib.request.urlopen(request, timeout=START_TIMEOUT_S) as response:
         answer: dict[str, Any] = json.loads(response.read())
         return answer
@@ -113,8 +115,10 @@ def main() -> None:
                 steady.append(time.perf_counter() - began)
 
                 other = 1 - serving
+                # The engine's control token, as `wcache switch` finds it (read before the clock starts).
+                token = control_token(engine.url, run_dir)
                 began = time.perf_counter()
-                result = post(engine.url, "/v1/weights", {"model": str(versions[other])})
+                result = post(engine.url, "/v1/weights", {"model": str(versions[other])}, token)
                 tokens["switch"][other] = first_token(engine.url)
                 switches.append(time.perf_counter() - began)
                 switch_ms.append(result["switch_ms"] / 1000)

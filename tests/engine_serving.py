@@ -33,6 +33,11 @@ class Server:
     process: subprocess.Popen[bytes]
     url: str
     stderr: Path
+    run_dir: Path
+
+    def token(self) -> str:
+        """The engine's control token, read as its user reads it: from its file in the run dir."""
+        return (self.run_dir / "engines" / f"{self.process.pid}.token").read_text().strip()
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -69,7 +74,7 @@ def serving(rig: DaemonRig, model: Path, *options: str) -> Iterator[Server]:
             start_new_session=True,
         )
     try:
-        yield Server(process, _read_url(process, stderr), stderr)
+        yield Server(process, _read_url(process, stderr), stderr, rig.run_dir)
     finally:
         if process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -106,11 +111,13 @@ def metrics(url: str) -> dict[str, float]:
     return values
 
 
-def post(url: str, body: bytes, route: str = "/v1/completions") -> tuple[int, Any]:
-    """POST `body` to `route`; the status and the JSON answer, whether 2xx or not."""
-    request = urllib.request.Request(
-        f"{url}{route}", data=body, method="POST", headers={"Content-Type": "application/json"}
-    )
+def post(url: str, body: bytes, route: str = "/v1/completions", token: str | None = None) -> tuple[int, Any]:
+    """POST `body` to `route` (with the control `token` when given); the status and the JSON answer, whether 2xx
+    or not."""
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(f"{url}{route}", data=body, method="POST", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.loads(response.read())

@@ -9,9 +9,12 @@ each. Expected tokens come from disk engines of each version in this process.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
+import stat
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from as_nobody import nobody_tree, run_as_nobody
 from daemon_fixtures import (
     DaemonRig,
     daemon_rig,
@@ -26,6 +30,7 @@ from daemon_fixtures import (
     nothing_survives,  # noqa: F401  (autouse: the end-of-module survivor check)
 )
 from engine_serving import Server, post, serving
+from helpers import WCACHE
 from prometheus_client.parser import text_string_to_metric_families
 from wcache.engine import Engine, EngineConfig
 from wcache_dev.synth import write_checkpoint
@@ -90,7 +95,10 @@ def server(versions: Versions) -> Iterator[Server]:
     answer, hit or not, must equal its version's cold tokens (a replayed window may differ by design; the
     in-process tests/test_weight_versions.py covers replay)."""
     with serving(versions.rig, versions.path, "--no-swa-bounded-replay") as running:
+        token = versions.rig.run_dir / "engines" / f"{running.process.pid}.token"
         yield running
+        assert running.stop() == 0
+        assert not token.exists(), "a stopped engine leaves its control token behind"
 
 
 @pytest.fixture
@@ -109,7 +117,7 @@ def complete(server: Server, prompt: str) -> dict[str, Any]:
 
 
 def switch_http(server: Server, model: Path) -> tuple[int, Any]:
-    return post(server.url, json.dumps({"model": str(model)}).encode(), "/v1/weights")
+    return post(server.url, json.dumps({"model": str(model)}).encode(), "/v1/weights", server.token())
 
 
 def by_weights(url: str, name: str) -> dict[str, float]:
@@ -175,7 +183,7 @@ def test_a_switch_nothing_serves_is_refused_and_the_engine_keeps_serving(version
     nobody = rig.cli("switch", server.url, "--daemon", "cpu-000000000000")
     assert nobody.returncode == 3 and "0 running daemons" in nobody.stderr
     for body in (b"{}", b'{"model": 3}', b'{"model": "relative/path"}', b'{"mdl": "/x"}', b"[]"):
-        code, answer = post(server.url, body, "/v1/weights")
+        code, answer = post(server.url, body, "/v1/weights", server.token())
         assert code == 400 and answer["error"]["message"], (body, answer)
     code, claimed = http_status(f"{server.url}/v1/weights")
     assert isinstance(claimed, dict) and claimed["key_id"] == keys[0]
@@ -243,3 +251,71 @@ def test_a_hundred_switches_under_load_never_mix_versions(versions: Versions, en
     assert refusals == [0.0]
     print(f"{SWITCHES} switches, {len(answers)} answers, "
           f"{sum(1 for _, a in answers if a['wcache']['hit_tokens'])} with prefix hits")
+
+
+# -- who may switch: the engine's own user, by its control token ------------------------------------------
+
+
+def test_a_switch_without_the_engines_token_is_refused_and_changes_nothing(versions: Versions,
+                                                                           engine: Server) -> None:
+    rig, keys, server = versions.rig, versions.keys, engine
+    token_file = rig.run_dir / "engines" / f"{server.process.pid}.token"
+    mode = token_file.stat()
+    assert (stat.S_IMODE(mode.st_mode), mode.st_uid) == (0o600, os.getuid())
+    token = server.token()
+    versions.become(1)  # a daemon serves version 1: with the token, this switch would happen
+    body = json.dumps({"model": str(versions.path)}).encode()
+    switches_before = len(rig.events("engine_switch"))
+    for sent, status in ((None, 401), ("", 401), ("x" * len(token), 403), (token[:-1], 403), (token + "x", 403)):
+        headers = {"Content-Type": "application/json"}
+        if sent is not None:
+            headers["Authorization"] = f"Bearer {sent}"
+        connection = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=30)
+        connection.request("POST", "/v1/weights", body=body, headers=headers)
+        reply = connection.getresponse()
+        answer = json.loads(reply.read())
+        connection.close()
+        assert reply.status == status, (sent, answer)
+        assert "control token" in answer["error"]["message"], answer
+        if status == 401:
+            assert reply.getheader("WWW-Authenticate") == 'Bearer realm="wcache"'
+    code, claimed = http_status(f"{server.url}/v1/weights")
+    assert code == 200 and isinstance(claimed, dict) and claimed["key_id"] == keys[0]
+    assert len(rig.events("engine_switch")) == switches_before
+    assert complete(server, PROMPTS[0])["wcache"]["weights_key"] == keys[0]
+
+    code, answer = post(server.url, body, "/v1/weights", token)
+    assert code == 200 and answer["current"]["key_id"] == keys[1], answer
+
+
+def test_another_local_user_cannot_switch_the_engine(versions: Versions, engine: Server) -> None:
+    """As root, `wcache switch` runs as uid 65534 (its own run dir, no way into root's); otherwise as this user
+    with a run dir of its own, which is all another user has: one sentence, exit 2, the engine unchanged."""
+    rig, keys, server = versions.rig, versions.keys, engine
+    daemon = f"cpu-{keys[1]}"
+    versions.become(1)  # the daemon's checkpoint is version 1 again: without the token check, this would switch
+    if os.geteuid() == 0:
+        with nobody_tree() as (base, env):
+            token_file = rig.run_dir / "engines" / f"{server.process.pid}.token"
+            read = run_as_nobody([sys.executable, "-c", f"open({str(token_file)!r}).read()"], env, cwd=base)
+            assert read.returncode != 0 and "PermissionError" in read.stderr, read.stderr
+            result = run_as_nobody([*WCACHE, "switch", server.url, "--daemon", daemon], env, cwd=base)
+    else:
+        other = rig.base / "other-user-run"
+        other.mkdir(mode=0o700, exist_ok=True)
+        result = rig.cli("switch", server.url, "--daemon", daemon, env={"WCACHE_RUN_DIR": str(other)})
+    everything = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in everything, everything
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "control token" in lines[0], result.stderr
+    code, claimed = http_status(f"{server.url}/v1/weights")
+    assert code == 200 and isinstance(claimed, dict) and claimed["key_id"] == keys[0]
+
+
+@pytest.mark.parametrize("model", ["/tmp/nul\0byte", "/" + "a" * 4095, "/" + "b" * 300 + "/model"],
+                         ids=["NUL byte", "4096 characters", "a name too long"])
+def test_a_path_no_file_can_have_is_a_400(versions: Versions, engine: Server, model: str) -> None:
+    code, answer = post(engine.url, json.dumps({"model": model}).encode(), "/v1/weights", engine.token())
+    assert code == 400, answer
+    message = answer["error"]["message"]
+    assert "\n" not in message and len(message) <= 201 and "model" in message, message

@@ -34,6 +34,7 @@ def switch(
     is refused with the reason (exit 3) and the engine keeps serving its old weights.
     """
     from wcache.serving.client import EngineRequestError, call_engine
+    from wcache.serving.credentials import control_token
 
     if model is None and daemon is None:
         raise BadInputError("name the weights to switch to: MODEL, --daemon, or both.")
@@ -47,7 +48,7 @@ def switch(
     if daemon is not None:
         body["daemon"] = daemon
     try:
-        result = call_engine(url, "POST", "/v1/weights", body)
+        result = call_engine(url, "POST", "/v1/weights", body, token=control_token(url))
     except EngineRequestError as exc:
         if exc.status != 404:
             raise

@@ -8,6 +8,7 @@ from typing import Any
 
 from wcache.errors import BadInputError, UnavailableError
 from wcache.ipc.http.client import NoAnswerError, http_call
+from wcache.ipc.run_dir.engine_token import operator_token
 
 TIMEOUT_S = 300.0  # a switch attaches a checkpoint (hashing it when its receipts are stale); a request decodes
 
@@ -21,12 +22,15 @@ class EngineRequestError(UnavailableError):
 
     @staticmethod
     def of(message: str, status: int) -> EngineRequestError:
-        """The error for an answer with `status`: 400, the request was bad input; anything else, unavailable."""
-        return (EngineRefusedRequestError if status == 400 else EngineRequestError)(message, status)
+        """The error for an answer with `status`: 400 (bad input) and 401/403 (not this user's to ask) are the
+        caller's; anything else, unavailable."""
+        refused = status in (400, 401, 403)
+        return (EngineRefusedRequestError if refused else EngineRequestError)(message, status)
 
 
 class EngineRefusedRequestError(EngineRequestError):
-    """The engine refused the request itself (400): the user's input, not the engine, is at fault."""
+    """The engine refused the request itself (400, or 401/403 for a user it does not take it from): the caller,
+    not the engine, is at fault."""
 
     exit_code = BadInputError.exit_code
 
@@ -40,12 +44,16 @@ def engine_base_url(url: str) -> str:
 
 
 def call_engine(url: str, method: str, path: str, body: dict[str, Any] | None = None,
-                timeout: float = TIMEOUT_S) -> dict[str, Any]:
+                timeout: float = TIMEOUT_S, *, token: str | None = None) -> dict[str, Any]:
     """One request to the engine at `url`; its JSON answer, or an error sentence (the engine's own when it gave
-    one)."""
+    one). It carries the control `token` when given, else the operator's (`WCACHE_ENGINE_TOKEN_FILE`) when set:
+    what a proxy in front of vLLM's development routes, or vLLM's own --api-key, asks for."""
     base = engine_base_url(url)
     payload = json.dumps(body).encode() if body is not None else None
     headers = {"Content-Type": "application/json"} if payload is not None else {}
+    token = token if token is not None else operator_token()
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
     try:
         status, data = http_call(f"{base}{path}", method=method, body=payload, headers=headers, timeout=timeout)
     except NoAnswerError as exc:

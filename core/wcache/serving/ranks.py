@@ -11,6 +11,7 @@ could be made to run anything. A header outside the protocol ends the rank inste
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -28,6 +29,7 @@ from wcache.engine.parallel import TensorParallel
 from wcache.errors import option
 from wcache.ipc.http.server import http_url
 from wcache.ipc.run_dir.directory import ensure_run_dir
+from wcache.ipc.run_dir.engine_token import engine_token, write_engine_token
 from wcache.plan.spec import PlanSpec
 from wcache.serving.server import (
     MAX_BODY_BYTES,
@@ -137,6 +139,8 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
                on_ready: Callable[[str, Engine], None] | None = None) -> None:
     """One rank's life: attach, build the engine, then serve (rank 0) or follow rank 0 (others). The engine
     publishes itself in `run_dir`, where `options` look for daemons unless they name another."""
+    # Read first: an operator's token file that cannot serve fails before the attach, not after it.
+    token = engine_token() if tp.rank == 0 else None
     spec = PlanSpec.from_json({**plan, "tp_rank": tp.rank})
     options = options if options.run_dir is not None else msgspec.structs.replace(options, run_dir=str(run_dir))
     engine = Engine.from_attach(model, spec, engine_config, tp, options=options, device=device)
@@ -148,9 +152,12 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
         _stats_lines_to_stderr()
         served = ServedEngine(engine, model.name, driver.generate if driver is not None else engine.generate,
                               lambda switched: write_engine_descriptor(run_dir, url, switched))
-        server = make_server(served, host, port, (option("host"), option("port")))
+        server = make_server(served, host, port, (option("host"), option("port")), control_token=token)
         url = http_url(host, server.server_address[1])
         ensure_run_dir(run_dir)
+        # The token before the announcement: a client that finds the engine finds its token too.
+        assert token is not None
+        token_file = write_engine_token(run_dir, os.getpid(), token)
         descriptor = write_engine_descriptor(run_dir, url, served)
         counters = CounterEvents(served, run_dir, url)
         counters.start()
@@ -171,6 +178,7 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
         finally:
             counters.stop()
             descriptor.unlink(missing_ok=True)
+            token_file.unlink(missing_ok=True)
             server.server_close()
             if driver is not None:
                 driver.stop_followers()

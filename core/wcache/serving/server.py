@@ -2,7 +2,9 @@
 
 `GET /v1/weights` says which checkpoint and content key the engine serves; `POST /v1/weights` with
 {"model": PATH} or {"daemon": ID} switches it to another daemon's weights between requests (engine.switch),
-or answers 409 with the reason and keeps serving what it had.
+or answers 409 with the reason and keeps serving what it had. A switch changes what every client is served, so
+it is the engine's user's alone: it must carry the engine's control token (`ipc.run_dir.engine_token`), read
+from a file only that user can open; reads and completions stay open to whoever reaches the port.
 
 Metric names follow vLLM where the meaning is the same (`vllm:prefix_cache_queries`, ...) and carry a
 `wcache:` prefix for what vLLM does not export (replay), so one dashboard reads this engine and vLLM alike.
@@ -35,6 +37,7 @@ from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 
 MAX_BODY_BYTES = 1 << 20
+PATH_MAX = 4096  # Linux's, terminating NUL included: no longer path names a file
 MAX_TOKENS_LIMIT = 4096
 
 log = logging.getLogger("wcache.engine")
@@ -191,11 +194,17 @@ def _switch(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
     for name, value in (("model", model), ("daemon", daemon)):
         if value is not None and (not isinstance(value, str) or not value):
             raise RequestError(f"{name} must be a non-empty string")
+        if isinstance(value, str) and ("\0" in value or len(value.encode(errors="replace")) >= PATH_MAX):
+            raise RequestError(f"{name} holds a NUL byte or is longer than a path may be ({PATH_MAX - 1} bytes)")
     try:
         if model is not None and not (Path(model).is_absolute() or looks_like_repo_id(model)):
             raise RequestError("model must be an absolute path or a repo id: the server's working directory is "
                                "not the client's")
-        checkpoint = resolve_model_path(model) if model is not None else daemon_source(served.engine, str(daemon))
+        try:
+            checkpoint = (resolve_model_path(model) if model is not None
+                          else daemon_source(served.engine, str(daemon)))
+        except OSError as exc:  # a name too long for the filesystem, a directory on the way closed to the engine
+            raise RequestError(f"model cannot be looked up ({exc.strerror or exc})") from None
         result = switch_weights(served.engine, checkpoint, daemon)
     except SwitchMissError as exc:
         raise HTTPRequestError(str(exc), 409) from None
@@ -208,9 +217,10 @@ def _switch(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
     return {"object": "weights_switch", **result.to_json()}
 
 
-def make_server(served: ServedEngine, host: str, port: int,
-                flags: tuple[str, str] | None = None) -> ThreadingHTTPServer:
-    """The engine's HTTP server, not yet serving; `flags` name the options that chose host and port."""
+def make_server(served: ServedEngine, host: str, port: int, flags: tuple[str, str] | None = None, *,
+                control_token: str | None = None) -> ThreadingHTTPServer:
+    """The engine's HTTP server, not yet serving; `flags` name the options that chose host and port. A request
+    that changes what it serves must carry `control_token`; without one, nobody may switch it."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_EngineCollector(served))
 
@@ -241,6 +251,7 @@ def make_server(served: ServedEngine, host: str, port: int,
         def do_POST(self) -> None:
             path = self.route()
             if path == "/v1/weights":
+                self.require_token(control_token, "switching this engine's weights")  # before its body is read
                 self.send_json(200, _switch(served, self.read_json_object(MAX_BODY_BYTES)))
                 return
             if path != "/v1/completions":

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import hmac
 import io
 import json
 import logging
@@ -42,9 +44,10 @@ log = logging.getLogger("wcache.http")
 class HTTPRequestError(Exception):
     """A request a route refuses: answered with `status` and this one-sentence message."""
 
-    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST) -> None:
+    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.headers = status, headers or {}
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -90,6 +93,7 @@ class QuietHandler(BaseHTTPRequestHandler):
     received = 0  # bytes read since the current request began
     _replying = False  # a status line went out: too late for an error reply
     _parsing = False  # inside the standard library's parse_request, whose messages are terse
+    _error_headers: tuple[tuple[str, str], ...] = ()  # what the route's HTTPRequestError asks its error reply to carry
 
     def setup(self) -> None:
         super().setup()
@@ -140,6 +144,7 @@ class QuietHandler(BaseHTTPRequestHandler):
         try:
             method()
         except HTTPRequestError as exc:
+            self._error_headers = tuple(exc.headers.items())
             self.send_error(exc.status, str(exc))
         except (TimeoutError, ConnectionError):
             raise
@@ -169,6 +174,9 @@ class QuietHandler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.send_header("Content-Type", JSON_TYPE)
         self.send_header("Content-Length", str(len(body)))
+        for name, value in self._error_headers:
+            self.send_header(name, value)
+        self._error_headers = ()
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
@@ -236,6 +244,23 @@ class QuietHandler(BaseHTTPRequestHandler):
 
     def route(self) -> str:
         return self.path.split("?", 1)[0]
+
+    def require_token(self, token: str | None, what: str) -> None:
+        """Refuse the request unless it carries `Authorization: Bearer <token>`: 401 without one (or when the server
+        has no token: then nobody may), 403 with another. `what` says what the request would do, for the sentence."""
+        sent = self.headers.get("Authorization", "")
+        scheme, _, value = sent.partition(" ")
+        if token is None:
+            raise HTTPRequestError(f"{what} is not allowed on this server (it has no control token)", 403)
+        if scheme.lower() != "bearer" or not value.strip():
+            raise HTTPRequestError(f"{what} needs the engine's control token (Authorization: Bearer), which only the "
+                                   "engine's user can read in its run dir", 401,
+                                   {"WWW-Authenticate": 'Bearer realm="wcache"'})
+        # Digests of equal length, so the comparison's time says nothing about the token's length either.
+        if not hmac.compare_digest(hashlib.sha256(value.strip().encode(errors="replace")).digest(),
+                                   hashlib.sha256(token.encode()).digest()):
+            raise HTTPRequestError(f"the control token sent is not this engine's; {what} is for the engine's user "
+                                   "only", 403)
 
 
 def host_port(host: str, port: int) -> str:

@@ -6,6 +6,7 @@
   events.jsonl, events.jsonl.1                  the event log and its rotated generation
   loading/<pid>.json, loading/<pid>.lock        a rank still loading: its progress record and the lock it holds
   engines/<pid>.json                            a serving engine's announcement, for `wcache top`
+  engines/<pid>.token                           its control token (0600): what a request that switches it must send
   logs/supervisor-<pid>.log, logs/preload-<supervisor pid>-rank<r>.log
 ```
 
@@ -28,6 +29,7 @@ class RunPaths:
     DESCRIPTOR_SUFFIX = ".json"
     SOCKET_SUFFIX = ".sock"
     LOCK_SUFFIX = ".lock"
+    TOKEN_SUFFIX = ".token"
     ROTATED_SUFFIX = ".1"
     EVENTS = "events.jsonl"
     LOADING = "loading"
@@ -85,6 +87,9 @@ class RunPaths:
 
     def engine(self, pid: int) -> Path:
         return self.engines / f"{pid}{self.DESCRIPTOR_SUFFIX}"
+
+    def engine_token(self, pid: int) -> Path:
+        return self.engines / f"{pid}{self.TOKEN_SUFFIX}"
 
     @classmethod
     def engine_files(cls, engines: Path) -> list[Path]:
