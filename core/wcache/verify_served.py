@@ -21,7 +21,7 @@ from wcache.integrations.registry import GreedyAttach
 from wcache.ipc.attach_summary import AttachSummary
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
-from wcache.serving.client import EngineRequestError, call_engine
+from wcache.serving.client import CompletionAnswer, EngineRequestError, ServedCacheConfig, call_engine, read_answer
 from wcache.verify import GreedyReport, PromptResult, compare_prompts
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def _claim(url: str) -> tuple[Path, WeightCacheKey, PlanSpec, EngineConfig, Atta
         if document.get("model") is None or document.get("key") is None or document.get("plan") is None:
             raise BadInputError(f"the engine at {url} does not say which keyed checkpoint it serves.")
         return (Path(document["model"]), WeightCacheKey(**document["key"]), PlanSpec.from_json(document["plan"]),
-                EngineConfig(**(document.get("engine_config") or {})),
+                EngineConfig(**ServedCacheConfig.from_wire(document.get("engine_config") or {}).to_wire()),
                 None if document.get("attach") is None else AttachSummary.from_wire(document["attach"]))
     except (TypeError, ValueError) as exc:
         raise UnavailableError(f"the engine at {url} describes its weights in a form wcache does not read "
@@ -83,16 +83,16 @@ def verify_served(url: str, prompts: list[str], max_new_tokens: int) -> GreedyRe
     problem = None
     for prompt in prompts:
         ids = tokenizer.encode(prompt)
-        answer = call_engine(url, "POST", "/v1/completions",
-                             {"prompt": ids, "max_tokens": max_new_tokens, "temperature": 0})
-        extension = answer.get("wcache") or {}
-        if extension.get("weights_key") != claimed.short_id:
-            problem = (f"the engine answered with weights {extension.get('weights_key')}, not the "
+        answer = read_answer(CompletionAnswer, call_engine(url, "POST", "/v1/completions", {
+            "prompt": ids, "max_tokens": max_new_tokens, "temperature": 0}), url)
+        extension = answer.wcache
+        if extension.weights_key != claimed.short_id:
+            problem = (f"the engine answered with weights {extension.weights_key}, not the "
                        f"{claimed.short_id} it claimed: it switched during the verification")
-        served.append(list(answer["choices"][0]["token_ids"]))
+        served.append(list(answer.choices[0].token_ids))
         # A fresh disk engine per prompt over the same tensors: its cache holds exactly the served hit.
         engine = Engine(model_config, weights, config, tokenizer=tokenizer)
-        hit = int(extension.get("hit_tokens") or 0)
+        hit = min(extension.hit_tokens, len(ids))
         if hit:
             engine.generate(ids[:hit], 1)
         disk.append(engine.generate(ids, max_new_tokens).token_ids)

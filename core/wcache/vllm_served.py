@@ -39,7 +39,7 @@ from wcache.ipc.run_dir.directory import census, default_run_dir, matches
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import engine_events
 from wcache.plan.spec import PlanSpec, preload_command
-from wcache.serving.client import EngineRequestError, call_engine, engine_base_url
+from wcache.serving.client import CompletionAnswer, EngineRequestError, call_engine, engine_base_url, read_answer
 
 if TYPE_CHECKING:
     from wcache.verify import GreedyReport
@@ -187,8 +187,9 @@ def switch_served(url: str, version: str, model: Path | None, daemon: str | None
     previous = {"model": str(engine.model), "key_id": (engine.claim or {}).get("key_id")
                 or (last.key_id if last is not None else None)}
     began_at, began = time.time(), time.perf_counter()
-    call_engine(url, "POST", "/pause?mode=wait&clear_cache=false")
     try:
+        # Inside the try: a pause answered with an error may still have paused the server.
+        call_engine(url, "POST", "/pause?mode=wait&clear_cache=false")
         override = {"load_config": {"load_format": LOAD_FORMAT, "model_loader_extra_config": extra}}
         call_engine(url, "POST", "/collective_rpc", {"method": "update_config", "args": [override]})
         try:
@@ -264,11 +265,13 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
     engine = describe(url, version, dev_mode=False)
     attach = _served_attach(engine, server_pids(url))
     # One request for all prompts: vLLM schedules them together, as the disk engine's one generate() does.
-    answer = call_engine(url, "POST", "/v1/completions", {
+    answer = read_answer(CompletionAnswer, call_engine(url, "POST", "/v1/completions", {
         "model": engine.model_name, "prompt": prompts, "max_tokens": max_new_tokens, "temperature": 0,
-        "return_token_ids": True})
-    choices = sorted(answer["choices"], key=lambda choice: int(choice["index"]))
-    served = [list(choice["token_ids"]) for choice in choices]
+        "return_token_ids": True}), url)
+    if sorted(choice.index for choice in answer.choices) != list(range(len(prompts))):
+        raise UnavailableError(f"the vLLM server at {engine.url} did not answer each of the {len(prompts)} "
+                               "prompts once.")
+    served = [list(choice.token_ids) for choice in sorted(answer.choices, key=lambda choice: choice.index)]
     problem = None
     if describe(url, version, dev_mode=False).claim != engine.claim:
         problem = "the engine switched its weights during the verification"

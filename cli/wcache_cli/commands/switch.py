@@ -33,7 +33,7 @@ def switch(
     the new. The switch never falls back to disk: when no daemon holds MODEL's key under the engine's plan it
     is refused with the reason (exit 3) and the engine keeps serving its old weights.
     """
-    from wcache.serving.client import EngineRequestError, call_engine
+    from wcache.serving.client import EngineRequestError, SwitchAnswer, call_engine, read_answer
     from wcache.serving.credentials import control_token
 
     if model is None and daemon is None:
@@ -53,12 +53,13 @@ def switch(
         if exc.status != 404:
             raise
         result = _switch_vllm(url, model, daemon)
+    answer = read_answer(SwitchAnswer, result, url)
     if json:
         out.json(result)
         return
-    previous, current = result["previous"], result["current"]
-    out.print(f"SWITCHED {url}: {previous['key_id']} → {current['key_id']} ({current['model']}, daemon "
-              f"{result['attach']['daemon']}) in {result['switch_ms']:.1f} ms")
+    previous, current = answer.previous, answer.current
+    out.print(f"SWITCHED {url}: {previous.key_id} → {current.key_id} ({current.model}, daemon "
+              f"{answer.attach.daemon}) in {answer.switch_ms:.1f} ms")
 
 
 def _switch_vllm(url: str, model: Path | None, daemon: str | None) -> dict[str, Any]:

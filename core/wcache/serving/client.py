@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import urllib.parse
-from typing import Any
+from typing import Annotated, Any, TypeVar
+
+import msgspec
 
 from wcache.errors import BadInputError, UnavailableError
 from wcache.ipc.http.client import NoAnswerError, http_call
 from wcache.ipc.run_dir.engine_token import operator_token
+from wcache.schema import Schema, SchemaError
 
+MAX_SHOWN = 300  # characters of a server's own message shown to the user
 TIMEOUT_S = 300.0  # a switch attaches a checkpoint (hashing it when its receipts are stale); a request decodes
 
 
@@ -57,15 +61,91 @@ def call_engine(url: str, method: str, path: str, body: dict[str, Any] | None = 
     try:
         status, data = http_call(f"{base}{path}", method=method, body=payload, headers=headers, timeout=timeout)
     except NoAnswerError as exc:
-        raise UnavailableError(f"no engine answers at {base} ({exc}).") from None
+        raise UnavailableError(f"no engine answers at {base} ({shown(str(exc))}).") from None
     try:
-        document = json.loads(data)
-    except ValueError:
+        document = msgspec.json.decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # deep nesting is a RecursionError
         raise UnavailableError(f"{base}{path} answered {status} without JSON; is it a wcache engine?") from None
     if status != 200:
         error = document.get("error") if isinstance(document, dict) else None
-        message = error.get("message") if isinstance(error, dict) else None
-        raise EngineRequestError.of(str(message or f"{base}{path} answered {status}"), status)
+        message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
+        raise EngineRequestError.of(shown(str(message or f"{base}{path} answered {status}")), status)
     if not isinstance(document, dict):
         raise UnavailableError(f"{base}{path} answered something other than a JSON object.")
     return document
+
+
+def shown(text: str) -> str:
+    """A server's own words as one line of at most MAX_SHOWN characters: a server may send a megabyte."""
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "…"
+
+
+Answer = TypeVar("Answer", bound=Schema)
+
+
+def read_answer(kind: type[Answer], document: dict[str, Any], url: str) -> Answer:
+    """`document` read as `kind`; UnavailableError naming the field when the engine's answer is not one."""
+    try:
+        return kind.from_wire(document)
+    except SchemaError as exc:
+        raise UnavailableError(f"the engine at {engine_base_url(url)} answered in a form wcache does not read "
+                               f"({shown(str(exc))}).") from None
+
+
+class SwitchedWeights(Schema, frozen=True, forbid_unknown_fields=False):
+    """The weights a switch answer names (previous or current)."""
+
+    model: str | None = None
+    key_id: str | None = None
+
+
+class SwitchAttach(Schema, frozen=True, forbid_unknown_fields=False):
+    daemon: str | None = None
+
+
+class SwitchAnswer(Schema, frozen=True, forbid_unknown_fields=False):
+    """What `POST /v1/weights` (or the vLLM switch) answers, as far as `wcache switch` reads it."""
+
+    previous: SwitchedWeights
+    current: SwitchedWeights
+    attach: SwitchAttach
+    switch_ms: Annotated[float, msgspec.Meta(ge=0, lt=1e12)]
+
+
+# What a verify may allocate from an engine's word: its disk engine holds the same KV cache as the served one.
+MAX_BLOCK_SIZE = 4096
+MAX_CACHE_TOKENS = 1 << 24
+
+
+class ServedCacheConfig(Schema, frozen=True):
+    """An engine's cache settings as `GET /v1/weights` states them, bounded before anything is allocated."""
+
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)] = 16
+    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_CACHE_TOKENS)] = 2048
+    swa_bounded_replay: bool = True
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size * self.num_blocks > MAX_CACHE_TOKENS:
+            raise ValueError(f"a KV cache of {self.num_blocks} blocks of {self.block_size} tokens is more than "
+                             f"the {MAX_CACHE_TOKENS} tokens a verify allocates")
+
+
+class CompletionExtension(Schema, frozen=True, forbid_unknown_fields=False):
+    """The `wcache` part of a completion: what ran it and what it took from the prefix cache."""
+
+    weights_key: str | None = None
+    hit_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_CACHE_TOKENS)] = 0
+
+
+class CompletionChoice(Schema, frozen=True, forbid_unknown_fields=False):
+    token_ids: list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]]
+    index: int = 0
+
+
+class CompletionAnswer(Schema, frozen=True, forbid_unknown_fields=False):
+    """A completion answer, as far as `verify URL` reads it: at least one choice with its token ids."""
+
+    choices: Annotated[list[CompletionChoice], msgspec.Meta(min_length=1)]
+    wcache: CompletionExtension = CompletionExtension()

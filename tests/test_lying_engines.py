@@ -1,0 +1,225 @@
+"""`wcache switch URL` and `wcache verify URL --greedy` against a stand-in server that lies: answers of the
+wrong shape, sizes or numbers, nested thousands deep, a megabyte of error message, or dripped a byte at a
+time. Each time: one sentence on stderr, a non-zero exit, no traceback, and nothing allocated from the
+server's word.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import cli_env, wcache_in_process
+from wcache.ipc.http.client import NoAnswerError, http_call
+from wcache.key.compute import compute_key
+from wcache.plan.spec import PlanSpec
+from wcache_dev.synth import write_checkpoint
+
+# A route's answer: (status, body bytes), or a callable that writes the whole reply itself.
+Answer = tuple[int, bytes] | Callable[[BaseHTTPRequestHandler], None]
+
+
+class StandIn(ThreadingHTTPServer):
+    daemon_threads = True
+    routes: dict[str, Answer]
+    requests: list[str]
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: StandIn
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        route = f"{self.command} {self.path.split('?', 1)[0]}"
+        self.server.requests.append(route)
+        answer = self.server.routes.get(route, (404, b'{"detail": "Not Found"}'))
+        if callable(answer):
+            answer(self)
+            return
+        status, data = answer
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _answer
+
+
+@pytest.fixture(scope="module")
+def stand_in() -> Iterator[StandIn]:
+    server = StandIn(("127.0.0.1", 0), Handler)
+    server.routes, server.requests = {}, []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.fixture
+def lying(stand_in: StandIn) -> StandIn:
+    stand_in.routes, stand_in.requests = {}, []
+    return stand_in
+
+
+def _url(server: StandIn) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def _one_sentence(result: Any, *words: str) -> str:
+    everything = result.stdout + result.stderr
+    assert result.returncode not in (0, 1) and "Traceback" not in everything, everything
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+def _endless(handler: BaseHTTPRequestHandler) -> None:
+    """200 with no length, then zeros until the client hangs up."""
+    handler.send_response(200)
+    handler.send_header("Connection", "close")
+    handler.end_headers()
+    chunk = b"0" * (1 << 20)
+    try:
+        while True:
+            handler.wfile.write(chunk)
+    except OSError:
+        pass
+
+
+SWITCHED = {"model": "/m", "key_id": "abc", "key": None}
+GOOD_SWITCH = {"object": "weights_switch", "previous": SWITCHED, "current": SWITCHED, "attach": {"daemon": "d"},
+               "switch_ms": 1.5}
+SWITCH_ANSWERS: dict[str, tuple[Answer, str]] = {
+    "no previous or current": ((200, b'{"object": "weights_switch"}'), "previous"),
+    "switch_ms a string": ((200, json.dumps({**GOOD_SWITCH, "switch_ms": "fast"}).encode()), "switch_ms"),
+    "switch_ms 1e400": ((200, json.dumps(GOOD_SWITCH).replace("1.5", "1e400").encode()), "without JSON"),
+    "key_id a number": ((200, json.dumps({**GOOD_SWITCH, "current": {"key_id": 7}}).encode()), "key_id"),
+    "deep JSON": ((200, b"[" * 200_000 + b"]" * 200_000), "without JSON"),
+    "not JSON": ((200, b"<html>"), "without JSON"),
+    "a list": ((200, b"[1, 2]"), "other than a JSON object"),
+    "a megabyte of error": ((500, json.dumps({"error": {"message": "no " * 350_000}}).encode()), "no no"),
+    "an announced gigabyte": ((200, b"{}"), "larger than"),  # Content-Length rewritten below
+    "an endless answer": (_endless, "larger than"),
+}
+
+
+@pytest.mark.parametrize("case", list(SWITCH_ANSWERS))
+def test_switch_against_a_lying_engine_is_one_sentence(lying: StandIn, case: str) -> None:
+    answer, words = SWITCH_ANSWERS[case]
+    if case == "an announced gigabyte":
+        def announced(handler: BaseHTTPRequestHandler) -> None:
+            handler.send_response(200)
+            handler.send_header("Content-Length", str(1 << 30))
+            handler.end_headers()
+            handler.wfile.write(b"{}")
+        answer = announced
+    lying.routes["POST /v1/weights"] = answer
+    result = wcache_in_process("switch", _url(lying), "--daemon", "cpu-0", env=cli_env())
+    line = _one_sentence(result, words)
+    assert len(line) < 500, line
+    assert lying.requests == ["POST /v1/weights"], lying.requests
+
+
+def test_a_good_switch_answer_is_printed(lying: StandIn) -> None:
+    """Guards the cases above: the answer they start from is read."""
+    lying.routes["POST /v1/weights"] = (200, json.dumps(GOOD_SWITCH).encode())
+    result = wcache_in_process("switch", _url(lying), "--daemon", "cpu-0", env=cli_env())
+    assert result.returncode == 0 and "SWITCHED" in result.stdout and "1.5 ms" in result.stdout, result
+
+
+def test_an_answer_dripped_a_byte_at_a_time_ends_at_the_time_cap(lying: StandIn) -> None:
+    stop = threading.Event()
+
+    def drip(handler: BaseHTTPRequestHandler) -> None:
+        handler.wfile.write(b"HTTP/1.1 200 OK\r\n")
+        while not stop.wait(0.3):  # a byte now and then, so no single read ever times out
+            try:
+                handler.wfile.write(b"X")
+                handler.wfile.flush()
+            except OSError:
+                return
+
+    lying.routes["GET /drip"] = drip
+    began = time.monotonic()
+    try:
+        with pytest.raises(NoAnswerError, match=r"within 1\.5 s"):
+            http_call(f"{_url(lying)}/drip", timeout=1.5)
+    finally:
+        stop.set()
+    assert time.monotonic() - began < 5
+
+
+# -- verify URL --greedy: the engine's claim and completions ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def claim(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    model = write_checkpoint("tiny", tmp_path_factory.mktemp("lying") / "tiny")
+    key = compute_key(model, PlanSpec()).key
+    return {"object": "weights", "model": str(model), "key": key.to_json(), "key_id": key.short_id,
+            "plan": PlanSpec().to_json(), "tp_size": 1, "device": "cpu",
+            "engine_config": {"block_size": 16, "num_blocks": 64}, "attach": None}
+
+
+def _completion(claim: dict[str, Any], **changes: Any) -> bytes:
+    answer = {"choices": [{"index": 0, "text": "", "token_ids": [1, 2]}],
+              "wcache": {"hit_tokens": 0, "weights_key": claim["key_id"]}}
+    answer.update(changes)
+    return json.dumps(answer).encode()
+
+
+CONFIG_LIES = {"block_size 0": {"block_size": 0}, "block_size -16": {"block_size": -16},
+               "num_blocks 10**12": {"num_blocks": 10**12}, "num_blocks a string": {"num_blocks": "many"}}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_LIES))
+def test_verify_allocates_nothing_from_a_lying_cache_config(lying: StandIn, claim: dict[str, Any], case: str,
+                                                            tmp_path: Path) -> None:
+    document = {**claim, "engine_config": {**claim["engine_config"], **CONFIG_LIES[case]}}
+    lying.routes["GET /v1/weights"] = (200, json.dumps(document).encode())
+    result = wcache_in_process("verify", _url(lying), "--greedy", "--num-prompts", "1",
+                               env=cli_env(tmp_path / "cache"))
+    _one_sentence(result, "does not read", next(iter(CONFIG_LIES[case])))
+    assert not [r for r in lying.requests if r.startswith("POST")], lying.requests
+
+
+COMPLETION_LIES: dict[str, tuple[Callable[[dict[str, Any]], bytes], str]] = {
+    "choices missing": (lambda c: json.dumps({"wcache": {"weights_key": c["key_id"]}}).encode(), "choices"),
+    "choices empty": (lambda c: _completion(c, choices=[]), "choices"),
+    "hit_tokens abc": (lambda c: _completion(c, wcache={"hit_tokens": "abc", "weights_key": c["key_id"]}),
+                       "hit_tokens"),
+    "hit_tokens 1e400": (lambda c: _completion(c).replace(b'"hit_tokens": 0', b'"hit_tokens": 1e400'),
+                         "without JSON"),
+    "token ids negative": (lambda c: _completion(c, choices=[{"token_ids": [-1]}]), "token_ids"),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPLETION_LIES))
+def test_verify_against_lying_completions_is_one_sentence(lying: StandIn, claim: dict[str, Any], case: str,
+                                                          tmp_path: Path) -> None:
+    make, words = COMPLETION_LIES[case]
+    lying.routes["GET /v1/weights"] = (200, json.dumps(claim).encode())
+    lying.routes["POST /v1/completions"] = (200, make(claim))
+    result = wcache_in_process("verify", _url(lying), "--greedy", "--num-prompts", "1",
+                               env=cli_env(tmp_path / "cache"))
+    _one_sentence(result, words)
