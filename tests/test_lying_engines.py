@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_fixtures import daemon_rig
 from helpers import cli_env, wcache_in_process
 from wcache.ipc.http.client import NoAnswerError, http_call
 from wcache.key.compute import compute_key
@@ -223,3 +224,27 @@ def test_verify_against_lying_completions_is_one_sentence(lying: StandIn, claim:
     result = wcache_in_process("verify", _url(lying), "--greedy", "--num-prompts", "1",
                                env=cli_env(tmp_path / "cache"))
     _one_sentence(result, words)
+
+
+# -- a served vLLM whose /pause fails -----------------------------------------------------------------------
+
+
+def test_a_vllm_pause_answered_with_500_is_still_followed_by_resume(lying: StandIn) -> None:
+    """The pause may have taken effect before the server failed: a switch that stops there must resume it."""
+    with daemon_rig() as rig:
+        model = write_checkpoint("tiny", rig.base / "tiny")
+        rig.publish_stand_in()  # a live daemon of the engine's device and TP size, so the switch gets to /pause
+        config = {"model_config": {"model": str(model), "dtype": "torch.float32", "max_model_len": 128},
+                  "load_config": {"load_format": "wcache", "model_loader_extra_config": {"run_dir": str(rig.run_dir)}},
+                  "parallel_config": {"tensor_parallel_size": 1}, "device_config": {"device": "cpu"}}
+        lying.routes.update({
+            "GET /version": (200, b'{"version": "0.32.0"}'),
+            "GET /server_info": (200, json.dumps({"vllm_config": config}).encode()),
+            "GET /v1/models": (200, b'{"data": [{"id": "tiny"}]}'),
+            "GET /weight_info": (200, b'{"weight_version": null}'),
+            "POST /pause": (500, b'{"error": "the engine core died while pausing"}'),
+            "POST /resume": (200, b"{}"),
+        })
+        result = wcache_in_process("switch", _url(lying), str(model), env={**cli_env(), **rig.env})
+        _one_sentence(result, "died while pausing")
+        assert lying.requests[-2:] == ["POST /pause", "POST /resume"], lying.requests
