@@ -1,6 +1,7 @@
 """Corruption reaches the engines: a served reference engine whose daemon's background re-check finds a bit
 flipped in the arena it maps hears so over its lease at once, turns not-ready, says which tensor in
-`/v1/weights`, `/metrics` and `top`, and answers completions with an error until it switches to good weights.
+`/v1/weights`, `/metrics`, its announcement in the run dir and `top`, and answers completions with an error
+until it switches to good weights.
 
 The flip is planted with WCACHE_FAULT_FLIP (after the digests, before the seal: the sealed arena cannot be
 written afterwards). The engine starts on good weights and switches to the flipped daemon's as soon as that
@@ -56,6 +57,11 @@ def _weights(server: Server) -> dict[str, Any] | None:
     return body if code == 200 and isinstance(body, dict) else None
 
 
+def _announced(rig: DaemonRig, pid: int) -> Any:
+    """The engine's announcement in the run dir, as `top` and `status` read it."""
+    return json.loads((rig.run_dir / "engines" / f"{pid}.json").read_text())
+
+
 def _complete(server: Server) -> tuple[int, Any]:
     return post(server.url, json.dumps({"prompt": PROMPT, "max_tokens": 4}).encode())
 
@@ -82,6 +88,7 @@ def test_a_corrupt_daemon_stops_its_engine_until_it_switches(flipped: Flipped) -
     said = wait_for(lambda: rig.events("engine_weights_corrupt"), timeout=5, what="the engine's event")[0]
     assert (said["pid"], said["tensor"]) == (engine_pid, FLIPPED)
     assert not rig.events("daemon_lost")
+    assert [t["tensor"] for t in _announced(rig, engine_pid)["attach"]["corrupt"]] == [FLIPPED]
     top = rig.cli("top", "--json", "--once", "--run-dir", str(rig.run_dir), "--interval", "0.3", as_json=True)
     (row,) = [e for e in top["engines"] if e["url"] == server.url]
     assert row["weights"] == "corrupt"
@@ -98,3 +105,4 @@ def test_a_corrupt_daemon_stops_its_engine_until_it_switches(flipped: Flipped) -
     code, answer = _complete(server)
     assert code == 200 and answer["wcache"]["weights_key"] == switched["current"]["key_id"]
     assert metrics(server.url)["wcache:weights_corrupt_tensors"] == 0
+    assert "corrupt" not in _announced(rig, engine_pid)["attach"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from wcache.errors import UnavailableError
@@ -25,11 +26,21 @@ class CorruptFound:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._found: tuple[CorruptTensor, ...] = ()
+        self._listeners: list[Callable[[], object]] = []
 
     def add(self, tensor: str, reason: str) -> None:
         with self._lock:
-            if all(t.tensor != tensor for t in self._found):
-                self._found = (*self._found, CorruptTensor(tensor=tensor, reason=reason))
+            if any(t.tensor == tensor for t in self._found):
+                return
+            self._found = (*self._found, CorruptTensor(tensor=tensor, reason=reason))
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+
+    def listen(self, listener: Callable[[], object]) -> None:
+        """Call `listener` (on the lease's watcher thread) each time a tensor is added."""
+        with self._lock:
+            self._listeners.append(listener)
 
     @property
     def tensors(self) -> tuple[CorruptTensor, ...]:

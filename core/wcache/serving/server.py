@@ -337,6 +337,24 @@ def stats_line(before: dict[str, int], after: dict[str, int], seconds: float, ru
             f"Prefix cache hit rate: {hit_rate:.1f}%, KV cache usage: {usage:.1f}%")
 
 
+def announce_engine(run_dir: Path, url: str, served: ServedEngine) -> Path:
+    """Announce the engine in the run dir (again after a switch), and again when the daemon behind the weights it
+    serves reports them changed in memory, so what reads the run dir sees `attach.corrupt`."""
+    path = write_engine_descriptor(run_dir, url, served)
+    report = served.engine.attach_report
+    if report is not None:
+        def again() -> None:
+            if not path.exists():
+                return  # the engine stopped (or moved on): nothing to announce
+            try:
+                write_engine_descriptor(run_dir, url, served)
+            except OSError as exc:
+                log.warning("Could not announce this engine's corrupt weights in %s (%s).", run_dir, exc)
+
+        report.corrupt.listen(again)
+    return path
+
+
 def write_engine_descriptor(run_dir: Path, url: str, served: ServedEngine) -> Path:
     """Announce the engine in the run dir so `wcache top` can find and scrape it (again after a switch)."""
     report = served.engine.attach_report
