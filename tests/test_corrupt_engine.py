@@ -11,6 +11,8 @@ daemon is ready, well before its first re-check an interval later.
 from __future__ import annotations
 
 import json
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -106,3 +108,30 @@ def test_a_corrupt_daemon_stops_its_engine_until_it_switches(flipped: Flipped) -
     assert code == 200 and answer["wcache"]["weights_key"] == switched["current"]["key_id"]
     assert metrics(server.url)["wcache:weights_corrupt_tensors"] == 0
     assert "corrupt" not in _announced(rig, engine_pid)["attach"]
+
+
+def test_the_lease_watcher_records_notices_and_takes_anything_else_for_the_end(tmp_path: Path) -> None:
+    """In-process, over a socket pair: a notice marks the weights corrupt and keeps the lease; a frame no daemon
+    sends ends it as a lost daemon with unexpected data, as before notices existed."""
+    from wcache.attach.lease import _watch_lease
+    from wcache.attach.report import AttachReport
+    from wcache.ipc.wire.framing import NOTICE_LIMITS
+    from wcache.ipc.wire.messages import CorruptNotice, encode
+
+    engine_end, daemon_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    report = AttachReport(outcome="hit", mode="zero_copy", device="cpu", key_id="k", daemon="d")
+    watcher = threading.Thread(target=_watch_lease, args=(engine_end, threading.Event(), report, tmp_path))
+    watcher.start()
+    try:
+        daemon_end.sendall(encode(CorruptNotice(tensor=FLIPPED, reason="it changed"), NOTICE_LIMITS))
+        wait_for(lambda: report.corrupt, timeout=5, what="the notice")
+        assert not report.daemon_lost and report.corrupt_sentence() is not None
+        daemon_end.sendall(b"\x00\x07garbage")
+        watcher.join(timeout=5)
+        assert not watcher.is_alive() and report.daemon_lost
+    finally:
+        engine_end.close()
+        daemon_end.close()
+    lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e.get("tensor"), e.get("unexpected_data")) for e in lines] == [
+        ("engine_weights_corrupt", FLIPPED, None), ("daemon_lost", None, True)]
