@@ -90,6 +90,8 @@ def test_a_corrupt_daemon_stops_its_engine_until_it_switches(flipped: Flipped) -
     said = wait_for(lambda: rig.events("engine_weights_corrupt"), timeout=5, what="the engine's event")[0]
     assert (said["pid"], said["tensor"]) == (engine_pid, FLIPPED)
     assert not rig.events("daemon_lost")
+    said_so = [line for line in server.stderr.read_text().splitlines() if "changed in memory" in line]
+    assert len(said_so) == 1 and FLIPPED in said_so[0], said_so
     assert [t["tensor"] for t in _announced(rig, engine_pid)["attach"]["corrupt"]] == [FLIPPED]
     top = rig.cli("top", "--json", "--once", "--run-dir", str(rig.run_dir), "--interval", "0.3", as_json=True)
     (row,) = [e for e in top["engines"] if e["url"] == server.url]
