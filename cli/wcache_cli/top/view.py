@@ -30,7 +30,8 @@ SPARK = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 20
 SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": ""}
 SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
-WEIGHTS_STYLE = {"hit": "green", "miss": "bold red", "fallback": "bold yellow", "disk": "yellow"}
+WEIGHTS_STYLE = {"hit": "green", "miss": "bold red", "fallback": "bold yellow", "disk": "yellow",
+                 "corrupt": "bold white on red"}
 FEED_LIMIT = 20  # events that --once prints
 DIFF_NAMES = 8  # tensor names listed per kind of change
 

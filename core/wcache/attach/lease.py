@@ -1,8 +1,11 @@
-"""An attach's weights, and the lease that keeps zero-copy tensors backed: a watcher notices the daemon leave."""
+"""An attach's weights, and the lease that keeps zero-copy tensors backed: a watcher notices the daemon leave, and
+hears when the daemon finds those weights changed in memory."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import socket
 import threading
 from collections.abc import Collection
@@ -11,9 +14,13 @@ from typing import TYPE_CHECKING
 
 from wcache.attach.report import AttachReport
 from wcache.ipc.wire.client import DaemonConnection
+from wcache.ipc.wire.framing import NOTICE_LIMITS, PeerClosedError, ProtocolError, receive
+from wcache.ipc.wire.messages import CorruptNotice, read_reply
 from wcache.key.cache_key import KeyFile
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
+
+log = logging.getLogger("wcache.attach")
 
 if TYPE_CHECKING:
     import torch
@@ -74,14 +81,40 @@ class AttachedWeights:
 
 
 def _watch_lease(sock: socket.socket, closing: threading.Event, report: AttachReport, run_dir: Path) -> None:
-    try:
-        sock.settimeout(None)
-        data = sock.recv(1)
-    except OSError:
-        data = b""  # closed under us, by close() or by the daemon going away
+    """Until the lease ends: record each tensor the daemon reports changed in memory (the one frame it sends
+    unasked); anything else that wakes this thread means the connection is gone."""
+    unexpected = False
+    while True:
+        try:
+            sock.settimeout(None)
+            frame = receive(sock, NOTICE_LIMITS)
+        except (OSError, ProtocolError) as exc:
+            # Closed under us, by close() or by the daemon going away; or a frame no daemon of ours sends.
+            unexpected = isinstance(exc, ProtocolError) and not isinstance(exc, PeerClosedError)
+            break
+        try:
+            notice = read_reply(frame)
+        except ProtocolError:
+            unexpected = True
+            break
+        finally:
+            for fd in frame.fds:
+                os.close(fd)
+        if not isinstance(notice, CorruptNotice):
+            unexpected = True
+            break
+        _weights_corrupt(notice, report, run_dir)
     if closing.is_set():
         return
-    # The daemon never speaks unprompted: any wake-up here means the connection is gone.
     report.lost.set()
     append_event(run_dir, ev.DaemonLost(daemon=report.daemon, key_id=report.key_id, device=report.device,
-                                        tensors_valid=report.device == "cpu", unexpected_data=bool(data)))
+                                        tensors_valid=report.device == "cpu", unexpected_data=unexpected))
+
+
+def _weights_corrupt(notice: CorruptNotice, report: AttachReport, run_dir: Path) -> None:
+    """The daemon found a tensor this process maps changed in memory: say so once, where operators look."""
+    report.corrupt.add(notice.tensor, notice.reason)
+    log.error("wcache: the daemon %s found the weights this engine maps changed in memory: %s; this engine must "
+              "not serve them until it switches or restarts on good weights.", report.daemon, notice.reason)
+    append_event(run_dir, ev.EngineWeightsCorrupt(daemon=report.daemon, key_id=report.daemon_key_id,
+                                                  tensor=notice.tensor, reason=notice.reason))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from wcache.errors import UnavailableError
-from wcache.ipc.attach_summary import AttachSummary
+from wcache.ipc.attach_summary import AttachSummary, CorruptTensor
 from wcache.key.diff import KeyDiff, diff_summary
 
 
@@ -18,11 +19,43 @@ class AttachMissError(UnavailableError):
         self.report = report
 
 
+class CorruptFound:
+    """What the daemon behind a zero-copy lease reported changed in memory after the attach, one tensor at a time
+    (the lease's watcher adds them; requests read them). Only ever grows: those tensors stay as they are."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._found: tuple[CorruptTensor, ...] = ()
+        self._listeners: list[Callable[[], object]] = []
+
+    def add(self, tensor: str, reason: str) -> None:
+        with self._lock:
+            if any(t.tensor == tensor for t in self._found):
+                return
+            self._found = (*self._found, CorruptTensor(tensor=tensor, reason=reason))
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+
+    def listen(self, listener: Callable[[], object]) -> None:
+        """Call `listener` (on the lease's watcher thread) each time a tensor is added."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    @property
+    def tensors(self) -> tuple[CorruptTensor, ...]:
+        return self._found  # replaced whole, never changed in place: reading needs no lock
+
+    def __bool__(self) -> bool:
+        return bool(self._found)
+
+
 @dataclass(frozen=True, slots=True)
 class AttachReport:
     """What happened: hit, miss or fallback, why, against which daemon, and how long each step took.
 
-    Built once, when the attach is over; only `daemon_lost` changes after (the lease's watcher sets `lost`).
+    Built once, when the attach is over; only `daemon_lost` and `corrupt` change after (the lease's watcher sets
+    `lost` and adds what the daemon reports changed in memory).
     """
 
     outcome: str
@@ -38,6 +71,7 @@ class AttachReport:
     bytes_mapped: int = 0
     num_tensors: int = 0
     lost: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+    corrupt: CorruptFound = field(default_factory=CorruptFound, compare=False, repr=False)
 
     @property
     def daemon_lost(self) -> bool:
@@ -50,4 +84,13 @@ class AttachReport:
             outcome=self.outcome, mode=self.mode, device=self.device, key_id=self.key_id, daemon=self.daemon,
             daemon_key_id=self.daemon_key_id, reason=self.reason, mismatched=tuple(self.mismatched),
             diff=diff_summary(self.diff) if self.diff else None, timings_ms=self.timings_ms,
-            bytes_mapped=self.bytes_mapped, num_tensors=self.num_tensors, daemon_lost=self.daemon_lost)
+            bytes_mapped=self.bytes_mapped, num_tensors=self.num_tensors, daemon_lost=self.daemon_lost,
+            corrupt=self.corrupt.tensors)
+
+    def corrupt_sentence(self) -> str | None:
+        """Why the weights must not serve, naming every changed tensor; None while the daemon reported none."""
+        found = self.corrupt.tensors
+        if not found:
+            return None
+        return (f"the daemon {self.daemon} found the weights this engine maps changed in memory: "
+                f"{'; '.join(t.reason for t in found)}")

@@ -6,7 +6,8 @@ that hashing takes at most SHARE of one core while a pass runs; passes start `in
 interval after the daemon is ready (`--scrub-interval`, 0 turns them off). The arena is sealed, so nothing in user
 space can change it: a difference is a memory error (or a kernel bug), and the daemon reports it as one (an event,
 a metric, a `top` banner, a failed readiness probe) naming the tensor and where it lies, refuses new attaches, and
-tells every engine that asks (stats and hello replies carry it; the event lists the pids holding leases). The bytes
+tells every engine holding a lease at once (`server.DaemonServer`: a `CorruptNotice` on each lease; stats and hello
+replies carry it too; the event lists the pids holding leases). The bytes
 hashed are the arena's own, through `arena_digest`, the function the daemon's other checks of its arena use.
 """
 

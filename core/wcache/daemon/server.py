@@ -25,6 +25,7 @@ from wcache.ipc.arenas.daemon_side import ArenaClosedError, ArenaEntry, CpuArena
 from wcache.ipc.run_dir.directory import DaemonDescriptor, remove_daemon_files
 from wcache.ipc.wire import counters as counter_names
 from wcache.ipc.wire.framing import (
+    NOTICE_LIMITS,
     REPLY_LIMITS,
     REQUEST_LIMITS,
     Frame,
@@ -38,6 +39,7 @@ from wcache.ipc.wire.messages import (
     ArenaReport,
     BadRequestError,
     CheckArena,
+    CorruptNotice,
     CudaHandle,
     DaemonSummary,
     ErrorReply,
@@ -80,9 +82,12 @@ class _Client:
     """Per-connection state: whether it said hello with our key, and whether it holds a lease."""
 
     ident: int
+    conn: socket.socket | None = None
     pid: int | None = None
     matched: bool = False
     mode: str | None = None
+    # Replies and the notice a lease holder may get unasked (CorruptNotice) never interleave on the connection.
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def attaching(self) -> bool:
@@ -114,6 +119,7 @@ class DaemonState:
     counters: Counter[str] = field(default_factory=Counter)
     stop: threading.Event = field(default_factory=threading.Event)
     lease_pids: dict[int, int | None] = field(default_factory=dict)  # lease holder → its engine's pid
+    lease_clients: dict[int, _Client] = field(default_factory=dict)  # lease holder → its connection
     corrupt: list[str] = field(default_factory=list)  # what the scrubber found, one sentence per tensor
 
 
@@ -233,7 +239,7 @@ class DaemonServer:
     # -- one client ----------------------------------------------------------------------------------
 
     def _serve_client(self, conn: socket.socket, ident: int) -> None:
-        client = _Client(ident)
+        client = _Client(ident, conn)
         try:
             with conn:
                 conn.settimeout(CLIENT_TIMEOUT_S)
@@ -254,7 +260,8 @@ class DaemonServer:
                     reply, fds = self._dispatch(client, frame)
                     self._settle(client)
                     try:
-                        send_encoded(conn, self._encode_reply(reply), fds)
+                        with client.send_lock:
+                            send_encoded(conn, self._encode_reply(reply), fds)
                     finally:
                         # The reply owns its descriptors (duplicates); the kernel copied them into the message.
                         _close_fds(fds)
@@ -318,12 +325,36 @@ class DaemonServer:
             daemon=self.descriptor.name, key_id=self.descriptor.key_id, tensor=found.tensor,
             arena_offset=found.arena_offset, block=list(found.block) if found.block else None, byte=found.byte,
             reason=found.sentence(), lease_pids=holders))
+        self._tell_lease_holders(found)
+
+    def _tell_lease_holders(self, found: Corruption) -> None:
+        """Each engine holding a lease hears which tensor changed, at once: it maps these very pages.
+
+        Never blocks the scrubber: a frame this small fits an idle lease's socket buffer; a holder whose buffer is
+        full is not reading its lease, and one that took part of the frame has a broken stream, so its lease ends.
+        """
+        frame = encode(CorruptNotice(tensor=found.tensor, reason=found.sentence()), NOTICE_LIMITS)
+        with self.shared.lock:
+            holders = list(self.shared.lease_clients.values())
+        for client in holders:
+            with client.send_lock:
+                try:
+                    sent = client.conn.send(frame, socket.MSG_DONTWAIT) if client.conn is not None else 0
+                except OSError as exc:
+                    log.warning("Could not tell engine pid %s that its weights changed (%s).", client.pid, exc)
+                    continue
+                if sent < len(frame) and client.conn is not None:
+                    log.warning("Engine pid %s took %d of the %d bytes telling it its weights changed; ending its "
+                                "lease.", client.pid, sent, len(frame))
+                    with contextlib.suppress(OSError):
+                        client.conn.shutdown(socket.SHUT_RDWR)
 
     def _end_lease(self, client: _Client) -> None:
         with self.shared.lock:
             had = client.ident in self.shared.leases
             self.shared.leases.discard(client.ident)
             self.shared.lease_pids.pop(client.ident, None)
+            self.shared.lease_clients.pop(client.ident, None)
         if had:
             log.info("Engine pid %s detached (zero_copy).", client.pid)
             append_event(self.run_dir, ev.Release(daemon=self.descriptor.name, key_id=self.descriptor.key_id,
@@ -398,10 +429,12 @@ class DaemonServer:
         fds: tuple[int, ...] = ()
         with self.shared.lock:
             ready = self.shared.state == "ready"
-            if ready:
+            corrupt = tuple(self.shared.corrupt)
+            if ready and not corrupt:
                 if lease_rules.takes_lease(mode):
                     self.shared.leases.add(client.ident)
                     self.shared.lease_pids[client.ident] = client.pid
+                    self.shared.lease_clients[client.ident] = client
                 self.shared.counters["attaches"] += 1
                 self.shared.counters[counter_names.attaches(mode)] += 1
                 self.shared.counters["bytes_served"] += arena.total_bytes
@@ -410,6 +443,9 @@ class DaemonServer:
                     fds = (os.dup(arena.fd),)
         if not ready:
             return ErrorReply(self._released_message()), ()
+        if corrupt:  # found between this client's hello and its map: the hello's answer no longer holds
+            return ErrorReply(f"the daemon {self.descriptor.name} found its weights changed in memory "
+                              f"({'; '.join(corrupt)}) and refuses new attaches"), ()
         log.info("Engine pid %s attached (%s).", client.pid, mode)
         client.mode = mode
         if isinstance(arena, CpuArena):

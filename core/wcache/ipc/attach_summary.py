@@ -7,11 +7,20 @@ from wcache.key.diff import DiffSummary
 from wcache.schema import Schema
 
 
+class CorruptTensor(Schema, frozen=True):
+    """A tensor of the attached weights that their daemon's background re-check found changed in memory."""
+
+    tensor: str
+    reason: str  # the daemon's sentence: where it lies and which bytes changed
+
+
 class AttachSummary(Schema, frozen=True):
     """How an attach went (`wcache.attach.AttachReport.summary()`): hit, miss or fallback, against which daemon,
     why, and how long each step took.
 
-    Every field is required, so every one is written: a reader sees `reason: null`, not a missing key.
+    Every field but `corrupt` is required, so every one is written: a reader sees `reason: null`, not a missing
+    key. `corrupt` is written only once the daemon reported a tensor changed, so what a sound engine announces
+    reads in earlier versions.
     """
 
     outcome: str  # "hit", "miss" or "fallback"
@@ -27,3 +36,4 @@ class AttachSummary(Schema, frozen=True):
     bytes_mapped: int
     num_tensors: int
     daemon_lost: bool
+    corrupt: tuple[CorruptTensor, ...] = ()

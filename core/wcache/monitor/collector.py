@@ -111,6 +111,8 @@ _TEMPLATES: dict[str, tuple[str, str, dict[str, str]]] = {
     ev.AttachMiss.KIND: ("warning", "miss on {device}: {reason}", {"reason": "no reason recorded"}),
     ev.Fallback.KIND: ("warning", "fell back to disk for {source}: {reason}", {"reason": ""}),
     ev.DaemonLost.KIND: ("error", "engine lost daemon {daemon}", {}),
+    ev.EngineWeightsCorrupt.KIND: ("error", "engine {pid} refuses to serve weights daemon {daemon} found changed: "
+                                            "{reason}", {"reason": "weights changed in memory"}),
     ev.PreloadFailed.KIND: ("error", "preload of {source} failed: {reason}", {"reason": ""}),
     ev.EngineSwitch.KIND: ("info", "engine {engine_pid} switched {previous_key_id} → {key_id} ({source})", {}),
     ev.SwitchRefused.KIND: ("warning", "engine {engine_pid} refused a switch to {source}: {reason}", {"reason": ""}),
@@ -361,6 +363,8 @@ class Collector:
             weights: str | None = attach.outcome if attach is not None else "disk"
         else:
             weights = label_value(samples, "wcache:engine_weights_info", "outcome")
+        if total(samples, "wcache:weights_corrupt_tensors"):  # its daemon found them changed: it refuses to serve
+            weights = "corrupt"
         is_wcache = target.announced is not None or "wcache:replayed_tokens_total" in samples
         key_id = ((announced.key_id if announced is not None else None)
                   or label_value(samples, "wcache:engine_weights_info", "key_id") or None)

@@ -171,6 +171,16 @@ class DaemonLost(Event, frozen=True, tag="daemon_lost"):
     unexpected_data: bool | None = None
 
 
+class EngineWeightsCorrupt(Event, frozen=True, tag="engine_weights_corrupt"):
+    """An engine holding a lease heard from its daemon that a tensor it maps changed in memory (`pid` is the
+    engine's); it refuses to serve them until it switches or restarts."""
+
+    daemon: str | None = None
+    key_id: str | None = None
+    tensor: str | None = None
+    reason: str | None = None
+
+
 class Placement(Event, frozen=True, tag="placement"):
     """How a vLLM rank's parameters took the arena's tensors; detail for `verify`, not news."""
 
@@ -217,7 +227,7 @@ class EngineCounters(Event, frozen=True, tag="engine_counters"):
 
 EVENT_TYPES: tuple[type[Event], ...] = (
     Preload, PreloadFailed, Ready, Provenance, DaemonExited, GroupStopped, Stop, Release, ScrubFailed, AttachHit,
-    AttachMiss, Fallback, DaemonLost, Placement, EngineSwitch, SwitchRefused, EngineCounters,
+    AttachMiss, Fallback, DaemonLost, EngineWeightsCorrupt, Placement, EngineSwitch, SwitchRefused, EngineCounters,
 )
 for _kind in EVENT_TYPES:
     _kind.KIND = str(_kind.__struct_config__.tag)
@@ -226,5 +236,5 @@ KINDS: frozenset[str] = frozenset(k.KIND for k in EVENT_TYPES)
 FEED_KINDS: frozenset[str] = frozenset(k.KIND for k in EVENT_TYPES if k.FEED)
 
 AnyEvent = (Preload | PreloadFailed | Ready | Provenance | DaemonExited | GroupStopped | Stop | Release | ScrubFailed
-            | AttachHit | AttachMiss | Fallback | DaemonLost | Placement | EngineSwitch | SwitchRefused
-            | EngineCounters)
+            | AttachHit | AttachMiss | Fallback | DaemonLost | EngineWeightsCorrupt | Placement | EngineSwitch
+            | SwitchRefused | EngineCounters)

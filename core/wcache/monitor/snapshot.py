@@ -8,7 +8,8 @@ Schema (`Snapshot.to_json()`), version `wcache.top/1`:
              loaded_fraction (0..1 while loading, else null), provenance (its files against what the Hub
              published, at load: matches | differs | unknown, null while loading or for a daemon that did not say)
   engines[]: id, url, kind ("wcache" | "vllm"), model, up, weights (attach outcome: hit | miss | fallback |
-             disk | null), mode, daemon, attach_ms, prefix_queries_total, prefix_hits_total,
+             disk | null; corrupt once its daemon found the weights it serves changed in memory), mode, daemon,
+             attach_ms, prefix_queries_total, prefix_hits_total,
              hit_rate_interval, hit_rate_overall, adopted_hits_total, replayed_tokens_total,
              prefill_saved_total, swa_cached_bytes, hit_rate_history[] — any of these is null ("off") when
              the engine does not export the series; key_id (of the weights it serves now) and

@@ -36,8 +36,8 @@ from wcache.serving.server import (
     MAX_TOKENS_LIMIT,
     CounterEvents,
     ServedEngine,
+    announce_engine,
     make_server,
-    write_engine_descriptor,
 )
 
 # Every request starts with the header [opcode, prompt length, max new tokens].
@@ -151,14 +151,14 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
         driver = Driver(engine, tp) if tp.size > 1 else None
         _stats_lines_to_stderr()
         served = ServedEngine(engine, model.name, driver.generate if driver is not None else engine.generate,
-                              lambda switched: write_engine_descriptor(run_dir, url, switched))
+                              lambda switched: announce_engine(run_dir, url, switched))
         server = make_server(served, host, port, (option("host"), option("port")), control_token=token)
         url = http_url(host, server.server_address[1])
         ensure_run_dir(run_dir)
         # The token before the announcement: a client that finds the engine finds its token too.
         assert token is not None
         token_file = write_engine_token(run_dir, os.getpid(), token)
-        descriptor = write_engine_descriptor(run_dir, url, served)
+        descriptor = announce_engine(run_dir, url, served)
         counters = CounterEvents(served, run_dir, url)
         counters.start()
         stop = threading.Event()

@@ -115,9 +115,26 @@ class _EngineCollector(Collector):
         yield info
         yield gauge("wcache:daemon_lost", "1 after the daemon backing zero-copy weights went away.",
                     1.0 if report is not None and report.daemon_lost else 0.0)
+        yield gauge("wcache:weights_corrupt_tensors",
+                    "Tensors of the weights served now that their daemon found changed in memory (0: none).",
+                    len(report.corrupt.tensors) if report is not None else 0.0)
+
+
+def corrupt_weights(engine: Engine) -> str | None:
+    """Why the engine must not answer from the weights it holds now, or None (`/health`, completions)."""
+    report = engine.attach_report
+    return report.corrupt_sentence() if report is not None else None
+
+
+def _refused_while_corrupt(engine: Engine) -> None:
+    """Completions stop while the weights are known corrupt: an error, never tokens from changed bytes."""
+    if (why := corrupt_weights(engine)) is not None:
+        raise HTTPRequestError(f"{why}; this engine answers no completion until it switches (POST /v1/weights) or "
+                               "restarts on good weights", 503)
 
 
 def _completion(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
+    _refused_while_corrupt(served.engine)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -175,7 +192,8 @@ def weights_document(engine: Engine) -> dict[str, Any]:
 
     report = engine.attach_report
     plan = engine.attach_plan
-    return {"object": "weights", **weights_json(engine.served), "plan": plan.to_json() if plan is not None else None,
+    return {"object": "weights", **weights_json(engine.served), "corrupt": corrupt_weights(engine),
+            "plan": plan.to_json() if plan is not None else None,
             "tp_size": engine.tp.size, "device": engine.device, "engine_config": asdict(engine.config),
             "attach": report.summary().to_wire() if report else None}
 
@@ -235,9 +253,11 @@ def make_server(served: ServedEngine, host: str, port: int, flags: tuple[str, st
             if path == "/health":
                 report = served.engine.attach_report
                 lost = report is not None and report.daemon_lost
+                corrupt = corrupt_weights(served.engine)
                 # CPU weights outlive their daemon (memfd); CUDA weights die with it.
-                ok = not (lost and report.device != "cpu")
-                self.send_json(200 if ok else 503, {"status": "ok" if ok else "weights lost", "daemon_lost": lost})
+                ok = not (lost and report.device != "cpu") and corrupt is None
+                status = "ok" if ok else "weights corrupt" if corrupt is not None else "weights lost"
+                self.send_json(200 if ok else 503, {"status": status, "daemon_lost": lost, "corrupt": corrupt})
             elif path == "/metrics":
                 self.send_metrics(registry)
             elif path == "/v1/weights":
@@ -326,6 +346,24 @@ def stats_line(before: dict[str, int], after: dict[str, int], seconds: float, ru
             f"Avg generation throughput: {grew('generation_tokens') * per_s:.1f} tokens/s, "
             f"Running: {int(running)} reqs, Started: {grew('requests')} reqs, "
             f"Prefix cache hit rate: {hit_rate:.1f}%, KV cache usage: {usage:.1f}%")
+
+
+def announce_engine(run_dir: Path, url: str, served: ServedEngine) -> Path:
+    """Announce the engine in the run dir (again after a switch), and again when the daemon behind the weights it
+    serves reports them changed in memory, so what reads the run dir sees `attach.corrupt`."""
+    path = write_engine_descriptor(run_dir, url, served)
+    report = served.engine.attach_report
+    if report is not None:
+        def again() -> None:
+            if not path.exists():
+                return  # the engine stopped (or moved on): nothing to announce
+            try:
+                write_engine_descriptor(run_dir, url, served)
+            except OSError as exc:
+                log.warning("Could not announce this engine's corrupt weights in %s (%s).", run_dir, exc)
+
+        report.corrupt.listen(again)
+    return path
 
 
 def write_engine_descriptor(run_dir: Path, url: str, served: ServedEngine) -> Path:

@@ -42,6 +42,8 @@ REQUEST_LIMITS = Limits(frame_bytes=8 * 1024, deadline_s=5.0)
 # MoE checkpoints with per-expert weights and scales come near that) make a manifest of ~19 MB, past what 16 MiB
 # held. Replies come from a daemon of our own uid, trusted with our weights anyway; these bound a broken one.
 REPLY_LIMITS = Limits(frame_bytes=64 * 1024 * 1024, deadline_s=30.0)
+# What a daemon sends a lease holder unasked (a tensor name and one sentence); an engine reads nothing larger there.
+NOTICE_LIMITS = Limits(frame_bytes=16 * 1024, deadline_s=5.0)
 
 
 class ProtocolError(Exception):

@@ -181,6 +181,14 @@ class ShutdownReply(Message, frozen=True, tag="shutdown"):
     leases: int
 
 
+class CorruptNotice(Message, frozen=True, tag="corrupt"):
+    """The one frame a daemon sends unasked, on a zero-copy lease: its background re-check found `tensor` changed
+    in memory (`reason` says where). An engine reads it as it reads a reply (`read_reply`)."""
+
+    tensor: str
+    reason: str
+
+
 # -- requests -----------------------------------------------------------------------------------------
 
 R = TypeVar("R", bound=Message)
@@ -257,7 +265,8 @@ class Shutdown(Request[ShutdownReply], frozen=True, tag="shutdown"):
 
 REQUEST_TYPES: tuple[type[Request[Any]], ...] = (Hello, Manifest, MapRequest, Release, CheckArena, Stats, Shutdown)
 REPLY_TYPES: tuple[type[Message], ...] = (
-    ErrorReply, HelloReply, ManifestReply, MapReply, ReleaseReply, ArenaReport, StatsReply, ShutdownReply)
+    ErrorReply, HelloReply, ManifestReply, MapReply, ReleaseReply, ArenaReport, StatsReply, ShutdownReply,
+    CorruptNotice)
 for _kind in (*REQUEST_TYPES, *REPLY_TYPES):
     _kind.TYPE = cast(str, _kind.__struct_config__.tag)
 REQUESTS: dict[str, type[Request[Any]]] = {cls.TYPE: cls for cls in REQUEST_TYPES}
@@ -268,7 +277,8 @@ _ENCODER = msgspec.msgpack.Encoder()
 _REQUEST_DECODER: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(
     Hello | Manifest | MapRequest | Release | CheckArena | Stats | Shutdown)
 _REPLY_DECODER: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(
-    ErrorReply | HelloReply | ManifestReply | MapReply | ReleaseReply | ArenaReport | StatsReply | ShutdownReply)
+    ErrorReply | HelloReply | ManifestReply | MapReply | ReleaseReply | ArenaReport | StatsReply | ShutdownReply
+    | CorruptNotice)
 
 
 class RefusedError(Exception):
