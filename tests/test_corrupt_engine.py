@@ -51,7 +51,7 @@ def flipped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Flipped]:
 
 
 def _switch(server: Server, model: Path) -> tuple[int, Any]:
-    return post(server.url, json.dumps({"model": str(model)}).encode(), "/v1/weights")
+    return post(server.url, json.dumps({"model": str(model)}).encode(), "/v1/weights", server.token())
 
 
 def _weights(server: Server) -> dict[str, Any] | None:
