@@ -164,6 +164,9 @@ def test_a_switch_nothing_serves_is_refused_and_the_engine_keeps_serving(version
     other = rig.base / "other-architecture"
     write_checkpoint("small", other)
     versions.become(2)  # version 2 has no daemon
+    code, answer = switch_http(server, versions.path)
+    refusal = rig.events("switch_refused")[-1]["reason"]
+    assert code == 409 and refusal in answer["error"]["message"] and len(refusal) > 200, answer  # whole, not cut
     refused = rig.cli("switch", server.url, str(versions.path))
     assert refused.returncode == 3, refused.stderr
     assert f"still serving {keys[0]}" in refused.stderr and "differs in checkpoint" in refused.stderr
