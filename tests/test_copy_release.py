@@ -139,3 +139,19 @@ def test_32_engines_half_in_copy_mode_attach_at_once(served: tuple[DaemonRig, Pa
             if isinstance(r, AttachedWeights):
                 r.close()
     wait_for(lambda: rig.stats(daemon)["state"] == "released", what="the release once every lease ended")
+
+
+def test_a_copy_attach_that_only_reports_leaves_the_daemon_its_weights(
+    served: tuple[DaemonRig, Path, DaemonDescriptor],
+) -> None:
+    """`wcache attach MODEL --mode copy` from the shell maps nothing and keeps nothing: releasing the daemon for
+    it emptied the daemon for good, every later attach falling back."""
+    rig, model, daemon = served
+    for _ in range(2):
+        reported = rig.cli("attach", str(model), "--mode", "copy", "--json", "--run-dir", str(rig.run_dir),
+                           as_json=True)
+        assert reported["outcome"] == "hit", reported
+    stats = rig.stats(daemon)
+    assert (stats["state"], stats["holds_weights"]) == ("ready", True), stats
+    with attach(model, run_dir=rig.run_dir) as weights:
+        assert weights.report.outcome == "hit", weights.report

@@ -29,6 +29,9 @@ def test_demo_walks_the_whole_flow_and_leaves_something_for_top(tmp_path: Path) 
         assert "attach_hit" in out and "attach_miss" in out and "fallback" in out
         assert "VERIFIED" in out and "MISMATCH" in out and "SOURCE DIFFERS" in out
         assert f"wcache top --run-dir {run_dir}" in out and "wcache demo --stop" in out
+        (events_line,) = [line for line in out.splitlines() if line.startswith("Events written")]
+        kept = Path(events_line.split("kept in ", 1)[1].split(")", 1)[0])
+        assert [json.loads(line)["kind"] for line in kept.read_text().splitlines()][:1] == ["preload"]
 
         top = wcache_in_process("top", "--once", "--json", "--interval", "0.5", "--run-dir", str(run_dir))
         assert top.returncode == 0, top.stderr

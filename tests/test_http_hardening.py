@@ -138,7 +138,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 def served(engine: Any) -> Any:
     from wcache.serving.server import ServedEngine
 
-    return ServedEngine(engine, "tiny", engine.generate)
+    return ServedEngine(engine, engine.generate)
 
 
 @pytest.fixture(scope="module")

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import processes_mentioning, wcache_process
+from helpers import WCACHE, cli_env, environment, processes_mentioning, wcache_process
 
 
 @pytest.fixture
@@ -33,6 +35,25 @@ def test_missing_checkpoint_is_bad_input(run_dir: Path, tmp_path: Path) -> None:
     code, stderr = _preload(tmp_path / "nowhere", run_dir)
     assert code == 2
     assert stderr.startswith("error: rank 0:") and "nowhere" in stderr and stderr.count("\n") == 0
+
+
+def test_a_failing_preload_on_a_pipe_prints_one_sentence_and_no_traceback(run_dir: Path, tmp_path: Path) -> None:
+    """In the foreground with stderr a pipe (journald, `docker logs`, CI) the ranks share it. The supervisor
+    stops every rank once one reports its failure, often while that rank is still reporting: the stop must
+    not show as a KeyboardInterrupt traceback, nor break the JSON log stream. Runs side by side load the
+    machine, which is what widens that window."""
+    runs = [(log_format, subprocess.Popen(
+        [*WCACHE, "preload", str(tmp_path / "nowhere"), "--run-dir", str(run_dir), "--log-format", log_format],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=environment(cli_env()))) for log_format in ("text", "json") * 4]
+    said_by_each = [(log_format, process.communicate(timeout=120)[1], process.returncode)
+                    for log_format, process in runs]
+    for log_format, stderr, returncode in said_by_each:
+        *logged, said = stderr.strip().splitlines()
+        assert returncode == 2 and said.startswith("error: rank 0:") and "nowhere" in said, stderr
+        assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+        if log_format == "json":
+            assert all(isinstance(json.loads(line), dict) for line in logged), stderr
 
 
 def test_lying_header_names_the_shard(run_dir: Path, tiny_template: Path, tmp_path: Path) -> None:

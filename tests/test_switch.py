@@ -33,7 +33,7 @@ from engine_serving import Server, post, serving
 from helpers import WCACHE
 from prometheus_client.parser import text_string_to_metric_families
 from wcache.engine import Engine, EngineConfig
-from wcache_dev.synth import write_checkpoint
+from wcache_dev.synth import write_checkpoint, write_training_step
 
 # Four prompts sharing 64 tokens (four blocks of 16, past tiny's 32-token window), then their own tails.
 SHARED = "Weights change between requests; the cache must not remember them. "[:64]
@@ -172,6 +172,9 @@ def test_a_switch_nothing_serves_is_refused_and_the_engine_keeps_serving(version
     other = rig.base / "other-architecture"
     write_checkpoint("small", other)
     versions.become(2)  # version 2 has no daemon
+    code, answer = switch_http(server, versions.path)
+    refusal = rig.events("switch_refused")[-1]["reason"]
+    assert code == 409 and refusal in answer["error"]["message"] and len(refusal) > 200, answer  # whole, not cut
     refused = rig.cli("switch", server.url, str(versions.path))
     assert refused.returncode == 3, refused.stderr
     assert f"still serving {keys[0]}" in refused.stderr and "differs in checkpoint" in refused.stderr
@@ -319,3 +322,40 @@ def test_a_path_no_file_can_have_is_a_400(versions: Versions, engine: Server, mo
     assert code == 400, answer
     message = answer["error"]["message"]
     assert "\n" not in message and len(message) <= 201 and "model" in message, message
+
+
+def test_a_switch_to_a_version_built_from_a_delta_and_the_name_the_engine_serves(versions: Versions,
+                                                                                 engine: Server) -> None:
+    """`--daemon D` for a daemon built from a delta (whose source is the delta file, not a checkpoint) switches
+    to its weights; the completions, /v1/models, the engine's announcement and `top` then name the checkpoint
+    the engine serves, not the one it started with."""
+    rig, server = versions.rig, engine
+    step = write_training_step(versions.sources[0], rig.base / "step1", 0.02)
+    delta = rig.base / "step1.delta"
+    assert rig.cli("delta", str(versions.sources[0]), str(step), "-o", str(delta)).returncode == 0
+    built = rig.cli("preload", "--from", versions.keys[0], "--delta", str(delta), "--detach", "--json",
+                    "--run-dir", str(rig.run_dir), as_json=True)
+    rig._remember_supervisors()
+    (child_key,) = [r["key_id"] for r in built["ranks"]]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WCACHE_CACHE_DIR", str(rig.cache_dir))
+        disk = Engine.from_disk(step, engine_config=EngineConfig(enable_prefix_caching=False))
+    assert disk.tokenizer is not None and disk.served.key_id == child_key
+    expected = disk.generate(disk.tokenizer.encode(PROMPTS[3]), MAX_TOKENS).token_ids
+
+    switched = rig.cli("switch", server.url, "--daemon", child_key, "--json", as_json=True)
+    assert switched["current"]["key_id"] == child_key and switched["current"]["model"] == str(delta)
+    answer = complete(server, PROMPTS[3])
+    assert answer["wcache"]["weights_key"] == child_key and answer["choices"][0]["token_ids"] == expected
+    assert answer["model"] == versions.path.name  # the delta's lineage: the parent daemon's checkpoint
+
+    # The checkpoint the delta makes, by its path: the same daemon's weights, now under that checkpoint's name.
+    by_path = rig.cli("switch", server.url, str(step), "--json", as_json=True)
+    assert by_path["current"]["key_id"] == child_key and by_path["attach"]["daemon"] == f"cpu-{child_key}"
+    assert complete(server, PROMPTS[3])["model"] == "step1"
+    assert http_status(f"{server.url}/v1/models")[1]["data"][0]["id"] == "step1"  # type: ignore[index]
+    announced = json.loads((rig.run_dir / "engines" / f"{server.process.pid}.json").read_text())
+    assert (announced["model"], announced["key_id"]) == ("step1", child_key)
+    top = rig.cli("top", "--once", "--json", "--interval", "0.2", "--run-dir", str(rig.run_dir), as_json=True)
+    (row,) = [e for e in top["engines"] if e["url"] == server.url]
+    assert (row["model"], row["key_id"]) == ("step1", child_key)

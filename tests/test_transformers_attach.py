@@ -104,6 +104,10 @@ def test_miss_falls_back_to_transformers_own_load(rig: DaemonRig) -> None:
     overwrite_tensor_bytes(copy, "lm_head.weight", 1024, bytes(320 * 128 * 2 - 1024))
     loaded = from_pretrained(copy, run_dir=rig.run_dir)
     assert loaded.wcache_report.outcome == "miss" and "lm_head.weight" in loaded.wcache_report.reason
+    # The README's example names the outcomes users see: a hit's, and this one.
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    said = next(line for line in readme.splitlines() if line.startswith("model.wcache_report.outcome"))
+    assert '"hit"' in said and f'"{loaded.wcache_report.outcome}"' in said and '"fallback"' not in said, said
     assert greedy(loaded) == greedy(AutoModelForCausalLM.from_pretrained(copy).eval())
     with pytest.raises(AttachMissError, match=r"lm_head\.weight"):
         from_pretrained(copy, run_dir=rig.run_dir, fallback=False)

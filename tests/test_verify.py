@@ -233,3 +233,13 @@ def test_arena_cannot_be_modified_after_loading(hit: tuple[DaemonRig, Path, Daem
     greedy = verify(rig, model, "--greedy", *SHORT)
     assert greedy.returncode == 0, greedy.stdout + greedy.stderr
     assert "VERIFIED" in greedy.stdout
+
+
+def test_greedy_without_a_daemon_names_what_to_run_not_an_option_verify_lacks(tiny_template: Path,
+                                                                              tmp_path: Path) -> None:
+    empty = tmp_path / "run"
+    empty.mkdir(mode=0o700)
+    result = wcache_in_process("verify", str(tiny_template), "--greedy", "--run-dir", str(empty))
+    assert result.returncode == EXIT_UNAVAILABLE, result.stderr
+    sentence = one_sentence(result.stderr)
+    assert "--no-fallback" not in sentence and f"run `wcache preload {tiny_template}` first" in sentence, sentence

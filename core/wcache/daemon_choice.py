@@ -53,3 +53,19 @@ def pick_daemon(model: Path, plan: PlanSpec, run_dir: Path, device: str, daemon:
     if len(fitting) > 1:
         raise UnavailableError(f"{len(fitting)} daemons on {device} fit this plan; name one with {option('daemon')}.")
     return fitting[0]
+
+
+def lineage_checkpoint(live: Iterable[DaemonDescriptor], descriptor: DaemonDescriptor) -> Path | None:
+    """The checkpoint a daemon's weights share config, tokenizer and tensor headers with: its own source, or for
+    a version built from a delta (whose source is that delta file) the source of the first ancestor loaded from
+    a checkpoint; None when an ancestor no longer runs (a delta never changes what the key's config and plan
+    digests cover, so any checkpoint with those digests serves as well)."""
+    by_name = {d.name: d for d in live}
+    seen = {descriptor.name}
+    while descriptor.parent is not None:
+        parent = by_name.get(descriptor.parent)
+        if parent is None or parent.name in seen:
+            return None
+        seen.add(parent.name)
+        descriptor = parent
+    return Path(descriptor.source)

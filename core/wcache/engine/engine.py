@@ -56,6 +56,19 @@ class ServedWeights:
 
     source: Path | None = None
     key: WeightCacheKey | None = None
+    # Weights a daemon built from a delta exist in no checkpoint on disk: `source` is then that delta file, and
+    # this the checkpoint of its lineage, whose config, tokenizer and tensor headers they share.
+    lineage: Path | None = None
+
+    @property
+    def checkpoint(self) -> Path | None:
+        """The checkpoint whose config, tokenizer and tensor headers these weights have."""
+        return self.lineage if self.lineage is not None else self.source
+
+    @property
+    def name(self) -> str | None:
+        """The model these weights are of, as an engine's API names it."""
+        return self.checkpoint.name if self.checkpoint is not None else None
 
     @property
     def namespace(self) -> str | None:

@@ -150,7 +150,7 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
             return
         driver = Driver(engine, tp) if tp.size > 1 else None
         _stats_lines_to_stderr()
-        served = ServedEngine(engine, model.name, driver.generate if driver is not None else engine.generate,
+        served = ServedEngine(engine, driver.generate if driver is not None else engine.generate,
                               lambda switched: announce_engine(run_dir, url, switched))
         server = make_server(served, host, port, (option("host"), option("port")), control_token=token)
         url = http_url(host, server.server_address[1])

@@ -52,9 +52,13 @@ class ServedEngine:
     """What the server knows about its engine besides the engine itself."""
 
     engine: Engine
-    model_name: str
     generate: Callable[[list[int], int], Generation]  # the TP-aware entry (rank 0 drives the others)
     on_switch: Callable[[ServedEngine], object] | None = None  # after the engine moved to other weights
+
+    @property
+    def model_name(self) -> str:
+        """The model the engine serves now (a switch changes it), as its API and its announcement name it."""
+        return self.engine.served.name or "unnamed"
 
 
 class _EngineCollector(Collector):
@@ -201,7 +205,7 @@ def weights_document(engine: Engine) -> dict[str, Any]:
 def _switch(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
     """POST /v1/weights: move the engine to {"model": PATH} and/or {"daemon": ID}; 409 when nothing serves it."""
     from wcache.checkpoint.model_path import looks_like_repo_id, resolve_model_path
-    from wcache.serving.switch import SwitchMissError, daemon_source, switch_weights
+    from wcache.serving.switch import SwitchMissError, switch_weights
 
     model, daemon = body.get("model"), body.get("daemon")
     unknown = sorted(set(body) - {"model", "daemon"})
@@ -219,8 +223,7 @@ def _switch(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
             raise RequestError("model must be an absolute path or a repo id: the server's working directory is "
                                "not the client's")
         try:
-            checkpoint = (resolve_model_path(model) if model is not None
-                          else daemon_source(served.engine, str(daemon)))
+            checkpoint = resolve_model_path(model) if model is not None else None
         except OSError as exc:  # a name too long for the filesystem, a directory on the way closed to the engine
             raise RequestError(f"model cannot be looked up ({exc.strerror or exc})") from None
         result = switch_weights(served.engine, checkpoint, daemon)

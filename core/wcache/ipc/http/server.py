@@ -30,6 +30,9 @@ JSON_TYPE = "application/json"
 REQUEST_DEADLINE_S = 10.0  # to receive one whole request: line, headers and body
 WRITE_TIMEOUT_S = 30.0  # per send, for a reply to a client that stopped reading
 MAX_SENTENCE = 200  # characters of a client's own bytes echoed in an error
+# A route's own sentence (a refusal naming tensors, paths and keys) goes whole: a user acts on it. This only
+# bounds what a route echoes of a request (a path).
+MAX_ROUTE_SENTENCE = 4096
 LISTEN_BACKLOG = 128  # socketserver's 5 refuses bursts of probes and scrapes
 # What the standard library's request parser refuses, said as wcache says things (its detail follows).
 _PARSE_ERRORS = {
@@ -72,10 +75,10 @@ class _DeadlineReader(io.RawIOBase):
         return count
 
 
-def _sentence(text: str) -> str:
+def _sentence(text: str, limit: int = MAX_SENTENCE) -> str:
     text = " ".join(text.split())
-    if len(text) > MAX_SENTENCE:
-        text = text[:MAX_SENTENCE] + "…"
+    if len(text) > limit:
+        text = text[:limit] + "…"
     return text.rstrip(".") + "."
 
 
@@ -92,6 +95,7 @@ class QuietHandler(BaseHTTPRequestHandler):
     deadline = 0.0
     received = 0  # bytes read since the current request began
     _replying = False  # a status line went out: too late for an error reply
+    _route_sentence = False  # the error is a route's own sentence (HTTPRequestError), not the parser's
     _parsing = False  # inside the standard library's parse_request, whose messages are terse
     _error_headers: tuple[tuple[str, str], ...] = ()  # what the route's HTTPRequestError asks its error reply to carry
 
@@ -145,6 +149,7 @@ class QuietHandler(BaseHTTPRequestHandler):
             method()
         except HTTPRequestError as exc:
             self._error_headers = tuple(exc.headers.items())
+            self._route_sentence = True
             self.send_error(exc.status, str(exc))
         except (TimeoutError, ConnectionError):
             raise
@@ -166,7 +171,7 @@ class QuietHandler(BaseHTTPRequestHandler):
         text = message or HTTPStatus(code).phrase
         if self._parsing and code in _PARSE_ERRORS:
             text = f"{_PARSE_ERRORS[HTTPStatus(code)]}: {text[:1].lower()}{text[1:]}"
-        sentence = _sentence(text)
+        sentence = _sentence(text, MAX_ROUTE_SENTENCE if self._route_sentence else MAX_SENTENCE)
         if self.request_version == "HTTP/0.9":
             self.request_version = "HTTP/1.1"  # nobody speaks 0.9: answer with a status line and headers
         body = json.dumps(self.error_document(code, sentence)).encode()
