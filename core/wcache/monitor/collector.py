@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from wcache.checkpoint.display_name import display_name
 from wcache.ipc.http.client import http_get
 from wcache.ipc.run_dir.directory import DaemonDescriptor, read_descriptors, run_subdir
-from wcache.ipc.run_dir.engines import EngineDescriptor, read_engine_descriptor
+from wcache.ipc.run_dir.engines import EngineDescriptor, announcer_alive, read_engine_descriptor
 from wcache.ipc.run_dir.loading import LoadingRecord, read_loading
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.ipc.wire import counters as counter_names
@@ -33,6 +32,7 @@ from wcache.monitor.events import events_path, parse_event, rotated_path
 from wcache.monitor.prometheus import Samples, by_label, label_value, parse_metrics, total
 from wcache.monitor.rates import CounterDeltas, ratio
 from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
+from wcache.plan.spec import plan_summary
 
 TIMEOUT_S = 1.0  # an engine's /metrics and a supervisor's /health (daemons: daemon_status.STATS_TIMEOUT_S)
 HISTORY = 60
@@ -41,7 +41,11 @@ HEALTH_EVERY_S = 1.9  # at the default 2 s interval every poll asks; at 2 Hz eve
 PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 # The metric families a poll reads; the rest of a /metrics page is skipped before parsing.
-FAMILIES = ("vllm:prefix_cache_", "vllm:gpu_prefix_cache_", "wcache:")
+FAMILIES = ("vllm:prefix_cache_", "vllm:gpu_prefix_cache_", "vllm:num_requests_", "vllm:kv_cache_usage",
+            "vllm:request_success", "wcache:")
+REQUESTS_RUNNING = "vllm:num_requests_running"
+REQUESTS_DONE = "vllm:request_success_total"
+KV_USAGE = "vllm:kv_cache_usage_perc"
 MAX_EVENTS = 500
 # The most of the log one poll reads: MAX_EVENTS events of a few hundred bytes each, with room to spare.
 MAX_TAIL_BYTES = 4 << 20
@@ -171,7 +175,7 @@ def _number(value: Any) -> float | None:
 def _loading_row(record: LoadingRecord) -> DaemonRow:
     return DaemonRow(
         name=record.name or f"pid {record.pid}", pid=record.pid, device=record.device, tp_rank=record.tp_rank,
-        tp_size=record.tp_size, model=Path(record.source).name, key_id="-", state="loading", weights_bytes=0,
+        tp_size=record.tp_size, model=display_name(record.source), key_id="-", state="loading", weights_bytes=0,
         leases=0, uptime_s=max(0.0, time.time() - record.started), health_status=None, alive=True,
         loaded_fraction=record.fraction,
     )
@@ -204,7 +208,7 @@ class EngineTarget:
 
     id: str
     url: str
-    metrics_url: str
+    metrics_url: str | None  # None: nothing to scrape (an offline engine, a TP rank other than 0)
     announced: EngineDescriptor | None
     # Announced by a pid this namespace does not see: an engine in another container sharing the run dir, or
     # one that died without removing its file. Shown only while it answers.
@@ -246,8 +250,12 @@ class Collector:
             except (OSError, ValueError):
                 continue
             pid, url = announced.pid, announced.url
-            unseen = not psutil.pid_exists(pid)  # another pid namespace's engine is shown while it answers
-            targets.append(EngineTarget(f"pid {pid}", url, metrics_url(url), announced, unseen))
+            unseen = not announcer_alive(announced)  # another pid namespace's engine is shown while it answers
+            # One scrape per server: its TP ranks other than 0 share rank 0's /metrics.
+            scraped = metrics_url(url) if url is not None and announced.tp_rank == 0 else None
+            if unseen and scraped is None:
+                continue  # gone, and nothing could say otherwise
+            targets.append(EngineTarget(f"pid {pid}", url or "", scraped, announced, unseen))
         known = {t.metrics_url for t in targets}
         for url in self.scrape:
             if metrics_url(url) not in known:
@@ -255,7 +263,9 @@ class Collector:
         return targets
 
     @staticmethod
-    def _fetch(url: str) -> str | None:
+    def _fetch(url: str | None) -> str | None:
+        if url is None:
+            return None
         status, body = http_get(url, TIMEOUT_S)
         return body.decode("utf-8", errors="replace") if status == 200 and body is not None else None
 
@@ -312,7 +322,7 @@ class Collector:
         counters = stats.counters if stats is not None else {}
         return DaemonRow(
             name=d.name, pid=d.pid, device=d.device, tp_rank=d.tp_rank, tp_size=d.tp_size,
-            model=Path(d.source).name, key_id=d.key_id,
+            model=display_name(d.source), key_id=d.key_id, plan=plan_summary(d.plan),
             state=("corrupt" if stats.corrupt else stats.state) if stats is not None else "gone",
             weights_bytes=stats.weights_bytes if stats is not None else 0,
             leases=stats.leases if stats is not None else 0,
@@ -361,15 +371,23 @@ class Collector:
             weights: str | None = attach.outcome if attach is not None else "disk"
         else:
             weights = label_value(samples, "wcache:engine_weights_info", "outcome")
-        is_wcache = target.announced is not None or "wcache:replayed_tokens_total" in samples
+        if announced is not None:
+            kind = announced.engine
+        elif text is None:
+            kind = "unreachable"  # a URL given with --scrape that did not answer is no engine we know of
+        else:
+            kind = "wcache" if "wcache:replayed_tokens_total" in samples else "vllm"
         key_id = ((announced.key_id if announced is not None else None)
                   or label_value(samples, "wcache:engine_weights_info", "key_id") or None)
         return EngineRow(
-            id=target.id, url=target.url, kind="wcache" if is_wcache else "vllm",
+            id=target.id, url=target.url, kind=kind,
             model=str((announced.model if announced is not None else None)
                       or next((m for n in PREFIX_QUERIES if (m := label_value(samples, n, "model_name"))), None)
                       or "?"),
-            up=text is not None, weights=weights, mode=attach.mode if attach is not None else None,
+            up=text is not None if target.metrics_url is not None else not target.unseen, weights=weights,
+            reason=attach.reason if attach is not None and attach.outcome != "hit" else None,
+            requests_running=total(samples, REQUESTS_RUNNING), requests_done=total(samples, REQUESTS_DONE),
+            kv_usage=total(samples, KV_USAGE), mode=attach.mode if attach is not None else None,
             daemon=attach.daemon if attach is not None else None,
             attach_ms=attach.timings_ms.get("total") if attach is not None else None,
             prefix_queries_total=queries, prefix_hits_total=hits,
