@@ -291,6 +291,21 @@ class Collector:
 
     # -- one poll ------------------------------------------------------------------------------------
 
+    def engines(self) -> tuple[EngineRow, ...]:
+        """The engines announced in the run dir (and named with --scrape), each server's /metrics scraped once:
+        what `wcache status` lists; `poll` does the same beside the daemons."""
+        targets = self._engine_targets()
+        scraped = {t.id: self._pool.submit(self._fetch, t.metrics_url) for t in targets}
+        return self._engine_rows(targets, scraped)
+
+    def _engine_rows(self, targets: list[EngineTarget], scraped: dict[str, Future[str | None]]
+                     ) -> tuple[EngineRow, ...]:
+        self._delta_keys = set()
+        engines = tuple(self._engine_row(t, text) for t in targets
+                        if (text := scraped[t.id].result()) is not None or not t.unseen)
+        self._deltas.forget(self._delta_keys)  # engines and series that went away start over if they return
+        return engines
+
     def poll(self) -> Snapshot:
         self._polls += 1
         descriptors = read_descriptors(self.run_dir) if self.run_dir.exists() else []
@@ -304,10 +319,7 @@ class Collector:
         stats = collect([d.socket for d in descriptors], self._pool)
         daemons = tuple(self._daemon_row(d, s, health) for d, s in zip(descriptors, stats, strict=True))
         daemons += tuple(_loading_row(r) for r in (read_loading(self.run_dir) if self.run_dir.exists() else []))
-        self._delta_keys = set()
-        engines = tuple(self._engine_row(t, text) for t in targets
-                        if (text := scraped[t.id].result()) is not None or not t.unseen)
-        self._deltas.forget(self._delta_keys)  # engines and series that went away start over if they return
+        engines = self._engine_rows(targets, scraped)
         return Snapshot(
             taken_at=time.time(), interval_s=self.interval_s,
             rates="interval" if self._polls > 1 else "cumulative", run_dir=str(self.run_dir),
