@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "plan": FOUNDATION | {"checkpoint"},
     "key": FOUNDATION | {"checkpoint", "plan"},
     "ipc": FOUNDATION | {"checkpoint", "plan", "key"},
-    "monitor": FOUNDATION | {"ipc", "key"},
+    "monitor": FOUNDATION | {"checkpoint", "plan", "ipc", "key"},
     "load": FOUNDATION | {"checkpoint", "plan", "key", "ipc"},
     "delta": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc"},
     "daemon": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach_options", "delta"},
