@@ -49,4 +49,5 @@ def test_the_api_check_holds_for_the_installed_vllm_against_itself(capsys: pytes
     site = Path(spec.origin).parent.parent
     assert vllm_api_check.main([str(site)]) == 0
     printed = capsys.readouterr().out
-    assert "DIFFERS" not in printed and "holds   name vllm.model_executor.model_loader.utils.initialize_model" in printed
+    assert "DIFFERS" not in printed
+    assert "holds   name vllm.model_executor.model_loader.utils.initialize_model" in printed

@@ -103,6 +103,10 @@ def status(
 
 def _engines(where: Path) -> tuple[EngineRow, ...]:
     """The engines announced in the run dir (vLLM ranks and reference servers), as `top` shows them."""
+    from wcache.ipc.run_dir.paths import RunPaths
+
+    if not any(RunPaths(where).engines.glob(f"*{RunPaths.DESCRIPTOR_SUFFIX}")):
+        return ()  # nothing announced: no scraping machinery to import
     from wcache.monitor.collector import Collector
 
     collector = Collector(where)
