@@ -170,7 +170,7 @@ def _cells(r: StatusRow) -> list[str]:
 
     uptime = f"{r.uptime_s:.0f} s" if isinstance(r.uptime_s, int | float) else "?"
     health = str(r.health_status) if r.health_status is not None else "off"
-    model = literal(display_name(r.source))  # a directory name may hold brackets or escapes
+    model = literal(r.model if isinstance(r.model, str) else display_name(r.source))  # may hold brackets
     state = str(r.state)
     if state == "loading":
         total = int(r.total_bytes or 0)

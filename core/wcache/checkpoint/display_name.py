@@ -36,6 +36,13 @@ def display_name(source: str) -> str:
     return PurePath(source).name or source
 
 
+def described(source: str) -> str:
+    """A line's longer form (the READY line): `Org/Name@<short revision>` for a Hub snapshot, whose path is a
+    40-hex directory nobody reads; any other path as it is, since where it lies is what a person checks."""
+    hub = hub_snapshot(source)
+    return f"{hub[0]}@{hub[1][:SHORT_REVISION]}" if hub is not None else source
+
+
 def display_names(sources: Iterable[str]) -> dict[str, str]:
     """Each source's display name, with a short revision where two snapshots of one repo are shown together."""
     unique = list(dict.fromkeys(sources))

@@ -132,6 +132,8 @@ def summarize(event: dict[str, Any]) -> EventRow:
     """Severity and a one-line summary; misses, fallbacks and losses stand out, with their reason."""
     kind = event["kind"]
     detail = {k: v for k, v in event.items() if k not in ("ts", "kind")}
+    if isinstance(event.get("source"), str):  # the model as people know it in the summary; the path in the detail
+        event = {**event, "source": display_name(event["source"])}
     severity = "info"
     if kind in _TEMPLATES:
         severity, template, defaults = _TEMPLATES[kind]
@@ -334,7 +336,7 @@ class Collector:
         counters = stats.counters if stats is not None else {}
         return DaemonRow(
             name=d.name, pid=d.pid, device=d.device, tp_rank=d.tp_rank, tp_size=d.tp_size,
-            model=display_name(d.source), key_id=d.key_id, plan=plan_summary(d.plan),
+            model=display_name(d.model_source), key_id=d.key_id, plan=plan_summary(d.plan),
             state=("corrupt" if stats.corrupt else stats.state) if stats is not None else "gone",
             weights_bytes=stats.weights_bytes if stats is not None else 0,
             leases=stats.leases if stats is not None else 0,
