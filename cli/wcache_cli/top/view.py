@@ -229,11 +229,12 @@ ENGINE_COLUMNS: tuple[Column[EngineRow], ...] = (
     Column("up", lambda e, _: Text("up", style="green") if e.up else Text("down", style="bold red"),
            lambda e: e.up, drop=1),
     # A vLLM server's own /metrics: requests in flight and finished, and how full its KV cache is.
-    Column("reqs", lambda e, _: requests(e), lambda e: e.requests_running, "right", drop=6),
+    Column("reqs", lambda e, _: requests(e), lambda e: e.requests_running, "right", drop=8),
     Column("kv", lambda e, _: percent(e.kv_usage, present=e.kv_usage is not None), lambda e: e.kv_usage, "right",
-           drop=6),
+           drop=8),
+    # Left out whole where it does not fit: the events panel and its detail say the same reason.
     Column("why disk", lambda e, _: shown(e.reason, style="bold red") if e.reason else Text(""),
-           lambda e: e.reason or "", flexible=True),
+           lambda e: e.reason or "", drop=9),
 )
 
 
