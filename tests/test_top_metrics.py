@@ -228,7 +228,9 @@ ENGINE_SCHEMA: dict[str, tuple[Any, ...]] = {
     "mode": (str, None), "daemon": (str, None), "attach_ms": (*NUMBER, None),
     **{name: (*NUMBER, None) for name in (
         "prefix_queries_total", "prefix_hits_total", "hit_rate_interval", "hit_rate_overall",
-        "adopted_hits_total", "replayed_tokens_total", "prefill_saved_total", "swa_cached_bytes")},
+        "adopted_hits_total", "replayed_tokens_total", "prefill_saved_total", "swa_cached_bytes",
+        "requests_running", "requests_done", "kv_usage")},
+    "reason": (str, None),
     "hit_rate_history": (list,), "key_id": (str, None), "hit_rate_by_weights": (list,),
 }
 EVENT_SCHEMA: dict[str, tuple[Any, ...]] = {
@@ -333,8 +335,8 @@ def test_once_tables_say_off_and_how_rates_were_measured(tmp_path: Path) -> None
     text = result.stdout
     assert "Replay and prefix cache" in text and "40.0 %" in text
     assert "waited between two samples" in text and "0.2 s" in text
-    row = next(line for line in text.splitlines() if line.startswith("│ 127.0.0.1:") and "%" in line)
-    # adopted, replayed, prefill saved and hit % by weights: vLLM does not export them
+    row = next(line for line in text.splitlines() if line.startswith("│ 127.0.0.1:") and "40.0 %" in line)
+    # the replay table's row; adopted, replayed, prefill saved and hit % by weights: vLLM does not export them
     assert row.count(" off ") == 4
 
 

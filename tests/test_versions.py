@@ -183,6 +183,9 @@ def test_next_version_from_the_daemon_holding_the_parent(rig: DaemonRig, version
     assert {d["state"] for d in status["daemons"]} == {"ready"} and len(status["daemons"]) == 2 * tp
     table = rig.cli("status", "--run-dir", str(rig.run_dir)).stdout
     assert f"{parents[0].key_id} → " in table
+    # A version is named by its lineage's checkpoint, never by the delta file it was built from.
+    assert {d["model"] for d in status["daemons"]} == {versions["parent"].name}, status["daemons"]
+    assert versions["delta"].name not in table
     ready_events = [e for e in rig.events("ready") if e.get("parent_key_id")]
     assert len(ready_events) == tp and all(e["bytes_read"] >= versions["delta"].stat().st_size for e in ready_events)
     if not options:

@@ -240,10 +240,16 @@ def test_served_vllm_answers_completions_and_shows_in_top(vllm_rig: VllmRig, ser
     assert served_vllm.complete(PROMPTS[0])
     text = served_vllm.log.read_text()
     assert "wcache: weight cache hit from daemon " + vllm_rig.daemon.name in text
-    top = rig.cli("top", "--once", "--json", "--interval", "0.5", "--scrape", f"{served_vllm.url}/metrics",
-                  "--run-dir", str(rig.run_dir), as_json=True)
-    [engine] = top["engines"]
-    assert engine["kind"] == "vllm" and engine["up"] and engine["model"] == "small"
+    # No --scrape: the rank announced itself, with its server's URL read from the server's command line.
+    top = rig.cli("top", "--once", "--json", "--interval", "0.5", "--run-dir", str(rig.run_dir), as_json=True)
+    [engine] = [e for e in top["engines"] if e["url"] == served_vllm.url]
+    assert engine["kind"] == "vllm" and engine["up"] and engine["model"] == "small", engine
+    assert (engine["weights"], engine["daemon"], engine["key_id"]) == ("hit", vllm_rig.daemon.name,
+                                                                      vllm_rig.daemon.key_id), engine
+    assert engine["kv_usage"] is not None and engine["requests_done"] >= 1, engine
+    status = rig.cli("status", "--json", "--run-dir", str(rig.run_dir), as_json=True)
+    assert served_vllm.url in {e["url"] for e in status["engines"]}, status["engines"]
+    assert {d["plan"] for d in status["daemons"]} == {"bfloat16 tp1"}, status["daemons"]
     assert vllm_rig.daemon.name in {d["name"] for d in top["daemons"]}
     # The zero-copy engine holds a lease on the daemon it maps.
     assert rig.stats(vllm_rig.daemon)["leases"] >= 1

@@ -31,6 +31,7 @@ from torch import nn
 from wcache.integrations.vllm_runner import VllmResult, VllmRun, greedy_runs
 from wcache.integrations.vllm_version import DISTRIBUTIONS, TESTED_RANGE
 from wcache.ipc.run_dir.directory import DaemonDescriptor
+from wcache.ipc.run_dir.engines import read_engine_descriptor
 from wcache.plan.spec import PlanSpec, preload_command
 from wcache.verify import default_prompts
 from wcache_dev.synth import PRESETS, make_tensors, write_byte_tokenizer, write_checkpoint, write_tensors
@@ -150,6 +151,14 @@ def test_tp2_miss_is_explained_on_every_rank_with_the_command_that_serves_it(tp2
     assert command == f"wcache preload {tp2_daemons.float32_only} --tp 2 --dtype bfloat16"
     misses = [e for e in rig.events("attach_miss") if e.get("engine") == "vllm"]
     assert len(misses) == 2 and all(e["diff"]["plan"]["dtype"] == ["float32", "bfloat16"] for e in misses), misses
+    # Every rank announced its fallback, with the reason, for `wcache top` and `wcache status` (which drop the
+    # announcements now that the ranks' processes are gone).
+    announced = [read_engine_descriptor(path) for path in sorted((rig.run_dir / "engines").glob("*.json"))]
+    fallbacks = [a for a in announced if a.engine == "vllm" and a.source == str(tp2_daemons.float32_only)]
+    assert sorted(a.tp_rank for a in fallbacks) == [0, 1] and all(a.tp_size == 2 for a in fallbacks), announced
+    for fallback in fallbacks:
+        assert fallback.attach is not None and fallback.attach.outcome == "fallback" and fallback.url is None
+        assert "float32" in (fallback.attach.reason or ""), fallback.attach
 
 
 @pytest.mark.xdist_group("test_vllm_tp-miss")

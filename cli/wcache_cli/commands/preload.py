@@ -264,7 +264,9 @@ def _print_ready(ready: GroupReady, model: Path, device: str, json_output: bool)
         return
     total = sum(r.weights_bytes for r in ranks)
     keys = " ".join(r.key_id for r in ranks)
-    shown = escape(printable(str(model)))  # a path may hold brackets (markup) or escape sequences
+    from wcache.checkpoint.display_name import described
+
+    shown = escape(printable(described(str(model))))  # a path may hold brackets (markup) or escape sequences
     out.print(
         f"READY: {len(ranks)} rank(s) of {shown} on {device}, key(s) {keys}, {human_bytes(total)} "
         f"in {ready.seconds:.2f} s; health {ready.health_url}/health"

@@ -13,7 +13,9 @@ from wcache_cli.output import literal, out
 from wcache_cli.params import JsonOpt, RunDirOpt, run_dir_or_default
 
 if TYPE_CHECKING:
+    from rich.console import RenderableType
     from rich.table import Table
+    from wcache.monitor.snapshot import EngineRow
     from wcache.monitor.status_row import StatusRow
 
 HEALTH_TIMEOUT_S = 2.0
@@ -54,7 +56,8 @@ def status(
         typer.Option("--check", help="Exit 3 unless there are daemons and every one is ready (an exec probe)."),
     ] = False,
 ) -> None:
-    """List the daemons in the run dir: device, model, key, state, origin, memory, leases, uptime and health.
+    """List the daemons in the run dir: device, model, key, state, origin, memory, leases, uptime, health and
+    plan; then the engines attached to them (vLLM ranks and wcache's servers): hit or fallback and why.
 
     origin is the checkpoint's files against what the Hub published, judged when the daemon loaded them:
     "✓ hub" all match, "✗ DIFFERS" one does not (wcache verify --provenance names it), "?" not known.
@@ -75,9 +78,10 @@ def status(
     rows += [StatusRow.loading(r) for r in read_loading(where)] if where.exists() else []
     stale = [{"name": d.name, "pid": d.pid, "source": d.source} for d in found.stale] if found else []
     problems = [p for p in map(_unhealthy, rows) if p is not None]
+    engines = _engines(where) if where.exists() and not check else ()
     if json:
         out.json({"run_dir": str(where), "daemons": rows, "stale_removed": stale,
-                  "ready": bool(rows) and not problems})
+                  "ready": bool(rows) and not problems, "engines": [_plain(e) for e in engines]})
     else:
         for gone in stale:
             out.warning(f"daemon {gone['name']} (pid {gone['pid']}) is gone; removed its descriptor and socket.")
@@ -85,6 +89,8 @@ def status(
             out.print(f"No daemons in {where}.")
         elif rows and not check:
             out.print(_table(where, rows, out.stdout.width))
+        if engines:
+            out.print(_engine_table(engines, out.stdout.width))
     if check:
         if not rows:
             raise UnavailableError(f"no daemons in {where}.")
@@ -95,10 +101,45 @@ def status(
             out.print(f"ready: {len(rows)} daemon(s) in {where}")
 
 
+def _engines(where: Path) -> tuple[EngineRow, ...]:
+    """The engines announced in the run dir (vLLM ranks and reference servers), as `top` shows them."""
+    from wcache.ipc.run_dir.paths import RunPaths
+
+    if not any(RunPaths(where).engines.glob(f"*{RunPaths.DESCRIPTOR_SUFFIX}")):
+        return ()  # nothing announced: no scraping machinery to import
+    from wcache.monitor.collector import Collector
+
+    collector = Collector(where)
+    try:
+        return collector.engines()
+    finally:
+        collector.close()
+
+
+def _plain(engine: EngineRow) -> dict[str, object]:
+    from dataclasses import asdict
+
+    return {k: v for k, v in asdict(engine).items() if k not in ("hit_rate_history", "hit_rate_by_weights")}
+
+
+def _engine_table(engines: tuple[EngineRow, ...], width: int | None) -> RenderableType:
+    """`top`'s engines panel, once: the same columns and cells (a fallback in red, with its reason)."""
+    import time
+
+    from wcache.monitor.snapshot import Snapshot
+
+    from wcache_cli.top.once import panel_table
+    from wcache_cli.top.view import PANEL_BY_ID
+
+    snapshot = Snapshot(taken_at=time.time(), interval_s=0.0, rates="cumulative", run_dir="", daemons=(),
+                        engines=engines, events=())
+    return panel_table(PANEL_BY_ID["engines"], snapshot, time.time(), width=width)
+
+
 # The table's columns and, for a narrow terminal, which go first (highest first; 0: never). The daemon's name
 # is what `stop` takes and holds its device and key id, so those columns go early.
 STATUS_COLUMNS = (("daemon", 0), ("device", 6), ("rank", 5), ("model", 2), ("key", 8), ("state", 1), ("origin", 1),
-                  ("memory", 3), ("leases", 4), ("uptime", 7), ("health", 4))
+                  ("memory", 3), ("leases", 4), ("uptime", 7), ("health", 4), ("plan", 5))
 
 
 def _table(where: Path, rows: list[StatusRow], width: int | None = None) -> Table:
@@ -123,11 +164,13 @@ def _table(where: Path, rows: list[StatusRow], width: int | None = None) -> Tabl
 def _cells(r: StatusRow) -> list[str]:
     """One daemon's cells, as markup. Every string here comes from a file in the run dir, which anything
     running as this user may forge: shown through `literal`."""
+    from wcache.checkpoint.display_name import display_name
+
     from wcache_cli.render import PROVENANCE_MARK, human_bytes
 
     uptime = f"{r.uptime_s:.0f} s" if isinstance(r.uptime_s, int | float) else "?"
     health = str(r.health_status) if r.health_status is not None else "off"
-    model = literal(Path(r.source).name)  # a directory name may hold brackets or escapes
+    model = literal(r.model if isinstance(r.model, str) else display_name(r.source))  # may hold brackets
     state = str(r.state)
     if state == "loading":
         total = int(r.total_bytes or 0)
@@ -144,7 +187,7 @@ def _cells(r: StatusRow) -> list[str]:
     mark, style = PROVENANCE_MARK.get(r.provenance or "", ("-", "dim"))
     return [name, literal(r.device), f"{r.tp_rank}/{r.tp_size}", model, key,
             state, f"[{style}]{mark}[/]", human_bytes(int(r.weights_bytes or 0)), str(r.leases),
-            uptime, health]
+            uptime, health, literal(r.plan or "-")]
 
 
 def stop(

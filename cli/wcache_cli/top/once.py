@@ -22,8 +22,8 @@ from wcache_cli.top.view import (
 )
 
 
-def _table(panel: Panel[object], snapshot: Snapshot, now: float, limit: int | None = None,
-           width: int | None = None) -> Table:
+def panel_table(panel: Panel[object], snapshot: Snapshot, now: float, limit: int | None = None,
+                width: int | None = None) -> Table:
     rows = render_rows(panel, snapshot, default_sort(panel), None, now)
     shown = rows[:limit] if limit is not None else rows
     title = panel.title if len(shown) == len(rows) else f"{panel.title} (latest {len(shown)} of {len(rows)})"
@@ -65,7 +65,7 @@ def once_renderable(snapshot: Snapshot, now: float, waited_s: float, width: int 
     ]
     for panel in PANELS:
         limit = FEED_LIMIT if panel is PANEL_BY_ID["events"] else None
-        parts.append(_table(panel, snapshot, now, limit, width))
+        parts.append(panel_table(panel, snapshot, now, limit, width))
     why = _why(snapshot, now)
     if why is not None:
         parts.append(why)

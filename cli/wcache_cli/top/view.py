@@ -30,7 +30,7 @@ SPARK = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 20
 SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": ""}
 SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
-WEIGHTS_STYLE = {"hit": "green", "miss": "bold red", "fallback": "bold yellow", "disk": "yellow",
+WEIGHTS_STYLE = {"hit": "green", "miss": "bold red", "fallback": "bold red", "disk": "yellow",
                  "corrupt": "bold white on red"}
 FEED_LIMIT = 20  # events that --once prints
 DIFF_NAMES = 8  # tensor names listed per kind of change
@@ -195,6 +195,8 @@ DAEMON_COLUMNS: tuple[Column[DaemonRow], ...] = (
     Column("misses", lambda d, _: misses(d), lambda d: d.misses, "right", drop=7),
     Column("health", lambda d, _: health(d), lambda d: (d.alive, d.health_status or 0), drop=4),
     Column("pid", lambda d, _: Text(str(d.pid), style="dim"), lambda d: d.pid, "right", drop=8),
+    # What engines must ask for to hit it: two daemons of one model differ here.
+    Column("plan", lambda d, _: plain(d.plan), lambda d: d.plan or "", drop=5),
 )
 
 def lineage(d: DaemonRow) -> Text:
@@ -206,7 +208,7 @@ def lineage(d: DaemonRow) -> Text:
 def address(e: EngineRow) -> str:
     """Where the engine listens, without the scheme: the engine's name in every table."""
     url = e.url.split("://", 1)[-1].rstrip("/")
-    return url.removesuffix("/metrics")
+    return url.removesuffix("/metrics") or "(no URL)"  # an offline engine
 
 
 def engine_pid(e: EngineRow) -> int | None:
@@ -227,7 +229,21 @@ ENGINE_COLUMNS: tuple[Column[EngineRow], ...] = (
     Column("attach", lambda e, _: attach_ms(e), lambda e: e.attach_ms, "right", drop=3),
     Column("up", lambda e, _: Text("up", style="green") if e.up else Text("down", style="bold red"),
            lambda e: e.up, drop=1),
+    # A vLLM server's own /metrics: requests in flight and finished, and how full its KV cache is.
+    Column("reqs", lambda e, _: requests(e), lambda e: e.requests_running, "right", drop=8),
+    Column("kv", lambda e, _: percent(e.kv_usage, present=e.kv_usage is not None), lambda e: e.kv_usage, "right",
+           drop=8),
+    # Left out whole where it does not fit: the events panel and its detail say the same reason.
+    Column("why disk", lambda e, _: shown(e.reason, style="bold red") if e.reason else Text(""),
+           lambda e: e.reason or "", drop=9),
 )
+
+
+def requests(e: EngineRow) -> Text:
+    """Requests running now / finished since start, from a vLLM server's /metrics."""
+    if e.requests_running is None and e.requests_done is None:
+        return off()
+    return Text.assemble(count(e.requests_running), " / ", count(e.requests_done))
 
 REPLAY_COLUMNS: tuple[Column[EngineRow], ...] = (
     Column("engine", lambda e, _: shown(address(e)), address),

@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             provenance=overall(judged) if judged else None,
             parent_key_id=parent.key_id if parent is not None else None,
             parent=parent.name if parent is not None else None,
+            origin=parent.model_source if parent is not None else None,
         )
         server = stop.server = DaemonServer(loaded, descriptor, run_dir, args.scrub_interval)
         server.bind()

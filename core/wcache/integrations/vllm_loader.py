@@ -34,11 +34,13 @@ import torch
 from torch import nn
 
 from wcache.attach import AttachedWeights, AttachMissError, attach_with
+from wcache.attach.report import AttachReport
 from wcache.attach_options import AttachOptions
 from wcache.checkpoint.files import locate
 from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import CheckpointError, UnavailableError, WcacheError, in_words, marked
 from wcache.integrations import vllm_formats
+from wcache.integrations.vllm_announce import announce
 from wcache.integrations.vllm_api import (
     BaseModelLoader,
     DefaultModelLoader,
@@ -54,6 +56,7 @@ from wcache.integrations.vllm_api import (
     set_default_torch_dtype,
 )
 from wcache.integrations.vllm_words import EXTRA_CONFIG, vllm_words
+from wcache.ipc.attach_summary import AttachSummary
 from wcache.ipc.run_dir.directory import default_run_dir, ensure_run_dir
 from wcache.key.digest_store import DigestStore
 from wcache.monitor import event_types as ev
@@ -69,7 +72,12 @@ ENGINE = "vllm"
 
 
 class CannotAttachError(UnavailableError):
-    """vLLM's configuration or model cannot take a daemon's tensors; with fallback on, vLLM loads from disk."""
+    """vLLM's configuration or model cannot take a daemon's tensors; with fallback on, vLLM loads from disk.
+    `report` is the attach's own when it missed a daemon (its key and diff), None when it did not get that far."""
+
+    def __init__(self, message: str, report: AttachReport | None = None) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -279,23 +287,25 @@ class WcacheModelLoader(BaseModelLoader):
         except CannotAttachError as exc:
             if not self.options.fallback:
                 raise
-            logger.warning("wcache: cannot load from a daemon (%s); loading from disk",
-                           in_words(marked(exc), vllm_words))
+            reason = in_words(marked(exc), vllm_words)
+            logger.warning("wcache: cannot load from a daemon (%s); loading from disk", reason)
             self._disk_loader().load_weights(model, model_config)
+            self._announce_fallback(vllm_config, model_config, reason, exc.report)
             return
         _keep_lease(model, weights)
+        self._announce_hit(model_config, weights)
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         began = time.perf_counter()
         try:
             weights = self._attach(vllm_config, model_config)
         except CannotAttachError as exc:
-            return self._fall_back(vllm_config, model_config, prefix, marked(exc))
+            return self._fall_back(vllm_config, model_config, prefix, exc)
         try:
             model, placement = self._build(vllm_config, model_config, prefix, weights)
         except CannotAttachError as exc:
             weights.close()
-            return self._fall_back(vllm_config, model_config, prefix, marked(exc))
+            return self._fall_back(vllm_config, model_config, prefix, exc)
         report = weights.report
         how = "zero-copy views of its arena" if report.mode == "zero_copy" else "private copies (copy mode)"
         total = placement.assigned + len(placement.copied)
@@ -321,7 +331,28 @@ class WcacheModelLoader(BaseModelLoader):
             copied=list(placement.copied), private_bytes=placement.private_bytes,
             device_peak_bytes=placement.device_peak_bytes,
             post_processing_ms=round(placement.post_processing_s * 1000, 3)))
+        self._announce_hit(model_config, weights)
         return model
+
+    def _announce_hit(self, model_config: ModelConfig, weights: AttachedWeights) -> None:
+        plan = weights.key_file.plan
+        announce(self._run_dir(), model=_served_name(model_config), source=weights.key_file.source,
+                 attach=weights.report.summary(), key_id=weights.key_file.key.short_id, tp_rank=plan.tp_rank,
+                 tp_size=plan.tp_size)
+
+    def _announce_fallback(self, vllm_config: VllmConfig, model_config: ModelConfig, reason: str,
+                           report: AttachReport | None) -> None:
+        """A rank that loaded from disk says so, with the reason, as a hit says which daemon it maps."""
+        if report is not None:
+            summary = msgspec.structs.replace(report.summary(), outcome="fallback", reason=reason)
+        else:
+            summary = AttachSummary(
+                outcome="fallback", mode=self.options.mode, device=device_name(vllm_config), key_id=None, daemon=None,
+                daemon_key_id=None, reason=reason, mismatched=(), diff=None, timings_ms={}, bytes_mapped=0,
+                num_tensors=0, daemon_lost=False)
+        announce(self._run_dir(), model=_served_name(model_config), source=str(model_config.model), attach=summary,
+                 key_id=summary.key_id, tp_rank=get_tensor_model_parallel_rank(),
+                 tp_size=get_tensor_model_parallel_world_size())
 
     def _attach(self, vllm_config: VllmConfig, model_config: ModelConfig) -> AttachedWeights:
         """The daemon's tensors for this rank; CannotAttachError (with the reason) when there are none."""
@@ -332,7 +363,7 @@ class WcacheModelLoader(BaseModelLoader):
                 options = msgspec.structs.replace(self.options, fallback=False)
                 return attach_with(path, plan, options, device=device_name(vllm_config), store=store, engine=ENGINE)
         except AttachMissError as exc:
-            raise CannotAttachError(exc.report.reason or str(exc)) from None
+            raise CannotAttachError(exc.report.reason or str(exc), exc.report) from None
         except (UnsupportedPlanError, CheckpointError) as exc:
             # E.g. a Hugging Face id not downloaded yet: vLLM's own loader fetches it; wcache never downloads.
             raise CannotAttachError(marked(exc).rstrip(".")) from None
@@ -365,10 +396,10 @@ class WcacheModelLoader(BaseModelLoader):
         _keep_lease(model, weights)
         return model.eval(), placement
 
-    def _fall_back(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, marked_reason: str,
+    def _fall_back(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, why: CannotAttachError,
                    ) -> nn.Module:
-        """vLLM's own loader; `marked_reason` (why not the daemon) names options as vLLM users set them."""
-        reason = in_words(marked_reason, vllm_words)
+        """vLLM's own loader; the reason (why not the daemon) names options as vLLM users set them."""
+        reason = in_words(marked(why), vllm_words)
         if not self.options.fallback:
             raise CannotAttachError(f"wcache: {reason}; not falling back to disk (fallback is false).")
         logger.warning("wcache: weight cache miss for %s: %s; falling back to disk loading (load_format=auto)",
@@ -380,6 +411,7 @@ class WcacheModelLoader(BaseModelLoader):
                     model_config.model, seconds * 1000)
         append_event(self._run_dir(), ev.Fallback(source=str(model_config.model), device=device_name(vllm_config),
                                                   reason=reason, seconds=round(seconds, 3), engine=ENGINE))
+        self._announce_fallback(vllm_config, model_config, reason, why.report)
         return model
 
 
@@ -391,6 +423,12 @@ def _keep_lease(model: nn.Module, weights: AttachedWeights) -> None:
     model._wcache_weights = weights  # type: ignore[assignment]
     if isinstance(previous, AttachedWeights):
         previous.close()
+
+
+def _served_name(model_config: ModelConfig) -> str:
+    """The name vLLM serves the model under (`--served-model-name`), else the model as it was given."""
+    served = model_config.served_model_name
+    return str(served[0] if isinstance(served, list | tuple) and served else served or model_config.model)
 
 
 def _names(names: tuple[str, ...], shown: int = 3) -> str:
@@ -411,10 +449,11 @@ def daemon_weights(loader: WcacheModelLoader, model: nn.Module,
         if previous is not None:
             model_config.model = previous.key_file.source
         raise CannotAttachError(f"{exc}".rstrip(".")) from None
-    return _load_then_keep(model, weights)
+    return _load_then_keep(loader, model, model_config, weights)
 
 
-def _load_then_keep(model: nn.Module, weights: AttachedWeights) -> Iterator[tuple[str, torch.Tensor]]:
+def _load_then_keep(loader: WcacheModelLoader, model: nn.Module, model_config: ModelConfig,
+                    weights: AttachedWeights) -> Iterator[tuple[str, torch.Tensor]]:
     try:
         yield from weights.checkpoint_tensors().items()
     except BaseException:
@@ -422,3 +461,4 @@ def _load_then_keep(model: nn.Module, weights: AttachedWeights) -> Iterator[tupl
         raise
     # The new lease is what the engine holds now (the daemon counts it); the old daemon may go once it ends.
     _keep_lease(model, weights)
+    loader._announce_hit(model_config, weights)

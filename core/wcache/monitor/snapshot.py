@@ -5,15 +5,17 @@ Schema (`Snapshot.to_json()`), version `wcache.top/1`:
   only one sample yet, so rates are null and totals are since start), run_dir,
   daemons[]: name, pid, device, tp_rank, tp_size, model, key_id, state ("loading" while it loads), weights_bytes,
              leases, uptime_s, health_status (HTTP code or null), alive, hits, misses (hellos since start),
-             loaded_fraction (0..1 while loading, else null), provenance (its files against what the Hub
+             loaded_fraction (0..1 while loading, else null),
+             plan (dtype, TP size, quantization), provenance (its files against what the Hub
              published, at load: matches | differs | unknown, null while loading or for a daemon that did not say)
-  engines[]: id, url, kind ("wcache" | "vllm"), model, up, weights (attach outcome: hit | miss | fallback |
-             disk | null; corrupt once its daemon found the weights it serves changed in memory), mode, daemon,
-             attach_ms, prefix_queries_total, prefix_hits_total,
+  engines[]: id, url, kind ("wcache" | "vllm"; "unreachable": a --scrape URL that did not answer), model, up,
+             weights (attach outcome: hit | miss | fallback | disk | null; corrupt once its daemon found the weights
+             it serves changed in memory), mode, daemon, attach_ms, prefix_queries_total, prefix_hits_total,
              hit_rate_interval, hit_rate_overall, adopted_hits_total, replayed_tokens_total,
              prefill_saved_total, swa_cached_bytes, hit_rate_history[] — any of these is null ("off") when
              the engine does not export the series; key_id (of the weights it serves now) and
-             hit_rate_by_weights[] ([key id, overall hit rate or null] per weights key it served, current first)
+             hit_rate_by_weights[] ([key id, overall hit rate or null] per weights key it served, current first),
+             reason (why a fallback loaded from disk), requests_running, requests_done, kv_usage (0..1)
   events[]: ts, kind, severity (info | warning | error), summary, detail{}
   alerts[]: one sentence each, for what needs a person now (a storm of fallbacks, unverified hits)
 """
@@ -46,6 +48,7 @@ class DaemonRow:
     loaded_fraction: float | None = None
     provenance: str | None = None
     parent_key_id: str | None = None  # the version this one was built from (preload --from --delta)
+    plan: str | None = None  # dtype, TP size, quantization (plan_summary); None while loading
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,10 @@ class EngineRow:
     key_id: str | None = None  # the content key of the weights the engine serves now (a wcache engine)
     # Overall prefix-cache hit rate per weights key, the current key first: (key id, hit rate or None).
     hit_rate_by_weights: tuple[tuple[str, float | None], ...] = ()
+    reason: str | None = None  # why a fallback (or miss) loaded from disk
+    requests_running: float | None = None  # a vLLM server's requests in flight, finished, and KV cache use (0..1)
+    requests_done: float | None = None
+    kv_usage: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

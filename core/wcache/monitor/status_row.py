@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from msgspec import UNSET, UnsetType
 
+from wcache.checkpoint.display_name import display_name
+from wcache.plan.spec import plan_summary
 from wcache.schema import Schema
 
 if TYPE_CHECKING:
@@ -41,6 +43,8 @@ class StatusRow(Schema, frozen=True, kw_only=True):
     provenance: str | None
     parent_key_id: str | UnsetType | None = UNSET
     corrupt: list[str] | UnsetType = UNSET
+    plan: str | UnsetType = UNSET  # dtype, TP size, quantization (plan_summary): what engines must ask for
+    model: str | UnsetType = UNSET  # the checkpoint as people name it (display_name), a version's lineage's origin
 
     @classmethod
     def of(cls, descriptor: DaemonDescriptor, answer: DaemonStatus, health_status: int | None) -> StatusRow:
@@ -52,7 +56,8 @@ class StatusRow(Schema, frozen=True, kw_only=True):
             leases=stats.leases if stats else 0, uptime_s=stats.uptime_s if stats else None,
             health_url=descriptor.health_url, health_status=health_status, counters=stats.counters if stats else {},
             provenance=descriptor.provenance, parent_key_id=descriptor.parent_key_id,
-            corrupt=list(stats.corrupt or ()) if stats else [])
+            corrupt=list(stats.corrupt or ()) if stats else [], plan=plan_summary(descriptor.plan),
+            model=display_name(descriptor.model_source))
 
     @classmethod
     def loading(cls, record: LoadingRecord) -> StatusRow:

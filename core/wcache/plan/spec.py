@@ -86,3 +86,14 @@ def preload_command(model: Path | str, plan: PlanSpec) -> str:
     if plan.layout != "fused":
         words += ["--plan", plan.layout]
     return " ".join(words)
+
+
+def plan_summary(plan: PlanSpec) -> str:
+    """The plan in a table cell (`status`, `top`): dtype, TP size, quantization where there is one, and a layout
+    other than the fused one; two daemons of one model differ here when they serve different engines."""
+    parts = [plan.dtype, f"tp{plan.tp_size}"]
+    if plan.quantization != "none":
+        parts.append(plan.quantization)
+    if plan.layout != "fused":
+        parts.append(plan.layout)
+    return " ".join(parts)

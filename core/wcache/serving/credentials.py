@@ -52,7 +52,7 @@ def engine_pid_at(run_dir: Path, url: str) -> int | None:
             descriptor = read_engine_descriptor(path)
         except (OSError, ValueError):
             continue
-        if _alive(descriptor.pid) and serves_at(descriptor.url, url):
+        if descriptor.url is not None and _alive(descriptor.pid) and serves_at(descriptor.url, url):
             return descriptor.pid
     return None
 

@@ -109,6 +109,14 @@ class DaemonDescriptor(Schema, frozen=True):
     # A version built from another daemon's arena and a delta: that daemon's key id and name (its lineage).
     parent_key_id: str | None = None
     parent: str | None = None
+    # The checkpoint the lineage began from (its first daemon's source): what a version is named by, not the
+    # delta file it was built from.
+    origin: str | None = None
+
+    @property
+    def model_source(self) -> str:
+        """The checkpoint a person names this daemon's model by: the lineage's origin, else its own source."""
+        return self.origin or self.source
 
     def __post_init__(self) -> None:
         # A pid of 0 or less would signal a process group, or every process we may signal.

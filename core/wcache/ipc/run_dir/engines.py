@@ -1,4 +1,10 @@
-"""What a serving engine announces in `<run dir>/engines/<pid>.json`, so `wcache top` can find and scrape it."""
+"""What an engine announces in `<run dir>/engines/<pid>.json`, so `wcache top` and `wcache status` show it.
+
+The reference engine's server announces itself and removes the file when it stops; every vLLM rank that runs
+the `wcache` load format (an offline `LLM` or a server's) announces itself too, hit or fallback. vLLM ends its
+workers with signals, where nothing runs at exit, so a reader judges an announcement by its process: one whose
+pid is gone, or was started after the announcement (a reused pid), is stale (`announcer_alive`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import os
 from pathlib import Path
 
 from wcache.ipc.attach_summary import AttachSummary
-from wcache.ipc.run_dir.directory import Pid, read_run_file
+from wcache.ipc.run_dir.directory import Pid, process_created, read_run_file
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.schema import Schema
 
@@ -15,16 +21,33 @@ from wcache.schema import Schema
 MAX_ANNOUNCEMENT_BYTES = 64 * 1024
 
 
+# The engines that announce themselves: wcache's reference engine, and vLLM through the load format.
+REFERENCE_ENGINE = "wcache"
+VLLM_ENGINE = "vllm"
+# A process's start time and the announcement's clock differ by rounding; a reused pid starts well after.
+START_SLACK_S = 1.0
+
+
 class EngineDescriptor(Schema, frozen=True):
-    """One serving engine: where its API is, what it serves, and how its weights were attached."""
+    """One engine: where its API is, what it serves, and how its weights were attached."""
 
     pid: Pid
-    url: str
+    url: str | None  # its HTTP API; None for an offline engine, or a server whose port is not known
     model: str
     source: str
     attach: AttachSummary | None  # how the engine attached its weights; None: it loaded them from disk
     key_id: str | None
     started: float
+    engine: str = REFERENCE_ENGINE
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+def announcer_alive(descriptor: EngineDescriptor) -> bool:
+    """Whether the process that wrote `descriptor` still runs (in this pid namespace): not gone, not a new
+    process that reuses its pid."""
+    created = process_created(descriptor.pid)
+    return created is not None and created <= descriptor.started + START_SLACK_S
 
 
 def write_engine_descriptor(run_dir: Path, descriptor: EngineDescriptor) -> Path:
