@@ -196,7 +196,8 @@ def test_a_switch_to_the_same_tensors_with_another_tokenizer_is_refused_by_name(
     assert f"still serving {keys[0]}" in refused.stderr and "tokenizer.json" in refused.stderr
     assert "Traceback" not in refused.stderr
     code, claimed = http_status(f"{server.url}/v1/weights")
-    assert code == 200 and isinstance(claimed, dict) and claimed["key_id"] == keys[0] and claimed["model"] == str(versions.path)
+    assert code == 200 and isinstance(claimed, dict)
+    assert claimed["key_id"] == keys[0] and claimed["model"] == str(versions.path)
     assert complete(server, PROMPTS[3])["choices"][0]["token_ids"] == versions.expected[keys[0]][3]
 
 
