@@ -164,7 +164,8 @@ class DaemonRig:
         wait_for(lambda: lock_held(lock), what="the stand-in to hold its lock")
         descriptor = DaemonDescriptor(
             name=name, pid=process.pid, pid_created=created, device=device, tp_size=1, tp_rank=0, key_id=key_id,
-            key=WeightCacheKey(checkpoint=key_id, config=key_id, plan=key_id, format=1), plan=PlanSpec(), config=None,
+            key=WeightCacheKey(checkpoint=key_id, config=key_id, tokenizer=key_id, plan=key_id,
+                               format=1), plan=PlanSpec(), config=None,
             source=str(self.base / "tiny"), socket=str(socket_path(self.run_dir, name)), health_url=None,
             supervisor_pid=None, started="2025-01-01T00:00:00+00:00", weights_bytes=0,
         )

@@ -67,7 +67,7 @@ from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
 from wcache.schema import SchemaError
 
-KEY = WeightCacheKey(checkpoint="c" * 64, config="f" * 64, plan="p" * 64, format=1)
+KEY = WeightCacheKey(checkpoint="c" * 64, config="f" * 64, tokenizer="t" * 64, plan="p" * 64, format=1)
 PLAN = PlanSpec(tp_size=2, tp_rank=1, dtype="bfloat16")
 RELEASED = ReleasedTo(at="2025-01-01T00:00:00+00:00", client_pid=4242)
 SUMMARY = DaemonSummary(name="cpu-abc", key_id="abc", key=KEY, plan=PLAN, config={"model_type": "llama"},
@@ -80,7 +80,8 @@ CUDA = CudaHandle(handle=b"\x01" * 64, storage_size=4096, storage_offset=0, ref_
 
 REQUESTS: list[Message] = [
     Hello(key=WantedKey.of(KEY), pid=123, dp_size=2),
-    Hello(key=WantedKey(config=KEY.config, plan=KEY.plan, format=1)),  # --trust-daemon: no checkpoint, no pid
+    # --trust-daemon: no checkpoint, no pid
+    Hello(key=WantedKey(config=KEY.config, tokenizer=KEY.tokenizer, plan=KEY.plan, format=1)),
     Manifest(),
     MapRequest("zero_copy"),
     MapRequest("copy"),
@@ -132,12 +133,13 @@ def test_every_reply_survives_a_real_frame(pair: tuple[socket.socket, socket.soc
 
 def test_the_wire_form_is_a_tagged_map_of_the_fields() -> None:
     """A frame's body is the message's fields and its tag, `type`; fields at their default are left out."""
-    assert msgpack.unpackb(encode(Hello(key=WantedKey(config="f", plan="p", format=1), pid=5), REQUEST_LIMITS)[
-        HEADER.size:]) == {"type": "hello", "key": {"config": "f", "plan": "p", "format": 1}, "pid": 5}
+    hello = Hello(key=WantedKey(config="f", tokenizer="t", plan="p", format=1), pid=5)
+    assert msgpack.unpackb(encode(hello, REQUEST_LIMITS)[HEADER.size:]) == {
+        "type": "hello", "key": {"config": "f", "tokenizer": "t", "plan": "p", "format": 1}, "pid": 5}
     assert MapReply(kind="memfd", total_bytes=1, entries=[]).to_wire() == {"kind": "memfd", "total_bytes": 1,
                                                                            "entries": []}
     assert HelloReply("hit", (), SUMMARY).to_wire()["daemon"]["key"] == {
-        "checkpoint": KEY.checkpoint, "config": KEY.config, "plan": KEY.plan, "format": 1}
+        "checkpoint": KEY.checkpoint, "config": KEY.config, "tokenizer": KEY.tokenizer, "plan": KEY.plan, "format": 1}
     assert HelloReply("hit", (), SUMMARY).to_wire()["daemon"]["plan"] == {"tp_size": 2, "tp_rank": 1,
                                                                           "dtype": "bfloat16"}
     digest = TensorDigest("w", "F32", (1,), 4, "d")
@@ -172,9 +174,10 @@ def test_a_map_reply_brings_its_descriptor_through_the_socket(pair: tuple[socket
 
 
 def test_a_trusted_hello_compares_every_field_but_the_checkpoint() -> None:
-    trusted = WantedKey(config=KEY.config, plan=KEY.plan, format=KEY.format)
+    trusted = WantedKey(config=KEY.config, tokenizer=KEY.tokenizer, plan=KEY.plan, format=KEY.format)
     assert trusted.mismatched_fields(KEY) == []
-    other = WeightCacheKey(checkpoint="x" * 64, config=KEY.config, plan="q" * 64, format=KEY.format)
+    other = WeightCacheKey(checkpoint="x" * 64, config=KEY.config, tokenizer=KEY.tokenizer, plan="q" * 64,
+                           format=KEY.format)
     assert trusted.mismatched_fields(other) == ["plan"]
     assert WantedKey.of(KEY).mismatched_fields(other) == ["checkpoint", "plan"]
 
@@ -190,7 +193,8 @@ MALFORMED: dict[str, tuple[type[Message], Any, str]] = {
     "a float for a pid": (
         Hello, {"key": WantedKey.of(KEY).to_wire(), "pid": 1.0}, "Hello.pid: expected `int | null`, got `float`"),
     "a hello without a plan": (
-        Hello, {"key": {"config": "f", "format": 1}}, "Hello.key: object missing required field `plan`"),
+        Hello, {"key": {"config": "f", "tokenizer": "t", "format": 1}},
+        "Hello.key: object missing required field `plan`"),
     "an extra field in the key": (Hello, {"key": {**WantedKey.of(KEY).to_wire(), "salt": 1}}, "unknown field `salt`"),
     "a key of the wrong type": (Hello, {"key": {"config": 1, "plan": "p", "format": 1}}, "Hello.key.config"),
     "a force that is a number": (Shutdown, {"force": 1}, "Shutdown.force: expected `bool`, got `int`"),
@@ -322,7 +326,8 @@ DESCRIPTOR = DaemonDescriptor(
 def test_the_descriptor_round_trips_through_json_with_its_key_typed() -> None:
     again = DaemonDescriptor.from_wire(json.loads(json.dumps(DESCRIPTOR.to_wire())))
     assert again == DESCRIPTOR and isinstance(again.key, WeightCacheKey) and again.plan == PLAN
-    assert DESCRIPTOR.to_wire()["key"] == {"checkpoint": KEY.checkpoint, "config": KEY.config, "plan": KEY.plan,
+    assert DESCRIPTOR.to_wire()["key"] == {"checkpoint": KEY.checkpoint, "config": KEY.config,
+                                           "tokenizer": KEY.tokenizer, "plan": KEY.plan,
                                            "format": 1}
 
 

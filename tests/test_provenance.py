@@ -72,8 +72,9 @@ def test_key_sha256_is_the_files_own_through_reordered_parallel_reads(tmp_path: 
     monkeypatch.setattr(file_digest, "REORDER_BYTES", 4096)
     model = write_checkpoint("small", tmp_path / "small", num_shards=3)
     key = compute_key(model, store=None)
-    assert [f.name for f in key.files] == [p.name for p in locate(model).shards]
-    for entry in key.files:
+    shards = [f for f in key.files if f.name.endswith(".safetensors")]
+    assert [f.name for f in shards] == [p.name for p in locate(model).shards]
+    for entry in key.files:  # config.json's SHA-256 too
         assert entry.sha256 == _sha256_of(model / entry.name)
         assert entry.size == (model / entry.name).stat().st_size
 
@@ -101,7 +102,7 @@ def test_the_daemons_single_pass_records_each_files_sha256(two_shards: Path, tmp
         loaded = load_rank(two_shards, PlanSpec(), "cpu", store)
         loaded.arena.close()
         assert {f.name: f.sha256 for f in loaded.key_file.files} == {
-            name: _sha256_of(two_shards / name) for name in (FIRST, SECOND)}
+            name: _sha256_of(two_shards / name) for name in (FIRST, SECOND, "config.json")}
         # The receipts carry it: a warm key knows it without reading.
         assert _stored_sha256(store) == {two_shards / n: _sha256_of(two_shards / n) for n in (FIRST, SECOND)}
 
@@ -128,7 +129,8 @@ def test_a_warm_key_knows_each_files_sha256_without_reading(two_shards: Path, tm
         monkeypatch.setattr(OpenShard, "__init__", no_reads)
         warm = compute_key(two_shards, store=store)
     assert warm.stats is not None and warm.stats.root_from_store
-    assert {f.name: f.sha256 for f in warm.files} == {n: _sha256_of(two_shards / n) for n in (FIRST, SECOND)}
+    assert {f.name: f.sha256 for f in warm.files} == {n: _sha256_of(two_shards / n)
+                                                      for n in (FIRST, SECOND, "config.json")}
 
 
 def test_receipts_from_before_sha256_keep_working_and_get_it_on_the_next_pass(two_shards: Path,
@@ -145,7 +147,7 @@ def test_receipts_from_before_sha256_keep_working_and_get_it_on_the_next_pass(tw
         store.put_many(old)
         warm = compute_key(two_shards, store=store)
         assert warm.key == fresh.key and warm.stats is not None and warm.stats.shards_hashed == 0
-        assert [f.sha256 for f in warm.files] == [None, None]
+        assert [f.sha256 for f in warm.files if f.name.endswith(".safetensors")] == [None, None]
         # A preload does not take them for a warm key: it reads, and writes SHA-256 into the receipts.
         load_rank(two_shards, PlanSpec(), "cpu", store).arena.close()
         assert _stored_sha256(store) == {two_shards / n: _sha256_of(two_shards / n) for n in (FIRST, SECOND)}
@@ -162,14 +164,16 @@ def test_every_file_matches_the_hub_and_a_same_size_rewrite_differs_by_name(
     assert code == 0
     assert before["info"]["source"] == str(snapshot)
     assert before["provenance"]["verdict"] == "matches"
-    assert [f["verdict"] for f in before["provenance"]["files"]] == ["matches", "matches"]
+    assert {f["name"]: f["verdict"] for f in before["provenance"]["files"]} == {
+        FIRST: "matches", SECOND: "matches", "config.json": "matches"}  # config.json by its git SHA-1
 
     _same_size_rewrite(Path(os.path.realpath(blob_of(snapshot, SECOND))))  # through every link to the bytes
     verify = wcache_in_process("verify", "Org/Tiny", "--provenance", "--json")
     assert verify.returncode == 1, verify.stdout + verify.stderr
     report = json.loads(verify.stdout)["provenance"]
     assert report["verdict"] == "differs"
-    assert {f["name"]: f["verdict"] for f in report["files"]} == {FIRST: "matches", SECOND: "differs"}
+    assert {f["name"]: f["verdict"] for f in report["files"]} == {FIRST: "matches", SECOND: "differs",
+                                                                  "config.json": "matches"}
     code, after = _key_json("Org/Tiny")
     assert after["key"]["checkpoint"] != before["key"]["checkpoint"]  # BLAKE3 sees it too, of course
     shown = wcache_in_process("verify", "Org/Tiny", "--provenance", env={"COLUMNS": "200"})  # names uncut
@@ -181,7 +185,7 @@ def test_a_non_lfs_shard_is_unknown(hub: Path, two_shards: Path) -> None:
     code, document = _key_json("Org/Tiny")
     assert code == 0
     verdicts = {f["name"]: f for f in document["provenance"]["files"]}
-    assert verdicts[FIRST]["verdict"] == "unknown" and "not an LFS file" in verdicts[FIRST]["why"]
+    assert verdicts[FIRST]["verdict"] == "unknown" and "git SHA-1" in verdicts[FIRST]["why"]
     assert verdicts[SECOND]["verdict"] == "matches"
     assert document["provenance"]["verdict"] == "unknown"
 
@@ -206,7 +210,7 @@ def test_a_plain_directory_is_unknown_unless_digests_are_given(two_shards: Path,
     assert "not from the Hugging Face cache" in document["provenance"]["files"][0]["why"]
 
     sums = tmp_path / "SHA256SUMS"
-    sums.write_text("".join(f"{_sha256_of(two_shards / n)}  ./{n}\n" for n in (FIRST, SECOND)))
+    sums.write_text("".join(f"{_sha256_of(two_shards / n)}  ./{n}\n" for n in (FIRST, SECOND, "config.json")))
     code, document = _key_json(str(two_shards), "--expected", str(sums))
     assert document["provenance"]["verdict"] == "matches"
 
@@ -217,7 +221,7 @@ def test_a_plain_directory_is_unknown_unless_digests_are_given(two_shards: Path,
     result = wcache_in_process("verify", str(copy), "--provenance", "--expected", str(saved), "--json")
     assert result.returncode == 1
     files = {f["name"]: f["verdict"] for f in json.loads(result.stdout)["provenance"]["files"]}
-    assert files == {FIRST: "differs", SECOND: "matches"}
+    assert files == {FIRST: "differs", SECOND: "matches", "config.json": "matches"}
 
     bad = tmp_path / "bad-sums"
     bad.write_text("not a digest line\n")
@@ -245,9 +249,9 @@ def test_preload_refuses_a_differing_file_by_name_and_by_default_warns(two_shard
         assert f"warning: {SECOND} differs from what the Hub published" in warned.stderr
         [daemon] = rig.descriptors()
         assert daemon.provenance == "differs"
-        assert [f.name for f in daemon.files] == [FIRST, SECOND]
+        assert [f.name for f in daemon.files] == [FIRST, SECOND, "config.json"]
         [event] = rig.events("provenance")
-        assert event["verdict"] == "differs" and event["differs"] == [SECOND] and event["counts"]["matches"] == 1
+        assert event["verdict"] == "differs" and event["differs"] == [SECOND] and event["counts"]["matches"] == 2
         # status, top and /metrics carry the verdict.
         [row] = rig.status()["daemons"]
         assert row["provenance"] == "differs"
@@ -264,8 +268,8 @@ def test_preload_refuses_a_differing_file_by_name_and_by_default_warns(two_shard
         assert series in str(metrics)
         # A daemon's key shows the verdicts too, from the digests its pass computed.
         shown = rig.cli("key", daemon.name, "--json", "--run-dir", str(rig.run_dir), as_json=True)
-        assert {f["name"]: f["verdict"] for f in shown["provenance"]["files"]} == {FIRST: "matches",
-                                                                                  SECOND: "differs"}
+        assert {f["name"]: f["verdict"] for f in shown["provenance"]["files"]} == {
+            FIRST: "matches", SECOND: "differs", "config.json": "matches"}
 
 
 def test_preload_refuse_unknown_refuses_a_plain_directory(two_shards: Path) -> None:

@@ -33,7 +33,7 @@ from engine_serving import Server, post, serving
 from helpers import WCACHE
 from prometheus_client.parser import text_string_to_metric_families
 from wcache.engine import Engine, EngineConfig
-from wcache_dev.synth import write_checkpoint, write_training_step
+from wcache_dev.synth import PRESETS, write_byte_tokenizer, write_checkpoint, write_training_step
 
 # Four prompts sharing 64 tokens (four blocks of 16, past tiny's 32-token window), then their own tails.
 SHARED = "Weights change between requests; the cache must not remember them. "[:64]
@@ -194,6 +194,24 @@ def test_a_switch_nothing_serves_is_refused_and_the_engine_keeps_serving(version
     assert [e["reason"] for e in rig.events("switch_refused")], "the refusal is an event"
 
 
+def test_a_switch_to_the_same_tensors_with_another_tokenizer_is_refused_by_name(versions: Versions,
+                                                                               engine: Server) -> None:
+    """Copies of version 0's tensors and config beside a tokenizer.json of their own: another key, so no daemon
+    serves it and the engine keeps serving version 0 with its own tokenizer."""
+    rig, keys, server = versions.rig, versions.keys, engine
+    retokenized = rig.base / "retokenized"
+    shutil.copytree(versions.sources[0], retokenized)
+    write_byte_tokenizer(retokenized, PRESETS["tiny"].config)
+    refused = rig.cli("switch", server.url, str(retokenized))
+    assert refused.returncode == 3, refused.stderr
+    assert f"still serving {keys[0]}" in refused.stderr and "tokenizer.json" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    code, claimed = http_status(f"{server.url}/v1/weights")
+    assert code == 200 and isinstance(claimed, dict)
+    assert claimed["key_id"] == keys[0] and claimed["model"] == str(versions.path)
+    assert complete(server, PROMPTS[3])["choices"][0]["token_ids"] == versions.expected[keys[0]][3]
+
+
 def test_verify_of_a_served_engine_finds_a_claim_the_checkpoint_no_longer_backs(versions: Versions,
                                                                                 engine: Server) -> None:
     rig, keys, server = versions.rig, versions.keys, engine
@@ -205,6 +223,17 @@ def test_verify_of_a_served_engine_finds_a_claim_the_checkpoint_no_longer_backs(
     assert f"claims key {keys[0]}" in report["problem"] and keys[1] in report["problem"]
     assert rig.cli("verify", server.url, "--greedy", "--num-prompts", "2").returncode == 0
     assert rig.cli("verify", server.url, "--content").returncode == 2
+
+    # Same tensors, another tokenizer under the engine (it encodes with the one it loaded): its claimed key,
+    # which covers the tokenizer, is no longer the checkpoint's, so nothing reads VERIFIED.
+    write_byte_tokenizer(versions.path, PRESETS["tiny"].config)
+    try:
+        retokenized = rig.cli("verify", server.url, "--greedy", "--json")
+    finally:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (versions.path / name).unlink()
+    assert retokenized.returncode == 1, retokenized.stderr
+    assert f"claims key {keys[0]}" in json.loads(retokenized.stdout)["greedy"]["problem"]
 
 
 def test_a_hundred_switches_under_load_never_mix_versions(versions: Versions, engine: Server) -> None:

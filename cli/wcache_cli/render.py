@@ -58,6 +58,9 @@ def key_table(key_file: KeyFile) -> RenderableType:
     table.add_row("checkpoint", short(key_file.key.checkpoint),
                   f"Merkle root of {len(key_file.manifest)} tensors, {human_bytes(key_file.total_bytes)}")
     table.add_row("config", short(key_file.key.config), "config.json without name and dtype fields")
+    named = [f.name for f in key_file.companions if f.name != "config.json"]
+    table.add_row("tokenizer", short(key_file.key.tokenizer),
+                  escape(printable(", ".join(named))) if named else "no tokenizer or generation config file")
     table.add_row("plan", short(key_file.key.plan), plan_summary(key_file.plan.to_json()))
     table.add_row("format", str(key_file.key.format), "processing code version")
     parts: list[RenderableType] = [table]
@@ -115,7 +118,7 @@ def diff_renderable(diff: KeyDiff, a: KeyFile, b: KeyFile) -> RenderableType:
     for change in diff.fields:
         fields.add_row(change.name, short(str(change.a)), short(str(change.b)))
     parts.append(fields)
-    for title, changes in (("plan", diff.plan), ("config", diff.config)):
+    for title, changes in (("plan", diff.plan), ("config", diff.config), ("tokenizer file", diff.tokenizer)):
         if changes:
             table = Table(title=f"{title} entries that differ", title_justify="left")
             table.add_column("entry")
@@ -151,6 +154,7 @@ def diff_json(diff: KeyDiff, a: KeyFile, b: KeyFile) -> dict[str, Any]:
         "fields": values(diff.fields),
         "plan": values(diff.plan),
         "config": values(diff.config),
+        "tokenizer": values(diff.tokenizer),
         "tensors": {
             "changed": [
                 {"name": c.name, "what": c.what.split(", "), "a": c.a.to_wire(), "b": c.b.to_wire()}

@@ -37,7 +37,7 @@ def nearest(candidates: list[DaemonDescriptor], wanted: WantedKey) -> DaemonDesc
 
 
 def pick_daemon(model: Path, plan: PlanSpec, run_dir: Path, device: str, daemon: str | None) -> DaemonDescriptor:
-    """The daemon an engine for `model` under `plan` would use, judged by config, plan and format alone."""
+    """The daemon an engine for `model` under `plan` would use, judged by config, tokenizer, plan and format alone."""
     from wcache.key.compute import trusted_key
 
     wanted = WantedKey(**trusted_key(model, plan))  # what `attach --trust-daemon` compares

@@ -44,7 +44,7 @@ def attach(
     """Get one rank's processed tensors from a daemon holding this checkpoint's key, or from disk.
 
     `daemon` names a daemon (its name or key id prefix) to use; `trust_daemon` skips the checkpoint stat
-    pass for it and compares only config, plan and format. `wait_s` keeps looking for a daemon with this
+    pass for it and compares only config, tokenizer, plan and format. `wait_s` keeps looking for a daemon with this
     key that long (one still loading) before missing. `engine` names the attaching engine in the events.
     DP size is recorded, never compared. `views=False` only reports: a hit maps nothing and makes no tensor
     (torch is not imported); a fallback still loads from disk.

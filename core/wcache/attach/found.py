@@ -57,7 +57,7 @@ def key_while_connecting(ctx: AttachContext, timings: dict[str, float]) -> tuple
     with collector_paused(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="wcache-key") as pool:
         if ctx.options.trust_daemon:
             t = time.perf_counter()
-            wanted = WantedKey(**trusted_key(ctx.model, ctx.plan))
+            wanted = WantedKey(**trusted_key(ctx.model, ctx.plan, ctx.store))
             timings["key"] = (time.perf_counter() - t) * 1000
         else:
             key_future = pool.submit(full_key)

@@ -29,6 +29,8 @@ def describe_diff(diff: KeyDiff) -> str:
         parts.append("plan " + ", ".join(f"{c.name} {c.a}→{c.b}" for c in diff.plan))
     if diff.config:
         parts.append("config " + ", ".join(c.name for c in diff.config[:5]))
+    if diff.tokenizer:
+        parts.append("tokenizer file(s) " + ", ".join(c.name for c in diff.tokenizer[:5]))
     fields = ", ".join(c.name for c in diff.fields)
     return f"differs in {fields}" + (f" ({'; '.join(parts)})" if parts else "")
 

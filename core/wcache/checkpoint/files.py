@@ -14,7 +14,9 @@ from typing import Any
 import blake3
 
 from wcache.canonical import NonFiniteNumberError, loads_finite
+from wcache.checkpoint.companions import Companion, content_digests, find_companions
 from wcache.checkpoint.identity import FileIdentity
+from wcache.checkpoint.provenance import FileDigest
 from wcache.checkpoint.safetensors_header import ShardHeader
 from wcache.errors import CheckpointError
 
@@ -38,6 +40,11 @@ class CheckpointLayout:
     # a key that then reads the shards checks that these paths still name those files (fingerprint), so that
     # its config and index are of the checkpoint it hashed.
     read_files: tuple[tuple[Path, FileIdentity], ...] = ()
+    # config.json's size and digests, from the bytes read (provenance judges it as it judges a shard).
+    config_file: FileDigest | None = None
+    # The tokenizer's files and the generation config beside the tensors, as stat saw them (their digests are
+    # the key's: `wcache.key.companion_digests`).
+    companions: tuple[Companion, ...] = ()
 
 
 # config.json and the index of an 11,000-tensor checkpoint are about a megabyte; anything far larger is not one.
@@ -145,8 +152,9 @@ def locate(path: Path) -> CheckpointLayout:
     Reads only config.json and the index, concurrently with the stat that tells a directory from a file,
     because on remote storage each is a chain of round trips; shard files are not touched here.
     """
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    with ThreadPoolExecutor(max_workers=4) as pool:
         mode_future: Future[int] = pool.submit(_mode_of, path)
+        companions_future: Future[tuple[Companion, ...]] = pool.submit(find_companions, path)
         # Read as if `path` were a directory; where it is not, these fail or find nothing and are dropped.
         config_future: Future[tuple[Any, _Read | None]] = pool.submit(_read_json, path / CONFIG_NAME,
                                                                       "model config")
@@ -154,7 +162,8 @@ def locate(path: Path) -> CheckpointLayout:
         if stat.S_ISDIR(mode_future.result()):
             (config, config_read), (index, index_digest, index_read) = config_future.result(), index_future.result()
             layout = _directory_layout(path, config, index, index_digest)
-            return replace(layout, read_files=_identities(config_read, index_read))
+            return replace(layout, read_files=_identities(config_read, index_read),
+                           config_file=_config_file(config_read), companions=companions_future.result())
     if path.suffix != ".safetensors":
         raise CheckpointError(f"{path} is neither a model directory nor a .safetensors file.")
     # A single file takes the config of the directory it sits in, as vLLM does for a file path.
@@ -162,7 +171,15 @@ def locate(path: Path) -> CheckpointLayout:
     if config is not None and not isinstance(config, dict):
         raise CheckpointError(f"{path.parent / CONFIG_NAME} is not a JSON object.")
     return CheckpointLayout(root=path.parent, shards=(path,), config=config, weight_map=None,
-                            read_files=_identities(config_read))
+                            read_files=_identities(config_read), config_file=_config_file(config_read),
+                            companions=find_companions(path.parent))
+
+
+def _config_file(read: _Read | None) -> FileDigest | None:
+    if read is None:
+        return None
+    digests = content_digests(read.data)
+    return FileDigest(CONFIG_NAME, len(read.data), digests.sha256, digests.git_sha1)
 
 
 def _identities(*reads: _Read | None) -> tuple[tuple[Path, FileIdentity], ...]:

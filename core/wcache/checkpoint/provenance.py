@@ -27,19 +27,22 @@ Verdict = Literal["matches", "differs", "unknown"]
 VERDICTS: tuple[Verdict, ...] = ("matches", "differs", "unknown")
 REPO_DIR_PREFIXES = ("models--", "datasets--", "spaces--")
 SHA256_PATTERN = "^[0-9a-f]{64}$"
+GIT_SHA1_PATTERN = "^[0-9a-f]{40}$"
 _SHA256 = re.compile(SHA256_PATTERN)
-_GIT_SHA1 = re.compile(r"^[0-9a-f]{40}$")
+_GIT_SHA1 = re.compile(GIT_SHA1_PATTERN)
 # One line of `sha256sum` output: digest, a space, a space or "*" (binary mode), the name.
 _SUMS_LINE = re.compile(r"^\\?([0-9a-fA-F]{64}) [ *](.+)$")
 
 
 class FileDigest(Schema, frozen=True):
     """One checkpoint file: its name under the checkpoint's directory, its size and its SHA-256 (None: not
-    computed, e.g. a receipt from before wcache recorded it)."""
+    computed, e.g. a receipt from before wcache recorded it); for a file beside the tensors (config.json, the
+    tokenizer's) also its git blob SHA-1, which the Hub names a file stored outside LFS by."""
 
     name: str
     size: int
     sha256: Annotated[str, msgspec.Meta(pattern=SHA256_PATTERN)] | None
+    git_sha1: Annotated[str, msgspec.Meta(pattern=GIT_SHA1_PATTERN)] | None = None
 
 
 # The files' digests, or what reads them (a key whose root came from the digest store reads receipts only if asked).
@@ -52,32 +55,36 @@ def build_files(source: FilesSource) -> tuple[FileDigest, ...]:
 
 @dataclass(frozen=True, slots=True)
 class Expected:
-    """What a file should hash to and who says so; `sha256` None with `why` when nothing says."""
+    """What a file should hash to and who says so; `sha256` None with `why` when nothing says. A Hub file stored
+    outside LFS is named by its git blob SHA-1: `git_sha1` holds it (and `sha256` is None)."""
 
     sha256: str | None
     origin: str  # "hub" (the cache's etag), "given" (the user's file), or "none"
     why: str = ""
+    git_sha1: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class FileVerdict:
     name: str
     verdict: Verdict
-    sha256: str | None
+    sha256: str | None  # the file's digest of `algorithm`
     expected: str | None
     origin: str
     why: str
+    algorithm: str = "sha256"  # or "git-sha1": what the Hub names a file stored outside LFS by
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "verdict": self.verdict, "sha256": self.sha256, "expected": self.expected,
-                "origin": self.origin, "why": self.why}
+                "origin": self.origin, "why": self.why, "algorithm": self.algorithm}
 
     def sentence(self) -> str:
         if self.verdict == "matches":
             return f"{self.name} matches {'the Hub' if self.origin == 'hub' else 'the given digest'}"
         if self.verdict == "differs":
             source = "the Hub published" if self.origin == "hub" else "the given digest says"
-            return (f"{self.name} differs from what {source} (SHA-256 {(self.sha256 or '')[:12]}…, expected "
+            algorithm = "SHA-256" if self.algorithm == "sha256" else "git SHA-1"
+            return (f"{self.name} differs from what {source} ({algorithm} {(self.sha256 or '')[:12]}…, expected "
                     f"{(self.expected or '')[:12]}…)")
         return f"{self.name}: unknown ({self.why})"
 
@@ -110,7 +117,7 @@ def hub_expected(path: Path) -> Expected:
     if _SHA256.match(etag):
         return Expected(etag, "hub")
     if _GIT_SHA1.match(etag):
-        return Expected(None, "none", "not an LFS file: the Hub names it by its git SHA-1, not its SHA-256")
+        return Expected(None, "hub", git_sha1=etag)
     return Expected(None, "none", f"its blob name {etag!r} is not a digest")
 
 
@@ -151,7 +158,9 @@ def judge(root: Path, files: Iterable[FileDigest], given: Mapping[str, str] | No
                         else Expected(None, "none", "the given file lists no digest for it"))
         else:
             expected = hub_expected(root / entry.name)
-        if expected.sha256 is None:
+        if expected.git_sha1 is not None:
+            verdicts.append(_judged_by_git_sha1(entry, expected.git_sha1))
+        elif expected.sha256 is None:
             verdicts.append(FileVerdict(entry.name, "unknown", entry.sha256, None, expected.origin, expected.why))
         elif entry.sha256 is None:
             verdicts.append(FileVerdict(entry.name, "unknown", None, expected.sha256, expected.origin,
@@ -160,6 +169,16 @@ def judge(root: Path, files: Iterable[FileDigest], given: Mapping[str, str] | No
             verdict: Verdict = "matches" if entry.sha256 == expected.sha256 else "differs"
             verdicts.append(FileVerdict(entry.name, verdict, entry.sha256, expected.sha256, expected.origin, ""))
     return tuple(verdicts)
+
+
+def _judged_by_git_sha1(entry: FileDigest, expected: str) -> FileVerdict:
+    """A file the Hub stores outside LFS, against the git blob SHA-1 its blob is named by."""
+    if entry.git_sha1 is None:
+        return FileVerdict(entry.name, "unknown", None, expected, "hub",
+                           "the Hub names it by its git SHA-1, which wcache computes only for the files beside "
+                           "the tensors", "git-sha1")
+    verdict: Verdict = "matches" if entry.git_sha1 == expected else "differs"
+    return FileVerdict(entry.name, verdict, entry.git_sha1, expected, "hub", "", "git-sha1")
 
 
 def overall(verdicts: Iterable[FileVerdict]) -> Verdict:

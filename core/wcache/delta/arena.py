@@ -80,7 +80,8 @@ def find_parent(run_dir: Path, name: str) -> DaemonDescriptor:
 
 
 def next_key(parent: WeightCacheKey, checkpoint: str) -> WeightCacheKey:
-    """The key of the parent's config, plan and format over checkpoint digest `checkpoint`."""
+    """The key of the parent's config, tokenizer, plan and format over checkpoint digest `checkpoint` (a delta
+    carries tensors only: a version with another tokenizer is preloaded, not built)."""
     return msgspec.structs.replace(parent, checkpoint=checkpoint)
 
 

@@ -13,10 +13,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from wcache.canonical import digest_of
+from wcache.checkpoint.companions import is_companion
+from wcache.checkpoint.files import CONFIG_NAME
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
 from wcache.checkpoint.model_config import config_digest
 from wcache.checkpoint.provenance import FileDigest, FilesSource, build_files
 from wcache.errors import BadInputError, KeyFileError
+from wcache.key.companion_digest import tokenizer_digest
 from wcache.plan.spec import PlanSpec
 from wcache.schema import Schema
 
@@ -25,7 +28,9 @@ if TYPE_CHECKING:
 
 # Bumped whenever processing code changes the bytes it produces for the same inputs.
 FORMAT_VERSION = 2  # 2: the vocabulary padded to 64 rows before a TP split; stacked experts; pre-quantized codes
-KEY_SCHEMA = "wcache.key/1"  # in every saved key file: never changes with the module layout
+# In every saved key file: never changes with the module layout. 2: the key has a `tokenizer` field, and `files`
+# lists config.json and the tokenizer's files after the shards (a /1 file is refused: docs/key.md, migration).
+KEY_SCHEMA = "wcache.key/2"
 SHORT_ID_HEX = 12
 
 
@@ -34,6 +39,7 @@ class WeightCacheKey(Schema, frozen=True):
 
     checkpoint: str
     config: str
+    tokenizer: str  # the tokenizer's files and generation_config.json (wcache.key.companion_digest)
     plan: str
     format: int
 
@@ -77,7 +83,8 @@ class KeyDocument(Schema, frozen=True):
     config: dict[str, Any] | None
     info: KeyInfo
     tensors: tuple[TensorDigest, ...]
-    files: tuple[FileDigest, ...] | None = None  # each shard's size and SHA-256; older key files have none
+    # each shard's size and SHA-256, then config.json's and each tokenizer file's (with its git SHA-1)
+    files: tuple[FileDigest, ...] | None = None
     provenance: dict[str, Any] | None = None
 
 
@@ -99,6 +106,8 @@ class KeyFile:
     stats: FingerprintStats | None = None
     # Each shard's size and SHA-256, for provenance; informational, outside the key (a key file may lack them).
     files_source: FilesSource = field(default=(), repr=False, compare=False)
+    # config.json and the tokenizer's files (the `tokenizer` field is made of the latter), always at hand.
+    companions: tuple[FileDigest, ...] = field(default=(), repr=False, compare=False)
 
     @cached_property
     def manifest(self) -> tuple[TensorDigest, ...]:
@@ -106,7 +115,8 @@ class KeyFile:
 
     @cached_property
     def files(self) -> tuple[FileDigest, ...]:
-        return build_files(self.files_source)
+        """Every file the key depends on: the shards, then config.json and the tokenizer's files."""
+        return build_files(self.files_source) + self.companions
 
     @property
     def total_bytes(self) -> int:
@@ -122,6 +132,9 @@ class KeyFile:
     def from_json(cls, data: Any, origin: str) -> KeyFile:
         """Rebuild a key file, checking that its manifest still adds up to its checkpoint digest."""
         try:
+            if isinstance(data, dict) and data.get("schema") == "wcache.key/1":
+                raise ValueError("it was saved by a wcache whose key did not cover the tokenizer; save it again "
+                                 "with: wcache key MODEL --json")
             if not isinstance(data, dict) or data.get("schema") != KEY_SCHEMA:
                 found = data.get("schema") if isinstance(data, dict) else type(data).__name__
                 raise ValueError(f"schema is {found!r}, expected {KEY_SCHEMA!r}")
@@ -130,9 +143,10 @@ class KeyFile:
         except (ValueError, BadInputError) as exc:  # SchemaError is a ValueError
             raise KeyFileError(f"{origin} is not a wcache key file ({exc}).") from None
         key, manifest = document.key, document.tensors
+        shards, companions = split_files(document.files or ())
         result = cls(key=key, plan=plan, config=document.config, manifest_source=manifest,
                      source=document.info.source, created=document.info.created,
-                     wcache_version=document.info.wcache_version, files_source=document.files or ())
+                     wcache_version=document.info.wcache_version, files_source=shards, companions=companions)
         # A hand-edited key file must not pass for the checkpoint it claims to describe.
         if not manifest or merkle_root(manifest) != key.checkpoint:
             raise KeyFileError(f"{origin} has a tensor list that does not match its checkpoint digest.")
@@ -140,7 +154,15 @@ class KeyFile:
             raise KeyFileError(f"{origin} has a plan that does not match its plan digest.")
         if config_digest(result.config) != key.config:
             raise KeyFileError(f"{origin} has a config that does not match its config digest.")
+        if tokenizer_digest(companions) != key.tokenizer:
+            raise KeyFileError(f"{origin} has tokenizer files that do not match its tokenizer digest.")
         return result
+
+
+def split_files(files: tuple[FileDigest, ...]) -> tuple[tuple[FileDigest, ...], tuple[FileDigest, ...]]:
+    """A key's files as (shards, then config.json and the tokenizer's files), by name."""
+    beside = tuple(f for f in files if f.name == CONFIG_NAME or is_companion(f.name))
+    return tuple(f for f in files if f not in beside), beside
 
 
 def load_key_file(path: Path) -> KeyFile:

@@ -19,6 +19,7 @@ from wcache.checkpoint.provenance import FilesSource
 from wcache.checkpoint.safetensors_header import TensorInfo
 from wcache.errors import CheckpointError
 from wcache.key.cache_key import FORMAT_VERSION, KeyFile, WeightCacheKey
+from wcache.key.companion_digest import companion_files, tokenizer_digest
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import CheckpointChangedError, FingerprintStats, HashProgress, fingerprint_checkpoint
 from wcache.key.shard_hash import MAX_ATTEMPTS, OpenShard
@@ -55,7 +56,7 @@ def compute_key(
         except CheckpointChangedError:
             continue
         return make_key_file(path, layout, fingerprint.manifest_source, plan or PlanSpec(), fingerprint.stats,
-                             root=fingerprint.root, files=fingerprint.files_source)
+                             root=fingerprint.root, files=fingerprint.files_source, store=store)
     raise CheckpointError(f"{path} had files replaced every time its key was computed ({MAX_ATTEMPTS} tries); "
                           "try again once it stays put.")
 
@@ -82,12 +83,13 @@ def resolve_plan_from_headers(layout: CheckpointLayout, plan: PlanSpec) -> PlanS
     return plan.resolve(_dominant_dtype(tensors))
 
 
-def trusted_key(path: Path, plan: PlanSpec) -> dict[str, Any]:
+def trusted_key(path: Path, plan: PlanSpec, store: DigestStore | None = None) -> dict[str, Any]:
     """What an engine that trusts the daemon compares of `path`'s key under `plan` (every field but the
     checkpoint's digest), without hashing a shard ("auto" as the key resolves it)."""
     layout = locate(path)
     resolved = resolve_plan_from_headers(layout, plan)
-    return {"config": config_digest(layout.config), "plan": resolved.digest(), "format": FORMAT_VERSION}
+    return {"config": config_digest(layout.config), "tokenizer": tokenizer_digest(companion_files(layout, store)),
+            "plan": resolved.digest(), "format": FORMAT_VERSION}
 
 
 def make_key_file(
@@ -99,15 +101,18 @@ def make_key_file(
     *,
     root: str | None = None,
     files: FilesSource = (),
+    store: DigestStore | None = None,
 ) -> KeyFile:
     """Assemble the key of a fingerprinted checkpoint; "auto" dtype resolves to the checkpoint's own.
 
     `root` is the manifest's Merkle root where the caller already has it (a Fingerprint's): one root per key.
     """
     resolved = resolve_plan(layout, manifest, plan)
+    companions = companion_files(layout, store)
     key = WeightCacheKey(
         checkpoint=root if root is not None else merkle_root(build_manifest(manifest)),
         config=config_digest(layout.config),
+        tokenizer=tokenizer_digest(companions),
         plan=resolved.digest(),
         format=FORMAT_VERSION,
     )
@@ -121,4 +126,5 @@ def make_key_file(
         wcache_version=wcache.__version__,
         stats=stats,
         files_source=files,
+        companions=companions,
     )

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from wcache.checkpoint.companions import is_companion
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.key.cache_key import KeyFile
 from wcache.schema import Record
@@ -50,6 +51,7 @@ class KeyDiff:
     fields: tuple[ValueChange, ...]
     plan: tuple[ValueChange, ...]
     config: tuple[ValueChange, ...]
+    tokenizer: tuple[ValueChange, ...]  # by file name: its SHA-256 on each side (None: absent there)
     changed: tuple[TensorChange, ...]
     added: tuple[TensorDigest, ...]
     removed: tuple[TensorDigest, ...]
@@ -70,6 +72,10 @@ def _dict_changes(a: dict[str, Any] | None, b: dict[str, Any] | None) -> tuple[V
     return tuple(changes)
 
 
+def _tokenizer_files(key_file: KeyFile) -> dict[str, Any]:
+    return {f.name: f.sha256 for f in key_file.companions if is_companion(f.name)}
+
+
 def diff_keys(a: KeyFile, b: KeyFile) -> KeyDiff:
     """Field-level differences, then the plan entries, config entries and tensors behind them."""
     field_changes = tuple(
@@ -87,6 +93,7 @@ def diff_keys(a: KeyFile, b: KeyFile) -> KeyDiff:
         fields=field_changes,
         plan=_dict_changes(a.plan.to_json(), b.plan.to_json()),
         config=_dict_changes(a.config, b.config),
+        tokenizer=_dict_changes(_tokenizer_files(a), _tokenizer_files(b)),
         changed=changed,
         added=tuple(right[n] for n in sorted(right.keys() - left.keys())),
         removed=tuple(left[n] for n in sorted(left.keys() - right.keys())),
@@ -105,6 +112,7 @@ class DiffSummary(Record, frozen=True, omit_defaults=False):
     # name → [the daemon's value, this checkpoint's]
     plan: dict[str, list[Any]] = msgspec.field(default_factory=dict)
     config: list[str] = msgspec.field(default_factory=list)
+    tokenizer: list[str] = msgspec.field(default_factory=list)  # the tokenizer files that differ, by name
     changed: list[str] = msgspec.field(default_factory=list)
     added: list[str] = msgspec.field(default_factory=list)
     removed: list[str] = msgspec.field(default_factory=list)
@@ -117,7 +125,8 @@ def diff_summary(diff: KeyDiff) -> DiffSummary:
     """A compact diff for events and reports: at most `MAX_DIFF_TENSORS_IN_EVENT` names of each kind."""
     return DiffSummary(
         fields=[c.name for c in diff.fields], plan={c.name: [c.a, c.b] for c in diff.plan},
-        config=[c.name for c in diff.config], changed=[c.name for c in diff.changed[:MAX_DIFF_TENSORS_IN_EVENT]],
+        config=[c.name for c in diff.config], tokenizer=[c.name for c in diff.tokenizer],
+        changed=[c.name for c in diff.changed[:MAX_DIFF_TENSORS_IN_EVENT]],
         added=[e.name for e in diff.added[:MAX_DIFF_TENSORS_IN_EVENT]],
         removed=[e.name for e in diff.removed[:MAX_DIFF_TENSORS_IN_EVENT]],
         num_changed=len(diff.changed), num_added=len(diff.added), num_removed=len(diff.removed))

@@ -17,6 +17,7 @@ from typing import Annotated
 import msgspec
 import platformdirs
 
+from wcache.checkpoint.companions import ContentDigests
 from wcache.checkpoint.provenance import SHA256_PATTERN
 from wcache.checkpoint.safetensors_header import PREFIX_BYTES, ShardHeader, TensorInfo
 from wcache.key.shard_hash import FileIdentity, ShardRecord
@@ -51,6 +52,16 @@ CREATE TABLE IF NOT EXISTS shards (
     hashed_at_ns INTEGER NOT NULL,
     path TEXT NOT NULL,
     record BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS files (
+    file_id TEXT PRIMARY KEY,
+    size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    ctime_ns INTEGER NOT NULL,
+    hashed_at_ns INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    git_sha1 TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS roots (
     state TEXT PRIMARY KEY,
@@ -238,6 +249,8 @@ class DigestStore:
             ).fetchall()
             conn.execute("SELECT key, value FROM meta LIMIT 0").fetchall()
             conn.execute("SELECT state, root, stored_at_ns FROM roots LIMIT 0").fetchall()
+            conn.execute("SELECT file_id, size, mtime_ns, ctime_ns, hashed_at_ns, path, sha256, git_sha1 FROM files "
+                         "LIMIT 0").fetchall()
         except BaseException:
             conn.close()
             raise
@@ -385,3 +398,55 @@ class DigestStore:
                 self._disable(f"writing failed ({exc})")
             except sqlite3.DatabaseError as exc:
                 self._rebuild(str(exc))
+
+    # -- small files' receipts (the tokenizer's files and the generation config) ----------------------
+
+    def lookup_files(self, files: Sequence[tuple[Path, FileIdentity]]) -> dict[Path, ContentDigests]:
+        """The trusted digests stored for these exact file identities, by path (one query: a checkpoint has a
+        handful of such files)."""
+        with self._lock:
+            if self._conn is None or not files:
+                return {}
+            ids = [_file_id(identity) for _, identity in files[:LOOKUP_BATCH]]
+            try:
+                rows = {file_id: rest for file_id, *rest in self._conn.execute(
+                    "SELECT file_id, size, mtime_ns, ctime_ns, hashed_at_ns, sha256, git_sha1 FROM files "
+                    f"WHERE file_id IN ({','.join('?' * len(ids))})", ids)}
+            except sqlite3.OperationalError as exc:
+                self._disable(f"reading failed ({exc})")
+                return {}
+            except sqlite3.DatabaseError as exc:
+                self._rebuild(str(exc))
+                return {}
+        found: dict[Path, ContentDigests] = {}
+        for (path, identity), file_id in zip(files, ids, strict=False):
+            row = rows.get(file_id)
+            if row is None:
+                continue
+            size, mtime_ns, ctime_ns, hashed_at_ns, sha256, git_sha1 = row
+            if ((size, mtime_ns, ctime_ns) == (identity.size, identity.mtime_ns, identity.ctime_ns)
+                    and is_trusted(identity, hashed_at_ns) and _is_hex(sha256, 64) and _is_hex(git_sha1, 40)):
+                found[path] = ContentDigests(sha256, git_sha1)
+        return found
+
+    def put_files(self, receipts: Sequence[tuple[Path, FileIdentity, int, ContentDigests]]) -> None:
+        """Store small files' digests (path, identity read through, when hashing began, digests); failures are
+        warnings, as for shards."""
+        with self._lock:
+            if self._conn is None or not receipts:
+                return
+            rows = [(_file_id(i), i.size, i.mtime_ns, i.ctime_ns, at, str(path), d.sha256, d.git_sha1)
+                    for path, i, at, d in receipts]
+            try:
+                with self._conn:
+                    self._conn.execute("BEGIN IMMEDIATE")
+                    self._conn.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+            except sqlite3.OperationalError as exc:
+                self._disable(f"writing failed ({exc})")
+            except sqlite3.DatabaseError as exc:
+                self._rebuild(str(exc))
+
+
+def _is_hex(value: object, length: int) -> bool:
+    """Anything but `length` lowercase hex digits is treated as absent, like a malformed record."""
+    return isinstance(value, str) and len(value) == length and _HEX.issuperset(value)

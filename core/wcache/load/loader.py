@@ -204,7 +204,7 @@ def load_rank(
         if receipts is not None:
             stats = FingerprintStats(num_shards, num_shards, 0, 0, time.perf_counter() - began)
             key_file = make_key_file(path, layout, manifest_of(layout, receipts), spec, stats,
-                                     files=files_of(layout, receipts))
+                                     files=files_of(layout, receipts), store=store)
             if on_key is not None:
                 on_key(key_file)
             resolved, manifest = key_file.plan, key_file.manifest
@@ -226,7 +226,7 @@ def load_rank(
             else:
                 stats = FingerprintStats(num_shards, 0, num_shards, data_bytes, time.perf_counter() - began)
                 key_file = make_key_file(path, layout, manifest_of(layout, records), spec, stats,
-                                         files=files_of(layout, records))
+                                         files=files_of(layout, records), store=store)
                 if store is not None:
                     store.put_many(list(records.values()))
                 if on_key is not None:

@@ -32,19 +32,22 @@ class WantedKey(Schema, frozen=True):
     """The key an engine asks for: a whole key, or all of it but the checkpoint digest (--trust-daemon)."""
 
     config: str
+    tokenizer: str
     plan: str
     format: int
     checkpoint: str | None = None  # None: the engine trusts the daemon's checkpoint and never compared it
 
     @classmethod
     def of(cls, key: WeightCacheKey) -> WantedKey:
-        return cls(config=key.config, plan=key.plan, format=key.format, checkpoint=key.checkpoint)
+        return cls(config=key.config, tokenizer=key.tokenizer, plan=key.plan, format=key.format,
+                   checkpoint=key.checkpoint)
 
     def mismatched_fields(self, held: WeightCacheKey) -> list[str]:
         """The fields of `held` this key asks otherwise for; what it leaves out is taken as `held`'s."""
         checkpoint = held.checkpoint if self.checkpoint is None else self.checkpoint
         return held.mismatched_fields(
-            WeightCacheKey(checkpoint=checkpoint, config=self.config, plan=self.plan, format=self.format))
+            WeightCacheKey(checkpoint=checkpoint, config=self.config, tokenizer=self.tokenizer, plan=self.plan,
+                           format=self.format))
 
 
 class Message(Schema, frozen=True, tag_field="type"):
