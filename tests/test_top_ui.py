@@ -357,3 +357,13 @@ async def test_nothing_to_show_before_the_first_sample() -> None:
         source.release.set()
         await settle(pilot)
         assert app.shown == sample_snapshot()
+
+
+async def test_help_fits_an_80_column_terminal() -> None:
+    app = make_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        await pilot.press("?")
+        await pilot.pause()
+        box = app.screen.query_one("#help-body").region
+        assert box.x >= 0 and box.right <= 80, box  # whole, not clipped at the terminal's edge
