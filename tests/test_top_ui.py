@@ -357,3 +357,22 @@ async def test_nothing_to_show_before_the_first_sample() -> None:
         source.release.set()
         await settle(pilot)
         assert app.shown == sample_snapshot()
+
+
+async def test_help_fits_an_80_column_terminal() -> None:
+    app = make_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        await pilot.press("?")
+        await pilot.pause()
+        box = app.screen.query_one("#help-body").region
+        assert box.x >= 0 and box.right <= 80, box  # whole, not clipped at the terminal's edge
+
+
+async def test_an_event_summary_wraps_at_80_columns_instead_of_being_cut() -> None:
+    """A refusal's sentence names tensors and paths: cut to the column (`model.embed_t…`) it cannot be read."""
+    app = make_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        events = table(app, "events")
+        assert any(row.height > 1 for row in events.rows.values()), "a long summary wraps onto more lines"

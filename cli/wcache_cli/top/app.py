@@ -314,7 +314,9 @@ class TopApp(App[None]):
                     cell = row.cells[i]
                     cell.justify = panel.columns[i].justify
                     cells.append(cell)
-                table.add_row(*cells, key=row.key)
+                # A row with a flexible cell (a refusal's sentence) takes the lines it wraps to: never cut mid-name.
+                wraps = any(panel.columns[i].flexible for i in columns)
+                table.add_row(*cells, key=row.key, height=None if wraps else 1)
                 keys.append(row.key)
             if panel.id == "events" and not self._event_pinned and rows:
                 newest = max(range(len(rows)), key=lambda i: rows[i].row.ts)

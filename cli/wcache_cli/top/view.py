@@ -169,7 +169,8 @@ class Column(Generic[R]):
     cell: Callable[[R, float], Text]
     key: Callable[[R], Any]
     justify: JustifyMethod = "left"
-    # On a narrow terminal the columns of highest `drop` go first; 0: never dropped (what commands take).
+    # On a narrow terminal the columns of highest `drop` go first; 0: never dropped (what commands take). What an
+    # operator reads a row by (model, state, leases, health) goes last; ranks, uptimes and pids first.
     drop: int = 0
     flexible: bool = False  # wraps to fit (a summary); only FLEXIBLE_WIDTH of it counts when fitting
 
@@ -179,22 +180,22 @@ def _has_prefix(e: EngineRow) -> bool:
 
 
 DAEMON_COLUMNS: tuple[Column[DaemonRow], ...] = (
-    Column("device", lambda d, _: shown(d.device), lambda d: d.device, drop=1),
+    Column("device", lambda d, _: shown(d.device), lambda d: d.device, drop=3),
     Column("rank", lambda d, _: Text(f"{d.tp_rank}/{d.tp_size}"), lambda d: (d.tp_size, d.tp_rank),
-           drop=5),
-    Column("model", lambda d, _: shown(d.model), lambda d: d.model, drop=3),
+           drop=6),
+    Column("model", lambda d, _: shown(d.model), lambda d: d.model, drop=1),
     Column("key id", lambda d, _: lineage(d), lambda d: d.key_id),
     Column("state", lambda d, _: state(d), lambda d: d.state, drop=1),
-    Column("origin", lambda d, _: provenance(d), lambda d: d.provenance or "", drop=2),
+    Column("origin", lambda d, _: provenance(d), lambda d: d.provenance or "", drop=5),
     Column("memory", lambda d, _: Text(human_bytes(d.weights_bytes)) if d.alive else off(),
-           lambda d: d.weights_bytes if d.alive else None, "right", drop=2),
+           lambda d: d.weights_bytes if d.alive else None, "right", drop=4),
     Column("leases", lambda d, _: Text(str(d.leases)) if d.alive else off(),
-           lambda d: d.leases if d.alive else None, "right", drop=4),
+           lambda d: d.leases if d.alive else None, "right", drop=2),
     Column("uptime", lambda d, _: Text(duration(d.uptime_s), style="" if d.uptime_s is not None else "dim"),
-           lambda d: d.uptime_s, "right", drop=6),
-    Column("misses", lambda d, _: misses(d), lambda d: d.misses, "right", drop=7),
-    Column("health", lambda d, _: health(d), lambda d: (d.alive, d.health_status or 0), drop=4),
-    Column("pid", lambda d, _: Text(str(d.pid), style="dim"), lambda d: d.pid, "right", drop=8),
+           lambda d: d.uptime_s, "right", drop=7),
+    Column("misses", lambda d, _: misses(d), lambda d: d.misses, "right", drop=8),
+    Column("health", lambda d, _: health(d), lambda d: (d.alive, d.health_status or 0), drop=2),
+    Column("pid", lambda d, _: Text(str(d.pid), style="dim"), lambda d: d.pid, "right", drop=9),
     # What engines must ask for to hit it: two daemons of one model differ here.
     Column("plan", lambda d, _: plain(d.plan), lambda d: d.plan or "", drop=5),
 )
@@ -222,11 +223,11 @@ ENGINE_COLUMNS: tuple[Column[EngineRow], ...] = (
     Column("pid", lambda e, _: Text(str(engine_pid(e)), style="dim") if engine_pid(e) else Text("scraped", style="dim"),
            lambda e: engine_pid(e), "right", drop=7),
     Column("kind", lambda e, _: Text(e.kind), lambda e: e.kind, drop=6),
-    Column("model", lambda e, _: shown(e.model), lambda e: e.model, drop=4),
+    Column("model", lambda e, _: shown(e.model), lambda e: e.model, drop=2),
     Column("weights", lambda e, _: weights(e), lambda e: e.weights, drop=1),
     Column("mode", lambda e, _: plain(e.mode), lambda e: e.mode, drop=5),
-    Column("daemon", lambda e, _: plain(e.daemon), lambda e: e.daemon, drop=2),
-    Column("attach", lambda e, _: attach_ms(e), lambda e: e.attach_ms, "right", drop=3),
+    Column("daemon", lambda e, _: plain(e.daemon), lambda e: e.daemon, drop=3),
+    Column("attach", lambda e, _: attach_ms(e), lambda e: e.attach_ms, "right", drop=4),
     Column("up", lambda e, _: Text("up", style="green") if e.up else Text("down", style="bold red"),
            lambda e: e.up, drop=1),
     # A vLLM server's own /metrics: requests in flight and finished, and how full its KV cache is.
