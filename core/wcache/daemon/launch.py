@@ -168,8 +168,11 @@ def start_daemons(
     when a file's SHA-256 is not what the Hugging Face cache (or the `expected` digests) say.
     """
     from wcache.checkpoint.model_path import resolve_model_path
+    from wcache.checkpoint.provenance import read_expected
 
     path = resolve_model_path(model)
+    if expected is not None:
+        read_expected(expected)  # one sentence now, before each rank reads the whole checkpoint only to refuse it
     where = ensure_run_dir(run_dir or default_run_dir())
     load = LoadArgs(model=path.absolute(), run_dir=where, device=device, tp=tp, dtype=dtype,
                     quantization=quantization, plan=layout, log_level=log_level, log_format=log_format,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from wcache.bounded_read import read_named_text, unreadable_why
 from wcache.canonical import digest_of
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
 from wcache.checkpoint.model_config import config_digest
@@ -145,9 +146,9 @@ class KeyFile:
 
 def load_key_file(path: Path) -> KeyFile:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_named_text(path)
     except (OSError, UnicodeDecodeError) as exc:
-        raise KeyFileError(f"{path} cannot be read as a key file ({exc}).") from None
+        raise KeyFileError(f"{path} cannot be read as a key file ({unreadable_why(exc)}).") from None
     try:
         data = json.loads(text)
     except (ValueError, RecursionError):
