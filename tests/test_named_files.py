@@ -56,7 +56,8 @@ def test_key_refuses_expected_that_is_not_a_small_file(hostile: tuple[Path, str]
 def test_verify_refuses_prompts_that_are_not_a_small_file(hostile: tuple[Path, str], tmp_path: Path,
                                                           tiny_template: Path) -> None:
     path, why = hostile
-    result = wcache_in_process("verify", str(tiny_template), "--greedy", "--prompts", str(path), env=cli_env(tmp_path / "cache"))
+    result = wcache_in_process("verify", str(tiny_template), "--greedy", "--prompts", str(path),
+                               env=cli_env(tmp_path / "cache"))
     assert why in assert_one_error_sentence(result, str(path), "prompts")
 
 

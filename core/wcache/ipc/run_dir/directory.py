@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
@@ -17,6 +16,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from wcache.bounded_read import read_bounded
 from wcache.canonical import INT64_BITS, loads_finite
 from wcache.checkpoint.provenance import FileDigest, Verdict
 from wcache.errors import EXIT_OK, BadInputError, WcacheError, option
@@ -52,12 +52,22 @@ def default_run_dir() -> Path:
     return Path(f"/tmp/wcache-{os.getuid()}")
 
 
+def _refuse_nul(path: Path) -> None:
+    if "\0" in os.fspath(path):
+        raise RunDirError(f"run directory {str(path)!r} holds a NUL byte, which no path can; choose another "
+                          f"{option('run_dir')}.")
+
+
 def check_run_dir(path: Path) -> Path:
     """Refuse a run dir that is a symlink, not ours, or open to group or others."""
+    _refuse_nul(path)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         raise RunDirError(f"run directory {path} does not exist.") from None
+    except OSError as exc:  # a path through a regular file (ENOTDIR), one too long, one we may not search
+        raise RunDirError(f"run directory {path} cannot be used ({exc.strerror}); choose another "
+                          f"{option('run_dir')}.") from None
     if stat.S_ISLNK(st.st_mode):
         raise RunDirError(f"run directory {path} is a symlink; refusing to use it.")
     if not stat.S_ISDIR(st.st_mode):
@@ -74,12 +84,13 @@ def check_run_dir(path: Path) -> Path:
 
 def ensure_run_dir(path: Path) -> Path:
     """Create the run dir (mode 0700) if needed, then check it."""
+    _refuse_nul(path)
     if not path.exists() and not path.is_symlink():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.mkdir(mode=0o700)
         except FileExistsError:
-            pass
+            pass  # made meanwhile, or a path through a regular file: the check says which
         except OSError as exc:
             raise RunDirError(f"run directory {path} cannot be created ({exc.strerror}).") from None
     return check_run_dir(path)
@@ -265,22 +276,9 @@ def run_subdir(run_dir: Path, name: str) -> Path | None:
 
 def read_run_file(path: Path, limit: int) -> Any:
     """The JSON of a small file in the run dir, read without following a link, blocking on a FIFO or reading past
-    `limit` bytes; OSError or ValueError (FileNotFoundError when it is gone) for anything that is not such a file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ValueError("it is a symlink") from None
-        raise
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("it is not a regular file")
-        # One byte past the cap tells a file that is too large from one that fits exactly; nothing is parsed
-        # before the size is known to be reasonable.
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"it is larger than {limit // 1024} KiB")
-    return loads_finite(data, int_bits=INT64_BITS)
+    `limit` bytes; OSError (FileNotFoundError when it is gone) or ValueError for anything that is not such a
+    file."""
+    return loads_finite(read_bounded(path, limit, follow_links=False), int_bits=INT64_BITS)
 
 
 def read_descriptors(run_dir: Path) -> list[DaemonDescriptor]:
