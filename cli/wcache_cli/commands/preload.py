@@ -136,8 +136,9 @@ def preload(
     """Start one daemon per TP rank holding the checkpoint's processed weights.
 
     Each daemon reads every shard once (hashing as it reads), runs the processing plan, fills its arena and
-    then publishes its socket. A key already served (or loading) on the device is not loaded twice: preload
-    says which daemon holds it and exits 0; --replace stops that daemon first. Without --detach, preload
+    then publishes its socket. A key already served on the device is not loaded twice: preload says which
+    daemon holds it and exits 0 (while another preload is still loading it, preload waits for that one's
+    outcome, and loads the key itself if it failed); --replace stops that daemon first. Without --detach, preload
     stays in the foreground (SIGTERM, SIGHUP and Ctrl-C stop the daemons) and, when stderr is not a
     terminal, the daemons' log lines go to it as well as to the run dir's logs/. Each shard's SHA-256 is
     computed in the same read and judged against the Hugging Face cache (a warning names a file that differs);

@@ -160,9 +160,10 @@ def start_daemons(
     process's stderr (a foreground service whose stderr is a journal or a container log). `env` is their
     environment (default: this process's), e.g. a `WCACHE_CACHE_DIR` of their own.
 
-    Raises DaemonExistsError (exit code 0) when a daemon already holds (or is loading) a rank's key, having
-    started nothing that stays; PreloadFailedError with the failing rank's reason (and its exit code)
-    otherwise. Ctrl-C (or any exception while waiting) stops the ranks before it propagates.
+    Raises DaemonExistsError (exit code 0) when a daemon already serves a rank's key, having started nothing
+    that stays (a rank whose key another process is still loading waits for that load's outcome);
+    PreloadFailedError with the failing rank's reason (and its exit code) otherwise. Ctrl-C (or any exception
+    while waiting) stops the ranks before it propagates.
 
     `require_provenance` ("warn", "differs", "unknown": key.provenance) is what each rank refuses to serve
     when a file's SHA-256 is not what the Hugging Face cache (or the `expected` digests) say.

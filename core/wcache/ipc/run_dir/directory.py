@@ -172,10 +172,14 @@ def lock_path(run_dir: Path, name: str) -> Path:
 
 # How long a starting daemon retries a lock that is busy: a reader deciding liveness holds it for microseconds.
 _LOCK_RETRY_S = 0.5
+# How often a rank waiting on another's load of the same key looks again.
+_LOADING_POLL_S = 0.05
 
 
 def hold_daemon_lock(run_dir: Path, name: str, device: str) -> int:
-    """Own `<name>.lock` for this process's life (the returned descriptor), or DaemonExistsError naming the owner.
+    """Own `<name>.lock` for this process's life (the returned descriptor), or DaemonExistsError naming the owner
+    once it serves the key: while it is still loading, this waits for its outcome (a holder that fails frees the
+    lock, and this process takes it).
 
     One daemon per key and device: whoever holds the lock may replace a socket or descriptor of that name,
     nobody else. The lock file is never removed, so two processes can never lock two different files of the
@@ -185,6 +189,7 @@ def hold_daemon_lock(run_dir: Path, name: str, device: str) -> int:
     path = lock_path(run_dir, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     deadline = time.monotonic() + _LOCK_RETRY_S
+    waiting = False
     try:
         while True:
             try:
@@ -195,9 +200,17 @@ def hold_daemon_lock(run_dir: Path, name: str, device: str) -> int:
                     time.sleep(0.01)
                     continue
                 owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                state = "serves" if descriptor_path(run_dir, name).exists() else "is loading"
-                raise DaemonExistsError(f"daemon {name} (pid {owner}) already {state} this key on {device}; "
-                                        "nothing more was started.") from None
+                if descriptor_path(run_dir, name).exists():
+                    raise DaemonExistsError(f"daemon {name} (pid {owner}) already serves this key on {device}; "
+                                            "nothing more was started.") from None
+                # The holder is still loading (or stopping): its outcome is awaited, never taken for success. If
+                # it publishes, this key is served; if it fails (a damaged delta claiming this key), the lock is
+                # freed and this process loads the key itself.
+                if not waiting:
+                    log.info("daemon %s (pid %s) is loading this key on %s; waiting for its outcome", name, owner,
+                             device)
+                    waiting = True
+                time.sleep(_LOADING_POLL_S)
     except BaseException:
         os.close(fd)
         raise
