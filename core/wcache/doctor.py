@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from wcache.errors import WcacheError, option
-from wcache.ipc.run_dir.directory import DaemonDescriptor, census, default_run_dir
+from wcache.ipc.run_dir.directory import DaemonDescriptor, census, default_run_dir, run_dir_unfit
 from wcache.key.digest_store import DigestStore, default_store_dir
 
 Status = Literal["ok", "warn", "fail"]
@@ -104,6 +104,10 @@ def check_run_dir(run_dir: Path) -> Finding:
     vfs = os.statvfs(run_dir)
     free = vfs.f_bavail * vfs.f_frsize
     kind = filesystem_of(run_dir)
+    unfit = run_dir_unfit(run_dir)
+    if unfit is not None:
+        return Finding(name, "fail", f"{run_dir} ({kind}) cannot hold daemons: {unfit}; choose another "
+                       f"{option('run_dir')}")
     if free < MIN_RUN_DIR_FREE:
         return Finding(name, "fail", f"{run_dir} ({kind}) has {_bytes(free)} free, too little for a daemon's lock, "
                        f"socket, descriptor and logs; free some space or choose another {option('run_dir')}")

@@ -171,9 +171,9 @@ def preload(
     from wcache.daemon.launch import replace_daemons, replacing
     from wcache.daemon.sd_notify import Notifier
     from wcache.daemon.supervisor import rank_devices
-    from wcache.ipc.run_dir.directory import DaemonExistsError, ensure_run_dir
+    from wcache.ipc.run_dir.directory import DaemonExistsError, ensure_daemon_run_dir
 
-    where = ensure_run_dir(run_dir_or_default(run_dir))
+    where = ensure_daemon_run_dir(run_dir_or_default(run_dir))
     warn_if_exposed(health_host, "--health-host", "/health, /metrics and /stats")
     if delta is not None:
         model = delta  # what the new version is made from, in its READY line

@@ -37,7 +37,7 @@ from wcache.ipc.run_dir.directory import (
     DaemonExistsError,
     census,
     default_run_dir,
-    ensure_run_dir,
+    ensure_daemon_run_dir,
     lock_held,
     lock_path,
     lock_taken_if_free,
@@ -174,7 +174,7 @@ def start_daemons(
     path = resolve_model_path(model)
     if expected is not None:
         read_expected(expected)  # one sentence now, before each rank reads the whole checkpoint only to refuse it
-    where = ensure_run_dir(run_dir or default_run_dir())
+    where = ensure_daemon_run_dir(run_dir or default_run_dir())
     load = LoadArgs(model=path.absolute(), run_dir=where, device=device, tp=tp, dtype=dtype,
                     quantization=quantization, plan=layout, log_level=log_level, log_format=log_format,
                     scrub_interval=scrub_interval, require_provenance=require_provenance,
@@ -194,7 +194,7 @@ def start_next_version(
     """
     from wcache.delta.format import read_digests
 
-    where = ensure_run_dir(run_dir or default_run_dir())
+    where = ensure_daemon_run_dir(run_dir or default_run_dir())
     group = parent_group(where, parent)
     head = group[0]
     read_digests(delta).check_parent(head.key.checkpoint, f"daemon {head.name}")

@@ -22,7 +22,7 @@ from wcache.checkpoint.provenance import FileDigest, Verdict
 from wcache.errors import EXIT_OK, BadInputError, WcacheError, option
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.ipc.wire.framing import ProtocolError
-from wcache.key.cache_key import WeightCacheKey
+from wcache.key.cache_key import SHORT_ID_HEX, WeightCacheKey
 from wcache.plan.spec import PlanSpec
 from wcache.schema import Schema
 
@@ -82,6 +82,28 @@ def check_run_dir(path: Path) -> Path:
     return path
 
 
+# A daemon's lock, socket, descriptor and loading record, and the logs: a run dir with fewer free inodes than this
+# cannot take the next preload.
+MIN_FREE_INODES = 16
+# The longest device part of a daemon's name (`cuda15`): its socket path must fit AF_UNIX.
+_LONGEST_DEVICE = "cuda:15"
+
+
+def run_dir_unfit(path: Path) -> str | None:
+    """Why the existing directory `path` cannot hold daemons, as a clause (read-only, no free inodes, socket paths
+    too long for AF_UNIX), or None; what preload refuses before it starts and `wcache doctor` reports."""
+    longest = RunPaths(path).socket(daemon_name(_LONGEST_DEVICE, "0" * SHORT_ID_HEX))
+    if len(os.fsencode(longest)) > MAX_SOCKET_PATH:
+        return (f"its daemons' socket paths ({len(os.fsencode(longest))} bytes) would pass the {MAX_SOCKET_PATH} "
+                "AF_UNIX allows")
+    vfs = os.statvfs(path)
+    if vfs.f_flag & os.ST_RDONLY:
+        return "it is on a read-only mount"
+    if vfs.f_files and vfs.f_favail < MIN_FREE_INODES:  # f_files 0: the filesystem does not count inodes
+        return f"its filesystem has {vfs.f_favail} free inode(s), too few for a daemon's files"
+    return None
+
+
 def ensure_run_dir(path: Path) -> Path:
     """Create the run dir (mode 0700) if needed, then check it."""
     _refuse_nul(path)
@@ -94,6 +116,16 @@ def ensure_run_dir(path: Path) -> Path:
         except OSError as exc:
             raise RunDirError(f"run directory {path} cannot be created ({exc.strerror}).") from None
     return check_run_dir(path)
+
+
+def ensure_daemon_run_dir(path: Path) -> Path:
+    """`ensure_run_dir`, and refuse a run dir that cannot hold a daemon's files (`run_dir_unfit`): a preload
+    says so before it starts, not after loading."""
+    ensure_run_dir(path)
+    unfit = run_dir_unfit(path)
+    if unfit is not None:
+        raise RunDirError(f"run directory {path} cannot hold daemons: {unfit}; choose another {option('run_dir')}.")
+    return path
 
 
 class DaemonDescriptor(Schema, frozen=True):
