@@ -55,3 +55,18 @@ def test_a_run_dir_too_deep_for_a_socket(tmp_path: Path, tiny_template: Path) ->
         _check(deep, tmp_path, tiny_template, "AF_UNIX")
     finally:
         deep.rmdir()
+
+
+def test_doctor_reports_a_corrupt_digest_store_without_rebuilding_it(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    database = store / "digests.sqlite3"
+    database.write_bytes(b"not a database " * 400)
+    database.chmod(0o600)
+    before = sorted(p.name for p in store.iterdir()), database.read_bytes()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    doctor = wcache_in_process("doctor", "--json", "--run-dir", str(run_dir), env=cli_env(store))
+    finding = next(f for f in json.loads(doctor.stdout)["findings"] if f["check"] == "digest store")
+    assert finding["status"] == "warn" and "fails SQLite's check" in finding["message"], finding
+    assert (sorted(p.name for p in store.iterdir()), database.read_bytes()) == before  # nothing moved or rebuilt
