@@ -17,12 +17,13 @@ CORE = ROOT / "core" / "wcache"
 CLI = ROOT / "cli" / "wcache_cli"
 
 # Each part of core and the parts it may import (besides itself). Lower layers never import higher ones.
-FOUNDATION = {"errors", "canonical", "lazy_exports", "schema"}
+FOUNDATION = {"errors", "canonical", "lazy_exports", "schema", "bounded_read"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "schema": set(),
     "canonical": set(),
     "lazy_exports": set(),
+    "bounded_read": set(),
     "attach_options": {"errors", "schema"},
     "checkpoint": FOUNDATION,
     "plan": FOUNDATION | {"checkpoint"},

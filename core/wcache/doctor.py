@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from wcache.errors import WcacheError, option
-from wcache.ipc.run_dir.directory import DaemonDescriptor, census, default_run_dir
-from wcache.key.digest_store import DigestStore, default_store_dir
+from wcache.ipc.run_dir.directory import DaemonDescriptor, census, default_run_dir, run_dir_unfit
+from wcache.key.digest_store import DB_NAME, default_store_dir, quick_check_read_only, untrusted_reason
 
 Status = Literal["ok", "warn", "fail"]
 # A run dir with less free space than this cannot take the next daemon's lock, socket and descriptor (or logs).
@@ -102,6 +102,10 @@ def check_run_dir(run_dir: Path) -> Finding:
     vfs = os.statvfs(run_dir)
     free = vfs.f_bavail * vfs.f_frsize
     kind = filesystem_of(run_dir)
+    unfit = run_dir_unfit(run_dir)
+    if unfit is not None:
+        return Finding(name, "fail", f"{run_dir} ({kind}) cannot hold daemons: {unfit}; choose another "
+                       f"{option('run_dir')}")
     if free < MIN_RUN_DIR_FREE:
         return Finding(name, "fail", f"{run_dir} ({kind}) has {_bytes(free)} free, too little for a daemon's lock, "
                        f"socket, descriptor and logs; free some space or choose another {option('run_dir')}")
@@ -314,18 +318,21 @@ def check_cuda() -> Finding:
 
 
 def check_digest_store() -> Finding:
+    """The store as it is, read only: a corrupt one is reported, never rebuilt here (the next key rebuilds it)."""
     name = "digest store"
     directory = default_store_dir()
-    with DigestStore.open(directory) as store:
-        if not store.enabled:
-            return Finding(name, "warn", f"{directory} is not used ({store.disabled_reason}); every key reads every "
-                           "byte again until it is fixed")
-        problem = store.integrity_problem()
+    path = directory / DB_NAME
+    untrusted = untrusted_reason(directory, path)
+    if untrusted is not None:
+        return Finding(name, "warn", f"{directory} is not used ({untrusted}); every key reads every byte again "
+                       "until it is fixed")
+    problem = quick_check_read_only(directory)
     if problem is not None:
-        return Finding(name, "warn", f"{store.path} fails SQLite's check ({problem}); the next write rebuilds it, "
+        return Finding(name, "warn", f"{path} fails SQLite's check ({problem}); the next write rebuilds it, "
                        "or remove it")
-    size = store.path.stat().st_size if store.path.exists() else 0
-    return Finding(name, "ok", f"{store.path}: usable, {_bytes(size)}")
+    if not path.exists():
+        return Finding(name, "ok", f"{path} does not exist yet; the first key creates it")
+    return Finding(name, "ok", f"{path}: usable, {_bytes(path.stat().st_size)}")
 
 
 def run_checks(run_dir: Path | None = None) -> list[Finding]:

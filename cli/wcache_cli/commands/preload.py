@@ -66,7 +66,24 @@ def _launch(
         )
 
 
+# What a version built with --from takes from its parent group (devices, TP size, plan) or does not do (judge
+# provenance: it reads no checkpoint file but the delta).
+_NOT_WITH_FROM = ("device", "tp", "dtype", "quantization", "plan", "require_provenance", "refuse_unknown", "expected")
+
+
+def _refuse_plan_flags(ctx: typer.Context) -> None:
+    """A flag --from would ignore is refused by name, never silently replaced by the parent's value."""
+    # By the source's name: Typer's Context is its own copy of click's, with its own enum.
+    given = [p for p in ctx.command.params if p.name in _NOT_WITH_FROM
+             and getattr(ctx.get_parameter_source(p.name), "name", None) in ("COMMANDLINE", "ENVIRONMENT")]
+    if given:
+        flag = given[0].opts[0]
+        raise BadInputError(f"{flag} does not apply with --from: the new version keeps its parent's devices, "
+                            "TP size and plan, and reads no checkpoint file but the delta.")
+
+
 def preload(
+    ctx: typer.Context,
     model: OptionalModelArg = None,
     device: DeviceOpt = "cpu",
     tp: TpOpt = 1,
@@ -110,17 +127,18 @@ def preload(
                                   show_default=False)
     ] = None,
     scrub_interval: Annotated[
-        float | None, typer.Option("--scrub-interval", min=0, show_default=False,
+        float | None, typer.Option("--scrub-interval", show_default=False,
                                    help="Seconds between background re-hashes of each arena (at most 5% of one core "
-                                   "while one runs); 0 turns them off [default: the daemons' own, 600].")
+                                   "while one runs), up to a year; 0 turns them off [default: the daemons' own, 600].")
     ] = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Start one daemon per TP rank holding the checkpoint's processed weights.
 
     Each daemon reads every shard once (hashing as it reads), runs the processing plan, fills its arena and
-    then publishes its socket. A key already served (or loading) on the device is not loaded twice: preload
-    says which daemon holds it and exits 0; --replace stops that daemon first. Without --detach, preload
+    then publishes its socket. A key already served on the device is not loaded twice: preload says which
+    daemon holds it and exits 0 (while another preload is still loading it, preload waits for that one's
+    outcome, and loads the key itself if it failed); --replace stops that daemon first. Without --detach, preload
     stays in the foreground (SIGTERM, SIGHUP and Ctrl-C stop the daemons) and, when stderr is not a
     terminal, the daemons' log lines go to it as well as to the run dir's logs/. Each shard's SHA-256 is
     computed in the same read and judged against the Hugging Face cache (a warning names a file that differs);
@@ -128,7 +146,8 @@ def preload(
 
     With --from DAEMON --delta FILE (and no MODEL), a new group on the same devices with the same TP size and
     plan starts from that daemon's arena with the delta applied, reading nothing of the checkpoint but the
-    delta; its key is the new checkpoint's content key, and the parent keeps serving its engines.
+    delta; its key is the new checkpoint's content key, and the parent keeps serving its engines. The device,
+    TP, plan and provenance flags are refused with --from.
     """
     if force and not replace:
         raise BadInputError("--force only applies with --replace.")
@@ -136,12 +155,15 @@ def preload(
         raise BadInputError("--refuse-unknown only applies with --require-provenance.")
     requirement = ("unknown" if refuse_unknown else "differs") if require_provenance else "warn"
     from wcache.daemon.argv import LoadArgs
+    from wcache.daemon.scrub import checked_interval
 
-    scrub = LoadArgs.scrub_interval if scrub_interval is None else scrub_interval
+    scrub = checked_interval(LoadArgs.scrub_interval if scrub_interval is None else scrub_interval)
     if (parent is None) != (delta is None):
         raise BadInputError("--from and --delta go together: --from DAEMON --delta FILE.")
     if parent is not None and (model is not None or replace):
         raise BadInputError("--from builds from a running daemon: give no MODEL (and no --replace) with it.")
+    if parent is not None:
+        _refuse_plan_flags(ctx)
     if parent is None and model is None:
         raise BadInputError("give a MODEL to preload, or --from DAEMON --delta FILE.")
     # Imported here so that building the help (every command's signature) loads no daemon machinery.
@@ -149,9 +171,9 @@ def preload(
     from wcache.daemon.launch import replace_daemons, replacing
     from wcache.daemon.sd_notify import Notifier
     from wcache.daemon.supervisor import rank_devices
-    from wcache.ipc.run_dir.directory import DaemonExistsError, ensure_run_dir
+    from wcache.ipc.run_dir.directory import DaemonExistsError, ensure_daemon_run_dir
 
-    where = ensure_run_dir(run_dir_or_default(run_dir))
+    where = ensure_daemon_run_dir(run_dir_or_default(run_dir))
     warn_if_exposed(health_host, "--health-host", "/health, /metrics and /stats")
     if delta is not None:
         model = delta  # what the new version is made from, in its READY line

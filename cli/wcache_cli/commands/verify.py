@@ -35,10 +35,12 @@ from wcache_cli.params import (
 
 
 def _read_prompts(path: Path) -> list[str]:
+    from wcache.bounded_read import read_named_text, unreadable_why
+
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = read_named_text(path).splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"{path} cannot be read as a prompts file ({exc}).") from None
+        raise BadInputError(f"{path} cannot be read as a prompts file ({unreadable_why(exc)}).") from None
     prompts = [line for line in lines if line.strip()]
     if not prompts:
         raise BadInputError(f"{path} holds no prompts (one per line).")

@@ -42,13 +42,20 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> Path:
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.constants import DEFAULT_REVISION, HF_HUB_CACHE
-        from huggingface_hub.errors import LocalEntryNotFoundError
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
         from huggingface_hub.file_download import repo_folder_name
+        from huggingface_hub.utils import validate_repo_id
     except ImportError:  # pragma: no cover - huggingface-hub is a dependency
         raise CheckpointError(f"{repo_id} is neither a path nor resolvable without huggingface-hub.") from None
     if revision is not None and not _is_revision(revision):
         raise CheckpointError(f"{_shown(revision)} is not a branch, tag or commit name, so {repo_id} cannot be "
                               "looked up in the local Hugging Face cache.")
+    try:
+        validate_repo_id(repo_id)  # what the Hub refuses (`org/m.`, `--`, `..`, over 96 characters) is no repo id
+    except HFValidationError:
+        raise CheckpointError(f"{_shown(repo_id)} is neither a path nor a Hugging Face repo id (an owner and a name "
+                              "of letters, digits, '-', '_' and '.', neither starting nor ending with '-' or '.', "
+                              "with no '--' or '..', at most 96 characters).") from None
     wanted = f"{repo_id}@{revision}" if revision else repo_id
     storage = Path(HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
     # The refs and the tree listing are read here, bounded and refusing FIFOs and devices, before

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from wcache.bounded_read import read_named_text, unreadable_why
 from wcache.errors import BadInputError
 from wcache.schema import Schema
 
@@ -124,9 +125,10 @@ def hub_expected(path: Path) -> Expected:
 def read_expected(path: Path) -> dict[str, str]:
     """Expected SHA-256 by file name from a `SHA256SUMS`-style file (`sha256sum` output) or a saved key file."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_named_text(path)  # bounded, and never blocking on a FIFO: /dev/zero must not fill memory
     except (OSError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"{path} cannot be read as a list of expected digests ({exc}).") from None
+        raise BadInputError(f"{path} cannot be read as a list of expected digests "
+                            f"({unreadable_why(exc)}).") from None
     if text.lstrip().startswith("{"):
         try:
             files = [FileDigest.from_wire(entry) for entry in json.loads(text)["files"]]

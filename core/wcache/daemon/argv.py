@@ -10,7 +10,8 @@ import argparse
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from wcache.daemon.scrub import DEFAULT_INTERVAL_S
+from wcache.daemon.scrub import DEFAULT_INTERVAL_S, checked_interval
+from wcache.errors import BadInputError
 from wcache.key.provenance import REQUIREMENTS
 from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from wcache.plan.spec import PlanSpec
@@ -37,6 +38,9 @@ class LoadArgs:
     # A next version: `model` is a delta file, applied to these daemons (one name per rank, comma-separated).
     parents: str = ""
     scrub_interval: float = DEFAULT_INTERVAL_S  # seconds between background re-hashes of the arena; 0: none
+
+    def __post_init__(self) -> None:
+        checked_interval(self.scrub_interval)  # every caller's value, before any process starts with it
 
     def to_argv(self) -> list[str]:
         return [
@@ -78,8 +82,16 @@ class LoadArgs:
         parser.add_argument("--require-provenance", choices=REQUIREMENTS, default=LoadArgs.require_provenance)
         parser.add_argument("--expected", type=Path, default=None)
         parser.add_argument("--parents", default=LoadArgs.parents)
-        parser.add_argument("--scrub-interval", type=float, default=LoadArgs.scrub_interval)
+        parser.add_argument("--scrub-interval", type=_interval, default=LoadArgs.scrub_interval)
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> LoadArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _interval(text: str) -> float:
+    """argparse's reading of --scrub-interval: a usage error, not a daemon whose re-checks silently never run."""
+    try:
+        return checked_interval(float(text))
+    except (ValueError, BadInputError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

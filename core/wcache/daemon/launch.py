@@ -37,7 +37,7 @@ from wcache.ipc.run_dir.directory import (
     DaemonExistsError,
     census,
     default_run_dir,
-    ensure_run_dir,
+    ensure_daemon_run_dir,
     lock_held,
     lock_path,
     lock_taken_if_free,
@@ -160,17 +160,21 @@ def start_daemons(
     process's stderr (a foreground service whose stderr is a journal or a container log). `env` is their
     environment (default: this process's), e.g. a `WCACHE_CACHE_DIR` of their own.
 
-    Raises DaemonExistsError (exit code 0) when a daemon already holds (or is loading) a rank's key, having
-    started nothing that stays; PreloadFailedError with the failing rank's reason (and its exit code)
-    otherwise. Ctrl-C (or any exception while waiting) stops the ranks before it propagates.
+    Raises DaemonExistsError (exit code 0) when a daemon already serves a rank's key, having started nothing
+    that stays (a rank whose key another process is still loading waits for that load's outcome);
+    PreloadFailedError with the failing rank's reason (and its exit code) otherwise. Ctrl-C (or any exception
+    while waiting) stops the ranks before it propagates.
 
     `require_provenance` ("warn", "differs", "unknown": key.provenance) is what each rank refuses to serve
     when a file's SHA-256 is not what the Hugging Face cache (or the `expected` digests) say.
     """
     from wcache.checkpoint.model_path import resolve_model_path
+    from wcache.checkpoint.provenance import read_expected
 
     path = resolve_model_path(model)
-    where = ensure_run_dir(run_dir or default_run_dir())
+    if expected is not None:
+        read_expected(expected)  # one sentence now, before each rank reads the whole checkpoint only to refuse it
+    where = ensure_daemon_run_dir(run_dir or default_run_dir())
     load = LoadArgs(model=path.absolute(), run_dir=where, device=device, tp=tp, dtype=dtype,
                     quantization=quantization, plan=layout, log_level=log_level, log_format=log_format,
                     scrub_interval=scrub_interval, require_provenance=require_provenance,
@@ -190,7 +194,7 @@ def start_next_version(
     """
     from wcache.delta.format import read_digests
 
-    where = ensure_run_dir(run_dir or default_run_dir())
+    where = ensure_daemon_run_dir(run_dir or default_run_dir())
     group = parent_group(where, parent)
     head = group[0]
     read_digests(delta).check_parent(head.key.checkpoint, f"daemon {head.name}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wcache.errors import WcacheError
+from wcache.errors import BadInputError, WcacheError, option
 from wcache.ipc.arenas.daemon_side import ArenaClosedError, ArenaEntry, CpuArena
 
 if TYPE_CHECKING:
@@ -32,10 +32,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("wcache.daemon")
 
 DEFAULT_INTERVAL_S = 600.0
+# A year: an interval past it is a re-check that never comes (and past 2**63 ns threading's waits overflow).
+MAX_INTERVAL_S = 365 * 24 * 3600.0
 # The most of one core a pass may take while it runs.
 SHARE = 0.05
 # Corruption is located to a block this size once a clean pass has recorded each block's CRC.
 BLOCK_BYTES = 64 * 1024
+
+
+def checked_interval(seconds: float) -> float:
+    """`seconds` as the interval between passes; BadInputError for a value that is not one (negative, NaN,
+    infinite, or past MAX_INTERVAL_S), so that no daemon starts with re-checks that silently never run."""
+    if not 0 <= seconds <= MAX_INTERVAL_S:  # NaN fails both comparisons
+        raise BadInputError(f"{option('scrub_interval', seconds)} is not an interval: give seconds from 0 (no "
+                            f"re-checks) to {MAX_INTERVAL_S:.0f} (a year).")
+    return seconds
 
 
 @dataclass(frozen=True, slots=True)

@@ -166,6 +166,11 @@ def read_delta(path: Path, parent: Mapping[str, TensorDigest]) -> Delta:
             if tensor not in parent:
                 raise _fail(path, f"it changes tensor {tensor!r}, which the parent checkpoint does not hold")
             parts.setdefault(tensor, {})[part] = info
+        if parts and digests.checkpoint == digests.parent:
+            # Changes that make the very checkpoint they start from: the metadata lies, and applying it would
+            # read as "already served" (the parent's own key) whatever the changes make.
+            raise _fail(path, f"its metadata names its parent's checkpoint {digests.parent[:12]} as the one it "
+                        f"makes, yet it changes {len(parts)} tensor(s)")
         changes = {name: _change(shard, path, name, found, parent[name]) for name, found in sorted(parts.items())}
         return Delta(path, digests.parent, digests.checkpoint, changes, shard.identity.size)
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from wcache.bounded_read import read_named_text, unreadable_why
 from wcache.canonical import digest_of
 from wcache.checkpoint.companions import is_companion
 from wcache.checkpoint.files import CONFIG_NAME
@@ -167,9 +168,9 @@ def split_files(files: tuple[FileDigest, ...]) -> tuple[tuple[FileDigest, ...], 
 
 def load_key_file(path: Path) -> KeyFile:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_named_text(path)
     except (OSError, UnicodeDecodeError) as exc:
-        raise KeyFileError(f"{path} cannot be read as a key file ({exc}).") from None
+        raise KeyFileError(f"{path} cannot be read as a key file ({unreadable_why(exc)}).") from None
     try:
         data = json.loads(text)
     except (ValueError, RecursionError):

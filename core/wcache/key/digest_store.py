@@ -134,6 +134,47 @@ def decode_record(blob: bytes, path: Path, identity: FileIdentity, hashed_at_ns:
                        hashed_at_ns=hashed_at_ns, sha256=stored.s)
 
 
+def untrusted_reason(directory: Path, path: Path) -> str | None:
+    """Why receipts here could have been written by someone else (then none is used), or None.
+
+    Whoever can write the store can make any checkpoint's key look like another's, so the directory and
+    the database must be ours, not symlinks, and writable by nobody else (as the run dir is checked).
+    """
+    for checked, what in ((directory, "its directory"), (path, "its database")):
+        try:
+            st = os.lstat(checked)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return f"{what} {checked} cannot be checked ({exc.strerror})"
+        if stat.S_ISLNK(st.st_mode):
+            return f"{what} {checked} is a symlink"
+        if st.st_uid != os.getuid():
+            return f"{what} {checked} belongs to uid {st.st_uid}, not to you"
+        if st.st_mode & 0o022:
+            return (f"{what} {checked} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}), so "
+                    "its receipts could be forged; chmod go-w it")
+    return None
+
+
+
+def quick_check_read_only(directory: Path) -> str | None:
+    """What SQLite's quick check finds wrong with the store in `directory`, opened read-only (nothing is created,
+    moved aside or rebuilt: `wcache doctor` only reads), or None; None where there is no database yet."""
+    path = directory / DB_NAME
+    if not path.exists():
+        return None
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S)
+        try:
+            rows = conn.execute("PRAGMA quick_check").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        return str(exc)
+    return None if rows == [("ok",)] else "; ".join(str(r[0]) for r in rows[:3])
+
+
 class DigestStore:
     """Receipts keyed by (device, inode); a corrupt database is moved aside and rebuilt with a warning."""
 
@@ -203,26 +244,7 @@ class DigestStore:
             self._rebuild(str(exc))
 
     def _untrusted_reason(self) -> str | None:
-        """Why receipts here could have been written by someone else (then none is used), or None.
-
-        Whoever can write the store can make any checkpoint's key look like another's, so the directory and
-        the database must be ours, not symlinks, and writable by nobody else (as the run dir is checked).
-        """
-        for path, what in ((self.directory, "its directory"), (self.path, "its database")):
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                return f"{what} {path} cannot be checked ({exc.strerror})"
-            if stat.S_ISLNK(st.st_mode):
-                return f"{what} {path} is a symlink"
-            if st.st_uid != os.getuid():
-                return f"{what} {path} belongs to uid {st.st_uid}, not to you"
-            if st.st_mode & 0o022:
-                return (f"{what} {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}), so "
-                        "its receipts could be forged; chmod go-w it")
-        return None
+        return untrusted_reason(self.directory, self.path)
 
     def _accessible(self) -> bool:
         directory_ok = os.access(self.directory, os.R_OK | os.W_OK | os.X_OK)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from wcache.bounded_read import open_regular, read_bounded_fd
 from wcache.checkpoint.display_name import display_name
 from wcache.ipc.http.client import http_get
 from wcache.ipc.run_dir.directory import DaemonDescriptor, read_descriptors, run_subdir
@@ -64,7 +65,7 @@ class EventTail:
     def read_new(self) -> list[dict[str, Any]]:
         try:
             st = os.lstat(self.path)
-        except FileNotFoundError:
+        except OSError:  # gone, or a run dir that is no directory: nothing to tail
             return []
         if not stat.S_ISREG(st.st_mode):  # a FIFO, directory or link in its place: nothing to tail, never a hang
             return []
@@ -76,9 +77,10 @@ class EventTail:
             # Only the newest events are shown: skip to the last MAX_TAIL_BYTES (the first line there is torn).
             data, self._partial, self._offset = b"", b"", st.st_size - MAX_TAIL_BYTES
         if st.st_size > self._offset:
-            with self.path.open("rb") as f:
-                f.seek(self._offset)
-                fresh = f.read(st.st_size - self._offset)
+            # Opened again as checked: the path may name a FIFO by now, which must not block open().
+            fresh = self._read_from(self.path, self._offset, st.st_size - self._offset, st.st_ino)
+            if fresh is None:
+                return []
             self._offset += len(fresh)
             data += fresh
         if not data:
@@ -91,22 +93,34 @@ class EventTail:
                 events.append(event)
         return events
 
+    @staticmethod
+    def _read_from(path: Path, offset: int, limit: int, inode: int) -> bytes | None:
+        """At most `limit` bytes of the regular file at `path` from `offset`, if it is still file `inode`; None
+        for anything else (gone, replaced, a FIFO or a device planted there)."""
+        try:
+            fd = open_regular(path, follow_links=False)
+        except OSError:
+            return None
+        try:
+            if os.fstat(fd).st_ino != inode:
+                return None
+            os.lseek(fd, offset, os.SEEK_SET)
+            return read_bounded_fd(fd, limit + 1)[:limit]  # it may have grown since: the rest is read next poll
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     def _rest_of_rotated(self) -> bytes:
         """What was appended to the file we followed after our last read, if it was rotated (else nothing)."""
         partial, self._partial = self._partial, b""
         if self._inode is None:
             return b""
-        try:
-            with rotated_path(self.path).open("rb") as f:
-                if os.fstat(f.fileno()).st_ino != self._inode:
-                    return b""  # replaced or truncated, not rotated: start over
-                f.seek(self._offset)
-                rest = f.read()
-        except (FileNotFoundError, OSError):
+        rest = self._read_from(rotated_path(self.path), self._offset, MAX_TAIL_BYTES, self._inode)
+        if not rest:  # replaced or truncated, not rotated (or nothing more was written): start over
             return b""
         # Complete the line the old file ended in; a torn last line is dropped at the boundary.
-        return partial + rest + (b"" if rest.endswith(b"\n") or not rest else b"\n")
+        return partial + rest + (b"" if rest.endswith(b"\n") else b"\n")
 
 
 # The kinds whose one line is their fields in a sentence: (severity, template, fields' stand-ins when absent);

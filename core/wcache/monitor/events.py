@@ -28,6 +28,8 @@ from wcache.monitor.event_types import AnyEvent, Event
 log = logging.getLogger("wcache")
 
 DEFAULT_MAX_EVENTS_BYTES = 16 * 1024 * 1024
+# An event is a few hundred bytes; a longer line (a file planted in the log's place) is skipped, never held whole.
+MAX_LINE_BYTES = 1 << 20
 _ENCODER = msgspec.json.Encoder()
 _DECODER: msgspec.json.Decoder[Any] = msgspec.json.Decoder(AnyEvent)
 E = TypeVar("E", bound=Event)
@@ -166,7 +168,11 @@ def _read_log(path: Path) -> Iterator[Event]:
         return
     try:
         with os.fdopen(fd, "rb") as f:
-            for raw in f:
+            while raw := f.readline(MAX_LINE_BYTES + 1):
+                if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                    while (more := f.readline(MAX_LINE_BYTES)) and not more.endswith(b"\n"):
+                        pass  # the rest of a line too long to be an event
+                    continue
                 if (event := read_event(raw)) is not None:
                     yield event
     except FileNotFoundError:

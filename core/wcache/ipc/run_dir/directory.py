@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
@@ -17,12 +16,13 @@ from typing import Annotated, Any
 
 import msgspec
 
+from wcache.bounded_read import read_bounded
 from wcache.canonical import INT64_BITS, loads_finite
 from wcache.checkpoint.provenance import FileDigest, Verdict
 from wcache.errors import EXIT_OK, BadInputError, WcacheError, option
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.ipc.wire.framing import ProtocolError
-from wcache.key.cache_key import WeightCacheKey
+from wcache.key.cache_key import SHORT_ID_HEX, WeightCacheKey
 from wcache.plan.spec import PlanSpec
 from wcache.schema import Schema
 
@@ -52,12 +52,22 @@ def default_run_dir() -> Path:
     return Path(f"/tmp/wcache-{os.getuid()}")
 
 
+def _refuse_nul(path: Path) -> None:
+    if "\0" in os.fspath(path):
+        raise RunDirError(f"run directory {str(path)!r} holds a NUL byte, which no path can; choose another "
+                          f"{option('run_dir')}.")
+
+
 def check_run_dir(path: Path) -> Path:
     """Refuse a run dir that is a symlink, not ours, or open to group or others."""
+    _refuse_nul(path)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         raise RunDirError(f"run directory {path} does not exist.") from None
+    except OSError as exc:  # a path through a regular file (ENOTDIR), one too long, one we may not search
+        raise RunDirError(f"run directory {path} cannot be used ({exc.strerror}); choose another "
+                          f"{option('run_dir')}.") from None
     if stat.S_ISLNK(st.st_mode):
         raise RunDirError(f"run directory {path} is a symlink; refusing to use it.")
     if not stat.S_ISDIR(st.st_mode):
@@ -72,17 +82,50 @@ def check_run_dir(path: Path) -> Path:
     return path
 
 
+# A daemon's lock, socket, descriptor and loading record, and the logs: a run dir with fewer free inodes than this
+# cannot take the next preload.
+MIN_FREE_INODES = 16
+# The longest device part of a daemon's name (`cuda15`): its socket path must fit AF_UNIX.
+_LONGEST_DEVICE = "cuda:15"
+
+
+def run_dir_unfit(path: Path) -> str | None:
+    """Why the existing directory `path` cannot hold daemons, as a clause (read-only, no free inodes, socket paths
+    too long for AF_UNIX), or None; what preload refuses before it starts and `wcache doctor` reports."""
+    longest = RunPaths(path).socket(daemon_name(_LONGEST_DEVICE, "0" * SHORT_ID_HEX))
+    if len(os.fsencode(longest)) > MAX_SOCKET_PATH:
+        return (f"its daemons' socket paths ({len(os.fsencode(longest))} bytes) would pass the {MAX_SOCKET_PATH} "
+                "AF_UNIX allows")
+    vfs = os.statvfs(path)
+    if vfs.f_flag & os.ST_RDONLY:
+        return "it is on a read-only mount"
+    if vfs.f_files and vfs.f_favail < MIN_FREE_INODES:  # f_files 0: the filesystem does not count inodes
+        return f"its filesystem has {vfs.f_favail} free inode(s), too few for a daemon's files"
+    return None
+
+
 def ensure_run_dir(path: Path) -> Path:
     """Create the run dir (mode 0700) if needed, then check it."""
+    _refuse_nul(path)
     if not path.exists() and not path.is_symlink():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.mkdir(mode=0o700)
         except FileExistsError:
-            pass
+            pass  # made meanwhile, or a path through a regular file: the check says which
         except OSError as exc:
             raise RunDirError(f"run directory {path} cannot be created ({exc.strerror}).") from None
     return check_run_dir(path)
+
+
+def ensure_daemon_run_dir(path: Path) -> Path:
+    """`ensure_run_dir`, and refuse a run dir that cannot hold a daemon's files (`run_dir_unfit`): a preload
+    says so before it starts, not after loading."""
+    ensure_run_dir(path)
+    unfit = run_dir_unfit(path)
+    if unfit is not None:
+        raise RunDirError(f"run directory {path} cannot hold daemons: {unfit}; choose another {option('run_dir')}.")
+    return path
 
 
 class DaemonDescriptor(Schema, frozen=True):
@@ -169,10 +212,14 @@ def lock_path(run_dir: Path, name: str) -> Path:
 
 # How long a starting daemon retries a lock that is busy: a reader deciding liveness holds it for microseconds.
 _LOCK_RETRY_S = 0.5
+# How often a rank waiting on another's load of the same key looks again.
+_LOADING_POLL_S = 0.05
 
 
 def hold_daemon_lock(run_dir: Path, name: str, device: str) -> int:
-    """Own `<name>.lock` for this process's life (the returned descriptor), or DaemonExistsError naming the owner.
+    """Own `<name>.lock` for this process's life (the returned descriptor), or DaemonExistsError naming the owner
+    once it serves the key: while it is still loading, this waits for its outcome (a holder that fails frees the
+    lock, and this process takes it).
 
     One daemon per key and device: whoever holds the lock may replace a socket or descriptor of that name,
     nobody else. The lock file is never removed, so two processes can never lock two different files of the
@@ -182,6 +229,7 @@ def hold_daemon_lock(run_dir: Path, name: str, device: str) -> int:
     path = lock_path(run_dir, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     deadline = time.monotonic() + _LOCK_RETRY_S
+    waiting = False
     try:
         while True:
             try:
@@ -192,9 +240,17 @@ def hold_daemon_lock(run_dir: Path, name: str, device: str) -> int:
                     time.sleep(0.01)
                     continue
                 owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                state = "serves" if descriptor_path(run_dir, name).exists() else "is loading"
-                raise DaemonExistsError(f"daemon {name} (pid {owner}) already {state} this key on {device}; "
-                                        "nothing more was started.") from None
+                if descriptor_path(run_dir, name).exists():
+                    raise DaemonExistsError(f"daemon {name} (pid {owner}) already serves this key on {device}; "
+                                            "nothing more was started.") from None
+                # The holder is still loading (or stopping): its outcome is awaited, never taken for success. If
+                # it publishes, this key is served; if it fails (a damaged delta claiming this key), the lock is
+                # freed and this process loads the key itself.
+                if not waiting:
+                    log.info("daemon %s (pid %s) is loading this key on %s; waiting for its outcome", name, owner,
+                             device)
+                    waiting = True
+                time.sleep(_LOADING_POLL_S)
     except BaseException:
         os.close(fd)
         raise
@@ -273,22 +329,9 @@ def run_subdir(run_dir: Path, name: str) -> Path | None:
 
 def read_run_file(path: Path, limit: int) -> Any:
     """The JSON of a small file in the run dir, read without following a link, blocking on a FIFO or reading past
-    `limit` bytes; OSError or ValueError (FileNotFoundError when it is gone) for anything that is not such a file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ValueError("it is a symlink") from None
-        raise
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("it is not a regular file")
-        # One byte past the cap tells a file that is too large from one that fits exactly; nothing is parsed
-        # before the size is known to be reasonable.
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"it is larger than {limit // 1024} KiB")
-    return loads_finite(data, int_bits=INT64_BITS)
+    `limit` bytes; OSError (FileNotFoundError when it is gone) or ValueError for anything that is not such a
+    file."""
+    return loads_finite(read_bounded(path, limit, follow_links=False), int_bits=INT64_BITS)
 
 
 def read_descriptors(run_dir: Path) -> list[DaemonDescriptor]:
