@@ -234,3 +234,44 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 def test_the_materialized_checkpoint_holds_the_new_tensors(versions: dict[str, Path]) -> None:
     made, want = _tensors(versions["materialized"]), _tensors(versions["child"])
     assert made.keys() == want.keys() and all(torch.equal(made[k], want[k]) for k in want)
+
+
+# -- publishing from tensors in memory (wcache.daemon.publish) -------------------------------------------------
+
+_PUBLISH = """
+import sys
+from pathlib import Path
+from safetensors.torch import load_file
+from wcache.daemon.publish import publish
+from wcache.delta.format import DeltaError
+entries = load_file(sys.argv[3])
+changes = {}
+for entry, tensor in entries.items():
+    name, _, part = entry.rpartition(":")
+    if part == "tensor":
+        changes[name] = tensor
+    elif part == "indices":
+        changes[name] = (tensor, entries[name + ":values"])
+bad = dict(changes)
+name = sorted(bad)[0]
+bad[name] = (bad[name][0].flip(0), bad[name][1]) if isinstance(bad[name], tuple) else bad[name].reshape(-1)
+try:
+    publish(sys.argv[2], bad, run_dir=Path(sys.argv[4]))
+except DeltaError as exc:
+    print("refused:", exc)
+published = publish(sys.argv[2], changes, run_dir=Path(sys.argv[4]))
+print(published.key.short_id)
+"""
+
+
+def test_a_training_loop_publishes_its_changed_tensors_and_gets_the_new_key(rig: DaemonRig,
+                                                                            versions: dict[str, Path]) -> None:
+    [parent] = rig.preload(versions["parent"])
+    done = rig.python(_PUBLISH, parent.name, str(versions["delta"]), str(rig.run_dir))
+    rig._remember_supervisors()
+    assert done.returncode == 0, done.stderr
+    refused, key_id = done.stdout.strip().splitlines()[-2:]
+    assert refused.startswith("refused: the change to") and "refused" in refused
+    assert key_id == _key_id(versions["materialized"])
+    assert {d.key_id for d in rig.descriptors()} == {parent.key_id, key_id}
+    assert {d["state"] for d in rig.status()["daemons"]} == {"ready"}
