@@ -1,10 +1,10 @@
 """Two checkpoints with the same tensors compared in one read of each: what changed, and both Merkle roots.
 
 Each tensor of the new checkpoint is read whole next to the old one's (two reused buffers), both are BLAKE3-hashed
-on a pool while torch compares them as bit patterns (`torch.equal` first: an unchanged tensor costs one memcmp,
-then `!=` and `nonzero` on every core), so a changed element is found without a Python loop and neither
-checkpoint is read twice. The digests are the keys' (their Merkle roots are the delta's parent and checkpoint);
-the receipts go to the digest store, so the next key of either checkpoint reads nothing.
+on a pool, and where the digests differ torch compares them as bit patterns (`!=` and `nonzero` on every core),
+so a changed element is found without a Python loop and neither checkpoint is read twice. The digests are the
+keys' (their Merkle roots are the delta's parent and checkpoint); the receipts go to the digest store, so the next
+key of either checkpoint reads nothing.
 """
 
 from __future__ import annotations
@@ -107,8 +107,10 @@ def compare_checkpoints(old: Path, new: Path, store: DigestStore | None = None) 
                     old_shard.read_into(old_info, 0, as_buffer(before))
                     shard.read_into(info, 0, as_buffer(after))
                 hashing = (hashers.submit(_digest, before), hashers.submit(_digest, after))
-                found = change_between(info, before, after)
                 old_digests[info.name], new_digests[info.name] = (f.result() for f in hashing)
+                # Equal digests are equal bytes: torch compares only what changed, and never beside the hashing.
+                same = old_digests[info.name] == new_digests[info.name]
+                found = None if same else change_between(info, before, after)
                 if found is not None:
                     changed.append(found)
                 total += math.prod(info.shape)
