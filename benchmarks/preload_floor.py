@@ -13,11 +13,14 @@ into each 4 KiB shmem page, and a memfd takes one write at a time; the last colu
 
 Preloads (``wcache preload --detach --json``, start to READY, each on a fresh digest store unless said):
 
-* cold: page cache dropped first; its floor is the slowest of read, fallocate and BLAKE3;
+* cold: page cache dropped first; its floor is the slowest of read, fallocate and BLAKE3 (each file's SHA-256 is
+  read after READY, the verdict following it);
+* cold, ``--require-provenance``: the same, each file's SHA-256 streamed in the pass, before READY;
 * warm: checkpoint pages in the page cache; its floor is the slower of fallocate and BLAKE3, plus start-up;
 * warm, receipts stored: as warm, on the store the warm preload filled (the key is known before any read).
 
-Each preload row also shows the rank's own ``load_s`` against the same floor without start-up. A last, untimed
+Each preload row also shows the rank's own ``load_s`` against the same floor without start-up, and against
+max(arena fill, BLAKE3): the issue's target for a preload whose receipts are stored is 1.25× that. A last, untimed
 cold preload samples memory every 50 ms: the daemon's anonymous RSS plus the pages its arena memfd holds plus the
 checkpoint's pages left in the page cache, against the arena's size.
 
@@ -75,6 +78,8 @@ STARTUP = "process start-up (tiny preset preload)"
 ARENA_FILL = "arena fill (pwrite into a fresh memfd)"
 COLD = "cold preload, start → READY"
 COLD_LOAD = "  rank load_s"
+COLD_REQUIRE = "cold, --require-provenance"
+COLD_REQUIRE_LOAD = "  rank load_s   "
 WARM = "warm preload, start → READY"
 WARM_LOAD = "  rank load_s "
 WARM_STORE = "warm preload, receipts stored"
@@ -168,11 +173,11 @@ def checkpoint_in_memory(shards: list[Path], nbytes: int) -> torch.Tensor:
 
 
 def preload(bench: Bench, model: Path, store_dir: Path,
-            sampler: MemorySampler | None = None) -> tuple[float, float]:
+            sampler: MemorySampler | None = None, *extra: str) -> tuple[float, float]:
     """`wcache preload --detach` of `model`; (seconds from start to READY, the slowest rank's load_s)."""
     bench.preloads += 1
     command = [*bench.cli, "preload", str(model), "--detach", "--json", "--run-dir", str(bench.run_dir),
-               "--plan", bench.spec.layout]
+               "--plan", bench.spec.layout, *extra]
     env = {**os.environ, "WCACHE_CACHE_DIR": str(store_dir)}
     try:
         seconds, ready = timed_preload(command, env, bench.run_dir, bench.spawned,
@@ -256,6 +261,12 @@ def measure_preloads(bench: Bench, index: int) -> None:
     bench.record(COLD, seconds)
     bench.record(COLD_LOAD, load_s)
     stop_daemons(bench)
+    drop_caches()
+    seconds, load_s = preload(bench, bench.model, bench.stores / f"cold-require-{index}", None,
+                              "--require-provenance")
+    bench.record(COLD_REQUIRE, seconds)
+    bench.record(COLD_REQUIRE_LOAD, load_s)
+    stop_daemons(bench)
     read_all(bench.shards)
     warm_store = bench.stores / f"warm-{index}"
     seconds, load_s = preload(bench, bench.model, warm_store)
@@ -273,7 +284,7 @@ def results_table(bench: Bench, title: str, caption: str) -> Table:
     table = Table(title=title, caption=caption, caption_justify="left")
     columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("step", "left"), ("time", "right"), ("min–max", "right"), ("GB/s", "right"), ("vs its floor", "right"),
-        ("floor", "left"), ("vs arena fill", "right"),
+        ("floor", "left"), ("vs max(fill, BLAKE3)", "right"),
     )
     for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=True)
@@ -283,14 +294,18 @@ def results_table(bench: Bench, title: str, caption: str) -> Table:
     floors = {
         COLD: (cold_floor + m(STARTUP), "max(read, fallocate, BLAKE3) + start-up"),
         COLD_LOAD: (cold_floor, "max(read, fallocate, BLAKE3)"),
+        COLD_REQUIRE: (cold_floor + m(STARTUP), "max(read, fallocate, BLAKE3) + start-up"),
+        COLD_REQUIRE_LOAD: (cold_floor, "max(read, fallocate, BLAKE3)"),
         WARM: (warm_floor + m(STARTUP), "max(fallocate, BLAKE3) + start-up"),
         WARM_LOAD: (warm_floor, "max(fallocate, BLAKE3)"),
         WARM_STORE: (warm_floor + m(STARTUP), "max(fallocate, BLAKE3) + start-up"),
         WARM_STORE_LOAD: (warm_floor, "max(fallocate, BLAKE3)"),
     }
     sized = {FALLOCATE: bench.arena_bytes, ARENA_FILL: bench.arena_bytes, STARTUP: 0}
-    loads = (COLD_LOAD, WARM_LOAD, WARM_STORE_LOAD)
-    rows = [*FLOOR_ROWS, COLD, COLD_LOAD, WARM, WARM_LOAD, WARM_STORE, WARM_STORE_LOAD]
+    loads = (COLD_LOAD, COLD_REQUIRE_LOAD, WARM_LOAD, WARM_STORE_LOAD)
+    fill_or_hash = max(m(ARENA_FILL), m(BLAKE3))
+    rows = [*FLOOR_ROWS, COLD, COLD_LOAD, COLD_REQUIRE, COLD_REQUIRE_LOAD, WARM, WARM_LOAD, WARM_STORE,
+            WARM_STORE_LOAD]
     for row in rows:
         seconds = bench.samples[row]
         nbytes = sized.get(row, bench.checkpoint_bytes)
@@ -298,8 +313,8 @@ def results_table(bench: Bench, title: str, caption: str) -> Table:
         table.add_row(
             row, fmt_seconds(m(row)), f"{fmt_seconds(min(seconds))}–{fmt_seconds(max(seconds))}",
             fmt_rate(nbytes / m(row)) if nbytes else "", f"{m(row) / floor:.2f}×" if floor else "", floor_text,
-            f"{m(row) / m(ARENA_FILL):.2f}×" if row in loads else "",
-            end_section=row in (ARENA_FILL, COLD_LOAD, WARM_LOAD),
+            f"{m(row) / fill_or_hash:.2f}×" if row in loads else "",
+            end_section=row in (ARENA_FILL, COLD_LOAD, COLD_REQUIRE_LOAD, WARM_LOAD),
         )
     return table
 
@@ -338,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.repeat):
                 err.print(f"[{i + 1}/{args.repeat}] floor terms ...")
                 measure_floor(bench, in_memory)
-                err.print(f"[{i + 1}/{args.repeat}] cold, warm and receipts-stored preloads ...")
+                err.print(f"[{i + 1}/{args.repeat}] cold (also --require-provenance), warm, receipts-stored preloads")
                 measure_preloads(bench, i)
             err.print("memory: one more cold preload, sampled every 50 ms ...")
             drop_caches()
@@ -352,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
                     process.kill()
     elapsed = time.perf_counter() - began
     anon, arena, cached = sampler.peak_parts
+    m = bench.median
+    store_ratio = m(WARM_STORE_LOAD) / max(m(ARENA_FILL), m(BLAKE3))
+    cold_ratio = m(COLD) / m(COLD_REQUIRE)
     caption = (
         f"GB/s: checkpoint bytes ({bench.checkpoint_bytes / 1e9:,.2f} GB) / time; fallocate: arena bytes "
         f"({bench.arena_bytes / 1e9:,.2f} GB) / time. Drops: `echo 1 > /proc/sys/vm/drop_caches`.\n"
@@ -360,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         f"GB at the peak sample); {left:.0%} of the checkpoint's pages stayed cached after READY.\n"
         f"Transparent huge pages for shmem: {shmem_huge_pages()}.\n"
         f"{os.cpu_count()} CPUs, torch {torch.__version__}, {bench.preloads} preloads, whole run {elapsed:.0f} s. "
-        f"Target: each preload within {TARGET_RATIO}× of its floor."
+        f"Target: each preload within {TARGET_RATIO}× of its floor; receipts stored: the rank's load within "
+        f"{TARGET_RATIO}× of max(arena fill, BLAKE3) ({store_ratio:.2f}×); "
+        f"cold to READY with the SHA-256 after READY against --require-provenance: {cold_ratio:.2f}×."
     )
     title = f"Preload {args.preset} vs its floor ({args.plan} plan, CPU daemon), median of {args.repeat}"
     console.print(results_table(bench, title, caption))

@@ -34,7 +34,7 @@ from typing import Any
 
 import psutil
 import torch
-from bench_common import fmt_seconds, stop_preloaded, timed_preload, wcache_command, workspace
+from bench_common import fmt_seconds, read_all, stop_preloaded, timed_preload, wcache_command, workspace
 from preload_floor import checkpoint_in_memory, fill_arena
 from restart import our_leftovers, resident_fraction
 from rich.console import Console
@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 err.print(f"{label}: writing N+1, its delta and the materialized checkpoint ...")
                 subprocess.run([sys.executable, "-c", _WRITE_STEP, str(parent), str(child), str(args.fraction),
                                 frozen], check=True, env=env)
+                read_both_s = _timed_read([*sorted(parent.glob("*.safetensors")), *sorted(child.glob("*.safetensors"))])
                 t = time.perf_counter()
                 summary = _run([*cli, "delta", str(parent), str(child), "-o", str(delta), "--json"], env)
                 delta_s = time.perf_counter() - t
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                     in_memory = checkpoint_in_memory(sorted(made.glob("*.safetensors")), arena_bytes)
                     floor_s = fill_arena(in_memory, arena_bytes)
                     del in_memory
-                rows.append({"label": label, "summary": summary, "delta_s": delta_s, "seconds": seconds,
+                rows.append({"label": label, "summary": summary, "delta_s": delta_s, "read_both_s": read_both_s,
+                             "seconds": seconds,
                              "load_s": float(event["load_s"]), "own_read": int(event["bytes_read"]),
                              "kernel_read": kernel_read, "cache": cache, "full_s": full_s,
                              "full_load_s": float(full["ranks"][0]["load_s"]),
@@ -168,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _timed_read(paths: list[Path]) -> float:
+    """Seconds to read every file once (as `wcache delta` reads each checkpoint), page cache as it is."""
+    began = time.perf_counter()
+    read_all(paths)
+    return time.perf_counter() - began
+
+
 def _events(run_dir: Path) -> list[dict[str, Any]]:
     from wcache.monitor.events import read_events
 
@@ -187,7 +196,8 @@ def _table(rows: list[dict[str, Any]], floor_s: float, arena_bytes: int, args: a
         table.add_row(
             f"{r['label']} ({s['tensors_changed']} tensors, {s['elements_changed'] / s['elements_total']:.2%} of "
             f"elements; delta and N {r['cache']})",
-            f"{size / 1e6:,.1f} MB (written in {fmt_seconds(r['delta_s'])})",
+            f"{size / 1e6:,.1f} MB (written in {fmt_seconds(r['delta_s'])}, "
+            f"{r['delta_s'] / r['read_both_s']:.2f}× reading both)",
             f"{r['own_read'] / 1e6:,.1f} MB / {kernel}",
             f"{r['own_read'] / size:.2f}× / " + (f"{r['kernel_read'] / size:.2f}×" if r["kernel_read"] >= 0 else "?"),
             fmt_seconds(r["seconds"]), fmt_seconds(r["load_s"]),

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from daemon_fixtures import daemon_rig, http_status
+from daemon_fixtures import daemon_rig, http_status, wait_for
 from helpers import assert_one_error_sentence, wait_past_racy_window, wcache_in_process
 from hub_cache import blob_of, write_hub_cache
 from wcache.checkpoint.files import locate
@@ -105,6 +105,55 @@ def test_the_daemons_single_pass_records_each_files_sha256(two_shards: Path, tmp
             name: _sha256_of(two_shards / name) for name in (FIRST, SECOND, "config.json")}
         # The receipts carry it: a warm key knows it without reading.
         assert _stored_sha256(store) == {two_shards / n: _sha256_of(two_shards / n) for n in (FIRST, SECOND)}
+
+
+def test_receipts_holding_sha256_spare_the_pass_streaming_it_again(two_shards: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    wait_past_racy_window()  # the receipts the first preload stores are trusted
+    with DigestStore(tmp_path / "store") as store:
+        load_rank(two_shards, PlanSpec(), "cpu", store).arena.close()
+
+        def no_sha256(self: OpenShard) -> None:
+            raise AssertionError("a preload with stored SHA-256s streamed a file's SHA-256 again")
+
+        monkeypatch.setattr(OpenShard, "start_sha256", no_sha256)
+        warm = load_rank(two_shards, PlanSpec(), "cpu", store)
+        warm.arena.close()
+    assert warm.sha256_after is None
+    assert {f.name: f.sha256 for f in warm.key_file.files} == {n: _sha256_of(two_shards / n) for n in (FIRST, SECOND)}
+
+
+def test_a_cold_pass_can_leave_sha256_for_after_the_arena_is_sealed(two_shards: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    real = OpenShard.start_sha256
+
+    def counted(self: OpenShard) -> file_digest.FileSha256:
+        raise AssertionError("the pass streamed SHA-256 although it was left for after READY")
+
+    monkeypatch.setattr(OpenShard, "start_sha256", counted)
+    with DigestStore(tmp_path / "store") as store:
+        loaded = load_rank(two_shards, PlanSpec(), "cpu", store, sha256_after_ready=True)
+        loaded.arena.close()
+        assert [f.sha256 for f in loaded.key_file.files] == [None, None]
+        assert _stored_sha256(store) == {two_shards / n: None for n in (FIRST, SECOND)}
+        monkeypatch.setattr(OpenShard, "start_sha256", real)
+        assert loaded.sha256_after is not None
+        files = loaded.sha256_after.run(store)
+        expected = {n: _sha256_of(two_shards / n) for n in (FIRST, SECOND)}
+        assert {f.name: f.sha256 for f in files} == expected
+        # The receipts gain them: the next preload neither streams SHA-256 nor reads a file for it.
+        assert _stored_sha256(store) == {two_shards / n: expected[n] for n in (FIRST, SECOND)}
+
+
+def test_a_file_rewritten_before_its_later_sha256_gets_none(two_shards: Path, tmp_path: Path) -> None:
+    with DigestStore(tmp_path / "store") as store:
+        loaded = load_rank(two_shards, PlanSpec(), "cpu", store, sha256_after_ready=True)
+        loaded.arena.close()
+        time.sleep(0.01)
+        _same_size_rewrite(two_shards / SECOND)
+        assert loaded.sha256_after is not None
+        files = loaded.sha256_after.run(store)
+    assert {f.name: f.sha256 for f in files} == {FIRST: _sha256_of(two_shards / FIRST), SECOND: None}
 
 
 def _stored_sha256(store: DigestStore) -> dict[Path, str | None]:
@@ -244,13 +293,17 @@ def test_preload_refuses_a_differing_file_by_name_and_by_default_warns(two_shard
         assert FIRST not in refused.stderr
         assert rig.descriptors() == []
 
-        warned = rig.cli("preload", "Org/Tiny", *where, env=env)
+        # A store of its own: no receipt of the refused preload, so this pass is cold.
+        warned = rig.cli("preload", "Org/Tiny", *where, env={**env, "WCACHE_CACHE_DIR": str(rig.base / "cold")})
         assert warned.returncode == 0, warned.stderr
-        assert f"warning: {SECOND} differs from what the Hub published" in warned.stderr
+        # A cold pass answers READY before each file's SHA-256 is done: the verdict follows, from the daemon (on
+        # files this small, often before the command reads the descriptor: then it warns at once).
+        assert ("SHA-256 is computed after READY" in warned.stderr
+                or f"warning: {SECOND} differs from what the Hub published" in warned.stderr), warned.stderr
+        [event] = wait_for(lambda: rig.events("provenance"), timeout=60.0, what="the provenance verdict after READY")
         [daemon] = rig.descriptors()
         assert daemon.provenance == "differs"
         assert [f.name for f in daemon.files] == [FIRST, SECOND, "config.json"]
-        [event] = rig.events("provenance")
         assert event["verdict"] == "differs" and event["differs"] == [SECOND] and event["counts"]["matches"] == 2
         # status, top and /metrics carry the verdict.
         [row] = rig.status()["daemons"]

@@ -6,7 +6,9 @@ checkpoint the delta materializes, and its processed tensors must equal a disk l
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -237,3 +239,98 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 def test_the_materialized_checkpoint_holds_the_new_tensors(versions: dict[str, Path]) -> None:
     made, want = _tensors(versions["materialized"]), _tensors(versions["child"])
     assert made.keys() == want.keys() and all(torch.equal(made[k], want[k]) for k in want)
+
+
+# -- publishing from tensors in memory (wcache.daemon.publish) -------------------------------------------------
+
+_PUBLISH = """
+import sys
+from pathlib import Path
+from safetensors.torch import load_file
+from wcache.daemon.publish import publish
+from wcache.delta.format import DeltaError
+entries = load_file(sys.argv[3])
+changes = {}
+for entry, tensor in entries.items():
+    name, _, part = entry.rpartition(":")
+    if part == "tensor":
+        changes[name] = tensor
+    elif part == "indices":
+        changes[name] = (tensor, entries[name + ":values"])
+bad = dict(changes)
+name = sorted(bad)[0]
+bad[name] = (bad[name][0].flip(0), bad[name][1]) if isinstance(bad[name], tuple) else bad[name].reshape(-1)
+try:
+    publish(sys.argv[2], bad, run_dir=Path(sys.argv[4]))
+except DeltaError as exc:
+    print("refused:", exc)
+published = publish(sys.argv[2], changes, run_dir=Path(sys.argv[4]))
+print(published.key.short_id)
+"""
+
+
+def test_a_training_loop_publishes_its_changed_tensors_and_gets_the_new_key(rig: DaemonRig,
+                                                                            versions: dict[str, Path]) -> None:
+    [parent] = rig.preload(versions["parent"])
+    done = rig.python(_PUBLISH, parent.name, str(versions["delta"]), str(rig.run_dir))
+    rig._remember_supervisors()
+    assert done.returncode == 0, done.stderr
+    refused, key_id = done.stdout.strip().splitlines()[-2:]
+    assert refused.startswith("refused: the change to") and "refused" in refused
+    assert key_id == _key_id(versions["materialized"])
+    assert {d.key_id for d in rig.descriptors()} == {parent.key_id, key_id}
+    assert {d["state"] for d in rig.status()["daemons"]} == {"ready"}
+
+
+_PUBLISH_STEPS = """
+import os
+import subprocess
+import sys
+from pathlib import Path
+from safetensors.torch import load_file
+from wcache.checkpoint.files import locate
+from wcache.daemon.publish import publish
+tensors = {}
+for shard in locate(Path(sys.argv[2])).shards:
+    tensors.update(load_file(str(shard)))
+name = next(n for n in sorted(tensors) if n.endswith("norm.weight"))
+current, run_dir = sys.argv[3], Path(sys.argv[4])
+for step in range(1, 4):
+    published = publish(current, {name: tensors[name] * (1 + step)}, run_dir=run_dir)
+    subprocess.run([sys.executable, "-m", "wcache_cli.main", "stop", current, "--run-dir", str(run_dir)], check=True,
+                   capture_output=True)
+    current = published.daemons[0]
+memfds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+          if os.path.exists(f"/proc/self/fd/{fd}") and "memfd" in os.readlink(f"/proc/self/fd/{fd}")]
+print(current, len(memfds))
+"""
+
+
+def test_publish_steps_leave_no_arena_behind(rig: DaemonRig, versions: dict[str, Path]) -> None:
+    shm_before = set(os.listdir("/dev/shm"))
+    [parent] = rig.preload(versions["parent"])
+    done = rig.python(_PUBLISH_STEPS, str(versions["parent"]), parent.name, str(rig.run_dir))
+    rig._remember_supervisors()
+    assert done.returncode == 0, done.stderr
+    last, memfds = done.stdout.split()
+    assert memfds == "0"  # the publishing process maps no arena
+    [only] = rig.descriptors()  # every retired version stopped, its arena with it
+    assert only.name == last
+    assert not list(rig.run_dir.glob("publish-*"))  # no delta left behind
+    daemons = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_rig_daemon(int(p), rig.run_dir)]
+    arenas = set()
+    for pid in daemons:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if "memfd:wcache-arena" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                    arenas.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+    assert len(arenas) == 1  # the newest version's, held by its one daemon
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
+
+
+def _is_rig_daemon(pid: int, run_dir: Path) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"wcache.daemon" in cmdline and str(run_dir).encode() in cmdline

@@ -270,6 +270,10 @@ def _warn_provenance(ready: GroupReady, run_dir: Path, expected: Path | None) ->
     names = {r.name for r in ready.ranks}
     served = [d for d in census(run_dir).live if d.name in names][:1]  # every rank read the same files
     for descriptor in served:
+        if descriptor.provenance is None and any(f.sha256 is None for f in descriptor.files):
+            out.hint("Provenance: each file's SHA-256 is computed after READY; `wcache status` shows the verdict, "
+                     "and the daemon's log names any file that differs.")
+            continue
         for verdict in verdicts_of(descriptor.source, descriptor.files, expected):
             if verdict.verdict == "differs":
                 out.warning(verdict.sentence() + "; --require-provenance would refuse it.")

@@ -8,9 +8,12 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+
+import msgspec
 
 from wcache.checkpoint.provenance import FileVerdict, counts, overall
 from wcache.daemon.argv import LoadArgs
@@ -33,7 +36,7 @@ from wcache.key.cache_key import KeyFile, WeightCacheKey
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import HashProgress
 from wcache.key.provenance import require, verdicts_of
-from wcache.load.loader import load_rank
+from wcache.load.loader import LoadedRank, load_rank
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 from wcache.monitor.logs import configure as configure_logging
@@ -93,10 +96,14 @@ def main(argv: list[str] | None = None) -> int:
             assert board is not None
             board.update(name=name)
 
+        # Nothing refuses on the verdict: a cold pass leaves each file's SHA-256 for after READY.
+        verdict_after_ready = load.require_provenance == "warn"
+
         def judge_and_own(key_file: KeyFile) -> None:
             # Before the daemon claims its name: a refused checkpoint leaves nothing behind.
-            judged[:] = verdicts_of(key_file.source, key_file.files, load.expected)
-            require(tuple(judged), load.require_provenance, str(args.model))  # type: ignore[arg-type]
+            if not (verdict_after_ready and any(f.sha256 is None for f in key_file.files)):
+                judged[:] = verdicts_of(key_file.source, key_file.files, load.expected)
+                require(tuple(judged), load.require_provenance, str(args.model))  # type: ignore[arg-type]
             own_key(key_file.key)
 
         parent_name = load.parent_of(args.rank)
@@ -111,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             with DigestStore.open() as store:
                 loaded = load_rank(args.model, spec, args.device, store,
                                    _Both(ProgressReporter(status, rank=args.rank), board),
-                                   on_key=judge_and_own)
+                                   on_key=judge_and_own, sha256_after_ready=verdict_after_ready)
             bytes_read = sum(e.nbytes for e in loaded.key_file.manifest)
         board.update(phase="publishing")
         key_file = loaded.key_file
@@ -149,9 +156,26 @@ def main(argv: list[str] | None = None) -> int:
     log.info("ready: daemon %s serves key %s, %d bytes, loaded in %.2f s", descriptor.name, descriptor.key_id,
              descriptor.weights_bytes, loaded.load_seconds)
     status.close()
+    if loaded.sha256_after is not None:
+        threading.Thread(target=_provenance_after_ready, args=(server, loaded, load.expected), daemon=True,
+                         name="wcache-sha256").start()
     server.serve_forever()  # returns at once, cleaning up, if a stop came during loading
     log.info("stopped: daemon %s", descriptor.name)
     return EXIT_OK
+
+
+def _provenance_after_ready(server: DaemonServer, loaded: LoadedRank, expected: Path | None) -> None:
+    """Each file's SHA-256, read once more after READY; the verdict then published as a preload's would be."""
+    assert loaded.sha256_after is not None
+    try:
+        with DigestStore.open() as store:
+            files = loaded.sha256_after.run(store)
+        judged = list(verdicts_of(loaded.key_file.source, files, expected))
+        descriptor = msgspec.structs.replace(server.descriptor, files=files, provenance=overall(judged))
+        if server.republish(descriptor):
+            _report_provenance(server.run_dir, descriptor, judged)
+    except Exception:  # the weights serve on; only the verdict is missing
+        log.exception("provenance: each file's SHA-256 could not be computed after READY")
 
 
 class _Stop:

@@ -22,7 +22,7 @@ from wcache.daemon import lease_rules
 from wcache.daemon.lease_rules import Holders
 from wcache.daemon.scrub import Corruption, Scrubber, first_difference_from_checkpoint
 from wcache.ipc.arenas.daemon_side import ArenaClosedError, ArenaEntry, CpuArena
-from wcache.ipc.run_dir.directory import DaemonDescriptor, remove_daemon_files
+from wcache.ipc.run_dir.directory import DaemonDescriptor, remove_daemon_files, write_descriptor
 from wcache.ipc.wire import counters as counter_names
 from wcache.ipc.wire.framing import (
     NOTICE_LIMITS,
@@ -132,6 +132,9 @@ class DaemonServer:
         # The map reply's entries never change: built once, not per attach (one list per tensor).
         self._wire_entries = [e.to_wire() for e in loaded.entries]
         self.descriptor = descriptor
+        # A descriptor rewritten after READY (the provenance verdict) must never outlive the daemon's removal.
+        self._publishing = threading.Lock()
+        self._unpublished = False
         self.run_dir = run_dir
         self.shared = DaemonState()
         self.started = time.time()
@@ -220,6 +223,16 @@ class DaemonServer:
         if refused == 1 or refused % 1000 == 0:  # a flood would otherwise fill the log
             log.warning("Refused a connection beyond %d at once (%d so far).", MAX_CLIENTS, refused)
 
+    def republish(self, descriptor: DaemonDescriptor) -> bool:
+        """Publish `descriptor` in place of the current one (what became known after READY); False, and nothing
+        written, once the daemon has removed its files."""
+        with self._publishing:
+            if self._unpublished:
+                return False
+            self.descriptor = descriptor
+            write_descriptor(self.run_dir, descriptor)
+            return True
+
     def request_stop(self) -> None:
         self.shared.stop.set()
 
@@ -228,7 +241,9 @@ class DaemonServer:
             self.scrubber.stop()
         if self._listener is not None:
             self._listener.close()
-        remove_daemon_files(self.run_dir, self.descriptor.name)
+        with self._publishing:
+            self._unpublished = True
+            remove_daemon_files(self.run_dir, self.descriptor.name)
         with self.shared.lock:
             leases = len(self.shared.leases)
             self.shared.state = "stopped"

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wcache.checkpoint.dtypes import ITEMSIZE, TORCH_NAMES
+from wcache.checkpoint.dtypes import TORCH_NAMES
 from wcache.checkpoint.files import locate
-from wcache.checkpoint.manifest import TensorDigest
 from wcache.checkpoint.safetensors_header import TensorInfo
 from wcache.delta.format import Change, Delta, DeltaError, read_delta, write_delta
 from wcache.errors import BadInputError
@@ -26,10 +25,6 @@ from wcache.key.shard_hash import OpenShard
 if TYPE_CHECKING:
     import torch
 
-# Bytes one changed element costs in a sparse entry beside its value: its int64 index.
-_INDEX_BYTES = 8
-# Same-size integer views: changes are found on bit patterns, so -0.0 against 0.0 or a rewritten NaN counts.
-_BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,50 +61,27 @@ def read_tensor(shard_path: Path, info: TensorInfo) -> torch.Tensor:
     return data.view(getattr(torch, TORCH_NAMES[info.dtype]))
 
 
-def _check_same_tensors(old: KeyFile, new: KeyFile) -> dict[str, tuple[TensorDigest, TensorDigest]]:
-    a = {e.name: e for e in old.manifest}
-    b = {e.name: e for e in new.manifest}
-    added, removed = sorted(set(b) - set(a)), sorted(set(a) - set(b))
-    if added or removed:
-        name = (added or removed)[0]
-        how = "adds" if added else "removes"
-        raise BadInputError(f"{new.source} {how} tensor {name!r}; a delta only changes the values of existing tensors.")
-    for name, entry in a.items():
-        if (entry.dtype, entry.shape) != (b[name].dtype, b[name].shape):
-            raise BadInputError(
-                f"tensor {name!r} is {entry.dtype} {list(entry.shape)} in {old.source} but {b[name].dtype} "
-                f"{list(b[name].shape)} in {new.source}; a delta never reshapes or recasts a tensor."
-            )
-    return {name: (a[name], b[name]) for name in sorted(a)}
-
-
 def make_delta(old: Path, new: Path, out: Path, store: DigestStore | None = None) -> DeltaSummary:
-    """Write the delta that turns checkpoint `old` into checkpoint `new` (same tensors, same shapes and dtypes)."""
-    import torch
+    """Write the delta that turns checkpoint `old` into checkpoint `new` (same tensors, same shapes and dtypes).
 
-    old_key, new_key = compute_key(old, store=store), compute_key(new, store=store)
-    pairs = _check_same_tensors(old_key, new_key)
-    changed = [name for name, (a, b) in pairs.items() if a.digest != b.digest]
-    old_at, new_at = tensor_locations(old), tensor_locations(new)
+    Each checkpoint is read once, tensor by tensor: both tensors' bytes are hashed (their keys' Merkle roots come
+    from these digests, and the receipts go to `store`) while torch compares them as bit patterns on every core.
+    """
+    from wcache.delta.compare import compare_checkpoints
+
+    compared = compare_checkpoints(old, new, store)
     counts = {"whole": 0, "elements": 0}
 
     def changes() -> Iterator[Change]:
-        for name in changed:
-            itemsize = ITEMSIZE[pairs[name][0].dtype]
-            before, after = read_tensor(*old_at[name]), read_tensor(*new_at[name])
-            bits = getattr(torch, _BITS[itemsize])
-            indices = (before.view(bits) != after.view(bits)).nonzero().reshape(-1)
-            counts["elements"] += int(indices.numel())
-            if indices.numel() * (itemsize + _INDEX_BYTES) >= after.numel() * itemsize:
+        for found in compared.changed:
+            counts["elements"] += found.count
+            if found.indices is None:
                 counts["whole"] += 1
-                yield Change.of(name, after.reshape(pairs[name][1].shape))
-            else:
-                yield Change.of(name, after[indices], indices)
+            yield found
 
-    size = write_delta(out, old_key.key.checkpoint, new_key.key.checkpoint, changes())
-    total = sum(int(torch.Size(a.shape).numel()) for a, _ in pairs.values())
-    return DeltaSummary(out, size, old_key.key.checkpoint, new_key.key.checkpoint, len(changed), counts["whole"],
-                        counts["elements"], total)
+    size = write_delta(out, compared.parent, compared.checkpoint, changes())
+    return DeltaSummary(out, size, compared.parent, compared.checkpoint, len(compared.changed), counts["whole"],
+                        counts["elements"], compared.elements_total)
 
 
 def _check_output_dir(out: Path, old: Path) -> None:

@@ -175,7 +175,11 @@ class OpenShard:
         """A reader going through the file in order has copied out `tensor`'s bytes up to `end`: let the kernel
         drop the file's pages before them from the page cache, so that it and the arena do not both hold the
         weights. Rounded down to FORGET_ALIGN: the kernel keeps a large folio that the range only partly covers."""
-        until = (self.header.data_start + tensor.start + end) // FORGET_ALIGN * FORGET_ALIGN
+        self.forget_until(self.header.data_start + tensor.start + end)
+
+    def forget_until(self, position: int) -> None:
+        """A reader going through the file in order has copied out its bytes before `position`: as forget_read."""
+        until = position // FORGET_ALIGN * FORGET_ALIGN
         if until > self._forgotten:
             self._advise(self._forgotten, until - self._forgotten, os.POSIX_FADV_DONTNEED)
             self._forgotten = until

@@ -33,6 +33,7 @@ from wcache.key.fingerprint import (
     store_root_if_trusted,
 )
 from wcache.key.shard_hash import CHUNK_BYTES, OpenShard, ShardRecord, tensor_hasher
+from wcache.load.sha256_after import Sha256After
 from wcache.load.single_pass import fill_in_one_pass, read_outputs
 from wcache.plan.processing import ProcessingPlan, build_plan
 from wcache.plan.spec import PlanSpec
@@ -182,11 +183,13 @@ class LoadedRank:
     arena: CpuArena | CudaArena
     processed_digests: dict[str, str]
     load_seconds: float
+    # A cold pass that left each file's SHA-256 for after READY (`sha256_after_ready`): what computes it.
+    sha256_after: Sha256After | None = None
 
 
 def load_rank(
     path: Path, spec: PlanSpec, device: str, store: DigestStore | None, progress: HashProgress | None = None,
-    on_key: Callable[[KeyFile], None] | None = None, file_sha256: bool = True,
+    on_key: Callable[[KeyFile], None] | None = None, file_sha256: bool = True, sha256_after_ready: bool = False,
 ) -> LoadedRank:
     """Read and hash the checkpoint in one pass that also fills a fresh arena on `device` with the plan's outputs.
 
@@ -194,6 +197,11 @@ def load_rank(
     the digest store holds a trusted receipt for every shard (the pass then checks the bytes against them), else
     after the pass, before the rank can serve. Receipts are stored only for a pass that read unchanged files.
     `file_sha256` off skips each shard's SHA-256 (what benchmarks/provenance.py compares against).
+
+    Where the store's receipts hold every file's SHA-256 and the pass finds the header and every tensor's BLAKE3
+    as they say, the file's bytes are the ones the SHA-256 was taken of: the pass does not stream it again. On a
+    cold pass with `sha256_after_ready`, the key file's SHA-256s are None and the result's `sha256_after`
+    computes them once the caller has published the rank (it owns the shards' descriptors until then).
     """
     began = time.perf_counter()
     layout = locate(path)
@@ -218,8 +226,9 @@ def load_rank(
             if progress is not None:
                 progress.start(sum(s.identity.size for s in reader.shards), num_shards)
             read_back = arena.bytes_at if isinstance(arena, CpuArena) else None
+            in_pass = file_sha256 and receipts is None and not sha256_after_ready
             result = fill_in_one_pass(plan, reader.shards, arena.write_at, {e.name: e.offset for e in entries},
-                                      progress, read_back, file_sha256)
+                                      progress, read_back, in_pass)
             records, state = reader.records(result.digests, result.sha256)
             if receipts is not None:
                 _check_receipts(records, receipts)
@@ -240,7 +249,11 @@ def load_rank(
         except BaseException:
             arena.close()
             raise
-    return LoadedRank(key_file, plan, entries, arena, result.processed, time.perf_counter() - began)
+        after = None
+        if file_sha256 and receipts is None and sha256_after_ready:
+            after = Sha256After(layout, reader.shards, records)
+            reader.shards = []  # the descriptors the pass read are the later SHA-256's now
+    return LoadedRank(key_file, plan, entries, arena, result.processed, time.perf_counter() - began, after)
 
 
 def load_from_disk(key_file: KeyFile, path: Path) -> dict[str, torch.Tensor]:

@@ -129,7 +129,8 @@ def ensure_daemon_run_dir(path: Path) -> Path:
 
 
 class DaemonDescriptor(Schema, frozen=True):
-    """What a ready daemon publishes about itself; static for the daemon's life."""
+    """What a ready daemon publishes about itself; static for the daemon's life, but for `files` and `provenance`,
+    published once more when a cold preload's SHA-256s are done after READY."""
 
     name: str
     pid: int
