@@ -169,7 +169,8 @@ def _provenance_after_ready(server: DaemonServer, loaded: LoadedRank, expected: 
     assert loaded.sha256_after is not None
     try:
         with DigestStore.open() as store:
-            files = loaded.sha256_after.run(store)
+            # The shards' SHA-256s now; config.json's and the tokenizer files' were read with the key.
+            files = loaded.sha256_after.run(store) + loaded.key_file.companions
         judged = list(verdicts_of(loaded.key_file.source, files, expected))
         descriptor = msgspec.structs.replace(server.descriptor, files=files, provenance=overall(judged))
         if server.republish(descriptor):
