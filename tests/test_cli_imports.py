@@ -94,7 +94,8 @@ def test_plain_value_converter_agrees_with_typer(value: Any) -> None:
     for param in params:
         ours = _outcome(param._runtime_param, value, param, ctx)
         typers = _outcome(build_runtime_param(param.type_descriptor), value, param, ctx)
-        assert ours == typers, (param.name, value)
+        # repr: a float option's "nan" converts to nan on both sides, and nan equals nothing, not even itself.
+        assert ours == typers or repr(ours) == repr(typers), (param.name, value)
 
 
 def test_attach_that_only_reports_imports_no_torch(tmp_path: Path) -> None:

@@ -116,7 +116,7 @@ def test_a_bad_frame_closes_only_that_connection(live: tuple[DaemonRig, DaemonDe
 
 # -- requests that get an error reply and leave the connection usable ----------------------------------------------
 
-GOOD_KEY: dict[str, object] = {"config": "0" * 64, "plan": "0" * 64, "format": FORMAT_VERSION}
+GOOD_KEY: dict[str, object] = {"config": "0" * 64, "tokenizer": "0" * 64, "plan": "0" * 64, "format": FORMAT_VERSION}
 ERROR_REQUESTS: dict[str, tuple[bytes, str | None]] = {
     "unknown request type": (request_frame("frobnicate"), "unknown_requests"),
     "reply type sent as a request": (request_frame("error", message="hi"), "unknown_requests"),
@@ -167,7 +167,7 @@ def test_a_hello_with_a_foreign_key_is_a_miss_not_a_map(live: tuple[DaemonRig, D
         sock.sendall(request_frame("hello", key=GOOD_KEY, pid=1))
         hello = read_reply(sock)
         assert hello["type"] == "hello" and hello["status"] == "miss"
-        assert set(hello["mismatched"]) == {"config", "plan"}  # its format is the daemon's too
+        assert set(hello["mismatched"]) == {"config", "tokenizer", "plan"}  # its format is the daemon's too
         sock.sendall(request_frame("map", mode="zero_copy"))
         refused = read_reply(sock)
         assert refused["type"] == "error" and "hello" in refused["message"]

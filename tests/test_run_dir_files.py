@@ -123,7 +123,8 @@ def dead_descriptor(**changes: Any) -> dict[str, Any]:
     """A descriptor of a daemon that is not running (no process has pid 4,000,000 here)."""
     return {
         "name": "cpu-aaaaaaaaaaaa", "pid": 4_000_000, "pid_created": 1.0, "device": "cpu", "tp_size": 1,
-        "tp_rank": 0, "key_id": "aaaaaaaaaaaa", "key": {"checkpoint": "a", "config": "b", "plan": "c", "format": 1},
+        "tp_rank": 0, "key_id": "aaaaaaaaaaaa",
+        "key": {"checkpoint": "a", "config": "b", "tokenizer": "t", "plan": "c", "format": 1},
         "plan": {}, "config": None, "source": "/nowhere", "socket": "/nowhere.sock", "health_url": None,
         "supervisor_pid": None, "started": "2026-12-01T00:00:00Z", "weights_bytes": 0, **changes,
     }

@@ -200,6 +200,12 @@ def aged(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _arena_fds() -> int:
+    """Arena memfds this process holds beyond those it held when the module began (another module's engine on
+    this worker may keep one mapped: these tests judge their own loads)."""
+    return _memfd_count() - _held_before[0]
+
+
+def _memfd_count() -> int:
     fds = Path("/proc/self/fd")
     count = 0
     for entry in fds.iterdir():
@@ -208,6 +214,14 @@ def _arena_fds() -> int:
         except OSError:
             continue
     return count
+
+
+_held_before = [0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _count_arenas_held_before() -> None:
+    _held_before[0] = _memfd_count()
 
 
 def test_key_is_taken_before_any_read_when_every_shard_has_a_trusted_receipt(aged: Path, tmp_path: Path) -> None:

@@ -89,9 +89,18 @@ def _candidates(root: Path) -> list[tuple[str, Path]]:
                     names.extend(_templates(root / CHAT_TEMPLATE_DIR))
     except FileNotFoundError:
         return []
+    except PermissionError:
+        # Traversable, not listable (mode 0311): the shards are read by name, and so are the companions with a
+        # fixed name. Versioned SentencePiece and tiktoken files, and the templates folder, cannot be found so.
+        return _by_fixed_name(root)
     except OSError as exc:
         raise CheckpointError(f"{root} cannot be listed ({exc.strerror}).") from None
     return names
+
+
+def _by_fixed_name(root: Path) -> list[tuple[str, Path]]:
+    names = sorted(TOKENIZER_NAMES | VOCABULARY_NAMES | {GENERATION_CONFIG_NAME})
+    return [(name, root / name) for name in names if os.path.lexists(root / name)]
 
 
 def _templates(folder: Path) -> list[tuple[str, Path]]:

@@ -47,12 +47,12 @@ def server_url_from_argv(argv: Sequence[str]) -> str | None:
     for i, arg in enumerate(args):
         flag, equals, value = arg.partition("=")
         if flag in ("--host", "--port", "--uds", "--config"):
-            values[flag] = value if equals else (args[i + 1] if i + 1 < len(args) else "")
-    if "--uds" in values or ("--config" in values and "--port" not in values):
+            values[flag.removeprefix("--")] = value if equals else (args[i + 1] if i + 1 < len(args) else "")
+    if "uds" in values or ("config" in values and "port" not in values):
         return None
-    host = values.get("--host", "")
+    host = values.get("host", "")
     host = "127.0.0.1" if host in _ANY_HOST else host
-    port = values.get("--port", str(DEFAULT_PORT))
+    port = values.get("port", str(DEFAULT_PORT))
     if not port.isdigit():
         return None
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -8,7 +8,7 @@ Schema (`Snapshot.to_json()`), version `wcache.top/1`:
              loaded_fraction (0..1 while loading, else null),
              plan (dtype, TP size, quantization), provenance (its files against what the Hub
              published, at load: matches | differs | unknown, null while loading or for a daemon that did not say)
-  engines[]: id, url, kind ("wcache" | "vllm"; "unreachable": a --scrape URL that did not answer), model, up,
+  engines[]: id, url, kind ("wcache" | "vllm"; "unreachable": a scraped URL that did not answer), model, up,
              weights (attach outcome: hit | miss | fallback | disk | null; corrupt once its daemon found the weights
              it serves changed in memory), mode, daemon, attach_ms, prefix_queries_total, prefix_hits_total,
              hit_rate_interval, hit_rate_overall, adopted_hits_total, replayed_tokens_total,
