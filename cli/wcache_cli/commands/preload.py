@@ -131,6 +131,12 @@ def preload(
                                    help="Seconds between background re-hashes of each arena (at most 5% of one core "
                                    "while one runs), up to a year; 0 turns them off [default: the daemons' own, 600].")
     ] = None,
+    engine: Annotated[
+        str | None, typer.Option("--engine", help="Resolve the plan as this engine will ask for it: vllm (its "
+                                 "dtype rule for this platform, e.g. bfloat16 for a float32 checkpoint on CPU, "
+                                 "and its model's layout; --dtype is passed to vLLM as its own --dtype).",
+                                 show_default=False)
+    ] = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Start one daemon per TP rank holding the checkpoint's processed weights.
@@ -180,6 +186,8 @@ def preload(
     else:
         assert model is not None
         model = resolve_model_path(model)
+    if engine is not None:
+        dtype, plan = _engine_plan(engine, model if delta is None else None, tp, dtype, quantization, plan)
     # Held from stopping the old group until the new one is ready: concurrent replaces take turns.
     serial = contextlib.ExitStack()
     if replace:
@@ -251,6 +259,21 @@ def preload(
         serial.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+def _engine_plan(engine: str, model: Path | None, tp: int, dtype: Dtype, quantization: Quantization,
+                 plan: Layout) -> tuple[Dtype, Layout]:
+    """The dtype and layout `engine` will ask its daemons for (vLLM resolves them itself, in this process)."""
+    if engine != "vllm":
+        raise BadInputError(f"--engine takes vllm (the engine whose plan preload resolves), not {engine!r}.")
+    if model is None:
+        raise BadInputError("--engine resolves a MODEL's plan; it does not apply with --from.")
+    if quantization != DEFAULT_QUANTIZATION or plan != DEFAULT_LAYOUT:
+        raise BadInputError("--engine vllm takes its plan from vLLM; drop --quantization and --plan.")
+    from wcache.integrations.vllm_plan import vllm_plan
+
+    resolved = vllm_plan(str(model), tensor_parallel_size=tp, dtype=dtype.value)
+    return Dtype(resolved.dtype), Layout(resolved.layout)
+
 
 class _StopSignal(BaseException):
     def __init__(self, signum: int) -> None:

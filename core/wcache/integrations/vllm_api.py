@@ -54,6 +54,18 @@ __all__ = [
     "initialize_model",
     "process_weights_after_loading",
     "register_model_loader",
+    "resolved_model_config",
     "set_default_torch_dtype",
     "shutdown_engine",
 ]
+
+
+# --- wcache serve / preload --engine vllm: resolving the plan vLLM will ask for (kept apart from the loader's API) ---
+
+
+def resolved_model_config(model: str, dtype: str = "auto", revision: str | None = None) -> ModelConfig:
+    """vLLM's own ModelConfig for `model`, built by its EngineArgs, so `auto` dtype is resolved by vLLM's rule
+    for the platform this process runs on (bfloat16 for a float32 checkpoint on CPU)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, dtype=dtype, revision=revision).create_model_config()  # type: ignore[arg-type]

@@ -36,7 +36,6 @@ from torch import nn
 from wcache.attach import AttachedWeights, AttachMissError, attach_with
 from wcache.attach.report import AttachReport
 from wcache.attach_options import AttachOptions
-from wcache.checkpoint.files import locate
 from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import CheckpointError, UnavailableError, WcacheError, in_words, marked
 from wcache.integrations import vllm_formats
@@ -55,6 +54,7 @@ from wcache.integrations.vllm_api import (
     process_weights_after_loading,
     set_default_torch_dtype,
 )
+from wcache.integrations.vllm_plan import plan_of
 from wcache.integrations.vllm_words import EXTRA_CONFIG, vllm_words
 from wcache.ipc.attach_summary import AttachSummary
 from wcache.ipc.run_dir.directory import default_run_dir, ensure_run_dir
@@ -96,11 +96,7 @@ def plan_for(vllm_config: VllmConfig, model_config: ModelConfig) -> PlanSpec:
     """The plan a daemon must hold for this vLLM rank."""
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise CannotAttachError("wcache does not serve pipeline-parallel vLLM ranks")
-    vllm_formats.check_quantization(model_config)
-    config = locate(resolve_model_path(model_config.model, model_config.revision)).config
-    dtype = str(model_config.dtype).removeprefix("torch.")
-    return PlanSpec(tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
-                    dtype=dtype, layout=vllm_formats.layout_for_vllm(model_config, config))
+    return plan_of(model_config, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
 
 
 def device_name(vllm_config: VllmConfig) -> str:
