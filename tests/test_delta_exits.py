@@ -2,7 +2,8 @@
 
 A delta whose metadata names its parent's own checkpoint is refused, not taken for "already served"; a good build
 of a key another process is still loading (a damaged delta claiming the same key) waits for that load's outcome
-and builds the key itself when it fails, instead of exiting 0 with nothing serving it.
+and builds the key itself when it fails, instead of exiting 0 with nothing serving it; a delta claiming a key
+another daemon serves exits 0 only when its changes make that key.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives, wait_for  # noqa: F401
 from helpers import assert_one_error_sentence, environment
-from test_versions import _bad, _entries, _key_id, versions  # noqa: F401
+from test_versions import LAYER, _bad, _entries, _key_id, versions  # noqa: F401
 from wcache.ipc.run_dir.directory import daemon_name
 
 
@@ -92,3 +93,27 @@ def test_a_good_build_waits_out_a_failing_holder_and_serves_the_key(
                 process.wait()
         rig._remember_supervisors()
         assert os.path.isdir(rig.run_dir)
+
+
+@pytest.mark.parametrize("options", [(), ("--tp", "2")], ids=["tp1", "tp2"])  # tp2: tensors read from disk
+def test_a_delta_claiming_a_served_key_it_does_not_make_is_refused(
+    rig: DaemonRig, versions: dict[str, Path], tmp_path: Path, options: tuple[str, ...],  # noqa: F811
+) -> None:
+    parents = rig.preload(versions["parent"], *options)
+    parent = parents[0]
+    served = rig.preload(versions["materialized"], *options)  # the key the delta names, already served
+    # The honest delta builds that key: "already serves" is the truth, and exit 0.
+    honest = rig.cli("preload", "--from", parent.name, "--delta", str(versions["delta"]), "--detach", "--run-dir",
+                     str(rig.run_dir))
+    rig._remember_supervisors()
+    assert honest.returncode == 0 and "already serves this key" in honest.stdout, honest.stderr
+    # Changes that make another checkpoint under the same claim: refused, never "already serves".
+    tensors, metadata = _entries(versions)
+    tensors[f"{LAYER}:values"] = (tensors[f"{LAYER}:values"] * 2).contiguous()
+    damaged = _bad(tensors, metadata, tmp_path)
+    result = rig.cli("preload", "--from", parent.name, "--delta", str(damaged), "--detach", "--run-dir",
+                     str(rig.run_dir))
+    rig._remember_supervisors()
+    assert result.returncode == 2 and "the delta is damaged" in assert_one_error_sentence(result, str(damaged))
+    assert sorted(d.name for d in rig.descriptors()) == sorted(d.name for d in parents + served)
+    assert all(rig.stats(p)["leases"] == 0 for p in parents)

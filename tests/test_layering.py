@@ -47,7 +47,8 @@ ALLOWED: dict[str, set[str]] = {
     "verify": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options",
                             "daemon_choice", "engine", "tp_launch", "integrations"},
     # A served vLLM, over HTTP: switched through its endpoints and verified against a vLLM disk load.
-    "vllm_served": FOUNDATION | {"checkpoint", "plan", "ipc", "monitor", "serving", "integrations", "verify"},
+    "vllm_served": FOUNDATION | {"checkpoint", "plan", "key", "ipc", "monitor", "serving", "integrations",
+                                 "verify"},
     "verify_served": FOUNDATION | {"plan", "key", "load", "ipc", "engine", "serving", "integrations", "verify",
                                    "vllm_served"},
 }

@@ -7,6 +7,7 @@ server's word.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from helpers import cli_env, wcache_in_process
 from wcache.ipc.http.client import NoAnswerError, http_call
 from wcache.key.compute import compute_key
 from wcache.plan.spec import PlanSpec
-from wcache_dev.synth import write_checkpoint
+from wcache_dev.synth import PRESETS, write_byte_tokenizer, write_checkpoint
 
 # A route's answer: (status, body bytes), or a callable that writes the whole reply itself.
 Answer = tuple[int, bytes] | Callable[[BaseHTTPRequestHandler], None]
@@ -248,3 +249,30 @@ def test_a_vllm_pause_answered_with_500_is_still_followed_by_resume(lying: Stand
         result = wcache_in_process("switch", _url(lying), str(model), env={**cli_env(), **rig.env})
         _one_sentence(result, "died while pausing")
         assert lying.requests[-2:] == ["POST /pause", "POST /resume"], lying.requests
+
+
+# -- a served vLLM asked to switch to weights beside another tokenizer --------------------------------------
+
+
+def test_a_vllm_switch_to_another_tokenizer_is_refused_by_name(lying: StandIn) -> None:
+    """vLLM keeps the tokenizer it started with across a reload: the same tensors and config beside tokenizer
+    files of their own would be served through the old one, so the switch is refused before anything is paused."""
+    with daemon_rig() as rig:
+        model = write_checkpoint("tiny", rig.base / "tiny")
+        retokenized = rig.base / "retokenized"
+        shutil.copytree(model, retokenized)
+        write_byte_tokenizer(retokenized, PRESETS["tiny"].config)
+        rig.publish_stand_in()  # a live daemon of the engine's device and TP size, so the switch gets to its checks
+        config = {"model_config": {"model": str(model), "tokenizer": str(model), "dtype": "torch.float32",
+                                   "max_model_len": 128},
+                  "load_config": {"load_format": "wcache", "model_loader_extra_config": {"run_dir": str(rig.run_dir)}},
+                  "parallel_config": {"tensor_parallel_size": 1}, "device_config": {"device": "cpu"}}
+        lying.routes.update({
+            "GET /version": (200, b'{"version": "0.32.0"}'),
+            "GET /server_info": (200, json.dumps({"vllm_config": config}).encode()),
+            "GET /v1/models": (200, b'{"data": [{"id": "tiny"}]}'),
+            "GET /weight_info": (200, b'{"weight_version": null}'),
+        })
+        result = wcache_in_process("switch", _url(lying), str(retokenized), env={**cli_env(), **rig.env})
+        _one_sentence(result, "tokenizer.json, tokenizer_config.json differ", "start a new engine")
+        assert not [r for r in lying.requests if r in ("POST /pause", "POST /collective_rpc")], lying.requests

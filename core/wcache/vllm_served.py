@@ -30,12 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from wcache.checkpoint.companions import is_companion
 from wcache.checkpoint.files import locate
 from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import BadInputError, UnavailableError
 from wcache.integrations.registry import GreedyAttach
 from wcache.integrations.vllm_switch import LOAD_FORMAT, VllmSwitchError, worker_reason
 from wcache.ipc.run_dir.directory import census, default_run_dir, matches
+from wcache.key.companion_digest import companion_files, tokenizer_digest
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import engine_events
 from wcache.plan.spec import PlanSpec, preload_command
@@ -58,6 +60,7 @@ class ServedVllm:
     version: str
     model_name: str  # the name its completions API takes
     started_model: str  # the checkpoint it started with, as its front end still names it
+    tokenizer: str  # where its tokenizer came from at start: a reload in place never changes it
     load_format: str | None  # None: its front end does not say (no development endpoints)
     extra_config: dict[str, Any]  # the wcache options it started with
     tp_size: int
@@ -107,14 +110,15 @@ def describe(url: str, version: str, *, dev_mode: bool = True) -> ServedVllm:
     try:
         if info is None:
             listed = models[0]
-            return ServedVllm(engine_base_url(url), version, str(listed["id"]), str(listed["root"]), None, {}, 1,
-                              "cpu", "auto", int(listed["max_model_len"]), None)
+            return ServedVllm(engine_base_url(url), version, str(listed["id"]), str(listed["root"]),
+                              str(listed["root"]), None, {}, 1, "cpu", "auto", int(listed["max_model_len"]), None)
         weight_version = call_engine(url, "GET", "/weight_info", timeout=30).get("weight_version")
         config = info["vllm_config"]
         model, load, parallel = config["model_config"], config["load_config"], config["parallel_config"]
         return ServedVllm(
             url=engine_base_url(url), version=version, model_name=str(models[0].get("id") or model["model"]),
-            started_model=str(model["model"]), load_format=str(load["load_format"]),
+            started_model=str(model["model"]), tokenizer=str(model.get("tokenizer") or model["model"]),
+            load_format=str(load["load_format"]),
             extra_config=dict(load.get("model_loader_extra_config") or {}),
             tp_size=int(parallel["tensor_parallel_size"]), device=str(config["device_config"]["device"]),
             dtype=str(model["dtype"]).removeprefix("torch."), max_model_len=int(model["max_model_len"]),
@@ -159,6 +163,7 @@ def _target(engine: ServedVllm, model: Path | None, daemon: str | None) -> tuple
                                f"for the engine; run `{preload}` first. The engine keeps "
                                "its weights.")
     _same_architecture(engine.model, path)
+    _same_tokenizer(Path(engine.tokenizer), path)
     return path, fitting[0].key_id if daemon is not None else None
 
 
@@ -169,6 +174,19 @@ def _same_architecture(current: Path, new: Path) -> None:
     if changed:
         raise BadInputError(f"{new} has another architecture than {current} ({', '.join(changed)} differ); an "
                             "in-place reload keeps vLLM's model and KV cache, so start a new engine for it.")
+
+
+def _same_tokenizer(served: Path, new: Path) -> None:
+    """BadInputError unless `new` has the tokenizer files (and generation config) of `served`, by the key's
+    tokenizer digest: vLLM keeps the tokenizer it started with, so new weights beside another tokenizer would be
+    served through the old one."""
+    old_files, new_files = (companion_files(locate(resolve_model_path(p)), None) for p in (served, new))
+    if tokenizer_digest(old_files) == tokenizer_digest(new_files):
+        return
+    old_sums, new_sums = ({f.name: f.sha256 for f in files if is_companion(f.name)} for files in (old_files, new_files))
+    differ = sorted(n for n in old_sums.keys() | new_sums.keys() if old_sums.get(n) != new_sums.get(n))
+    raise BadInputError(f"{new} has other tokenizer files than the served {served} ({', '.join(differ[:5])} differ); "
+                        "an in-place reload keeps vLLM's tokenizer, so start a new engine for it.")
 
 
 def switch_served(url: str, version: str, model: Path | None, daemon: str | None) -> dict[str, Any]:

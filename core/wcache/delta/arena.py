@@ -18,7 +18,8 @@ taken from the delta: where the arena holds the tensor whole in its checkpoint d
 tensor of the default plan) it is hashed from the new arena; otherwise the parent's bytes are read from the
 parent's checkpoint on disk (checked against the parent's manifest) and patched. The digest must equal the one
 the delta names. Nothing is published until it does; a failure closes the fresh arena and leaves the parent as
-it was.
+it was. A key already served is "already served" (exit 0) only once the changed tensors, made and hashed without an
+arena, give that digest too.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from wcache.checkpoint.manifest import TensorDigest, merkle_root
 from wcache.delta.format import Change, Delta, DeltaError, read_delta
 from wcache.errors import BadInputError, CheckpointError, UnavailableError
 from wcache.ipc.arenas.daemon_side import ArenaEntry, CpuArena, plan_layout
-from wcache.ipc.run_dir.directory import DaemonDescriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor, DaemonExistsError
 from wcache.ipc.wire.client import DaemonConnection, DaemonError
 from wcache.ipc.wire.messages import Hello, Manifest, MapRequest, WantedKey
 from wcache.key.cache_key import KeyFile, WeightCacheKey
@@ -90,7 +91,9 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
     """Build one rank of the next version from daemon `parent` and the delta at `delta_path`.
 
     `on_key` runs with the key the delta claims before any arena memory is taken (a daemon takes its lock
-    there); the built arena is checked to hold exactly that key.
+    there); the built arena is checked to hold exactly that key. When `on_key` finds that key already served
+    (DaemonExistsError, an exit 0), the delta's changes are first checked to make it: a delta that claims a
+    served key it does not make is damaged, never "already served".
     """
     began = time.perf_counter()
     if not parent.device == "cpu":
@@ -110,23 +113,18 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
         delta = read_delta(delta_path, by_name)
         delta.check_parent(parent.key.checkpoint, f"daemon {parent.name}")
         claimed = next_key(parent.key, delta.checkpoint)
-        if on_key is not None:
-            on_key(claimed)
         plan = build_plan(parent.plan, parent.config, manifest)
         entries, total = plan_layout([(o.name, o.dtype, o.shape, o.nbytes) for o in plan.outputs])
+        if on_key is not None:
+            try:
+                on_key(claimed)
+            except DaemonExistsError:
+                _check_makes_claim(delta, parent, connection, plan, entries, total, by_name)
+                raise
+        parent_fd, wire_entries = _map_parent(connection, parent, entries, total)
         try:
-            reply = connection.request(MapRequest("zero_copy"))
-        except DaemonError as exc:
-            raise UnavailableError(f"daemon {parent.name} cannot be mapped ({str(exc).rstrip('.')}).") from None
-        if reply.kind != "memfd" or len(reply.fds) != 1:
-            raise UnavailableError(f"daemon {parent.name} sent no arena descriptor.")
-        parent_fd = reply.fds[0]
-        try:
-            if reply.total_bytes != total or [e.to_wire() for e in entries] != reply.entries:
-                raise UnavailableError(f"daemon {parent.name}'s arena is not laid out as its plan says; it cannot be "
-                                       "the parent of a new version.")
             arena = CpuArena(total, "wcache-arena-next")
-            build = _Build(plan, delta, by_name, arena, entries, os.dup(parent_fd), reply.entries, Path(parent.source))
+            build = _Build(plan, delta, by_name, arena, entries, os.dup(parent_fd), wire_entries, Path(parent.source))
         finally:
             os.close(parent_fd)
         try:
@@ -136,12 +134,7 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
             bytes_read = delta.file_bytes + build.bytes_read
         finally:
             build.close()  # every view of the writable map goes before seal() can close it
-        new_manifest = tuple(msgspec.structs.replace(e, digest=digests[e.name]) if e.name in digests else e
-                             for e in manifest)
-        root = merkle_root(new_manifest)
-        if root != delta.checkpoint:
-            raise DeltaError(f"applying {delta_path} to daemon {parent.name} gives checkpoint {root[:12]}, not the "
-                             f"{delta.checkpoint[:12]} the delta names; the delta is damaged.")
+        new_manifest = _check_root(delta, parent, manifest, digests)
         processed = {e.name: build.processed[e.name] for e in entries}
         plant_fault(arena, entries)
         arena.seal()
@@ -156,6 +149,63 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
         raise
     finally:
         connection.close()  # the lease on the parent ends here, built or not
+
+
+def _map_parent(connection: DaemonConnection, parent: DaemonDescriptor, entries: tuple[ArenaEntry, ...],
+                total: int) -> tuple[int, list[Any]]:
+    """A zero-copy map of the parent's arena (its memfd, which the caller closes, and its wire entries), checked
+    to be laid out as the parent's plan says."""
+    try:
+        reply = connection.request(MapRequest("zero_copy"))
+    except DaemonError as exc:
+        raise UnavailableError(f"daemon {parent.name} cannot be mapped ({str(exc).rstrip('.')}).") from None
+    if reply.kind != "memfd" or len(reply.fds) != 1:
+        raise UnavailableError(f"daemon {parent.name} sent no arena descriptor.")
+    if reply.total_bytes != total or [e.to_wire() for e in entries] != reply.entries:
+        os.close(reply.fds[0])
+        raise UnavailableError(f"daemon {parent.name}'s arena is not laid out as its plan says; it cannot be "
+                               "the parent of a new version.")
+    return reply.fds[0], reply.entries
+
+
+def _check_root(delta: Delta, parent: DaemonDescriptor, manifest: tuple[TensorDigest, ...],
+                digests: dict[str, str]) -> tuple[TensorDigest, ...]:
+    """The parent's manifest with the changed tensors' new `digests`; DeltaError unless its root is the checkpoint
+    the delta names."""
+    new_manifest = tuple(msgspec.structs.replace(e, digest=digests[e.name]) if e.name in digests else e
+                         for e in manifest)
+    root = merkle_root(new_manifest)
+    if root != delta.checkpoint:
+        raise DeltaError(f"applying {delta.path} to daemon {parent.name} gives checkpoint {root[:12]}, not the "
+                         f"{delta.checkpoint[:12]} the delta names; the delta is damaged.")
+    return new_manifest
+
+
+def _check_makes_claim(delta: Delta, parent: DaemonDescriptor, connection: DaemonConnection, plan: ProcessingPlan,
+                       entries: tuple[ArenaEntry, ...], total: int, manifest: dict[str, TensorDigest]) -> None:
+    """DeltaError unless the delta's changes, applied to the parent, make the checkpoint it names: only the
+    changed tensors are made and hashed (from the parent's arena where it holds them whole, else its files)."""
+    from wcache.ipc.arenas.engine_side import map_cpu_arena
+
+    fd, wire_entries = _map_parent(connection, parent, entries, total)
+    mapped = map_cpu_arena(fd, total, wire_entries)  # closes fd
+    tensors = _ParentTensors(plan, mapped.tensors, manifest, Path(parent.source))
+    try:
+        digests = {name: processed_digest(_applied(change, tensors.full(name), manifest[name].shape))
+                   for name, change in delta.changes.items()}
+    finally:
+        del tensors, mapped
+        gc.collect()  # torch views hold the map
+    _check_root(delta, parent, tuple(manifest.values()), digests)
+
+
+def _applied(change: Change, parent: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Checkpoint tensor `parent` with `change` applied (a new tensor; `parent` is left as it was)."""
+    if change.indices is None:
+        return change.torch_values().reshape(shape)
+    made = parent.clone()
+    change.apply_to(made.reshape(-1))
+    return made
 
 
 def _version() -> str:
@@ -316,13 +366,14 @@ class _TorchSide:
         self.build = build
         self.new_tensors = build.arena.tensors(build.entries)
         parent = map_cpu_arena(os.dup(build._parent_fd), build.arena.total_bytes, build._parent_entries)
-        self.parent_views = _exact_views(build.plan, parent.tensors, build.manifest)
+        self.parent = _ParentTensors(build.plan, parent.tensors, build.manifest, build.parent_source)
         self.new_views = _exact_views(build.plan, self.new_tensors, build.manifest)
         self._made: dict[str, torch.Tensor] = {}
 
     def parent_full(self, name: str) -> torch.Tensor:
-        view = self.parent_views.get(name)
-        return view if view is not None else self._from_disk(name)
+        tensor = self.parent.full(name)
+        self.build.bytes_read = self.parent.bytes_read
+        return tensor
 
     def new_full(self, name: str) -> torch.Tensor:
         """Tensor `name` as the delta makes it; the new arena's own view once the plan has written it there."""
@@ -334,13 +385,7 @@ class _TorchSide:
             return view
         made = self._made.get(name)
         if made is None:
-            shape = self.build.manifest[name].shape
-            if change.indices is None:
-                made = change.torch_values().reshape(shape)
-            else:
-                made = self.parent_full(name).clone()
-                change.apply_to(made.reshape(-1))
-            self._made[name] = made
+            made = self._made[name] = _applied(change, self.parent_full(name), self.build.manifest[name].shape)
         return made
 
     def scatter(self, output: str, pieces: tuple[Piece, ...]) -> None:
@@ -354,11 +399,27 @@ class _TorchSide:
                 return
             row += piece.length if piece.dim == 0 else piece.source_shape[0]
 
+
+class _ParentTensors:
+    """Whole checkpoint tensors of the parent: views of its arena where it holds them whole in their checkpoint
+    dtype, else read from its checkpoint on disk (checked against its manifest; `bytes_read` counts them)."""
+
+    def __init__(self, plan: ProcessingPlan, arena_tensors: dict[str, torch.Tensor],
+                 manifest: dict[str, TensorDigest], source: Path) -> None:
+        self.views = _exact_views(plan, arena_tensors, manifest)
+        self.manifest = manifest
+        self.source = source
+        self.bytes_read = 0
+
+    def full(self, name: str) -> torch.Tensor:
+        view = self.views.get(name)
+        return view if view is not None else self._from_disk(name)
+
     def _from_disk(self, name: str) -> torch.Tensor:
         from wcache.delta.make import read_tensor, tensor_locations
 
-        entry = self.build.manifest[name]
-        source = self.build.parent_source
+        entry = self.manifest[name]
+        source = self.source
         try:
             shard_path, info = tensor_locations(source)[name]
         except (CheckpointError, KeyError):
@@ -367,7 +428,7 @@ class _TorchSide:
                 "holds it; the plan cannot be re-made without it."
             ) from None
         tensor = read_tensor(shard_path, info).reshape(entry.shape)
-        self.build.bytes_read += info.nbytes
+        self.bytes_read += info.nbytes
         if processed_digest(tensor) != entry.digest:
             raise UnavailableError(f"tensor {name!r} in {shard_path} is no longer the parent daemon's; the plan "
                                    "cannot be re-made from it.")
