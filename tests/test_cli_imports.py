@@ -25,6 +25,12 @@ from wcache_dev.synth import write_checkpoint
 NOT_FOR_HELP_OR_STATUS = (
     "torch", "wcache.daemon", "wcache.engine", "textual", "prometheus_client", "pydantic", "psutil",
 )
+# A command imports its own module, not every command's (the app's command table is lazy); with no daemon in the
+# run dir, status needs no wire client, no engine registry and no digest store.
+NOT_FOR_EMPTY_STATUS = (
+    *NOT_FOR_HELP_OR_STATUS, "wcache_cli.commands.attach", "wcache_cli.commands.preload", "wcache.integrations",
+    "wcache.ipc.wire.client", "wcache.key.digest_store",
+)
 NOT_FOR_KEY = ("torch", "wcache.daemon", "wcache.engine", "pydantic")
 # A shell completing a daemon id runs `wcache` on every TAB: the run dir census (psutil), nothing more.
 NOT_FOR_COMPLETION = ("torch", "wcache.daemon", "wcache.engine", "textual", "prometheus_client", "pydantic")
@@ -43,7 +49,7 @@ def test_status_of_an_empty_run_dir_imports_no_machinery(tmp_path: Path) -> None
     result, modules = modules_after_cli(tmp_path, "status", "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     assert "No daemons" in result.stdout
-    assert loaded_of(modules, NOT_FOR_HELP_OR_STATUS) == []
+    assert loaded_of(modules, NOT_FOR_EMPTY_STATUS) == []
 
 
 def test_completing_a_daemon_id_imports_no_torch(tmp_path: Path) -> None:

@@ -17,8 +17,9 @@ CORE = ROOT / "core" / "wcache"
 CLI = ROOT / "cli" / "wcache_cli"
 
 # Each part of core and the parts it may import (besides itself). Lower layers never import higher ones.
-FOUNDATION = {"errors", "canonical", "lazy_exports", "schema", "bounded_read"}
+FOUNDATION = {"_version", "errors", "canonical", "lazy_exports", "schema", "bounded_read"}
 ALLOWED: dict[str, set[str]] = {
+    "_version": set(),
     "errors": set(),
     "schema": set(),
     "canonical": set(),
@@ -89,6 +90,9 @@ def test_core_imports_follow_the_layers(part: str, path: Path) -> None:
     wrong = sorted({module for module in _imports(path)
                     if (target := _part(module)) is not None and target != part and target not in ALLOWED[part]})
     assert wrong == [], f"{part} may not import {wrong}"
+    # The package root re-exports every part, so a part importing it (`import wcache`, `from wcache import x`)
+    # reaches every layer above its own.
+    assert "wcache" not in set(_imports(path)), "the library imports its parts, never the package root"
     outside = sorted({m for m in _imports(path) if m.split(".")[0] in {"wcache_cli", "wcache_dev"}})
     assert outside == [], "the library never imports the CLI or the dev helpers"
 

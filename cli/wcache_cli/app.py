@@ -9,21 +9,11 @@ import typer
 import wcache
 from typer.completion import completion_init
 from typer.core import TyperCommand, TyperGroup
+from typer.models import CommandInfo
 from wcache.errors import EXIT_OK
 
 from wcache_cli import coercion
-from wcache_cli.commands.attach import attach
-from wcache_cli.commands.completion import completion
-from wcache_cli.commands.delta import delta
-from wcache_cli.commands.demo import demo
-from wcache_cli.commands.diff import diff
-from wcache_cli.commands.doctor import doctor
-from wcache_cli.commands.key import key
-from wcache_cli.commands.preload import preload
-from wcache_cli.commands.status import status, stop
-from wcache_cli.commands.switch import switch
-from wcache_cli.commands.top import top
-from wcache_cli.commands.verify import verify
+from wcache_cli.command_table import LazyCommands, command_function
 from wcache_cli.state import state
 
 
@@ -41,12 +31,28 @@ class _WcacheGroup(coercion.PlainValues, TyperGroup):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        verbose = next(p for p in self.params if p.name == "verbose")
+        self._verbose = next(p for p in self.params if p.name == "verbose")
         for command in self.commands.values():
-            option = copy.copy(verbose)
-            option.expose_value = False
-            option.callback = _set_verbose
-            command.params.append(option)
+            self._take_verbose(command)
+        self.commands = LazyCommands(self.commands, self._build)
+
+    def _take_verbose(self, command: Any) -> None:
+        option = copy.copy(self._verbose)
+        option.expose_value = False
+        option.callback = _set_verbose
+        command.params.append(option)
+
+    def _build(self, name: str) -> Any:
+        """The command `name`, as Typer builds it from its function (imported only now)."""
+        info = CommandInfo(callback=command_function(name), cls=_WcacheCommand)
+        command = typer.main.get_command_from_info(info, pretty_exceptions_short=app.pretty_exceptions_short,
+                                                   rich_markup_mode=app.rich_markup_mode)
+        assert command.name == name, f"the command table names {command.name!r} {name!r}"
+        self._take_verbose(command)
+        return command
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return list(self.commands)  # names only: Typer's own reads every command, importing every module
 
 
 app = typer.Typer(
@@ -82,7 +88,3 @@ def root(
     """Keep processed LLM weights alive across engine restarts, and prove every reuse is the right checkpoint."""
     state.verbose = state.verbose or verbose
 
-
-# In the order `wcache --help` lists them.
-for command in (preload, status, stop, attach, key, diff, switch, delta, verify, top, doctor, demo, completion):
-    app.command(cls=_WcacheCommand)(command)

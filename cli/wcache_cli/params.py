@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 from wcache.attach_options import MODES, AttachOptions
-from wcache.integrations.registry import ENGINES
 from wcache.monitor.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from wcache.plan.spec import DTYPES, LAYOUTS, QUANTIZATIONS, PlanSpec
 
@@ -20,7 +19,6 @@ Quantization = StrEnum("Quantization", {name: name for name in QUANTIZATIONS})  
 Layout = StrEnum("Layout", {name: name for name in LAYOUTS})  # type: ignore[misc]
 LogLevel = StrEnum("LogLevel", {name: name for name in LOG_LEVELS})  # type: ignore[misc]
 LogFormat = StrEnum("LogFormat", {name: name for name in LOG_FORMATS})  # type: ignore[misc]
-Engine = StrEnum("Engine", {name: name for name in ENGINES})  # type: ignore[misc]
 Mode = StrEnum("Mode", {name: name for name in MODES})  # type: ignore[misc]
 _PLAN = PlanSpec()
 DEFAULT_DTYPE = Dtype(_PLAN.dtype)
@@ -28,7 +26,6 @@ DEFAULT_QUANTIZATION = Quantization(_PLAN.quantization)
 DEFAULT_LAYOUT = Layout(_PLAN.layout)
 DEFAULT_LEVEL = LogLevel(DEFAULT_LOG_LEVEL)
 DEFAULT_FORMAT = LogFormat(DEFAULT_LOG_FORMAT)
-DEFAULT_ENGINE = Engine(ENGINES[0])
 DEFAULT_MODE = Mode(AttachOptions().mode)
 
 

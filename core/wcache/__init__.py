@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from wcache._version import __version__
 from wcache.lazy_exports import lazy_exports
-
-__version__ = "0.1.0"  # the package's version (pyproject.toml reads it from here)
 
 _EXPORTS = {
     "attach": "wcache.attach",

@@ -15,6 +15,7 @@ from wcache_cli.params import JsonOpt, RunDirOpt, run_dir_or_default
 if TYPE_CHECKING:
     from rich.console import RenderableType
     from rich.table import Table
+    from wcache.monitor.daemon_status import DaemonStatus
     from wcache.monitor.snapshot import EngineRow
     from wcache.monitor.status_row import StatusRow
 
@@ -28,6 +29,15 @@ def _health(url: str | None) -> int | None:
     from wcache.ipc.http.client import http_get
 
     return http_get(f"{url}/health", HEALTH_TIMEOUT_S)[0]
+
+
+def _ask(sockets: list[str]) -> list[DaemonStatus]:
+    """Each daemon's answer to a status request, in order; with no daemon, the wire client is never imported."""
+    if not sockets:
+        return []
+    from wcache.monitor.daemon_status import collect
+
+    return collect(sockets)
 
 
 def _unhealthy(row: StatusRow) -> str | None:
@@ -67,14 +77,13 @@ def status(
     """
     from wcache.ipc.run_dir.directory import census
     from wcache.ipc.run_dir.loading import read_loading
-    from wcache.monitor.daemon_status import collect
     from wcache.monitor.status_row import StatusRow
 
     where = run_dir_or_default(run_dir)
     found = census(where) if where.exists() else None
     live = found.live if found else ()
     rows = [StatusRow.of(d, answer, _health(d.health_url))
-            for d, answer in zip(live, collect([d.socket for d in live]), strict=True)]
+            for d, answer in zip(live, _ask([d.socket for d in live]), strict=True)]
     rows += [StatusRow.loading(r) for r in read_loading(where)] if where.exists() else []
     stale = [{"name": d.name, "pid": d.pid, "source": d.source} for d in found.stale] if found else []
     problems = [p for p in map(_unhealthy, rows) if p is not None]

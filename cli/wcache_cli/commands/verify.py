@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from wcache.errors import EXIT_DIFFERENCE, BadInputError
+from wcache.integrations.registry import ENGINES
 
 from wcache_cli.output import out
 from wcache_cli.params import (
     DEFAULT_DTYPE,
-    DEFAULT_ENGINE,
     DEFAULT_LAYOUT,
     DEFAULT_MODE,
     DEFAULT_QUANTIZATION,
     DaemonOpt,
     DeviceOpt,
     DtypeOpt,
-    Engine,
     ExpectedOpt,
     JsonOpt,
     MaxNewTokensOpt,
@@ -32,6 +32,10 @@ from wcache_cli.params import (
     plan_from_options,
     run_dir_or_default,
 )
+
+# Here, not in params: only verify takes --engine, and the registry's imports would cost every command.
+Engine = StrEnum("Engine", {name: name for name in ENGINES})  # type: ignore[misc]
+DEFAULT_ENGINE = Engine(ENGINES[0])
 
 
 def _read_prompts(path: Path) -> list[str]:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from wcache._version import __version__
 from wcache.checkpoint.dtypes import TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest, merkle_root
 from wcache.delta.format import Change, Delta, DeltaError, read_delta
@@ -140,7 +141,7 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
         arena.seal()
         key_file = KeyFile(key=claimed, plan=parent.plan, config=parent.config, manifest_source=new_manifest,
                            source=source_label, created=datetime.now(UTC).isoformat(timespec="seconds"),
-                           wcache_version=_version())
+                           wcache_version=__version__)
         loaded = LoadedRank(key_file, plan, entries, arena, processed, time.perf_counter() - began)
         return NextVersion(loaded, parent, bytes_read, len(delta.changes), outputs)
     except BaseException:
@@ -208,10 +209,6 @@ def _applied(change: Change, parent: torch.Tensor, shape: tuple[int, ...]) -> to
     return made
 
 
-def _version() -> str:
-    import wcache
-
-    return wcache.__version__
 
 
 class _Build:

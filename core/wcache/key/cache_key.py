@@ -20,7 +20,6 @@ from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manif
 from wcache.checkpoint.model_config import config_digest
 from wcache.checkpoint.provenance import FileDigest, FilesSource, build_files
 from wcache.errors import BadInputError, KeyFileError
-from wcache.key.companion_digest import tokenizer_digest
 from wcache.plan.spec import PlanSpec
 from wcache.schema import Schema
 
@@ -155,6 +154,10 @@ class KeyFile:
             raise KeyFileError(f"{origin} has a plan that does not match its plan digest.")
         if config_digest(result.config) != key.config:
             raise KeyFileError(f"{origin} has a config that does not match its config digest.")
+        # Imported here: it brings the digest store (sqlite3, platformdirs), which every reader of a daemon
+        # descriptor (`wcache status`) would otherwise load for nothing.
+        from wcache.key.companion_digest import tokenizer_digest
+
         if tokenizer_digest(companions) != key.tokenizer:
             raise KeyFileError(f"{origin} has tokenizer files that do not match its tokenizer digest.")
         return result

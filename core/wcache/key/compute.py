@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import wcache
+from wcache._version import __version__
 from wcache.checkpoint.dtypes import SAFETENSORS_TO_PLAN
 from wcache.checkpoint.files import CheckpointLayout, locate
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
@@ -123,7 +123,7 @@ def make_key_file(
         manifest_source=manifest,
         source=os.path.abspath(path),  # noqa: PTH100  (no syscalls: resolve() costs round trips on remote storage)
         created=datetime.now(UTC).isoformat(timespec="seconds"),
-        wcache_version=wcache.__version__,
+        wcache_version=__version__,
         stats=stats,
         files_source=files,
         companions=companions,
