@@ -3,8 +3,9 @@
 Each command runs as a real process through the installed `wcache` console script, output discarded (as in a
 script or a probe), `--runs` times, round-robin so machine noise spreads over all of them; the median is shown
 with its ratio to the floor's median. `key` is warm: the tiny checkpoint's receipts are in a scratch digest
-store before timing starts. `attach --no-fallback` finds no daemon and exits 3: the cost of a miss that needs no
-tensors. Target (issue 11): `--help`, `status` and warm `key` within 150 ms.
+store before timing starts. `status (daemon)` asks a real daemon of the tiny checkpoint, started (in its own run
+dir) before timing and stopped after. `attach --no-fallback` finds no daemon and exits 3: the cost of a miss that
+needs no tensors. Target (issues 11 and 30): `--help`, both `status` rows and warm `key` within 150 ms.
 
 Bytecode is cached as in any installed copy (compiled files go to a scratch PYTHONPYCACHEPREFIX, even where the
 environment sets PYTHONDONTWRITEBYTECODE); `--no-bytecode-cache` compiles every wcache module on every run.
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 TARGET_MS = 150.0
-TARGETED = ("wcache --help", "wcache status", "wcache key (warm)")
+TARGETED = ("wcache --help", "wcache status", "wcache status (daemon)", "wcache key (warm)")
 
 
 def _cpu_of_children() -> float:
@@ -47,6 +48,38 @@ def _time_once(argv: list[str], env: dict[str, str], codes: tuple[int, ...]) -> 
     return wall, cpu
 
 
+def _sample(args: argparse.Namespace, env: dict[str, str], python: str, wcache: str, run_dir: Path,
+            daemon_run_dir: Path, model: Path) -> dict[str, list[tuple[float, float]]]:
+    """Each command's (wall, CPU) seconds, `--runs` of them, after one warm-up run each."""
+    from wcache.key.digest_store import RACY_WINDOW_NS
+
+    root = run_dir.parent
+    if args.no_bytecode_cache:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    else:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(root / "pycache")  # compiled once by the warm-up, never in the tree
+    commands: dict[str, tuple[list[str], tuple[int, ...]]] = {
+        "python -c pass (floor)": ([python, "-c", "pass"], (0,)),
+        "wcache --help": ([wcache, "--help"], (0,)),
+        "wcache status": ([wcache, "status", "--run-dir", str(run_dir)], (0,)),
+        "wcache status (daemon)": ([wcache, "status", "--run-dir", str(daemon_run_dir)], (0,)),
+        "wcache key (warm)": ([wcache, "key", str(model)], (0,)),
+        "wcache attach --no-fallback (miss)": ([wcache, "attach", str(model), "--no-fallback"], (3,)),
+    }
+    time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)  # receipts of files changed this recently are never trusted
+    for argv, codes in commands.values():  # warm-up: fills the digest store and the page cache
+        _time_once(argv, env, codes)
+    shown = subprocess.run(commands["wcache key (warm)"][0], env=env, capture_output=True, text=True, check=True)
+    if ", 0 hashed" not in shown.stdout:
+        raise SystemExit(f"`wcache key` still hashes after the warm-up:\n{shown.stdout}")
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+    for _ in range(args.runs):
+        for name, (argv, codes) in commands.items():
+            samples[name].append(_time_once(argv, env, codes))
+    return samples
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=7, help="timed runs of each command (default 7)")
@@ -54,41 +87,26 @@ def main() -> None:
                         help="recompile wcache's modules on every run (as under PYTHONDONTWRITEBYTECODE=1)")
     args = parser.parse_args()
 
-    from wcache.key.digest_store import RACY_WINDOW_NS
+    import wcache
     from wcache_dev import synth
 
     python = sys.executable
-    wcache = str(Path(python).with_name("wcache"))
+    wcache_script = str(Path(python).with_name("wcache"))
     with tempfile.TemporaryDirectory(prefix="wcache-cli-startup-") as tmp:
         root = Path(tmp)
         run_dir = root / "run"
         run_dir.mkdir(mode=0o700)
+        daemon_run_dir = root / "run-daemon"
+        daemon_run_dir.mkdir(mode=0o700)
         model = root / "tiny"
         synth.write_checkpoint("tiny", model)
         env = {**os.environ, "WCACHE_CACHE_DIR": str(root / "cache"), "WCACHE_RUN_DIR": str(run_dir)}
-        if args.no_bytecode_cache:
-            env["PYTHONDONTWRITEBYTECODE"] = "1"
-        else:
-            env.pop("PYTHONDONTWRITEBYTECODE", None)
-            env["PYTHONPYCACHEPREFIX"] = str(root / "pycache")  # compiled once by the warm-up, never in the tree
-        commands: dict[str, tuple[list[str], tuple[int, ...]]] = {
-            "python -c pass (floor)": ([python, "-c", "pass"], (0,)),
-            "wcache --help": ([wcache, "--help"], (0,)),
-            "wcache status": ([wcache, "status", "--run-dir", str(run_dir)], (0,)),
-            "wcache key (warm)": ([wcache, "key", str(model)], (0,)),
-            "wcache attach --no-fallback (miss)": ([wcache, "attach", str(model), "--no-fallback"], (3,)),
-        }
-        time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)  # receipts of files changed this recently are never trusted
-        for argv, codes in commands.values():  # warm-up: fills the digest store and the page cache
-            _time_once(argv, env, codes)
-        shown = subprocess.run(commands["wcache key (warm)"][0], env=env, capture_output=True, text=True, check=True)
-        if ", 0 hashed" not in shown.stdout:
-            raise SystemExit(f"`wcache key` still hashes after the warm-up:\n{shown.stdout}")
-        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
-        for _ in range(args.runs):
-            for name, (argv, codes) in commands.items():
-                samples[name].append(_time_once(argv, env, codes))
-
+        os.environ["WCACHE_CACHE_DIR"] = env["WCACHE_CACHE_DIR"]  # the daemon's receipts stay in the scratch store
+        group = wcache.start_daemons(model, run_dir=daemon_run_dir)
+        try:
+            samples = _sample(args, env, python, wcache_script, run_dir, daemon_run_dir, model)
+        finally:
+            group.stop()
     walls = {name: statistics.median(w for w, _ in runs) * 1000 for name, runs in samples.items()}
     cpus = {name: statistics.median(c for _, c in runs) * 1000 for name, runs in samples.items()}
     floor = walls["python -c pass (floor)"]
