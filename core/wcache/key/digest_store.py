@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 import platformdirs
@@ -315,6 +315,20 @@ class DigestStore:
         """The stored record for this exact file identity, if one is trusted."""
         return self.lookup_many([(path, identity)]).get(path)
 
+    def _rows_by_id(self, table: str, columns: str, ids: list[str]) -> dict[str, list[Any]]:
+        """`table`'s rows for `ids` (size, mtime_ns, ctime_ns, hashed_at_ns, then `columns`), by file id; none
+        where the store cannot be read (it is then disabled, or rebuilt when corrupt). Call under the lock."""
+        assert self._conn is not None
+        try:
+            return {file_id: rest for file_id, *rest in self._conn.execute(
+                f"SELECT file_id, size, mtime_ns, ctime_ns, hashed_at_ns, {columns} FROM {table} "
+                f"WHERE file_id IN ({','.join('?' * len(ids))})", ids)}
+        except sqlite3.OperationalError as exc:
+            self._disable(f"reading failed ({exc})")
+        except sqlite3.DatabaseError as exc:
+            self._rebuild(str(exc))
+        return {}
+
     def lookup_many(self, files: Sequence[tuple[Path, FileIdentity]]) -> dict[Path, ShardRecord]:
         """The trusted records among `files`, by path, in one query per LOOKUP_BATCH files."""
         with self._lock:
@@ -327,21 +341,7 @@ class DigestStore:
         if self._conn is None or not files:
             return {}
         ids = [_file_id(identity) for _, identity in files]
-        try:
-            rows = {
-                file_id: rest
-                for file_id, *rest in self._conn.execute(
-                    "SELECT file_id, size, mtime_ns, ctime_ns, hashed_at_ns, record FROM shards "
-                    f"WHERE file_id IN ({','.join('?' * len(ids))})",
-                    ids,
-                )
-            }
-        except sqlite3.OperationalError as exc:
-            self._disable(f"reading failed ({exc})")
-            return {}
-        except sqlite3.DatabaseError as exc:
-            self._rebuild(str(exc))
-            return {}
+        rows = self._rows_by_id("shards", "record", ids)
         records: dict[Path, ShardRecord] = {}
         for (path, identity), file_id in zip(files, ids, strict=True):
             if file_id not in rows:
@@ -430,16 +430,7 @@ class DigestStore:
             if self._conn is None or not files:
                 return {}
             ids = [_file_id(identity) for _, identity in files[:LOOKUP_BATCH]]
-            try:
-                rows = {file_id: rest for file_id, *rest in self._conn.execute(
-                    "SELECT file_id, size, mtime_ns, ctime_ns, hashed_at_ns, sha256, git_sha1 FROM files "
-                    f"WHERE file_id IN ({','.join('?' * len(ids))})", ids)}
-            except sqlite3.OperationalError as exc:
-                self._disable(f"reading failed ({exc})")
-                return {}
-            except sqlite3.DatabaseError as exc:
-                self._rebuild(str(exc))
-                return {}
+            rows = self._rows_by_id("files", "sha256, git_sha1", ids)
         found: dict[Path, ContentDigests] = {}
         for (path, identity), file_id in zip(files, ids, strict=False):
             row = rows.get(file_id)
