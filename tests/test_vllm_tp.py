@@ -222,7 +222,7 @@ def test_vllm_is_imported_only_through_vllm_api() -> None:
 @VLLM_IN_PYTEST
 def test_the_plans_vocab_padding_is_vllms() -> None:
     from wcache.integrations.vllm_api import DEFAULT_VOCAB_PADDING_SIZE
-    from wcache.plan.processing import VOCAB_PADDING
+    from wcache.plan.fused_layout import VOCAB_PADDING
 
     assert VOCAB_PADDING == DEFAULT_VOCAB_PADDING_SIZE
 

@@ -1,8 +1,10 @@
 """The processing plan in action: which engine tensors one rank holds, and how each is made from checkpoint tensors.
 
 `build_plan` turns a resolved `PlanSpec`, config.json and the checkpoint's manifest into a `ProcessingPlan`: a
-fixed, ordered list of `OutputSpec`s and, for each, a recipe of checkpoint slices. `ProcessingPlan.produce`
-runs one recipe. The daemon and the engine's disk path both call it, so their processed bytes are equal.
+fixed, ordered list of `OutputSpec`s and, for each, a recipe of checkpoint slices. The layout says which slices
+make each output (the identity layout: every tensor whole, here; the fused one: `fused_layout`); the builder
+here chooses each output's dtype and adds quantization's scales. `ProcessingPlan.produce` runs one recipe. The
+daemon and the engine's disk path both call it, so their processed bytes are equal.
 
 Building a plan needs no torch: only running a recipe imports it, so a daemon whose outputs are all checkpoint
 bytes unchanged never waits for `import torch`.
@@ -19,17 +21,13 @@ from typing import TYPE_CHECKING, Any
 from wcache.checkpoint.dtypes import CASTABLE, TORCH_ITEMSIZE, TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.errors import CheckpointError, option
-from wcache.plan import family
+from wcache.plan import family, fused_layout
 from wcache.plan.family import ModelDims, UnsupportedPlanError
 from wcache.plan.quantize import QUANTIZED_DTYPES, channel_scales, is_linear_weight, quantize_rows, scale_name
 from wcache.plan.spec import PlanSpec
 
 if TYPE_CHECKING:
     import torch
-
-_ROTARY_BUFFER = ".rotary_emb.inv_freq"
-# vLLM's DEFAULT_VOCAB_PADDING_SIZE: it pads the vocabulary to a multiple of it before splitting it across ranks.
-VOCAB_PADDING = 64
 
 Source = Callable[[str], "torch.Tensor"]
 
@@ -277,7 +275,7 @@ def build_plan(spec: PlanSpec, config: Mapping[str, Any] | None, tensors: Sequen
         for name in sorted(manifest):
             builder.whole(name)
         return builder.plan()
-    _build_fused(builder, ModelDims.from_config(config), manifest)
+    fused_layout.build(builder, ModelDims.from_config(config))
     return builder.plan()
 
 
@@ -289,7 +287,7 @@ def check_tp_split(spec: PlanSpec, config: Mapping[str, Any] | None) -> None:
             raise UnsupportedPlanError(f"the identity plan holds unsharded weights; use {option('tp_size', 1)} or "
                                        f"{option('layout', 'fused')}.")
         return
-    _check_split(spec.tp_size, ModelDims.from_config(config))
+    fused_layout.check_split(spec.tp_size, ModelDims.from_config(config))
 
 
 def _torch_name(entry: TensorDigest) -> str:
@@ -300,210 +298,3 @@ def _torch_name(entry: TensorDigest) -> str:
     if name is None or (torch is not None and not hasattr(torch, name)):
         raise UnsupportedPlanError(f"tensor {entry.name!r} has dtype {entry.dtype}, which this torch cannot hold.")
     return name
-
-
-def _check_split(tp: int, d: ModelDims) -> None:
-    if d.heads % tp:
-        raise UnsupportedPlanError(f"{d.heads} attention heads cannot be split evenly across {option('tp_size', tp)}.")
-    if d.kv_heads % tp and tp % d.kv_heads:
-        raise UnsupportedPlanError(
-            f"{d.kv_heads} key/value heads can be neither split nor replicated evenly across {option('tp_size', tp)}."
-        )
-    if len(d.sparse_layers) < d.layers and d.intermediate % tp:
-        raise UnsupportedPlanError(f"intermediate_size {d.intermediate} cannot be split evenly across "
-                                   f"{option('tp_size', tp)}.")
-    if d.is_moe and d.expert_intermediate % tp:
-        raise UnsupportedPlanError(
-            f"moe_intermediate_size {d.expert_intermediate} cannot be split evenly across {option('tp_size', tp)}."
-        )
-
-
-class _Shards:
-    """How one rank slices the family's projections, and the fusions it makes of them."""
-
-    def __init__(self, b: _Builder, d: ModelDims) -> None:
-        self.b, self.d = b, d
-        tp, rank = b.spec.tp_size, b.spec.tp_rank
-        self.tp, self.rank = tp, rank
-        # Column-parallel attention: rank r holds a contiguous block of query heads and the key/value heads they
-        # read. With fewer kv heads than ranks each kv head is replicated, and rank r holds head r*kv//tp
-        # (vLLM's rule).
-        self.q_rows = d.heads // tp * d.head_dim
-        self.kv_start = rank * d.kv_heads // tp * d.head_dim
-        self.kv_rows = max(d.kv_heads // tp, 1) * d.head_dim
-
-    def rows(self, name: str, start: int, length: int) -> Piece:
-        return self.b.piece(name, 0, start, length)
-
-    def cols(self, name: str, start: int, length: int) -> Piece:
-        return self.b.piece(name, 1, start, length)
-
-    def column_parallel(self, fused: str, parts: list[tuple[str, int, int]], cols: int) -> None:
-        """`fused.weight` from rows [start, start+length) of each part's weight, and each companion alike.
-
-        Per-channel companions (scales, zero points: one row per output row) are sliced and stacked with the
-        weight's rows; the others (per-tensor) are held whole for the engine's own loader.
-        """
-        pieces = tuple(self.rows(f"{part}.weight", start, length) for part, start, length in parts)
-        self.b.add(f"{fused}.weight", pieces, (sum(length for _, _, length in parts), cols))
-        for suffix in family.QUANTIZED_SUFFIXES:
-            names = [f"{part}.{suffix}" for part, _, _ in parts]
-            present = [n for n in names if n in self.b.manifest]
-            if not present:
-                continue
-            if len(present) < len(names):
-                raise UnsupportedPlanError(f"{names[len(present)]!r} is missing beside {present[0]!r}, so "
-                                           f"{fused}.{suffix} cannot be fused.")
-            shapes = [(tuple(self.b.manifest[n].shape), self.b.manifest[f"{part}.weight"].shape[0])
-                      for n, (part, _, _) in zip(names, parts, strict=True)]
-            if not all(len(shape) in (1, 2) and shape[0] == rows for shape, rows in shapes):
-                for name in names:
-                    self._companion_whole(name)
-                continue
-            trailing = tuple(self.b.manifest[names[0]].shape[1:])
-            stacked = tuple(self.rows(n, start, length) for n, (_, start, length) in zip(names, parts, strict=True))
-            self.b.add(f"{fused}.{suffix}", stacked, (sum(length for _, _, length in parts), *trailing),
-                       dtype=family.SCALE_DTYPE)
-
-    def row_parallel(self, module: str, start: int, length: int, rows: int) -> None:
-        """`module.weight` from columns [start, start+length); its companions (per output row) whole."""
-        self.b.add(f"{module}.weight", (self.cols(f"{module}.weight", start, length),), (rows, length))
-        for suffix in family.QUANTIZED_SUFFIXES:
-            name = f"{module}.{suffix}"
-            if name in self.b.manifest:
-                self._companion_whole(name)
-
-    def _companion_whole(self, name: str) -> None:
-        entry = self.b.manifest[name]
-        self.b.add(name, (self.b.piece(name),), tuple(entry.shape), dtype=family.SCALE_DTYPE)
-
-    def experts(self, i: int) -> None:
-        """The router whole, and every expert's projections stacked as the engine holds them (vLLM's FusedMoE)."""
-        d, b = self.d, self.b
-        b.whole(f"{family.mlp(i)}.{family.ROUTER}.weight")
-        inter = d.expert_intermediate // self.tp
-        start = self.rank * inter
-        w13: list[Piece] = []
-        w2: list[Piece] = []
-        for e in range(d.experts):
-            prefix = family.expert(i, e)
-            w13 += [self.rows(f"{prefix}.{part}.weight", start, inter) for part in family.EXPERT_STACKS["w13_weight"]]
-            w2 += [self.cols(f"{prefix}.{part}.weight", start, inter) for part in family.EXPERT_STACKS["w2_weight"]]
-        b.add(family.expert_stack(i, "w13_weight"), tuple(w13), (d.experts, 2 * inter, d.hidden))
-        b.add(family.expert_stack(i, "w2_weight"), tuple(w2), (d.experts, d.hidden, inter))
-
-
-def _build_fused(b: _Builder, d: ModelDims, manifest: Mapping[str, TensorDigest]) -> None:
-    _check_split(b.spec.tp_size, d)
-    expected, required = _expected_shapes(d)
-    known = [n for n in manifest if n in expected or n.endswith(_ROTARY_BUFFER)
-             or (b.prequantized and _is_companion(n, expected))]
-    unknown = sorted(set(manifest) - set(known))
-    if unknown:
-        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
-        raise UnsupportedPlanError(
-            f"the fused plan does not know tensor {unknown[0]!r}{more}; use {option('layout', 'identity')} to load "
-            "it by name."
-        )
-    missing = [n for n in required if n not in manifest]
-    if missing:
-        raise UnsupportedPlanError(f"the checkpoint lacks {missing[0]!r}, which the fused plan needs.")
-    for name, entry in manifest.items():
-        shape = expected.get(name)
-        if shape is not None and tuple(entry.shape) != shape:
-            raise UnsupportedPlanError(
-                f"tensor {name!r} has shape {tuple(entry.shape)} but config.json implies {shape}."
-            )
-
-    s = _Shards(b, d)
-    q_rows, kv_start, kv_rows, rank = s.q_rows, s.kv_start, s.kv_rows, s.rank
-    inter = d.intermediate // s.tp
-    _vocab_parallel(b, family.EMBED, d)
-    for i in range(d.layers):
-        p, a, m = family.layer(i), family.attention(i), family.mlp(i)
-        b.whole(f"{p}.input_layernorm.weight")
-        qkv = [(f"{a}.q_proj", rank * q_rows, q_rows), (f"{a}.k_proj", kv_start, kv_rows),
-               (f"{a}.v_proj", kv_start, kv_rows)]
-        s.column_parallel(f"{a}.{family.QKV}", qkv, d.hidden)
-        present = [n for n in (f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias") if n in manifest]
-        if 0 < len(present) < 3:
-            raise UnsupportedPlanError(
-                f"layer {i} has a bias for only some of q, k and v, so qkv_proj cannot be fused."
-            )
-        if present:
-            biases = (s.rows(f"{a}.q_proj.bias", rank * q_rows, q_rows),
-                      s.rows(f"{a}.k_proj.bias", kv_start, kv_rows), s.rows(f"{a}.v_proj.bias", kv_start, kv_rows))
-            b.add(f"{a}.qkv_proj.bias", biases, (q_rows + 2 * kv_rows,))
-        s.row_parallel(f"{a}.o_proj", rank * q_rows, q_rows, d.hidden)
-        # A row-parallel bias is added once after the all-reduce, so every rank keeps all of it.
-        for optional in (f"{a}.o_proj.bias", f"{a}.q_norm.weight", f"{a}.k_norm.weight"):
-            if optional in manifest:
-                b.whole(optional)
-        b.whole(f"{p}.post_attention_layernorm.weight")
-        if i in d.sparse_layers:
-            s.experts(i)
-            continue
-        s.column_parallel(f"{m}.{family.GATE_UP}", [(f"{m}.gate_proj", rank * inter, inter),
-                                                    (f"{m}.up_proj", rank * inter, inter)], d.hidden)
-        s.row_parallel(f"{m}.down_proj", rank * inter, inter, d.hidden)
-    b.whole(family.FINAL_NORM)
-    # Tied embeddings: the engine reuses embed_tokens, so lm_head exists only if the checkpoint stores one
-    # (Qwen3-0.6B does, tied or not); the engine then uses the stored bytes, exactly as transformers does.
-    if family.LM_HEAD in manifest:
-        _vocab_parallel(b, family.LM_HEAD, d)
-
-
-def _is_companion(name: str, expected: Mapping[str, tuple[int, ...]]) -> bool:
-    """Whether `name` is a pre-quantized projection's scale or zero point (`x.weight_scale` beside `x.weight`)."""
-    module, _, suffix = name.rpartition(".")
-    return suffix in family.QUANTIZED_SUFFIXES and family.is_projection(f"{module}.weight") and (
-        f"{module}.weight" in expected)
-
-
-def vocab_rows_per_rank(vocab: int, tp: int) -> int:
-    """Rows of a vocab-parallel tensor (embed_tokens, lm_head) on each of `tp` ranks.
-
-    TP 1 keeps the checkpoint's shape (what transformers and the reference engine load). Split, the vocab is
-    first padded with zero rows to a multiple of VOCAB_PADDING, as vLLM pads it, so that each rank's shard is
-    exactly vLLM's parameter; every rank's shard has one shape, and engines mask logits past vocab_size.
-    """
-    if tp == 1:
-        return vocab
-    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
-    return -(-padded // tp)
-
-
-def _vocab_parallel(b: _Builder, name: str, d: ModelDims) -> None:
-    tp, rank = b.spec.tp_size, b.spec.tp_rank
-    per_rank = vocab_rows_per_rank(d.vocab, tp)
-    start = rank * per_rank
-    real = max(0, min(per_rank, d.vocab - start))
-    pieces = (b.piece(name, 0, start, real),) if real else ()
-    b.add(name, pieces, (per_rank, d.hidden), sources=(name,))
-
-
-def _expected_shapes(d: ModelDims) -> tuple[dict[str, tuple[int, ...]], list[str]]:
-    """Every tensor name the fused plan understands with its shape, and those it cannot do without."""
-    q_out, kv_out = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    expected: dict[str, tuple[int, ...]] = {
-        family.EMBED: (d.vocab, d.hidden),
-        family.FINAL_NORM: (d.hidden,),
-        family.LM_HEAD: (d.vocab, d.hidden),
-    }
-    required = [family.EMBED, family.FINAL_NORM]
-    if not d.tie:
-        required.append(family.LM_HEAD)
-    for i in range(d.layers):
-        a = family.attention(i)
-        layer = {leaf.name: leaf.shape for leaf in family.layer_leaves(d, i, qk_norm=False)}
-        required.extend(layer)
-        expected.update(layer)
-        expected.update({
-            f"{a}.q_norm.weight": (d.head_dim,),
-            f"{a}.k_norm.weight": (d.head_dim,),
-            f"{a}.q_proj.bias": (q_out,),
-            f"{a}.k_proj.bias": (kv_out,),
-            f"{a}.v_proj.bias": (kv_out,),
-            f"{a}.o_proj.bias": (d.hidden,),
-        })
-    return expected, required
