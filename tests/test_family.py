@@ -12,14 +12,16 @@ from typing import Any
 import pytest
 import torch
 from wcache.checkpoint.files import locate
+from wcache.checkpoint.manifest import TensorDigest
 from wcache.checkpoint.model_config import config_digest
 from wcache.engine.config import ModelConfig, UnsupportedModelError
 from wcache.key.fingerprint import fingerprint_checkpoint
 from wcache.plan import family
 from wcache.plan.family import ModelDims, UnsupportedPlanError
 from wcache.plan.processing import ProcessingPlan, build_plan
+from wcache.plan.quantize import is_linear_weight
 from wcache.plan.spec import PlanSpec
-from wcache_dev.synth import PRESETS, read_tensors, write_checkpoint
+from wcache_dev.synth import PRESETS, read_tensors, tensor_shapes, write_checkpoint
 
 
 def _plan(path: Path, tp: int = 1, rank: int = 0) -> tuple[ProcessingPlan, dict[str, torch.Tensor]]:
@@ -92,6 +94,27 @@ def test_experts_are_stacked_as_vllms_fused_moe_holds_them(checkpoints: Mapping[
     views = plan.checkpoint_views(out)
     for name, tensor in source.items():
         assert torch.equal(views[name].to(tensor.dtype), tensor), name
+
+
+@pytest.mark.parametrize("layout", ["fused", "identity"])
+@pytest.mark.parametrize("preset", ["small", "small-moe"])
+def test_quantization_takes_the_projections_the_family_names(preset: str, layout: str) -> None:
+    config = PRESETS[preset].config
+    manifest = [TensorDigest(name, "F32", shape, 0, "0" * 64) for name, shape in tensor_shapes(config, True)]
+    floating = build_plan(PlanSpec(dtype="float32", layout=layout), config, manifest)
+    shapes = {**{e.name: e.shape for e in manifest}, **{o.name: o.shape for o in floating.outputs}}
+    # Checkpoint and engine names alike: q_proj and qkv_proj, each expert's up_proj and the experts' w13_weight.
+    linear = {name for name, shape in shapes.items() if is_linear_weight(name, shape)}
+    projections = {name for name, shape in shapes.items() if family.is_projection(name) and len(shape) == 2}
+    assert linear <= projections
+    experts = {name for name in shapes if family.is_expert_projection(name)}
+    assert projections - linear == experts
+    assert bool(experts) == (preset == "small-moe")
+    quantized = build_plan(PlanSpec(dtype="float32", layout=layout, quantization="int8"), config, manifest)
+    codes = {o.name for o in quantized.outputs if o.dtype == "int8"}
+    assert codes == {o.name for o in floating.outputs if family.is_dense_projection(o.name)} != set()
+    # The layers may sit under another prefix (a multimodal checkpoint's language model) in the identity layout.
+    assert is_linear_weight("model.language_model.layers.0.self_attn.q_proj.weight", (8, 8))
 
 
 def test_the_config_digest_covers_the_quantization_config() -> None:

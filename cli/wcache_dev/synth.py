@@ -228,7 +228,7 @@ def make_tensors(preset: Preset, seed: int = 0) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(_tensor_seed(seed, name))
         values = torch.randn(shape, generator=generator, dtype=torch.float32)
         values = 1.0 + 0.1 * values if len(shape) == 1 else preset.matrix_std * values
-        if preset.quantized and family.is_projection(name) and ".experts." not in name:
+        if preset.quantized and family.is_dense_projection(name):
             tensors.update(_quantized(name, values, preset.quantized))
         else:
             tensors[name] = values.to(dtype)

@@ -24,6 +24,9 @@ GATE_UP = "gate_up_proj"
 FUSIONS: dict[str, tuple[str, ...]] = {QKV: ("q_proj", "k_proj", "v_proj"), GATE_UP: ("gate_proj", "up_proj")}
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# A decoder layer's linear projections by parent module, as checkpoints name them and as the fused layout fuses them.
+LAYER_PROJECTIONS: dict[str, tuple[str, ...]] = {"self_attn": (*ATTENTION_PROJECTIONS, QKV),
+                                                 "mlp": (*MLP_PROJECTIONS, GATE_UP)}
 
 # A mixture of experts: each expert is an MLP of its own in the checkpoint; engines hold one tensor per
 # projection kind, the experts stacked along a new first dimension (vLLM's FusedMoE w13_weight and w2_weight).
@@ -227,9 +230,29 @@ def _mlp_leaves(prefix: str, hidden: int, inter: int) -> Iterator[Leaf]:
     yield Leaf(f"{prefix}.down_proj.weight", (hidden, inter))
 
 
+def is_dense_projection(name: str) -> bool:
+    """Whether `name` is the weight of a decoder layer's attention or MLP projection, by its checkpoint name
+    (q_proj, …, down_proj) or its fused one (qkv_proj, gate_up_proj); an expert's are not (`is_expert_projection`).
+
+    The layers may sit under any prefix, as in a multimodal checkpoint's `model.language_model.layers`.
+    """
+    parts = name.split(".")
+    return (len(parts) >= 5 and parts[-1] == "weight" and parts[-2] in LAYER_PROJECTIONS.get(parts[-3], ())
+            and _is_layer(parts[-5:-3]))
+
+
+def is_expert_projection(name: str) -> bool:
+    """Whether `name` is the weight of one expert's projection in the checkpoint (`….mlp.experts.3.up_proj.weight`)."""
+    parts = name.split(".")
+    return (len(parts) >= 7 and parts[-1] == "weight" and parts[-2] in MLP_PROJECTIONS and parts[-3].isdecimal()
+            and parts[-5:-3] == ["mlp", "experts"] and _is_layer(parts[-7:-5]))
+
+
 def is_projection(name: str) -> bool:
-    """Whether a checkpoint tensor is a decoder layer's linear projection weight (attention, MLP or expert)."""
-    if not name.startswith("model.layers.") or not name.endswith(".weight"):
-        return False
-    module = name.removesuffix(".weight").rsplit(".", 1)[-1]
-    return module in ATTENTION_PROJECTIONS or module in MLP_PROJECTIONS
+    """Whether `name` is a decoder layer's linear projection weight: attention, MLP or expert."""
+    return is_dense_projection(name) or is_expert_projection(name)
+
+
+def _is_layer(parts: list[str]) -> bool:
+    """Whether two name parts are `layers.<i>`."""
+    return parts[0] == "layers" and parts[1].isdecimal()

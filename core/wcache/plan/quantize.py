@@ -5,8 +5,9 @@ Its names and rules import no torch (a plan is built before torch is loaded); th
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
+
+from wcache.plan import family
 
 if TYPE_CHECKING:
     import torch
@@ -20,14 +21,15 @@ _QMAX: dict[str, float] = {"int8": 127.0, "fp8": 448.0}
 
 SCALE_SUFFIX = ".weight_scale"
 
-# Linear weights inside the decoder layers, fused (qkv_proj, gate_up_proj) and as Hugging Face names them.
-# Embeddings, lm_head, norms and biases are deliberately absent: weight-only schemes leave them in floating point.
-_LINEAR = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)\.weight$")
-
-
 def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether a tensor is a decoder layer's 2-D linear weight, the only tensors that get quantized."""
-    return len(shape) == 2 and _LINEAR.search(name) is not None
+    """Whether a tensor is a decoder layer's 2-D projection weight (the family's names, checkpoint or fused), the
+    only tensors that get quantized.
+
+    Embeddings, lm_head, norms and biases are deliberately absent: weight-only schemes leave them in floating
+    point. So are experts' projections, in both layouts: the fused layout holds them as 3-D stacks, which
+    quantization per row does not take, and the identity layout quantizes the same modules as the fused one.
+    """
+    return len(shape) == 2 and family.is_dense_projection(name)
 
 
 def scale_name(weight_name: str) -> str:
