@@ -102,6 +102,21 @@ def test_every_option_on_the_commands_page_exists(row: str) -> None:
         assert unknown == [], f"wcache {command} has no {unknown}"
 
 
+# --- the processing plan's page against the code --------------------------------------------------------------
+
+
+def test_the_plan_page_names_every_module_of_plan_and_every_spec_field() -> None:
+    from wcache.plan.spec import PlanSpec
+
+    text = (REPO / "docs" / "plan.md").read_text()
+    first_cells = {line.split(" | ")[0].removeprefix("| ").strip("`") for line in text.splitlines()
+                   if line.startswith("| `")}
+    modules = {path.name for path in (REPO / "core" / "wcache" / "plan").glob("*.py") if path.name != "__init__.py"}
+    assert modules <= first_cells
+    assert set(PlanSpec.__struct_fields__) <= first_cells
+    assert "plan.md" in links(REPO / "docs" / "layout.md")
+
+
 # --- the quick start ------------------------------------------------------------------------------------------
 
 
