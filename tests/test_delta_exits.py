@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives, wait_for  # noqa: F401
 from helpers import assert_one_error_sentence, environment
-from test_versions import LAYER, _bad, _entries, _key_id, versions  # noqa: F401
+from test_delta_versions import LAYER, _bad, _entries, _key_id, versions  # noqa: F401
 from wcache.ipc.run_dir.directory import daemon_name
 
 
@@ -29,7 +29,7 @@ def rig() -> Iterator[DaemonRig]:
 
 
 def test_a_delta_claiming_its_parents_own_checkpoint_is_refused(
-    rig: DaemonRig, versions: dict[str, Path], tmp_path: Path,  # noqa: F811  (test_versions' fixture)
+    rig: DaemonRig, versions: dict[str, Path], tmp_path: Path,  # noqa: F811  (test_delta_versions' fixture)
 ) -> None:
     parent = rig.preload(versions["parent"])[0]
     tensors, metadata = _entries(versions)
@@ -56,7 +56,7 @@ sys.exit(1)
 
 
 def test_a_good_build_waits_out_a_failing_holder_and_serves_the_key(
-    rig: DaemonRig, versions: dict[str, Path],  # noqa: F811  (test_versions' fixture)
+    rig: DaemonRig, versions: dict[str, Path],  # noqa: F811  (test_delta_versions' fixture)
 ) -> None:
     parent = rig.preload(versions["parent"])[0]
     name = daemon_name("cpu", _key_id(versions["materialized"]))

@@ -93,7 +93,7 @@ def at_version_0(versions: Versions) -> None:
 def server(versions: Versions) -> Iterator[Server]:
     """One engine for every test. Without bounded replay: an adopted hit then reuses stored KV exactly, so every
     answer, hit or not, must equal its version's cold tokens (a replayed window may differ by design; the
-    in-process tests/test_weight_versions.py covers replay)."""
+    in-process tests/test_prefix_cache_by_weights.py covers replay)."""
     with serving(versions.rig, versions.path, "--no-swa-bounded-replay") as running:
         token = versions.rig.run_dir / "engines" / f"{running.process.pid}.token"
         yield running
