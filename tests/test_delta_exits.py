@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives, wait_for  # noqa: F401
 from helpers import assert_one_error_sentence, environment
-from test_delta_versions import LAYER, _bad, _entries, _key_id, versions  # noqa: F401
+from test_delta_versions import _bad, _entries, _key_id, _preload_damaged_delta, versions  # noqa: F401
 from wcache.ipc.run_dir.directory import daemon_name
 
 
@@ -108,12 +108,7 @@ def test_a_delta_claiming_a_served_key_it_does_not_make_is_refused(
     rig._remember_supervisors()
     assert honest.returncode == 0 and "already serves this key" in honest.stdout, honest.stderr
     # Changes that make another checkpoint under the same claim: refused, never "already serves".
-    tensors, metadata = _entries(versions)
-    tensors[f"{LAYER}:values"] = (tensors[f"{LAYER}:values"] * 2).contiguous()
-    damaged = _bad(tensors, metadata, tmp_path)
-    result = rig.cli("preload", "--from", parent.name, "--delta", str(damaged), "--detach", "--run-dir",
-                     str(rig.run_dir))
-    rig._remember_supervisors()
+    result, damaged = _preload_damaged_delta(rig, versions, parent, tmp_path)
     assert result.returncode == 2 and "the delta is damaged" in assert_one_error_sentence(result, str(damaged))
     assert sorted(d.name for d in rig.descriptors()) == sorted(d.name for d in parents + served)
     assert all(rig.stats(p)["leases"] == 0 for p in parents)

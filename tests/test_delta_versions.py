@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives  # noqa: F40
 from helpers import assert_one_error_sentence, one_sentence, wcache_process
 from safetensors.torch import load_file, save_file
 from wcache.delta.format import FORMAT, read_delta
+from wcache.ipc.run_dir.directory import DaemonDescriptor
 from wcache.key.compute import compute_key
 from wcache_dev.synth import write_training_step
 
@@ -76,6 +78,19 @@ def _bad(tensors: dict[str, torch.Tensor], metadata: dict[str, str], tmp_path: P
 
 
 LAYER = "model.layers.0.mlp.down_proj.weight"
+
+
+def _preload_damaged_delta(rig: DaemonRig, versions: dict[str, Path], parent: DaemonDescriptor,
+                           tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`preload --from PARENT --delta D` with a delta whose values no longer make the checkpoint it names (the
+    build notices only after applying them); the CLI's result and the delta's path."""
+    tensors, metadata = _entries(versions)
+    tensors[f"{LAYER}:values"] = (tensors[f"{LAYER}:values"] * 2).contiguous()
+    damaged = _bad(tensors, metadata, tmp_path)
+    result = rig.cli("preload", "--from", parent.name, "--delta", str(damaged), "--detach", "--run-dir",
+                     str(rig.run_dir))
+    rig._remember_supervisors()
+    return result, damaged
 
 
 def _unsorted(t: dict[str, torch.Tensor], m: dict[str, str]) -> None:
@@ -212,13 +227,7 @@ def test_a_delta_for_another_parent_starts_nothing(rig: DaemonRig, versions: dic
 def test_a_damaged_delta_publishes_nothing_and_the_parent_serves_on(rig: DaemonRig, versions: dict[str, Path],
                                                                     tmp_path: Path) -> None:
     parent = rig.preload(versions["parent"])[0]
-    tensors, metadata = _entries(versions)
-    # Values that no longer make the checkpoint the delta names: the build must notice after applying them.
-    tensors[f"{LAYER}:values"] = (tensors[f"{LAYER}:values"] * 2).contiguous()
-    damaged = _bad(tensors, metadata, tmp_path)
-    result = rig.cli("preload", "--from", parent.name, "--delta", str(damaged), "--detach", "--run-dir",
-                     str(rig.run_dir))
-    rig._remember_supervisors()
+    result, _ = _preload_damaged_delta(rig, versions, parent, tmp_path)
     assert result.returncode == 2 and "the delta is damaged" in assert_one_error_sentence(result)
     assert rig.descriptors() == [parent]
     assert not [p for p in rig.run_dir.glob("*.sock") if p.name != Path(parent.socket).name]
