@@ -144,26 +144,7 @@ def build(b: Builder[P], d: ModelDims) -> None:
     names and shapes against config.json's dimensions."""
     manifest = b.manifest
     check_split(b.spec.tp_size, d)
-    expected, required = _expected_shapes(d)
-    known = [n for n in manifest if n in expected or n.endswith(_ROTARY_BUFFER)
-             or (b.prequantized and _is_companion(n, expected))]
-    unknown = sorted(set(manifest) - set(known))
-    if unknown:
-        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
-        raise UnsupportedPlanError(
-            f"the fused plan does not know tensor {unknown[0]!r}{more}; use {option('layout', 'identity')} to load "
-            "it by name."
-        )
-    missing = [n for n in required if n not in manifest]
-    if missing:
-        raise UnsupportedPlanError(f"the checkpoint lacks {missing[0]!r}, which the fused plan needs.")
-    for name, entry in manifest.items():
-        shape = expected.get(name)
-        if shape is not None and tuple(entry.shape) != shape:
-            raise UnsupportedPlanError(
-                f"tensor {name!r} has shape {tuple(entry.shape)} but config.json implies {shape}."
-            )
-
+    _check_names_and_shapes(manifest, d, b.prequantized)
     s: _Shards[P] = _Shards(b, d)
     q_rows, kv_start, kv_rows, rank = s.q_rows, s.kv_start, s.kv_rows, s.rank
     inter = d.intermediate // s.tp
@@ -200,6 +181,30 @@ def build(b: Builder[P], d: ModelDims) -> None:
     # (Qwen3-0.6B does, tied or not); the engine then uses the stored bytes, exactly as transformers does.
     if family.LM_HEAD in manifest:
         _vocab_parallel(b, family.LM_HEAD, d)
+
+
+def _check_names_and_shapes(manifest: Mapping[str, TensorDigest], d: ModelDims, prequantized: bool) -> None:
+    """UnsupportedPlanError for a tensor the layout does not know, one it needs and lacks, or a shape other than
+    config.json implies."""
+    expected, required = _expected_shapes(d)
+    known = [n for n in manifest if n in expected or n.endswith(_ROTARY_BUFFER)
+             or (prequantized and _is_companion(n, expected))]
+    unknown = sorted(set(manifest) - set(known))
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise UnsupportedPlanError(
+            f"the fused plan does not know tensor {unknown[0]!r}{more}; use {option('layout', 'identity')} to load "
+            "it by name."
+        )
+    missing = [n for n in required if n not in manifest]
+    if missing:
+        raise UnsupportedPlanError(f"the checkpoint lacks {missing[0]!r}, which the fused plan needs.")
+    for name, entry in manifest.items():
+        shape = expected.get(name)
+        if shape is not None and tuple(entry.shape) != shape:
+            raise UnsupportedPlanError(
+                f"tensor {name!r} has shape {tuple(entry.shape)} but config.json implies {shape}."
+            )
 
 
 def _is_companion(name: str, expected: Mapping[str, tuple[int, ...]]) -> bool:
