@@ -70,7 +70,8 @@ class GreedyReport:
                 "prompts": [asdict(r) for r in self.results]}
 
 
-def _first_divergence(a: list[int], b: list[int]) -> int | None:
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where `a` and `b` differ (the shorter one's length when one extends the other), or None."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
@@ -80,7 +81,7 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
 def compare_prompts(prompts: list[str], cached: list[list[int]], disk: list[list[int]]) -> list[PromptResult]:
     results = []
     for index, (prompt, a, b) in enumerate(zip(prompts, cached, disk, strict=True)):
-        divergence = _first_divergence(a, b)
+        divergence = first_divergence(a, b)
         results.append(PromptResult(index, prompt, divergence is None, divergence, a, b))
     return results
 

@@ -2,11 +2,13 @@
 engine of the checkpoint it claims to serve (GET /v1/weights).
 
 The claim is checked first: the checkpoint's key on disk now must be the key the engine states, else the disk
-engine would load other weights and the comparison would prove nothing. Each prompt then goes through the
-engine's completions API as token ids; its answer names the weights that ran it (a switch in between is a
-difference). The served engine may answer from its prefix cache: the disk engine, with the same cache
-settings, first computes the prefix the served engine reported as its hit, so both run the same steps. With
-bounded replay an adopted hit recomputes one window only, as on the served side.
+engine would load other weights and the comparison would prove nothing. The key covers the tokenizer files, not
+the tokenizer the engine holds in memory: each prompt is encoded by the engine itself (POST /tokenize) and by
+the checkpoint's files, and each answer decoded by both (POST /detokenize); any difference is named. Each
+prompt goes through the engine's completions API as token ids; its answer names the weights that ran it (a
+switch in between is a difference). The served engine may answer from its prefix cache: the disk engine, with
+the same cache settings, first computes the prefix the served engine reported as its hit, so both run the
+same steps. With bounded replay an adopted hit recomputes one window only, as on the served side.
 
 A vLLM server has no /v1/weights: `wcache.vllm_served` verifies it through vLLM's own API.
 """
@@ -14,20 +16,31 @@ A vLLM server has no /v1/weights: `wcache.vllm_served` verifies it through vLLM'
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from wcache.errors import BadInputError, UnavailableError
 from wcache.integrations.registry import GreedyAttach
 from wcache.ipc.attach_summary import AttachSummary
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
-from wcache.serving.client import CompletionAnswer, EngineRequestError, ServedCacheConfig, call_engine, read_answer
-from wcache.verify import GreedyReport, PromptResult, compare_prompts
+from wcache.serving.client import (
+    CompletionAnswer,
+    EngineRequestError,
+    ServedCacheConfig,
+    call_engine,
+    engine_base_url,
+    read_answer,
+    shown,
+)
+from wcache.serving.tokenize_api import DetokenizeAnswer, TokenizeAnswer
+from wcache.verify import GreedyReport, PromptResult, compare_prompts, first_divergence
 
 if TYPE_CHECKING:
     from wcache.engine import EngineConfig
+    from wcache.engine.tokenizer import Tokenizer
 
 SERVED = "reference (served)"  # the engine a served reference engine's report names
+SHOWN_IDS = 8  # token ids of a tokenizer difference its sentence shows
 
 
 def _claim(url: str) -> tuple[Path, WeightCacheKey, PlanSpec, EngineConfig, AttachSummary | None]:
@@ -80,15 +93,15 @@ def verify_served(url: str, prompts: list[str], max_new_tokens: int) -> GreedyRe
         raise BadInputError(f"{model} has no tokenizer to encode the prompts.")
     served: list[list[int]] = []
     disk: list[list[int]] = []
-    problem = None
+    problems = [_encoding_difference(url, model, tokenizer, prompts)]
     for prompt in prompts:
         ids = tokenizer.encode(prompt)
         answer = read_answer(CompletionAnswer, call_engine(url, "POST", "/v1/completions", {
             "prompt": ids, "max_tokens": max_new_tokens, "temperature": 0}), url)
         extension = answer.wcache
         if extension.weights_key != claimed.short_id:
-            problem = (f"the engine answered with weights {extension.weights_key}, not the "
-                       f"{claimed.short_id} it claimed: it switched during the verification")
+            problems.append(f"the engine answered with weights {extension.weights_key}, not the "
+                            f"{claimed.short_id} it claimed: it switched during the verification")
         served.append(list(answer.choices[0].token_ids))
         # A fresh disk engine per prompt over the same tensors: its cache holds exactly the served hit.
         engine = Engine(model_config, weights, config, tokenizer=tokenizer)
@@ -96,8 +109,52 @@ def verify_served(url: str, prompts: list[str], max_new_tokens: int) -> GreedyRe
         if hit:
             engine.generate(ids[:hit], 1)
         disk.append(engine.generate(ids, max_new_tokens).token_ids)
+    problems.append(_decoding_difference(url, model, tokenizer, served))
     results: list[PromptResult] = compare_prompts(prompts, served, disk)
-    return GreedyReport(results, attach, problem)
+    return GreedyReport(results, attach, next((p for p in problems if p is not None), None))
+
+
+def _engine_tokenizer(url: str, route: str, body: dict[str, Any], model: Path) -> dict[str, Any]:
+    """One request to the engine's /tokenize or /detokenize; an engine without them cannot be compared."""
+    try:
+        return call_engine(url, "POST", route, body)
+    except EngineRequestError as exc:
+        if exc.status != 404:
+            raise
+        raise UnavailableError(f"the engine at {engine_base_url(url)} has no {route} route, so the tokenizer it "
+                               f"serves with cannot be compared with {model}'s; upgrade it.") from None
+
+
+def _encoding_difference(url: str, model: Path, tokenizer: Tokenizer, prompts: list[str]) -> str | None:
+    """The first prompt the engine's own tokenizer encodes otherwise than the checkpoint's files, in one sentence."""
+    for index, prompt in enumerate(prompts):
+        engine_ids = read_answer(TokenizeAnswer, _engine_tokenizer(url, "/tokenize", {"prompt": prompt}, model),
+                                 url).tokens
+        disk_ids = tokenizer.encode(prompt)
+        at = first_divergence(engine_ids, disk_ids)
+        if at is not None:
+            return (f"the engine's own tokenizer encodes prompt {index} otherwise than the tokenizer files of {model} "
+                    f"(from token {at}: {_ids(engine_ids[at:])} against {_ids(disk_ids[at:])}), so it serves "
+                    "with another tokenizer than the checkpoint it claims")
+    return None
+
+
+def _decoding_difference(url: str, model: Path, tokenizer: Tokenizer, answers: list[list[int]]) -> str | None:
+    """The first answer the engine's own tokenizer decodes otherwise than the checkpoint's files, in one sentence."""
+    for index, token_ids in enumerate(answers):
+        engine_text = read_answer(DetokenizeAnswer, _engine_tokenizer(url, "/detokenize", {"tokens": token_ids},
+                                                                      model), url).prompt
+        disk_text = tokenizer.decode(token_ids)
+        if engine_text != disk_text:
+            return (f"the engine's own tokenizer decodes the answer to prompt {index} as {shown(repr(engine_text))}, "
+                    f"the tokenizer files of {model} as {shown(repr(disk_text))}, so it serves with another "
+                    "tokenizer than the checkpoint it claims")
+    return None
+
+
+def _ids(token_ids: list[int]) -> str:
+    """A few token ids of a difference, for its sentence."""
+    return "[" + ", ".join(map(str, token_ids[:SHOWN_IDS])) + (", …]" if len(token_ids) > SHOWN_IDS else "]")
 
 
 def _verify_vllm(url: str, prompts: list[str], max_new_tokens: int) -> GreedyReport:
