@@ -219,3 +219,31 @@ def test_served_vllm_switches_in_place_and_verifies(vllm_rig: VllmRig, served_vl
     back = rig.cli("switch", url, str(vllm_rig.original), "--json", as_json=True)
     assert back["current"]["key_id"] == vllm_rig.daemon.key_id
     assert _complete(served_vllm, PROMPTS[0]) == before, "back on the original, with a reset prefix cache"
+
+
+@pytest.mark.xdist_group("test_vllm-served")
+def test_verify_names_a_tokenizer_the_served_vllm_holds_but_its_files_do_not(vllm_rig: VllmRig,
+                                                                           served_vllm: ServedVllm) -> None:
+    """vLLM read its tokenizer at start; the checkpoint's tokenizer.json rewritten since (the ids of "a" and "c"
+    swapped) is what a disk load reads. `verify URL --greedy` encodes each prompt through the server's own
+    POST /tokenize too, so the difference is named, whatever the greedy tokens say."""
+    rig = vllm_rig.rig
+    tokenizer = vllm_rig.original / "tokenizer.json"  # what the server serves (the switch test switches back)
+    saved = tokenizer.read_bytes()
+    document = json.loads(saved)
+    vocab = document["model"]["vocab"]
+    vocab["a"], vocab["c"] = vocab["c"], vocab["a"]
+    prompts = rig.base / "tokenizer-prompts.txt"
+    prompts.write_text(f"{PROMPTS[0]}\n")
+    tokenizer.write_text(json.dumps(document))
+    try:
+        verified = rig.cli("verify", served_vllm.url, "--greedy", "--prompts", str(prompts), "--max-new-tokens",
+                           str(MAX_NEW_TOKENS), "--json", timeout=600)
+    finally:
+        tokenizer.write_bytes(saved)
+    assert verified.returncode == 1, verified.stdout + verified.stderr
+    problem = json.loads(verified.stdout)["greedy"]["problem"]
+    assert problem.startswith("the engine's own tokenizer encodes prompt 0 otherwise than the tokenizer files of "
+                              f"{vllm_rig.original} (from token "), problem
+    assert f"{ord('a')}" in problem and "so it serves with another tokenizer than the checkpoint it claims" in problem
+

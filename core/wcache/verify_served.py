@@ -16,7 +16,7 @@ A vLLM server has no /v1/weights: `wcache.vllm_served` verifies it through vLLM'
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from wcache.errors import BadInputError, UnavailableError
 from wcache.integrations.registry import GreedyAttach
@@ -28,19 +28,17 @@ from wcache.serving.client import (
     EngineRequestError,
     ServedCacheConfig,
     call_engine,
-    engine_base_url,
+    engine_text,
+    engine_tokens,
     read_answer,
-    shown,
 )
-from wcache.serving.tokenize_api import DetokenizeAnswer, TokenizeAnswer
-from wcache.verify import GreedyReport, PromptResult, compare_prompts, first_divergence
+from wcache.verify import GreedyReport, PromptResult, compare_prompts, decoding_difference, encoding_difference
 
 if TYPE_CHECKING:
     from wcache.engine import EngineConfig
     from wcache.engine.tokenizer import Tokenizer
 
 SERVED = "reference (served)"  # the engine a served reference engine's report names
-SHOWN_IDS = 8  # token ids of a tokenizer difference its sentence shows
 
 
 def _claim(url: str) -> tuple[Path, WeightCacheKey, PlanSpec, EngineConfig, AttachSummary | None]:
@@ -114,47 +112,18 @@ def verify_served(url: str, prompts: list[str], max_new_tokens: int) -> GreedyRe
     return GreedyReport(results, attach, next((p for p in problems if p is not None), None))
 
 
-def _engine_tokenizer(url: str, route: str, body: dict[str, Any], model: Path) -> dict[str, Any]:
-    """One request to the engine's /tokenize or /detokenize; an engine without them cannot be compared."""
-    try:
-        return call_engine(url, "POST", route, body)
-    except EngineRequestError as exc:
-        if exc.status != 404:
-            raise
-        raise UnavailableError(f"the engine at {engine_base_url(url)} has no {route} route, so the tokenizer it "
-                               f"serves with cannot be compared with {model}'s; upgrade it.") from None
-
-
 def _encoding_difference(url: str, model: Path, tokenizer: Tokenizer, prompts: list[str]) -> str | None:
     """The first prompt the engine's own tokenizer encodes otherwise than the checkpoint's files, in one sentence."""
-    for index, prompt in enumerate(prompts):
-        engine_ids = read_answer(TokenizeAnswer, _engine_tokenizer(url, "/tokenize", {"prompt": prompt}, model),
-                                 url).tokens
-        disk_ids = tokenizer.encode(prompt)
-        at = first_divergence(engine_ids, disk_ids)
-        if at is not None:
-            return (f"the engine's own tokenizer encodes prompt {index} otherwise than the tokenizer files of {model} "
-                    f"(from token {at}: {_ids(engine_ids[at:])} against {_ids(disk_ids[at:])}), so it serves "
-                    "with another tokenizer than the checkpoint it claims")
-    return None
+    differences = (encoding_difference(model, index, engine_tokens(url, prompt), tokenizer.encode(prompt))
+                   for index, prompt in enumerate(prompts))
+    return next((d for d in differences if d is not None), None)
 
 
 def _decoding_difference(url: str, model: Path, tokenizer: Tokenizer, answers: list[list[int]]) -> str | None:
     """The first answer the engine's own tokenizer decodes otherwise than the checkpoint's files, in one sentence."""
-    for index, token_ids in enumerate(answers):
-        engine_text = read_answer(DetokenizeAnswer, _engine_tokenizer(url, "/detokenize", {"tokens": token_ids},
-                                                                      model), url).prompt
-        disk_text = tokenizer.decode(token_ids)
-        if engine_text != disk_text:
-            return (f"the engine's own tokenizer decodes the answer to prompt {index} as {shown(repr(engine_text))}, "
-                    f"the tokenizer files of {model} as {shown(repr(disk_text))}, so it serves with another "
-                    "tokenizer than the checkpoint it claims")
-    return None
-
-
-def _ids(token_ids: list[int]) -> str:
-    """A few token ids of a difference, for its sentence."""
-    return "[" + ", ".join(map(str, token_ids[:SHOWN_IDS])) + (", …]" if len(token_ids) > SHOWN_IDS else "]")
+    differences = (decoding_difference(model, index, engine_text(url, token_ids), tokenizer.decode(token_ids))
+                   for index, token_ids in enumerate(answers))
+    return next((d for d in differences if d is not None), None)
 
 
 def _verify_vllm(url: str, prompts: list[str], max_new_tokens: int) -> GreedyReport:
