@@ -49,15 +49,16 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(rig: DaemonRig, model: Path, *options: str) -> Iterator[Server]:
-    """`wcache attach MODEL --serve --port 0` until the block ends; killed (whole session) however it ends."""
+def serving(rig: DaemonRig, model: Path, *options: str, prelude: str = "") -> Iterator[Server]:
+    """`wcache attach MODEL --serve --port 0` until the block ends; killed (whole session) however it ends.
+    `prelude`: Python statements the server's process runs first (an engine altered in memory)."""
     stderr = rig.base / f"serve-{len(list(rig.base.glob('serve-*.err')))}.err"
+    entry = ["-c", f"{prelude}\nfrom wcache_cli.main import main\nmain()"] if prelude else ["-m", "wcache_cli.main"]
     with open(stderr, "wb") as err:
         process = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "wcache_cli.main",
+                *entry,
                 "attach",
                 str(model),
                 "--serve",

@@ -100,6 +100,9 @@ def test_plain_value_converter_agrees_with_typer(value: Any) -> None:
     for param in params:
         ours = _outcome(param._runtime_param, value, param, ctx)
         typers = _outcome(build_runtime_param(param.type_descriptor), value, param, ctx)
+        if ours[:2] == ("error", "BadInputError"):  # the one error worded here: a path holding a NUL byte
+            assert value == "a\x00b" and "holds a NUL byte" in ours[2] and "null byte" in typers[2], (ours, typers)
+            continue
         # repr: a float option's "nan" converts to nan on both sides, and nan equals nothing, not even itself.
         assert ours == typers or repr(ours) == repr(typers), (param.name, value)
 

@@ -137,3 +137,45 @@ def test_the_lease_watcher_records_notices_and_takes_anything_else_for_the_end(t
     lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [(e["kind"], e.get("tensor"), e.get("unexpected_data")) for e in lines] == [
         ("engine_weights_corrupt", FLIPPED, None), ("daemon_lost", None, True)]
+
+
+# -- tensor parallel: a flip under rank 1 stops the engine rank 0 serves --------------------------------------
+
+TP_SCRUB_INTERVAL_S = 20  # the TP 2 engine attaches both ranks' daemons well before their first re-check
+TP_AT = 1_000  # within rank 1's half of the embedding
+
+
+def test_a_flip_under_rank_1_stops_a_tp2_engine(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Only rank 1's daemon holds the flipped byte and only rank 1's lease hears of it; rank 0, which serves
+    HTTP for both, must turn not-ready and refuse completions all the same, naming rank 1."""
+    with daemon_rig() as rig:
+        bad = write_checkpoint("tiny", rig.base / "flipped-tp2", seed=0)
+        preloaded = rig.cli("preload", str(bad), "--tp", "2", "--detach", "--json", "--run-dir", str(rig.run_dir),
+                            "--scrub-interval", str(TP_SCRUB_INTERVAL_S),
+                            env={"WCACHE_FAULT_FLIP": f"{FLIPPED}:{TP_AT}@1"})
+        rig._remember_supervisors()
+        assert preloaded.returncode == 0, preloaded.stderr
+        rank_1 = next(r["name"] for r in json.loads(preloaded.stdout)["ranks"] if r["rank"] == 1)
+        with serving(rig, bad, "--tp", "2") as server:
+            assert not rig.events("scrub_failed"), "the engine must hold its leases before the first re-check"
+            assert len(rig.events("attach_hit")) == 2, "both ranks attach their daemons"
+            assert http_status(f"{server.url}/health")[0] == 200
+            found = wait_for(lambda: rig.events("scrub_failed"), timeout=TP_SCRUB_INTERVAL_S + 40,
+                             what="rank 1's daemon's scrub_failed event")
+            assert [(e["tensor"], e["daemon"]) for e in found] == [(FLIPPED, rank_1)], found
+            code, health = wait_for(lambda: (h := http_status(f"{server.url}/health"))[0] == 503 and h, timeout=5,
+                                    what="/health to turn 503")
+            assert isinstance(health, dict) and health["status"] == "weights corrupt"
+            assert f"on rank 1 (daemon {rank_1})" in health["corrupt"] and FLIPPED in health["corrupt"], health
+            code, answer = _complete(server)
+            assert code == 503 and "on rank 1" in answer["error"]["message"] and "choices" not in answer
+            weights = _weights(server)
+            assert weights is not None
+            assert [(t["tensor"], t["rank"]) for t in weights["attach"]["corrupt"]] == [(FLIPPED, 1)]
+            assert metrics(server.url)["wcache:weights_corrupt_tensors"] == 1
+            # Rank 0, a child of the command, announces the engine under its own pid.
+            (rank_0,) = [path for path in (rig.run_dir / "engines").glob("*.json")
+                         if json.loads(path.read_text())["url"] == server.url]
+            announced = wait_for(lambda: json.loads(rank_0.read_text())["attach"].get("corrupt"), timeout=5,
+                                 what="the engine's announcement to name the tensor")
+            assert [t["rank"] for t in announced] == [1]

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from daemon_fixtures import daemon_rig
 from helpers import cli_env, wcache_in_process
+from wcache.engine.tokenizer import load_tokenizer
 from wcache.ipc.http.client import NoAnswerError, http_call
 from wcache.key.compute import compute_key
 from wcache.plan.spec import PlanSpec
@@ -216,15 +217,49 @@ COMPLETION_LIES: dict[str, tuple[Callable[[dict[str, Any]], bytes], str]] = {
 }
 
 
+PROMPT = "hello"  # the one prompt verify sends the stand-in, which answers /tokenize with its true ids
+
+
+def _verify_one_prompt(lying: StandIn, claim: dict[str, Any], tmp_path: Path) -> Any:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{PROMPT}\n")
+    return wcache_in_process("verify", _url(lying), "--greedy", "--prompts", str(prompts),
+                             env=cli_env(tmp_path / "cache"))
+
+
+def _tokenized(claim: dict[str, Any], **changes: Any) -> bytes:
+    tokens = load_tokenizer(Path(claim["model"])).encode(PROMPT)
+    return json.dumps({"tokens": tokens, "count": len(tokens), "max_model_len": 1024, **changes}).encode()
+
+
 @pytest.mark.parametrize("case", list(COMPLETION_LIES))
 def test_verify_against_lying_completions_is_one_sentence(lying: StandIn, claim: dict[str, Any], case: str,
                                                           tmp_path: Path) -> None:
     make, words = COMPLETION_LIES[case]
     lying.routes["GET /v1/weights"] = (200, json.dumps(claim).encode())
+    lying.routes["POST /tokenize"] = (200, _tokenized(claim))
     lying.routes["POST /v1/completions"] = (200, make(claim))
-    result = wcache_in_process("verify", _url(lying), "--greedy", "--num-prompts", "1",
-                               env=cli_env(tmp_path / "cache"))
-    _one_sentence(result, words)
+    _one_sentence(_verify_one_prompt(lying, claim, tmp_path), words)
+
+
+TOKENIZE_LIES: dict[str, tuple[Callable[[dict[str, Any]], Answer], str]] = {
+    "no /tokenize": (lambda c: (404, b'{"detail": "Not Found"}'), "no /tokenize route"),
+    "tokens missing": (lambda c: (200, b'{"count": 1, "max_model_len": 9}'), "tokens"),
+    "tokens negative": (lambda c: (200, _tokenized(c, tokens=[-1])), "tokens"),
+    "tokens a string": (lambda c: (200, _tokenized(c, tokens="104")), "tokens"),
+    "detokenize prompt a number": (lambda c: (200, _tokenized(c)), "prompt"),
+}
+
+
+@pytest.mark.parametrize("case", list(TOKENIZE_LIES))
+def test_verify_against_a_lying_tokenizer_route_is_one_sentence(lying: StandIn, claim: dict[str, Any], case: str,
+                                                                tmp_path: Path) -> None:
+    make, words = TOKENIZE_LIES[case]
+    lying.routes["GET /v1/weights"] = (200, json.dumps(claim).encode())
+    lying.routes["POST /tokenize"] = make(claim)
+    lying.routes["POST /v1/completions"] = (200, _completion(claim))
+    lying.routes["POST /detokenize"] = (200, b'{"prompt": 7}')
+    _one_sentence(_verify_one_prompt(lying, claim, tmp_path), words)
 
 
 # -- a served vLLM whose /pause fails -----------------------------------------------------------------------

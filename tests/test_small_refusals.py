@@ -65,9 +65,16 @@ def test_a_run_dir_with_a_nul_byte_is_one_sentence(command: tuple[str, ...], tmp
                                                    tiny_template: Path) -> None:
     args = [str(tiny_template) if a == "MODEL" else a for a in command]
     result = wcache_in_process(*args, "--run-dir", f"{tmp_path}/a\0b", env=cli_env(tmp_path / "cache"))
-    everything = result.stdout + result.stderr
-    assert "Traceback" not in everything and result.returncode != 0, everything
-    assert "null byte" in everything.lower() or "NUL byte" in everything
+    assert result.returncode == 2, result.stderr
+    assert assert_one_error_sentence(result) == (f"error: --run-dir '{tmp_path}/a\\x00b' holds a NUL byte, which no "
+                                                 "path can hold.")
+
+
+def test_a_path_argument_with_a_nul_byte_is_the_same_sentence(tmp_path: Path) -> None:
+    result = wcache_in_process("key", f"{tmp_path}/m\0", env=cli_env(tmp_path / "cache"))
+    assert result.returncode == 2, result.stderr
+    assert assert_one_error_sentence(result) == (f"error: PATH '{tmp_path}/m\\x00' holds a NUL byte, which no path "
+                                                 "can hold.")
 
 
 def test_the_library_refuses_a_run_dir_with_a_nul_byte(tmp_path: Path) -> None:

@@ -13,14 +13,8 @@ switches to the copy's daemon in place.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,22 +24,19 @@ from daemon_fixtures import (
     DaemonRig,
     copy_checkpoint,
     daemon_rig,
-    http_status,
     nothing_survives,  # noqa: F401
-    wait_for,
-)
+    )
 from helpers import VLLM_IN_PYTEST, plant_wcache
+from vllm_serving import ServedVllm, serving_vllm
 from wcache.errors import BadInputError
 from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_runs
 from wcache.ipc.run_dir.directory import DaemonDescriptor
-from wcache.vllm_served import DEV_MODE
 from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint
 
 PROMPTS = ["the weights cache keeps", "a daemon holds the shard and"]
 MAX_NEW_TOKENS = 8
 VICTIM = "lm_head.weight"  # zeroed past its first rows: greedy tokens change, the header does not
 VICTIM_BYTES = 320 * 128 * 2  # the small preset's vocab × hidden, bf16
-SERVER_START_S = 240.0
 
 
 @dataclass
@@ -171,73 +162,21 @@ def test_the_plugin_is_found_through_vllms_entry_point() -> None:
     assert type(get_model_loader(LoadConfig(load_format="ipc_cache"))).__name__ != "WcacheModelLoader"
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return http_status(url, timeout=2)[0] == 200
-    except OSError:  # not listening yet
-        return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class ServedVllm:
-    url: str
-    log: Path
-    process: subprocess.Popen[bytes]
-
-    def complete(self, prompt: str) -> list[int]:
-        body = json.dumps({"model": "small", "prompt": prompt, "max_tokens": MAX_NEW_TOKENS, "temperature": 0,
-                           "return_token_ids": True}).encode()
-        request = urllib.request.Request(f"{self.url}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            completion = json.loads(response.read())
-        assert completion["usage"]["completion_tokens"] == MAX_NEW_TOKENS, completion
-        return list(completion["choices"][0]["token_ids"])
-
-
 @pytest.fixture(scope="module")
 def served_vllm(vllm_rig: VllmRig) -> Iterator[ServedVllm]:
     """One OpenAI server for the module, on the original's daemon, with vLLM's dev endpoints (a switch's)."""
-    rig = vllm_rig.rig
-    port = _free_port()
-    log_path = rig.base / "vllm-server.log"
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_rig.original),
-               "--port", str(port), "--host", "127.0.0.1", "--load-format", "wcache",
-               "--model-loader-extra-config", json.dumps(vllm_rig.extra()), "--enforce-eager",
-               "--max-model-len", "512", "--served-model-name", "small"]
-    env = {**os.environ, **rig.env, "VLLM_CPU_KVCACHE_SPACE": "1", DEV_MODE: "1"}
-    with log_path.open("w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                  start_new_session=True)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: server.poll() is not None or _healthy(f"{base}/health"),
-                 timeout=SERVER_START_S, interval=1.0, what="the vLLM server to come up")
-        assert server.poll() is None, log_path.read_text()[-3000:]
-        yield ServedVllm(base, log_path, server)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGKILL)  # vLLM's engine core and workers share its session
+    with serving_vllm(vllm_rig.rig, vllm_rig.original, vllm_rig.extra()) as server:
+        yield server
+
+
+def _complete(server: ServedVllm, prompt: str) -> list[int]:
+    return server.complete(prompt, MAX_NEW_TOKENS)
 
 
 @pytest.mark.xdist_group("test_vllm-served")  # one server for both (tests/conftest.py)
 def test_served_vllm_answers_completions_and_shows_in_top(vllm_rig: VllmRig, served_vllm: ServedVllm) -> None:
     rig = vllm_rig.rig
-    assert served_vllm.complete(PROMPTS[0])
+    assert _complete(served_vllm, PROMPTS[0])
     text = served_vllm.log.read_text()
     assert "wcache: weight cache hit from daemon " + vllm_rig.daemon.name in text
     # No --scrape: the rank announced itself, with its server's URL read from the server's command line.
@@ -260,16 +199,16 @@ def test_served_vllm_switches_in_place_and_verifies(vllm_rig: VllmRig, served_vl
     """`wcache switch URL` moves the served engine to the copy's daemon: its tokens are then a fresh disk load's
     of the copy (`wcache verify URL --greedy`); a switch no daemon serves is refused and changes nothing."""
     rig, url = vllm_rig.rig, served_vllm.url
-    before = served_vllm.complete(PROMPTS[0])
+    before = _complete(served_vllm, PROMPTS[0])
     refused = rig.cli("switch", url, str(vllm_rig.unserved_copy))
     assert refused.returncode == 3 and "vLLM keeps serving" in refused.stderr, refused.stderr
     assert VICTIM in refused.stderr and "\n" not in refused.stderr.strip(), refused.stderr
-    assert served_vllm.complete(PROMPTS[0]) == before, "a refused switch must leave the old weights serving"
+    assert _complete(served_vllm, PROMPTS[0]) == before, "a refused switch must leave the old weights serving"
     result = rig.cli("switch", url, "--daemon", vllm_rig.copy_daemon.name, "--json", as_json=True)
     assert result["current"]["key_id"] == vllm_rig.copy_daemon.key_id, result
     assert result["current"]["model"] == str(vllm_rig.served_copy) and result["attach"]["confirmed"], result
     assert result["previous"]["key_id"] == vllm_rig.daemon.key_id, result
-    assert served_vllm.complete(PROMPTS[0]) != before, "the copy's zeroed lm_head must change the tokens"
+    assert _complete(served_vllm, PROMPTS[0]) != before, "the copy's zeroed lm_head must change the tokens"
     verified = rig.cli("verify", url, "--greedy", "--num-prompts", "2", "--max-new-tokens", str(MAX_NEW_TOKENS),
                        "--json", timeout=600)
     assert verified.returncode == 0, verified.stdout + verified.stderr
@@ -279,4 +218,32 @@ def test_served_vllm_switches_in_place_and_verifies(vllm_rig: VllmRig, served_vl
     assert (served["outcome"], served["key_id"], served["url"]) == ("hit", vllm_rig.copy_daemon.key_id, url), served
     back = rig.cli("switch", url, str(vllm_rig.original), "--json", as_json=True)
     assert back["current"]["key_id"] == vllm_rig.daemon.key_id
-    assert served_vllm.complete(PROMPTS[0]) == before, "back on the original, with a reset prefix cache"
+    assert _complete(served_vllm, PROMPTS[0]) == before, "back on the original, with a reset prefix cache"
+
+
+@pytest.mark.xdist_group("test_vllm-served")
+def test_verify_names_a_tokenizer_the_served_vllm_holds_but_its_files_do_not(vllm_rig: VllmRig,
+                                                                           served_vllm: ServedVllm) -> None:
+    """vLLM read its tokenizer at start; the checkpoint's tokenizer.json rewritten since (the ids of "a" and "c"
+    swapped) is what a disk load reads. `verify URL --greedy` encodes each prompt through the server's own
+    POST /tokenize too, so the difference is named, whatever the greedy tokens say."""
+    rig = vllm_rig.rig
+    tokenizer = vllm_rig.original / "tokenizer.json"  # what the server serves (the switch test switches back)
+    saved = tokenizer.read_bytes()
+    document = json.loads(saved)
+    vocab = document["model"]["vocab"]
+    vocab["a"], vocab["c"] = vocab["c"], vocab["a"]
+    prompts = rig.base / "tokenizer-prompts.txt"
+    prompts.write_text(f"{PROMPTS[0]}\n")
+    tokenizer.write_text(json.dumps(document))
+    try:
+        verified = rig.cli("verify", served_vllm.url, "--greedy", "--prompts", str(prompts), "--max-new-tokens",
+                           str(MAX_NEW_TOKENS), "--json", timeout=600)
+    finally:
+        tokenizer.write_bytes(saved)
+    assert verified.returncode == 1, verified.stdout + verified.stderr
+    problem = json.loads(verified.stdout)["greedy"]["problem"]
+    assert problem.startswith("the engine's own tokenizer encodes prompt 0 otherwise than the tokenizer files of "
+                              f"{vllm_rig.original} (from token "), problem
+    assert f"{ord('a')}" in problem and "so it serves with another tokenizer than the checkpoint it claims" in problem
+

@@ -3,7 +3,8 @@
 Typer 0.29 converts each option's value through a pydantic TypeAdapter, and importing pydantic (40–60 ms)
 costs more than the rest of `wcache status`. Defaults, paths, plain digits and exact choice names are converted
 here by the same rules (Typer's own path and choice checks run unchanged); every other value, and so every
-error message, is left to the converter Typer would have used. The hook is Typer's lazily built
+error message but one, is left to the converter Typer would have used. The one: a path holding a NUL byte
+(`--run-dir`, MODEL, any path) is one sentence and exit 2, not Typer's usage text. The hook is Typer's lazily built
 per-parameter converter, a private API (pyproject pins `typer<0.30`): if it moves, `plain_first` does nothing
 and Typer converts everything itself, as before. tests/test_cli_imports.py compares both converters.
 """
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union, get_args, get_origin
+
+from wcache.errors import BadInputError
 
 if TYPE_CHECKING:
     from typer._click import Context
@@ -68,9 +71,17 @@ def _plain(kind: type, info: Any, value: Any, param: Any, ctx: Context) -> Any:
         # The Path pydantic would make from a str; then Typer's own checks (readable, exists…) run.
         try:
             return coerce_cli_path(kind(value), info, path_type=kind, param=param, ctx=ctx)
-        except ValueError:  # a NUL in the path: Typer words the error
-            return _UNSURE
+        except ValueError:  # a NUL byte, which Typer would answer with its usage text
+            if "\0" not in str(value):
+                return _UNSURE
+            raise BadInputError(f"{_name(param)} {str(value)!r} holds a NUL byte, which no path can hold.") from None
     return _UNSURE
+
+
+def _name(param: Any) -> str:
+    """How the command line names `param`: its longest flag (--run-dir), or an argument's metavar (MODEL)."""
+    flags = [o for o in getattr(param, "opts", ()) if o.startswith("-")]
+    return max(flags, key=len) if flags else str(getattr(param, "metavar", None) or param.name).upper()
 
 
 if RuntimeParam is not None:

@@ -70,17 +70,51 @@ class GreedyReport:
                 "prompts": [asdict(r) for r in self.results]}
 
 
-def _first_divergence(a: list[int], b: list[int]) -> int | None:
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where `a` and `b` differ (the shorter one's length when one extends the other), or None."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+SHOWN_IDS = 8  # token ids of a tokenizer difference its sentence shows
+
+
+def encoding_difference(model: object, index: int, engine_ids: list[int], disk_ids: list[int]) -> str | None:
+    """The sentence naming how a served engine's own tokenizer encodes prompt `index` otherwise than the
+    tokenizer files of `model` it claims, or None when they agree."""
+    at = first_divergence(engine_ids, disk_ids)
+    if at is None:
+        return None
+    return (f"the engine's own tokenizer encodes prompt {index} otherwise than the tokenizer files of {model} "
+            f"(from token {at}: {_ids(engine_ids[at:])} against {_ids(disk_ids[at:])}), so it serves with another "
+            "tokenizer than the checkpoint it claims")
+
+
+def decoding_difference(model: object, index: int, engine_text: str, disk_text: str) -> str | None:
+    """The sentence naming how a served engine's own tokenizer decodes the answer to prompt `index` otherwise
+    than the tokenizer files of `model`, or None when they agree."""
+    if engine_text == disk_text:
+        return None
+    return (f"the engine's own tokenizer decodes the answer to prompt {index} as {_shown(engine_text)}, the "
+            f"tokenizer files of {model} as {_shown(disk_text)}, so it serves with another tokenizer than the "
+            "checkpoint it claims")
+
+
+def _ids(token_ids: list[int]) -> str:
+    return "[" + ", ".join(map(str, token_ids[:SHOWN_IDS])) + (", …]" if len(token_ids) > SHOWN_IDS else "]")
+
+
+def _shown(text: str, limit: int = 120) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[:limit] + "…"
+
+
 def compare_prompts(prompts: list[str], cached: list[list[int]], disk: list[list[int]]) -> list[PromptResult]:
     results = []
     for index, (prompt, a, b) in enumerate(zip(prompts, cached, disk, strict=True)):
-        divergence = _first_divergence(a, b)
+        divergence = first_divergence(a, b)
         results.append(PromptResult(index, prompt, divergence is None, divergence, a, b))
     return results
 

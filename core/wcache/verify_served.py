@@ -2,11 +2,13 @@
 engine of the checkpoint it claims to serve (GET /v1/weights).
 
 The claim is checked first: the checkpoint's key on disk now must be the key the engine states, else the disk
-engine would load other weights and the comparison would prove nothing. Each prompt then goes through the
-engine's completions API as token ids; its answer names the weights that ran it (a switch in between is a
-difference). The served engine may answer from its prefix cache: the disk engine, with the same cache
-settings, first computes the prefix the served engine reported as its hit, so both run the same steps. With
-bounded replay an adopted hit recomputes one window only, as on the served side.
+engine would load other weights and the comparison would prove nothing. The key covers the tokenizer files, not
+the tokenizer the engine holds in memory: each prompt is encoded by the engine itself (POST /tokenize) and by
+the checkpoint's files, and each answer decoded by both (POST /detokenize); any difference is named. Each
+prompt goes through the engine's completions API as token ids; its answer names the weights that ran it (a
+switch in between is a difference). The served engine may answer from its prefix cache: the disk engine, with
+the same cache settings, first computes the prefix the served engine reported as its hit, so both run the
+same steps. With bounded replay an adopted hit recomputes one window only, as on the served side.
 
 A vLLM server has no /v1/weights: `wcache.vllm_served` verifies it through vLLM's own API.
 """
@@ -21,11 +23,20 @@ from wcache.integrations.registry import GreedyAttach
 from wcache.ipc.attach_summary import AttachSummary
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
-from wcache.serving.client import CompletionAnswer, EngineRequestError, ServedCacheConfig, call_engine, read_answer
-from wcache.verify import GreedyReport, PromptResult, compare_prompts
+from wcache.serving.client import (
+    CompletionAnswer,
+    EngineRequestError,
+    ServedCacheConfig,
+    call_engine,
+    engine_text,
+    engine_tokens,
+    read_answer,
+)
+from wcache.verify import GreedyReport, PromptResult, compare_prompts, decoding_difference, encoding_difference
 
 if TYPE_CHECKING:
     from wcache.engine import EngineConfig
+    from wcache.engine.tokenizer import Tokenizer
 
 SERVED = "reference (served)"  # the engine a served reference engine's report names
 
@@ -80,15 +91,15 @@ def verify_served(url: str, prompts: list[str], max_new_tokens: int) -> GreedyRe
         raise BadInputError(f"{model} has no tokenizer to encode the prompts.")
     served: list[list[int]] = []
     disk: list[list[int]] = []
-    problem = None
+    problems = [_encoding_difference(url, model, tokenizer, prompts)]
     for prompt in prompts:
         ids = tokenizer.encode(prompt)
         answer = read_answer(CompletionAnswer, call_engine(url, "POST", "/v1/completions", {
             "prompt": ids, "max_tokens": max_new_tokens, "temperature": 0}), url)
         extension = answer.wcache
         if extension.weights_key != claimed.short_id:
-            problem = (f"the engine answered with weights {extension.weights_key}, not the "
-                       f"{claimed.short_id} it claimed: it switched during the verification")
+            problems.append(f"the engine answered with weights {extension.weights_key}, not the "
+                            f"{claimed.short_id} it claimed: it switched during the verification")
         served.append(list(answer.choices[0].token_ids))
         # A fresh disk engine per prompt over the same tensors: its cache holds exactly the served hit.
         engine = Engine(model_config, weights, config, tokenizer=tokenizer)
@@ -96,8 +107,23 @@ def verify_served(url: str, prompts: list[str], max_new_tokens: int) -> GreedyRe
         if hit:
             engine.generate(ids[:hit], 1)
         disk.append(engine.generate(ids, max_new_tokens).token_ids)
+    problems.append(_decoding_difference(url, model, tokenizer, served))
     results: list[PromptResult] = compare_prompts(prompts, served, disk)
-    return GreedyReport(results, attach, problem)
+    return GreedyReport(results, attach, next((p for p in problems if p is not None), None))
+
+
+def _encoding_difference(url: str, model: Path, tokenizer: Tokenizer, prompts: list[str]) -> str | None:
+    """The first prompt the engine's own tokenizer encodes otherwise than the checkpoint's files, in one sentence."""
+    differences = (encoding_difference(model, index, engine_tokens(url, prompt), tokenizer.encode(prompt))
+                   for index, prompt in enumerate(prompts))
+    return next((d for d in differences if d is not None), None)
+
+
+def _decoding_difference(url: str, model: Path, tokenizer: Tokenizer, answers: list[list[int]]) -> str | None:
+    """The first answer the engine's own tokenizer decodes otherwise than the checkpoint's files, in one sentence."""
+    differences = (decoding_difference(model, index, engine_text(url, token_ids), tokenizer.decode(token_ids))
+                   for index, token_ids in enumerate(answers))
+    return next((d for d in differences if d is not None), None)
 
 
 def _verify_vllm(url: str, prompts: list[str], max_new_tokens: int) -> GreedyReport:

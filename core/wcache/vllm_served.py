@@ -41,7 +41,14 @@ from wcache.key.companion_digest import companion_files, tokenizer_digest
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import engine_events
 from wcache.plan.spec import PlanSpec, preload_command
-from wcache.serving.client import CompletionAnswer, EngineRequestError, call_engine, engine_base_url, read_answer
+from wcache.serving.client import (
+    CompletionAnswer,
+    EngineRequestError,
+    call_engine,
+    engine_base_url,
+    engine_tokens,
+    read_answer,
+)
 
 if TYPE_CHECKING:
     from wcache.verify import GreedyReport
@@ -276,9 +283,10 @@ def _last_hit(run_dir: Path, pids: set[int] | None) -> ev.AttachHit | None:
 
 def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_tokens: int) -> GreedyReport:
     """Greedy tokens of the served vLLM at `url`, through its completions API, against a fresh vLLM disk load
-    (`load_format="auto"`) of the checkpoint it serves, with its dtype, TP size and context length."""
+    (`load_format="auto"`) of the checkpoint it serves, with its dtype, TP size and context length; and the
+    tokenizer it holds against that load's (each prompt through its POST /tokenize, each answer's text)."""
     from wcache.integrations.vllm_runner import VllmRun, greedy_runs
-    from wcache.verify import GreedyReport, compare_prompts
+    from wcache.verify import GreedyReport, compare_prompts, decoding_difference, encoding_difference
 
     engine = describe(url, version, dev_mode=False)
     attach = _served_attach(engine, server_pids(url))
@@ -289,13 +297,23 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
     if sorted(choice.index for choice in answer.choices) != list(range(len(prompts))):
         raise UnavailableError(f"the vLLM server at {engine.url} did not answer each of the {len(prompts)} "
                                "prompts once.")
-    served = [list(choice.token_ids) for choice in sorted(answer.choices, key=lambda choice: choice.index)]
-    problem = None
-    if describe(url, version, dev_mode=False).claim != engine.claim:
-        problem = "the engine switched its weights during the verification"
+    choices = sorted(answer.choices, key=lambda choice: choice.index)
+    served = [list(choice.token_ids) for choice in choices]
+    # The prompts as the served engine's own tokenizer encodes them: vLLM may run another tokenizer than the
+    # files beside the checkpoint (--tokenizer), which a disk load of that checkpoint would use.
+    engine_ids = [engine_tokens(url, prompt, engine.model_name) for prompt in prompts]
+    switched = describe(url, version, dev_mode=False).claim != engine.claim
     [disk] = greedy_runs([VllmRun(str(engine.model), prompts, max_new_tokens, dtype=engine.dtype,
                                   tensor_parallel_size=engine.tp_size, max_model_len=engine.max_model_len)])
-    return GreedyReport(compare_prompts(prompts, served, disk.tokens), attach, problem)
+    problems = [encoding_difference(engine.model, index, ids, disk_ids)
+                for index, (ids, disk_ids) in enumerate(zip(engine_ids, disk.prompt_tokens, strict=True))]
+    # Where both generated the same ids, their texts are each tokenizer's decoding of the same tokens.
+    problems += [decoding_difference(engine.model, index, choice.text, text)
+                 for index, (choice, tokens, text) in enumerate(zip(choices, disk.tokens, disk.texts, strict=True))
+                 if choice.text is not None and list(choice.token_ids) == tokens]
+    problems.append("the engine switched its weights during the verification" if switched else None)
+    return GreedyReport(compare_prompts(prompts, served, disk.tokens), attach,
+                        next((p for p in problems if p is not None), None))
 
 
 def _served_attach(engine: ServedVllm, pids: set[int] | None) -> GreedyAttach:

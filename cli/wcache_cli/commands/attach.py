@@ -187,7 +187,7 @@ def announce(url: str, engine: Any) -> None:
 
 def _serve(model: Path, plan: dict[str, Any], engine_config: Any, options: AttachOptions, device: str, host: str,
            port: int, where: Path) -> None:
-    from wcache.serving.ranks import serve_rank
+    from wcache.serving.ranks import corrupt_channel, serve_rank
 
     if plan["tp_size"] == 1:
         from wcache.engine.parallel import TensorParallel
@@ -197,4 +197,4 @@ def _serve(model: Path, plan: dict[str, Any], engine_config: Any, options: Attac
     from wcache.tp_launch import run_tensor_parallel
 
     run_tensor_parallel(serve_rank, plan["tp_size"], model, plan, engine_config, options, device, host, port, where,
-                        announce, timeout=None)
+                        announce, corrupt_channel(), timeout=None)

@@ -28,11 +28,12 @@ class CorruptFound:
         self._found: tuple[CorruptTensor, ...] = ()
         self._listeners: list[Callable[[], object]] = []
 
-    def add(self, tensor: str, reason: str) -> None:
+    def add(self, tensor: str, reason: str, *, rank: int | None = None, daemon: str | None = None) -> None:
+        """A tensor found changed; `rank` and `daemon` when another tensor-parallel rank's daemon found it."""
         with self._lock:
-            if any(t.tensor == tensor for t in self._found):
+            if any((t.tensor, t.rank) == (tensor, rank) for t in self._found):
                 return
-            self._found = (*self._found, CorruptTensor(tensor=tensor, reason=reason))
+            self._found = (*self._found, CorruptTensor(tensor=tensor, reason=reason, rank=rank, daemon=daemon))
             listeners = list(self._listeners)
         for listener in listeners:
             listener()
@@ -92,5 +93,8 @@ class AttachReport:
         found = self.corrupt.tensors
         if not found:
             return None
-        return (f"the daemon {self.daemon} found the weights this engine maps changed in memory: "
-                f"{'; '.join(t.reason for t in found)}")
+        if all(t.rank is None for t in found):
+            return (f"the daemon {self.daemon} found the weights this engine maps changed in memory: "
+                    f"{'; '.join(t.reason for t in found)}")
+        return ("the daemons of this engine's tensor-parallel ranks found the weights it maps changed in memory: "
+                + "; ".join(f"on rank {t.rank or 0} (daemon {t.daemon or self.daemon}), {t.reason}" for t in found))

@@ -9,6 +9,9 @@ importing this module first checks the installed vLLM against the range the test
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from wcache.integrations.vllm_version import check_version
 
 check_version()  # before any import below: an untested vLLM is refused here, never halfway through a load
@@ -28,6 +31,28 @@ from vllm.model_executor.model_loader.utils import (  # noqa: E402
     process_weights_after_loading,
 )
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
+
+
+def guard_each_step(model: Any, check: Callable[[], None]) -> None:
+    """Run `check` before every step that samples from `model`; what it raises fails the step.
+
+    The fence is the model's `compute_logits`: vLLM's model runners call it on the model every step that samples,
+    outside any CUDA graph (a captured forward replays without running Python), after the forward and before the
+    sampler, so no token leaves a step `check` refused. vLLM's V1 engine core does not survive a failed step:
+    it dies, every request in flight and after fails, and the OpenAI server's /health answers 503 (the server
+    then exits unless VLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set). Guarding twice keeps one guard.
+    """
+    if getattr(model, "_wcache_guarded", False):
+        return
+    compute_logits = model.compute_logits
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        check()
+        return compute_logits(*args, **kwargs)
+
+    # An instance attribute shadows the class's method; a CUDA graph wrapper hands attribute reads to the model.
+    model.compute_logits = guarded
+    model._wcache_guarded = True
 
 
 def shutdown_engine(llm: LLM) -> None:
@@ -50,6 +75,7 @@ __all__ = [
     "get_model_loader",
     "get_tensor_model_parallel_rank",
     "get_tensor_model_parallel_world_size",
+    "guard_each_step",
     "init_logger",
     "initialize_model",
     "process_weights_after_loading",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +50,7 @@ from wcache.integrations.vllm_api import (
     get_current_vllm_config,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
+    guard_each_step,
     init_logger,
     initialize_model,
     process_weights_after_loading,
@@ -414,11 +416,26 @@ class WcacheModelLoader(BaseModelLoader):
 def _keep_lease(model: nn.Module, weights: AttachedWeights) -> None:
     """The model keeps the lease (and the arena's map) for as long as vLLM keeps the model; a reload's lease
     replaces the last one. Module.__setattr__ is typed for tensors and modules, but a plain attribute is set
-    like any other."""
+    like any other. From then on no step samples from weights the daemon reported changed in memory."""
     previous = getattr(model, "_wcache_weights", None)
     model._wcache_weights = weights  # type: ignore[assignment]
     if isinstance(previous, AttachedWeights):
         previous.close()
+    guard_each_step(model, functools.partial(_refuse_corrupt, model))
+
+
+class WeightsCorruptError(UnavailableError):
+    """The daemon behind this engine's lease found its weights changed in memory: no step may run on them."""
+
+
+def _refuse_corrupt(model: nn.Module) -> None:
+    """Raise, failing vLLM's step, once the lease the model holds now was told its weights changed in memory (a
+    reload in place to other weights before that step takes a lease whose weights are sound)."""
+    weights = getattr(model, "_wcache_weights", None)
+    why = weights.report.corrupt_sentence() if isinstance(weights, AttachedWeights) else None
+    if why is not None:
+        raise WeightsCorruptError(f"wcache: {why}; this engine runs no step on them (restart it once a daemon "
+                                  "serves good weights).")
 
 
 def _served_name(model_config: ModelConfig) -> str:

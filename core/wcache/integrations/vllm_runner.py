@@ -67,6 +67,8 @@ class VllmResult:
     log: str
     engine_ready_at: float  # epoch seconds when LLM(...) returned in the child
     generated_at: float  # epoch seconds when the last token was generated
+    prompt_tokens: list[list[int]] = field(default_factory=list)  # each prompt as vLLM's tokenizer encoded it
+    texts: list[str] = field(default_factory=list)  # each answer as vLLM's tokenizer decoded it
 
 
 class VllmRunError(UnavailableError):
@@ -120,7 +122,9 @@ def _in_child(runs: Sequence[VllmRun], env: dict[str, str], timeout: float | Non
                 raise VllmRunError(_reason(logs[index], code), logs[index], index)
             out = json.loads(result.read_text())
             done.append(VllmResult([list(map(int, tokens)) for tokens in out["tokens"]], logs[index],
-                                   float(out["engine_ready_at"]), float(out["generated_at"])))
+                                   float(out["engine_ready_at"]), float(out["generated_at"]),
+                                   [list(map(int, tokens)) for tokens in out["prompt_tokens"]],
+                                   [str(text) for text in out["texts"]]))
     return done
 
 
@@ -164,7 +168,8 @@ def _child(spec_path: str) -> None:
         # When the tokens were there, for start-up breakdowns: vLLM's shutdown after this is no part of it.
         Path(result).write_text(json.dumps({
             "tokens": [list(output.outputs[0].token_ids) for output in outputs], "engine_ready_at": ready,
-            "generated_at": time.time()}))
+            "generated_at": time.time(), "prompt_tokens": [list(output.prompt_token_ids or []) for output in outputs],
+            "texts": [output.outputs[0].text for output in outputs]}))
         shutdown_engine(llm)
         del llm, outputs
         gc.collect()  # the engine's weights and KV cache, before the next engine allocates its own

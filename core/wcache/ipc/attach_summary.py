@@ -12,6 +12,9 @@ class CorruptTensor(Schema, frozen=True):
 
     tensor: str
     reason: str  # the daemon's sentence: where it lies and which bytes changed
+    # With TP > 1: the rank whose daemon found it, when not the rank whose report this is (rank 0 serves for all).
+    rank: int | None = None
+    daemon: str | None = None  # that rank's daemon
 
 
 class AttachSummary(Schema, frozen=True):

@@ -157,14 +157,20 @@ def arena_digest(arena: CpuArena, offset: int, nbytes: int, *,
 FAULT_ENV = "WCACHE_FAULT_FLIP"
 
 
-def plant_fault(arena: CpuArena | CudaArena, entries: tuple[ArenaEntry, ...]) -> None:
+def plant_fault(arena: CpuArena | CudaArena, entries: tuple[ArenaEntry, ...], rank: int = 0) -> None:
     """Fault injection for tests and benchmarks: with WCACHE_FAULT_FLIP=TENSOR:BYTE, flip the low bit of byte BYTE
     of engine tensor TENSOR just before the arena is sealed, after its digests were taken: what a memory error
-    does to a filled arena. Unset (always, outside tests), it does nothing."""
+    does to a filled arena. TENSOR:BYTE@RANK flips it in tensor-parallel rank RANK's arena only (`rank` is this
+    arena's). Unset (always, outside tests), it does nothing."""
     wanted = os.environ.get(FAULT_ENV)
     if not wanted or not isinstance(arena, CpuArena):
         return
-    name, _, at = wanted.rpartition(":")
+    where, _, only_rank = wanted.partition("@")
+    if only_rank and not only_rank.isdigit():
+        raise BadInputError(f"{FAULT_ENV}={wanted} does not name a tensor-parallel rank after its @.")
+    if only_rank and int(only_rank) != rank:
+        return
+    name, _, at = where.rpartition(":")
     entry = next((e for e in entries if e.name == name), None)
     if entry is None or not at.isdigit() or int(at) >= entry.nbytes:
         raise BadInputError(f"{FAULT_ENV}={wanted} does not name a byte of an engine tensor.")
@@ -243,7 +249,7 @@ def load_rank(
             if store is not None:
                 # The root too: an engine's first key after this preload then reads no receipt.
                 store_root_if_trusted(store, state, records, key_file.key.checkpoint)
-            plant_fault(arena, entries)
+            plant_fault(arena, entries, spec.tp_rank)
             if isinstance(arena, CpuArena):
                 arena.seal()
         except BaseException:

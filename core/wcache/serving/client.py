@@ -12,6 +12,7 @@ from wcache.errors import BadInputError, UnavailableError
 from wcache.ipc.http.client import NoAnswerError, http_call
 from wcache.ipc.run_dir.engine_token import operator_token
 from wcache.schema import Schema, SchemaError
+from wcache.serving.tokenize_api import DetokenizeAnswer, TokenizeAnswer
 
 MAX_SHOWN = 300  # characters of a server's own message shown to the user
 TIMEOUT_S = 300.0  # a switch attaches a checkpoint (hashing it when its receipts are stale); a request decodes
@@ -142,6 +143,7 @@ class CompletionExtension(Schema, frozen=True, forbid_unknown_fields=False):
 class CompletionChoice(Schema, frozen=True, forbid_unknown_fields=False):
     token_ids: list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]]
     index: int = 0
+    text: str | None = None  # the engine's own decoding of token_ids
 
 
 class CompletionAnswer(Schema, frozen=True, forbid_unknown_fields=False):
@@ -149,3 +151,26 @@ class CompletionAnswer(Schema, frozen=True, forbid_unknown_fields=False):
 
     choices: Annotated[list[CompletionChoice], msgspec.Meta(min_length=1)]
     wcache: CompletionExtension = CompletionExtension()
+
+
+def engine_tokens(url: str, prompt: str, model: str | None = None) -> list[int]:
+    """`prompt` encoded by the tokenizer the engine at `url` holds (POST /tokenize, vLLM's route; `model`: the
+    name a vLLM server serves under)."""
+    body: dict[str, Any] = {"prompt": prompt} if model is None else {"prompt": prompt, "model": model}
+    return read_answer(TokenizeAnswer, _tokenizer_route(url, "/tokenize", body), url).tokens
+
+
+def engine_text(url: str, token_ids: list[int], model: str | None = None) -> str:
+    """`token_ids` decoded by the tokenizer the engine at `url` holds (POST /detokenize, vLLM's route)."""
+    body: dict[str, Any] = {"tokens": token_ids} if model is None else {"tokens": token_ids, "model": model}
+    return read_answer(DetokenizeAnswer, _tokenizer_route(url, "/detokenize", body), url).prompt
+
+
+def _tokenizer_route(url: str, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return call_engine(url, "POST", route, body)
+    except EngineRequestError as exc:
+        if exc.status != 404:
+            raise
+        raise UnavailableError(f"the engine at {engine_base_url(url)} has no {route} route, so the tokenizer it "
+                               "serves with cannot be compared with its checkpoint's; upgrade it.") from None

@@ -6,6 +6,12 @@ rank 0 broadcasts each request before running it, and a stop message ends the ot
 Requests travel as int64 tensors only (a fixed-size header, then the token ids), never as pickled objects:
 gloo's TCP ports on loopback are open to every local user, and a rank that unpickled what it received there
 could be made to run anything. A header outside the protocol ends the rank instead of being guessed at.
+
+Each rank holds its own daemon's lease, and only that daemon tells it when its weights changed in memory. The
+other ranks pass what theirs say to rank 0 at once over a channel the parent made before they started
+(`corrupt_channel`: an anonymous pipe only the ranks hold, carrying `RankCorrupt` as JSON, one write under
+PIPE_BUF each so ranks writing together never interleave): rank 0 serves for all of them, so it turns not-ready
+and refuses completions whichever rank's weights changed.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -31,6 +38,7 @@ from wcache.ipc.http.server import http_url
 from wcache.ipc.run_dir.directory import ensure_run_dir
 from wcache.ipc.run_dir.engine_token import engine_token, write_engine_token
 from wcache.plan.spec import PlanSpec
+from wcache.schema import Schema, SchemaError
 from wcache.serving.server import (
     MAX_BODY_BYTES,
     MAX_TOKENS_LIMIT,
@@ -40,11 +48,83 @@ from wcache.serving.server import (
     make_server,
 )
 
+log = logging.getLogger("wcache.engine")
+NOTICE_MAX = 4096 - 4  # a follower's notice and its length prefix in one write no larger than Linux's PIPE_BUF
+
 # Every request starts with the header [opcode, prompt length, max new tokens].
 _GENERATE, _STOP = 1, 2
 _HEADER_LEN = 3
 # A prompt cannot hold more tokens than the request body that carried it had bytes.
 MAX_PROMPT_TOKENS = MAX_BODY_BYTES
+
+
+class RankCorrupt(Schema, frozen=True):
+    """What a follower rank tells rank 0: its daemon found a tensor of its weights changed in memory."""
+
+    rank: int
+    daemon: str
+    tensor: str
+    reason: str
+
+
+def corrupt_channel() -> tuple[Connection, Connection]:
+    """The pipe follower ranks tell rank 0 their daemons' findings over (its reading end, its writing end); made
+    by the parent before it spawns the ranks, and handed to each rank's serve_rank."""
+    reader, writer = torch.multiprocessing.get_context("spawn").Pipe(duplex=False)
+    return reader, writer
+
+
+def _notice(found: RankCorrupt) -> bytes:
+    """`found` as one pipe write of at most NOTICE_MAX bytes (the reason shortened when it must be)."""
+    data = msgspec.json.encode(found)
+    if len(data) > NOTICE_MAX:
+        cut = len(found.reason) - (len(data) - NOTICE_MAX) - 8  # JSON escapes make the reason's bytes no fewer
+        data = msgspec.json.encode(msgspec.structs.replace(found, reason=found.reason[:max(0, cut)] + "…"))
+    return data
+
+
+def _tell_rank0(engine: Engine, tp: TensorParallel, channel: tuple[Connection, Connection]) -> None:
+    """On a follower rank: pass each tensor its daemon reports changed to rank 0, once."""
+    report = engine.attach_report
+    if report is None:
+        return  # loaded from disk: no daemon to hear from
+    told: set[str] = set()
+    lock = threading.Lock()
+
+    def tell() -> None:
+        with lock:
+            for found in report.corrupt.tensors:
+                if found.tensor not in told:
+                    told.add(found.tensor)
+                    channel[1].send_bytes(_notice(RankCorrupt(tp.rank, report.daemon or "unknown", found.tensor,
+                                                              found.reason)))
+
+    report.corrupt.listen(tell)
+    tell()  # what the lease heard before the listener was there
+
+
+def _hear_ranks(engine: Engine, channel: tuple[Connection, Connection]) -> None:
+    """On rank 0: add what the other ranks' daemons report to the weights this engine serves (its `/health`,
+    `/v1/weights`, completions and announcement read them there)."""
+    def hear() -> None:
+        while True:
+            try:
+                data = channel[0].recv_bytes(NOTICE_MAX)
+            except (EOFError, OSError):
+                return  # the ranks went away, or one sent more than a notice
+            try:
+                found = RankCorrupt.from_wire(msgspec.json.decode(data))
+            except (msgspec.DecodeError, SchemaError, TypeError) as exc:
+                log.error("wcache: a tensor-parallel rank sent a corruption notice wcache does not read (%s).", exc)
+                continue
+            report = engine.attach_report
+            if report is None:
+                log.error("wcache: rank %d's daemon %s found its weights changed in memory: %s.", found.rank,
+                          found.daemon, found.reason)
+                continue
+            report.corrupt.add(found.tensor, found.reason, rank=found.rank, daemon=found.daemon)
+
+    threading.Thread(target=hear, name="wcache-rank-corrupt", daemon=True).start()
 
 
 class LockstepError(RuntimeError):
@@ -136,9 +216,11 @@ def _stats_lines_to_stderr() -> None:
 
 def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_config: EngineConfig,
                options: AttachOptions, device: str, host: str, port: int, run_dir: Path,
-               on_ready: Callable[[str, Engine], None] | None = None) -> None:
+               on_ready: Callable[[str, Engine], None] | None = None,
+               corrupt: tuple[Connection, Connection] | None = None) -> None:
     """One rank's life: attach, build the engine, then serve (rank 0) or follow rank 0 (others). The engine
-    publishes itself in `run_dir`, where `options` look for daemons unless they name another."""
+    publishes itself in `run_dir`, where `options` look for daemons unless they name another. With TP > 1,
+    `corrupt` is the `corrupt_channel()` the parent made for these ranks."""
     # Read first: an operator's token file that cannot serve fails before the attach, not after it.
     token = engine_token() if tp.rank == 0 else None
     spec = PlanSpec.from_json({**plan, "tp_rank": tp.rank})
@@ -146,8 +228,12 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
     engine = Engine.from_attach(model, spec, engine_config, tp, options=options, device=device)
     try:
         if tp.rank != 0:
+            if corrupt is not None:
+                _tell_rank0(engine, tp, corrupt)
             follow_rank0(engine, tp)
             return
+        if corrupt is not None:
+            _hear_ranks(engine, corrupt)
         driver = Driver(engine, tp) if tp.size > 1 else None
         _stats_lines_to_stderr()
         served = ServedEngine(engine, driver.generate if driver is not None else engine.generate,

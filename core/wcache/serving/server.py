@@ -1,6 +1,9 @@
-"""An OpenAI-compatible completions endpoint for the reference engine, with /health, /metrics and /v1/weights.
+"""An OpenAI-compatible completions endpoint for the reference engine, with /health, /metrics, /v1/weights,
+/tokenize and /detokenize.
 
-`GET /v1/weights` says which checkpoint and content key the engine serves; `POST /v1/weights` with
+`POST /tokenize` and `POST /detokenize` (vLLM's routes and shapes) expose the tokenizer the engine holds in
+memory, for `wcache verify URL` to compare with the checkpoint's files. `GET /v1/weights` says which
+checkpoint and content key the engine serves; `POST /v1/weights` with
 {"model": PATH} or {"daemon": ID} switches it to another daemon's weights between requests (engine.switch),
 or answers 409 with the reason and keeps serving what it had. A switch changes what every client is served, so
 it is the engine's user's alone: it must carry the engine's control token (`ipc.run_dir.engine_token`), read
@@ -21,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -35,6 +38,8 @@ from wcache.ipc.run_dir.engines import EngineDescriptor
 from wcache.ipc.run_dir.engines import write_engine_descriptor as write_descriptor
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
+from wcache.schema import Schema, SchemaError
+from wcache.serving.tokenize_api import DetokenizeAnswer, DetokenizeRequest, TokenizeAnswer, TokenizeRequest
 
 MAX_BODY_BYTES = 1 << 20
 PATH_MAX = 4096  # Linux's, terminating NUL included: no longer path names a file
@@ -144,12 +149,7 @@ def _completion(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
         prompt = prompt[0]
     tokenizer = served.engine.tokenizer
     if isinstance(prompt, str):
-        if tokenizer is None:
-            raise RequestError("this engine has no tokenizer; send token ids")
-        try:
-            token_ids = tokenizer.encode(prompt)
-        except UnicodeEncodeError as exc:  # JSON can carry lone surrogates ("\ud800"), which no text encoding holds
-            raise RequestError(f"the prompt is not valid Unicode text ({exc.reason})") from None
+        token_ids = _encode(served.engine, prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         token_ids = list(prompt)
     else:
@@ -165,8 +165,7 @@ def _completion(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(temperature, int | float) or temperature != 0:
         raise RequestError("only greedy decoding is supported: temperature must be 0")
     # Refused here, before any TP rank starts: a request the KV cache cannot hold would fail on every rank.
-    config = served.engine.config
-    capacity, needed = config.num_blocks * config.block_size, len(token_ids) + max_tokens - 1
+    capacity, needed = _kv_capacity(served.engine), len(token_ids) + max_tokens - 1
     if needed > capacity:
         raise RequestError(f"the prompt ({len(token_ids)} tokens) and max_tokens ({max_tokens}) need {needed} "
                            f"tokens of KV cache but this engine holds {capacity}; shorten the prompt or lower "
@@ -188,6 +187,50 @@ def _completion(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
                    "replayed_tokens": generation.replayed_tokens, "prefill_tokens": generation.prefill_tokens,
                    "weights_key": generation.weights_key},
     }
+
+
+def _kv_capacity(engine: Engine) -> int:
+    """How many tokens one request may hold: prompt and answer share the engine's KV cache."""
+    return engine.config.num_blocks * engine.config.block_size
+
+
+def _encode(engine: Engine, prompt: str) -> list[int]:
+    """`prompt` through the tokenizer the engine holds, as completions and /tokenize encode it."""
+    if engine.tokenizer is None:
+        raise RequestError("this engine has no tokenizer; send token ids")
+    try:
+        return engine.tokenizer.encode(prompt)
+    except UnicodeEncodeError as exc:  # JSON can carry lone surrogates ("\ud800"), which no text encoding holds
+        raise RequestError(f"the prompt is not valid Unicode text ({exc.reason})") from None
+
+
+Body = TypeVar("Body", bound=Schema)
+
+
+def _read_body(kind: type[Body], body: dict[str, Any]) -> Body:
+    try:
+        return kind.from_wire(body)
+    except SchemaError as exc:
+        raise RequestError(str(exc)) from None
+
+
+def _tokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
+    """POST /tokenize (vLLM's route): the prompt's token ids from the tokenizer this engine holds in memory."""
+    request = _read_body(TokenizeRequest, body)
+    if not request.add_special_tokens:
+        raise RequestError("this engine encodes a prompt as its completions do; add_special_tokens must be true")
+    tokens = _encode(engine, request.prompt)
+    return TokenizeAnswer(tokens, len(tokens), _kv_capacity(engine)).to_wire()
+
+
+def _detokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
+    """POST /detokenize (vLLM's route): the text of token ids, as this engine's completions decode them."""
+    request = _read_body(DetokenizeRequest, body)
+    if engine.tokenizer is None:
+        raise RequestError("this engine has no tokenizer to decode with")
+    if any(t >= engine.model_config.vocab_size for t in request.tokens):
+        raise RequestError("tokens holds ids outside the vocabulary")
+    return DetokenizeAnswer(engine.tokenizer.decode(request.tokens)).to_wire()
 
 
 def weights_document(engine: Engine) -> dict[str, Any]:
@@ -276,6 +319,10 @@ def make_server(served: ServedEngine, host: str, port: int, flags: tuple[str, st
             if path == "/v1/weights":
                 self.require_token(control_token, "switching this engine's weights")  # before its body is read
                 self.send_json(200, _switch(served, self.read_json_object(MAX_BODY_BYTES)))
+                return
+            if path in ("/tokenize", "/detokenize"):
+                route = _tokenize if path == "/tokenize" else _detokenize
+                self.send_json(200, route(served.engine, self.read_json_object(MAX_BODY_BYTES)))
                 return
             if path != "/v1/completions":
                 raise HTTPRequestError(f"no route {path}", 404)
