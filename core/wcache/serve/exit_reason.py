@@ -1,0 +1,63 @@
+"""Why a server died, in one line: how it ended and the last meaningful line of its log.
+
+vLLM's start-up failures end in a Python exception whose last line says what went wrong (often the engine
+core's, re-raised by the front process as a generic one): the first of those last lines is the cause; without
+one, the last line of the log that is not a traceback frame.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+TAIL_BYTES = 256 * 1024
+SHOWN_CHARS = 300
+# An exception's last line, as Python prints it, perhaps behind vLLM's "(EngineCore pid=12) " process prefix.
+_EXCEPTION = re.compile(r"^(?:\([\w ]+pid=\d+\)\s*)?(?P<line>[A-Za-z_][\w.]*(?:Error|Exception|Exit)(?::.*)?)$")
+_PREFIX = re.compile(r"^(?:\([\w ]+pid=\d+\)\s*)?"
+                     r"(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^]]*\]\s*)?")
+# The front process's own exceptions that only say the engine core failed: the core's line says why.
+_GENERIC = ("RuntimeError: Engine core initialization failed", "SystemExit")
+
+
+def how_it_ended(status: int) -> str:
+    """An exit status as Popen reports it (negative: the signal that killed it), in words."""
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        return f"was killed by {name}"
+    return f"exited with status {status}"
+
+
+def last_meaningful_line(log: Path, start: int = 0) -> str | None:
+    """The line of `log` (from byte `start`, this server's part) that best says why it stopped; None if empty."""
+    try:
+        with log.open("rb") as file:
+            size = file.seek(0, 2)
+            file.seek(max(start, size - TAIL_BYTES))
+            text = file.read().decode(errors="replace")
+    except OSError:
+        return None
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    exceptions = [m["line"] for line in lines if (m := _EXCEPTION.match(line.strip()))]
+    specific = [line for line in exceptions if not line.startswith(_GENERIC)]
+    if specific:
+        return _shown(specific[-1])
+    if exceptions:
+        return _shown(exceptions[-1])
+    plain = [line for line in lines if not line.startswith((" ", "\t", "Traceback"))]
+    return _shown(_PREFIX.sub("", plain[-1])) if plain else None
+
+
+def _shown(line: str) -> str:
+    line = " ".join(line.split())
+    return line if len(line) <= SHOWN_CHARS else line[:SHOWN_CHARS] + "…"
+
+
+def death_line(pid: int, status: int, log: Path, start: int = 0) -> str:
+    """One line: the server `pid` and how it ended, with its log's last meaningful line."""
+    line = last_meaningful_line(log, start)
+    return f"the vLLM server (pid {pid}) {how_it_ended(status)}" + (f": {line}" if line else "")
