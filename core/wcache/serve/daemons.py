@@ -54,10 +54,13 @@ def _whole_group(live: list[DaemonDescriptor], chosen: DaemonDescriptor) -> list
 def find_group(run_dir: Path, model: Path, plan: PlanSpec, device: str,
                named_in: str | None = None) -> list[DaemonDescriptor] | None:
     """A whole running group of `model` (or, with `named_in`, of the daemon that sentence names) with `plan`."""
+    from wcache.daemon.supervisor import rank_devices
+
     live = list(census(run_dir).live) if run_dir.exists() else []
     wanted = checkpoint_identity(model)
+    first_device = rank_devices(device, plan.tp_size)[0]
     for descriptor in live:
-        if descriptor.tp_rank != 0 or not _same_plan(descriptor, plan) or not descriptor.device.startswith(device):
+        if descriptor.tp_rank != 0 or not _same_plan(descriptor, plan) or descriptor.device != first_device:
             continue
         if (descriptor.name in named_in) if named_in is not None else checkpoint_identity(descriptor.source) == wanted:
             group = _whole_group(live, descriptor)

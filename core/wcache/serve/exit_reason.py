@@ -32,13 +32,20 @@ def how_it_ended(status: int) -> str:
     return f"exited with status {status}"
 
 
-def last_meaningful_line(log: Path, start: int = 0) -> str | None:
-    """The line of `log` (from byte `start`, this server's part) that best says why it stopped; None if empty."""
+def log_size(log: Path) -> int:
+    try:
+        return log.stat().st_size
+    except OSError:
+        return 0
+
+
+def last_meaningful_line(log: Path, start: int, end: int, exceptions_only: bool = False) -> str | None:
+    """The line of `log` between bytes `start` and `end` (one server's part, up to its death) that best says why
+    it stopped: an exception's last line, else (unless `exceptions_only`) the last plain line; None if none."""
     try:
         with log.open("rb") as file:
-            size = file.seek(0, 2)
-            file.seek(max(start, size - TAIL_BYTES))
-            text = file.read().decode(errors="replace")
+            file.seek(max(start, end - TAIL_BYTES))
+            text = file.read(max(0, end - max(start, end - TAIL_BYTES))).decode(errors="replace")
     except OSError:
         return None
     lines = [line.rstrip() for line in text.splitlines() if line.strip()]
@@ -48,6 +55,8 @@ def last_meaningful_line(log: Path, start: int = 0) -> str | None:
         return _shown(specific[-1])
     if exceptions:
         return _shown(exceptions[-1])
+    if exceptions_only:
+        return None
     plain = [line for line in lines if not line.startswith((" ", "\t", "Traceback"))]
     return _shown(_PREFIX.sub("", plain[-1])) if plain else None
 
@@ -57,7 +66,8 @@ def _shown(line: str) -> str:
     return line if len(line) <= SHOWN_CHARS else line[:SHOWN_CHARS] + "…"
 
 
-def death_line(pid: int, status: int, log: Path, start: int = 0) -> str:
-    """One line: the server `pid` and how it ended, with its log's last meaningful line."""
-    line = last_meaningful_line(log, start)
+def death_line(pid: int, status: int, log: Path, start: int, end: int) -> str:
+    """One line: the server `pid` and how it ended, with its log's last meaningful line (of a server killed by a
+    signal, only an exception's: its last lines say nothing about a kill from outside)."""
+    line = last_meaningful_line(log, start, end, exceptions_only=status < 0)
     return f"the vLLM server (pid {pid}) {how_it_ended(status)}" + (f": {line}" if line else "")

@@ -25,7 +25,7 @@ from wcache.errors import WcacheError, marked
 from wcache.ipc.run_dir import servers
 from wcache.ipc.run_dir.servers import ServerRecord, take_restart_request, write_server_record
 from wcache.serve.backoff import Backoff
-from wcache.serve.exit_reason import death_line
+from wcache.serve.exit_reason import death_line, log_size
 from wcache.serve.starter import ServerProcess, ServerStarter
 
 POLL_S = 0.25
@@ -124,7 +124,7 @@ class Launcher:
 
     def _serve_once(self) -> None:
         argv = self.spec.server_argv(self.spec.user_argv)
-        log_start = self.spec.log.stat().st_size if self.spec.log.exists() else 0
+        log_start = log_size(self.spec.log)
         began = time.monotonic()
         process = self.starter.start(argv, self.spec.env, self.spec.log)
         self._record(servers.STARTING, process.pid)
@@ -139,8 +139,9 @@ class Launcher:
         if outcome == DIED:
             status = process.wait()
             served = None if serving_since is None else time.monotonic() - serving_since
+            log_end = log_size(self.spec.log)  # what its engine core logs while it is stopped is not why it died
             self._stop_group(process)
-            self.last_exit = death_line(process.pid, status, self.spec.log, log_start)
+            self.last_exit = death_line(process.pid, status, self.spec.log, log_start, log_end)
             delay = self.backoff.next_delay(served)
             self.say(f"{self.last_exit}; restarting in {delay:g} s.")
             self._record(servers.BACKING_OFF, None)

@@ -28,8 +28,10 @@ SET_BY_LAUNCHER = {"model": "give the model as wcache serve's MODEL, before --",
                    "load_format": "wcache serve always loads with --load-format wcache",
                    "config": "give vLLM's options after -- (wcache serve checks them; it cannot read a --config file)"}
 OPTIMIZATION_LEVELS = ("0", "1", "2", "3")
-# Options whose value changes the plan the daemons hold: a restart may not change them.
+# Options whose value changes the plan the daemons hold: a restart may not change them, ...
 PLAN_OPTIONS = ("dtype", "tensor_parallel_size", "quantization", "revision", "tokenizer", "hf_overrides")
+# ... and those that say where the server answers, which its record and its clients hold.
+FIXED_ON_RESTART = (*PLAN_OPTIONS, "host", "port", "served_model_name")
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,9 @@ def _is_number(token: str) -> bool:
     return True
 
 
-def changed_plan_options(before: ServerArgs, after: ServerArgs) -> list[str]:
-    """The options that decide the daemons' plan whose values differ between two argument lists (by dest)."""
-    return [dest for dest in PLAN_OPTIONS if before.value(dest) != after.value(dest)]
+def check_restart(before: ServerArgs, after: ServerArgs) -> None:
+    """Refuse new arguments for a restart that would change the daemons' plan or where the server answers."""
+    changed = [dest for dest in FIXED_ON_RESTART if before.value(dest) != after.value(dest)]
+    if changed:
+        raise BadInputError(f"a restart keeps --{changed[0].replace('_', '-')} as wcache serve started with it (the "
+                            "daemons' plan and the server's address stay); stop and start wcache serve to change it.")
