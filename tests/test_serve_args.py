@@ -61,8 +61,8 @@ def test_good_arguments_pass_with_their_values(table: OptionTable) -> None:
 
 
 @pytest.mark.parametrize(("argv", "sentence"), [
-    (["--max-model-lenn", "5"], "vLLM's server has no option --max-model-lenn; did you mean --max-model-len?"),
-    (["--dtype", "bf16"], "--dtype cannot be 'bf16'; did you mean bfloat16?"),
+    (["--max-model-lenn", "5"], "vLLM's server has no option --max-model-lenn; the closest is --max-model-len."),
+    (["--dtype", "bf16"], "--dtype cannot be 'bf16'; the closest is bfloat16."),
     (["--port", "80a"], "--port takes an integer, not '80a'."),
     (["--gpu-memory-utilization", "most"], "--gpu-memory-utilization takes a number, not 'most'."),
     (["--enforce-eager=1"], "--enforce-eager is a switch and takes no value (drop =1)."),
@@ -126,3 +126,17 @@ def test_the_death_line_names_the_exit_and_the_cause(tmp_path: Path) -> None:
     log.write_text("INFO 12-05 08:07:01 [api.py:1] address already in use\n")
     assert death_line(11, 2, log, 0, log.stat().st_size).endswith("status 2: address already in use")
     assert how_it_ended(-signal.SIGTERM) == "was killed by SIGTERM"
+
+
+def test_a_validation_error_brings_the_line_that_says_what_was_wrong(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    log.write_text(
+        "(APIServer pid=5) Traceback (most recent call last):\n"
+        '(APIServer pid=5)   File "x.py", line 3, in <module>\n'
+        "(APIServer pid=5) pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+        "(APIServer pid=5)   Value error, max_model_len (99999) is greater than 512. [type=value_error, "
+        "input_value=ArgsKwargs((), {'model': 'x'}), input_type=ArgsKwargs]\n"
+        "(APIServer pid=5)     For further information visit https://errors.pydantic.dev/2.11/v/value_error\n")
+    assert death_line(5, 1, log, 0, log.stat().st_size) == (
+        "the vLLM server (pid 5) exited with status 1: pydantic_core._pydantic_core.ValidationError: 1 validation "
+        "error for ModelConfig Value error, max_model_len (99999) is greater than 512.")

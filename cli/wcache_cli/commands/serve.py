@@ -23,11 +23,6 @@ if TYPE_CHECKING:
     from wcache.serve.server_args import ServerArgs
     from wcache.serve.starter import ServerStarter
 
-# vLLM's own defaults for where its server listens, for the URL the launcher checks and shows.
-VLLM_DEFAULT_PORT = 8000
-# Addresses that mean "every interface": the server is reached on the loopback.
-ANY_ADDRESS = ("", "0.0.0.0", "::")
-
 VllmArgs = Annotated[
     list[str] | None,
     typer.Argument(help="vLLM server arguments, after --, e.g. -- --port 8000 --max-model-len 4096.",
@@ -54,11 +49,15 @@ def _checked(argv: Sequence[str], table: OptionTable) -> ServerArgs:
     return args
 
 
-def _url(args: ServerArgs) -> str:
-    host = args.value("host")
-    shown = "127.0.0.1" if host is None or host in ANY_ADDRESS else str(host)
-    shown = f"[{shown}]" if ":" in shown else shown
-    return f"http://{shown}:{args.value('port', VLLM_DEFAULT_PORT)}"
+def _url(user_argv: Sequence[str]) -> str:
+    """Where the server will answer, as its engines announce it (vLLM's defaults: every interface, port 8000)."""
+    from wcache.integrations.vllm_announce import server_url_from_argv
+    from wcache.serve.starter import SERVER_MODULE
+
+    url = server_url_from_argv(["python", "-m", SERVER_MODULE, *user_argv])
+    if url is None:
+        raise BadInputError("wcache serve checks the server's /health over TCP: give --host and --port, not --uds.")
+    return url
 
 
 def serve(
@@ -93,6 +92,7 @@ def serve(
     table = _option_table()
     user_argv = list(vllm_args or [])
     first = _checked(user_argv, table)
+    _url(user_argv)  # a server without a TCP address is refused before anything starts
     from wcache.ipc.run_dir.directory import ensure_daemon_run_dir
 
     where = ensure_daemon_run_dir(run_dir_or_default(run_dir))
@@ -141,6 +141,7 @@ def _daemons(model: Path, first: ServerArgs, device: str, where: Path) -> Served
 def _supervise(model: Path, user_argv: list[str], first: ServerArgs, table: OptionTable, daemons: ServedDaemons,
                where: Path, notifier: Notifier, ready_timeout: float, stop_grace: float) -> int:
     from wcache.checkpoint.model_path import resolve_model_path
+    from wcache.integrations.vllm_announce import URL_VARIABLE
     from wcache.ipc.run_dir.paths import RunPaths
     from wcache.serve.cache_roots import with_keyed_cache
     from wcache.serve.launcher import Launcher, LaunchSpec
@@ -155,8 +156,10 @@ def _supervise(model: Path, user_argv: list[str], first: ServerArgs, table: Opti
 
     paths = RunPaths(where)
     paths.logs.mkdir(mode=0o700, exist_ok=True)
-    env = {**with_keyed_cache(os.environ, daemons.key_id), "WCACHE_RUN_DIR": str(where)}
-    spec = LaunchSpec(model=str(model), user_argv=user_argv, server_argv=server_argv, env=env, url=_url(first),
+    url = _url(user_argv)
+    # The run dir the load format attaches through, and the URL its engines announce for `status` and `top`.
+    env = {**with_keyed_cache(os.environ, daemons.key_id), "WCACHE_RUN_DIR": str(where), URL_VARIABLE: url}
+    spec = LaunchSpec(model=str(model), user_argv=user_argv, server_argv=server_argv, env=env, url=url,
                       run_dir=where, log=paths.serve_log(os.getpid()), daemons=daemons.names,
                       ready_timeout_s=ready_timeout, stop_grace_s=stop_grace)
     launcher = Launcher(_starter(), spec, notifier, say=lambda line: out.hint(printable(line)))

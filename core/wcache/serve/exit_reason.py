@@ -17,6 +17,8 @@ SHOWN_CHARS = 300
 _EXCEPTION = re.compile(r"^(?:\([\w ]+pid=\d+\)\s*)?(?P<line>[A-Za-z_][\w.]*(?:Error|Exception|Exit)(?::.*)?)$")
 _PREFIX = re.compile(r"^(?:\([\w ]+pid=\d+\)\s*)?"
                      r"(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^]]*\]\s*)?")
+_PROCESS = re.compile(r"^\([\w ]+pid=\d+\) ?")
+MAX_DETAIL_LINES = 2
 # The front process's own exceptions that only say the engine core failed: the core's line says why.
 _GENERIC = ("RuntimeError: Engine core initialization failed", "SystemExit")
 
@@ -48,17 +50,27 @@ def last_meaningful_line(log: Path, start: int, end: int, exceptions_only: bool 
             text = file.read(max(0, end - max(start, end - TAIL_BYTES))).decode(errors="replace")
     except OSError:
         return None
-    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
-    exceptions = [m["line"] for line in lines if (m := _EXCEPTION.match(line.strip()))]
-    specific = [line for line in exceptions if not line.startswith(_GENERIC)]
-    if specific:
-        return _shown(specific[-1])
-    if exceptions:
-        return _shown(exceptions[-1])
+    lines = [_PROCESS.sub("", line.rstrip()) for line in text.splitlines() if line.strip()]
+    exceptions = [(i, m["line"]) for i, line in enumerate(lines) if (m := _EXCEPTION.match(line.strip()))]
+    specific = [(i, line) for i, line in exceptions if not line.startswith(_GENERIC)]
+    if specific or exceptions:
+        index, line = (specific or exceptions)[-1]
+        return _shown(" ".join([line, *_details(lines[index + 1:])]))
     if exceptions_only:
         return None
     plain = [line for line in lines if not line.startswith((" ", "\t", "Traceback"))]
     return _shown(_PREFIX.sub("", plain[-1])) if plain else None
+
+
+def _details(following: list[str]) -> list[str]:
+    """The indented lines that continue an exception's message (pydantic's validation errors say what was wrong
+    there), without their type annotations and links."""
+    details = []
+    for line in following[:MAX_DETAIL_LINES]:
+        if not line[:1].isspace() or line.strip().startswith(("File ", "For further information")):
+            break
+        details.append(line.strip().split(" [type=", 1)[0])
+    return details
 
 
 def _shown(line: str) -> str:

@@ -56,7 +56,7 @@ def _canonical(token: str) -> str:
 
 def _suggestion(name: str, known: Sequence[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]}?" if close else f"; `python -m {SERVER_MODULE} --help` lists them."
+    return f"; the closest is {close[0]}." if close else f"; `python -m {SERVER_MODULE} --help` lists them."
 
 
 def _lookup(name: str, table: OptionTable, by_flag: dict[str, ServerOption]) -> ServerOption:
@@ -86,7 +86,7 @@ def _checked_value(option: ServerOption, flag: str, value: str) -> object:
             raise BadInputError(f"{flag} takes a number, not {value!r}.") from None
     if option.choices is not None and value not in option.choices:
         close = difflib.get_close_matches(value, option.choices, n=1)
-        hint = f"; did you mean {close[0]}?" if close else f"; it takes {', '.join(option.choices)}."
+        hint = f"; the closest is {close[0]}." if close else f"; it takes {', '.join(option.choices)}."
         raise BadInputError(f"{flag} cannot be {value!r}{hint}")
     if option.dest == EXTRA_CONFIG:
         return extra_config(value, flag)

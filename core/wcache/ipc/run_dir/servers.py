@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from wcache.ipc.run_dir.directory import Pid, process_created, read_run_file
+from wcache.ipc.run_dir.directory import Pid, process_created, read_run_file, run_subdir
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.schema import Schema
 
@@ -76,8 +76,11 @@ def read_server_record(path: Path) -> ServerRecord:
 
 def live_server_records(run_dir: Path) -> list[ServerRecord]:
     """The records of launchers still running, by launcher pid; unreadable and stale ones are skipped."""
+    directory = run_subdir(run_dir, RunPaths.SERVERS)  # a symlink there is refused: its pids could be anyone's
+    if directory is None:
+        return []
     records = []
-    for path in RunPaths.server_files(RunPaths(run_dir).servers):
+    for path in RunPaths.server_files(directory):
         try:
             record = read_server_record(path)
         except (OSError, ValueError):
