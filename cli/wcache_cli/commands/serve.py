@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 VllmArgs = Annotated[
     list[str] | None,
     typer.Argument(help="vLLM server arguments, after --, e.g. -- --port 8000 --max-model-len 4096.",
-                   show_default=False, metavar="[-- VLLM_ARGS...]"),
+                   show_default=False, metavar="-- VLLM_ARGS"),
 ]
 
 
