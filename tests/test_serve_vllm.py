@@ -170,6 +170,9 @@ def test_a_killed_server_comes_back_with_the_same_tokens(served: Launcher) -> No
     assert served.complete() == before
     # The restarted server attached to the same daemon again (a hit): the launcher kept the group up.
     assert Path(again.log).read_text().count("hit from daemon " + record.daemons[0]) == 2
+    # The killed server's ranks announced themselves at the same URL: their announcements went with them.
+    announced = [json.loads(p.read_text()) for p in RunPaths(served.rig.run_dir).engines.glob("*.json")]
+    assert [a["pid"] for a in announced if a["url"] == served.url and not psutil.pid_exists(a["pid"])] == []
 
 
 def test_a_restart_by_command_applies_another_max_model_len(rig: DaemonRig, served: Launcher) -> None:
@@ -203,6 +206,12 @@ def test_status_and_top_show_the_server(rig: DaemonRig, served: Launcher) -> Non
     # Its engine announces the server's URL (the launcher tells it), so top scrapes the server's /metrics.
     [engine] = [e for e in top["engines"] if e["url"] == served.url]
     assert engine["kind"] == "vllm" and engine["up"] and engine["weights"] == "hit", engine
+    # The launcher holds a lease of its own (the server holds the other): a stop without --force is refused,
+    # also between a server's death and its restart, when no engine holds one.
+    [daemon] = [d for d in status["daemons"] if d["name"] == record.daemons[0]]
+    assert daemon["leases"] == 2, daemon
+    refused = rig.cli("stop", "--all", "--run-dir", str(rig.run_dir))
+    assert refused.returncode == 2 and "lease" in refused.stderr, refused.stderr
 
 
 def test_a_server_that_keeps_crashing_backs_off_and_says_why(rig: DaemonRig, served: Launcher) -> None:

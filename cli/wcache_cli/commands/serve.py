@@ -133,6 +133,11 @@ def _daemons(model: Path, first: ServerArgs, device: str, where: Path) -> Served
     out.hint(f"vLLM asks for {plan.dtype}, TP {plan.tp_size}, layout {plan.layout} "
              f"(resolved in {time.monotonic() - began:.1f} s).")
     daemons = ensure_daemons(path, plan, device, where)
+    try:
+        daemons.hold_leases()
+    except BaseException:
+        daemons.stop()  # a group started here must not outlive a launcher that never ran
+        raise
     how = "started" if daemons.started is not None else "reusing"
     out.hint(f"Daemons: {how} {', '.join(daemons.names)}.")
     return daemons

@@ -3,17 +3,24 @@
 The plan comes from vLLM itself (`plan_child`: its dtype rule, TP size, quantization and layout), so the
 launcher never starts a daemon that the server then misses. A running group of the same checkpoint and plan is
 reused and left running when the launcher stops; a group the launcher started lives as long as the launcher,
-across every restart of its server, and stops with it.
+across every restart of its server, and stops with it. Either way the launcher holds a zero-copy lease on every
+rank for as long as it runs (a hello with the daemon's own key, a map, the connection kept open; nothing is
+mapped here): between a server's death and its restart no engine holds one, and a `wcache stop` without
+`--force` then refuses instead of taking the weights the restarted server is about to attach.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from wcache.daemon.launch import DaemonGroup, checkpoint_identity, group_of, start_daemons
+from wcache.errors import UnavailableError
 from wcache.ipc.run_dir.directory import DaemonDescriptor, DaemonExistsError, census
+from wcache.ipc.wire.client import DaemonConnection, DaemonError
+from wcache.ipc.wire.messages import Hello, MapRequest, WantedKey
 from wcache.plan.spec import PlanSpec
 
 
@@ -23,6 +30,7 @@ class ServedDaemons:
 
     descriptors: list[DaemonDescriptor]
     started: DaemonGroup | None
+    leases: list[DaemonConnection] = field(default_factory=list)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -33,8 +41,17 @@ class ServedDaemons:
         """Rank 0's key id: the weights, their config and tokenizer, and the plan."""
         return self.descriptors[0].key_id
 
+    def hold_leases(self) -> None:
+        """Take a zero-copy lease on every rank, held until `stop`; UnavailableError when a rank refuses."""
+        for descriptor in self.descriptors:
+            self.leases.append(_lease(descriptor))
+
     def stop(self) -> None:
-        """Stop the group if this launcher started it; a reused group keeps serving whoever else uses it."""
+        """End the leases, and stop the group if this launcher started it; a reused group keeps serving whoever
+        else uses it."""
+        for connection in self.leases:
+            connection.close()
+        self.leases.clear()
         if self.started is not None:
             self.started.terminate()
             self.started = None
@@ -85,3 +102,23 @@ def ensure_daemons(model: Path, plan: PlanSpec, device: str, run_dir: Path,
             raise
         return ServedDaemons(found, None)
     return ServedDaemons(group.descriptors(), group)
+
+
+def _lease(descriptor: DaemonDescriptor) -> DaemonConnection:
+    """A connection holding a zero-copy lease on `descriptor`'s daemon: the descriptors its map sends are closed
+    at once (the launcher reads no weights); the lease lasts as long as the connection."""
+    key = descriptor.key
+    connection = DaemonConnection(descriptor.socket)
+    try:
+        hello = connection.request(Hello(key=WantedKey(config=key.config, tokenizer=key.tokenizer, plan=key.plan,
+                                                       format=key.format, checkpoint=key.checkpoint),
+                                         pid=os.getpid()))
+        if hello.status != "hit":
+            raise UnavailableError(f"daemon {descriptor.name} answers {hello.status} to its own key.")
+        mapped = connection.request(MapRequest(mode="zero_copy"))
+        for fd in mapped.fds:
+            os.close(fd)
+    except (DaemonError, UnavailableError):
+        connection.close()
+        raise
+    return connection

@@ -23,6 +23,7 @@ from pathlib import Path
 from wcache.daemon.sd_notify import Notifier
 from wcache.errors import WcacheError, marked
 from wcache.ipc.run_dir import servers
+from wcache.ipc.run_dir.engines import remove_gone_announcements
 from wcache.ipc.run_dir.servers import ServerRecord, take_restart_request, write_server_record
 from wcache.serve.backoff import Backoff
 from wcache.serve.exit_reason import death_line, log_size
@@ -239,6 +240,8 @@ class Launcher:
         deadline = time.monotonic() + GROUP_GONE_S
         while _group_alive(group) and time.monotonic() < deadline:
             time.sleep(0.05)
+        # Ranks killed by a signal leave their announcements; the next server answers at the same URL.
+        remove_gone_announcements(self.spec.run_dir, self.spec.url)
 
 
 def _signal_group(group: int, sig: int) -> None:
