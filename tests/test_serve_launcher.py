@@ -76,7 +76,7 @@ def _free_port() -> int:
 class Run:
     """A launcher running in this thread's stead (its loop on a thread; signals are set as its handlers would)."""
 
-    def __init__(self, tmp_path: Path, user_argv: list[str]) -> None:
+    def __init__(self, tmp_path: Path, user_argv: list[str], notifier: Notifier | None = None) -> None:
         self.port = _free_port()
         self.run_dir = tmp_path / "run"
         self.run_dir.mkdir(mode=0o700)
@@ -93,7 +93,7 @@ class Run:
         self.spec = LaunchSpec(model="m", user_argv=user_argv, server_argv=server_argv, env=dict(os.environ),
                                url=f"http://127.0.0.1:{self.port}", run_dir=self.run_dir, log=tmp_path / "serve.log",
                                ready_timeout_s=60, stop_grace_s=2)
-        self.launcher = Launcher(self.starter, self.spec, Notifier(None), self.said.append,
+        self.launcher = Launcher(self.starter, self.spec, notifier or Notifier(None), self.said.append,
                                  Backoff(first_s=0.2, longest_s=0.8, healthy_s=60))
         self.code: int | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -193,3 +193,22 @@ def test_a_crashing_server_backs_off_and_says_why(tmp_path: Path) -> None:
     assert all("exited with status 1: ValueError: max_model_len 99 is too long" in d for d in deaths), deaths
     for process in crashing.starter.started:
         assert _group(process.pid) == []
+
+
+def test_systemd_hears_ready_once_health_answers_then_reloading_and_stopping(tmp_path: Path) -> None:
+    listening = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(listening))
+        sock.settimeout(60)
+        notified = Run(tmp_path, [], Notifier(str(listening)))
+        notified.thread.start()
+        try:
+            ready = sock.recv(4096).decode().split("\n")
+            assert ready[0] == "READY=1" and ready[1].startswith("STATUS=vLLM serves m at http://127.0.0.1:"), ready
+            assert notified.record() is not None and notified.record()["state"] == "serving"  # type: ignore[index]
+            notified.launcher._on_restart(signal.SIGHUP, None)
+            assert sock.recv(4096).decode().startswith("RELOADING=1")
+            assert sock.recv(4096).decode().startswith("READY=1")
+        finally:
+            notified.stop()
+        assert sock.recv(4096).decode().startswith("STOPPING=1")
