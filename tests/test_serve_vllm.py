@@ -170,6 +170,13 @@ def test_a_killed_server_comes_back_with_the_same_tokens(served: Launcher) -> No
     assert served.complete() == before
     # The restarted server attached to the same daemon again (a hit): the launcher kept the group up.
     assert Path(again.log).read_text().count("hit from daemon " + record.daemons[0]) == 2
+    # vLLM's start-up caches went under the weights' key (its CPU build writes its model-class inspection cache
+    # there with --enforce-eager), and nowhere else under the cache root; the restart used the same directory.
+    key_id = served.rig.descriptors()[0].key_id
+    root = served.rig.base / "vllm-cache"
+    assert [p.name for p in root.iterdir()] == ["by-weights"]
+    assert [p.name for p in (root / "by-weights").iterdir()] == [key_id]
+    assert "modelinfos" in {p.name for p in (root / "by-weights" / key_id).iterdir()}
     # The killed server's ranks announced themselves at the same URL: their announcements went with them.
     announced = [json.loads(p.read_text()) for p in RunPaths(served.rig.run_dir).engines.glob("*.json")]
     assert [a["pid"] for a in announced if a["url"] == served.url and not psutil.pid_exists(a["pid"])] == []
@@ -204,7 +211,9 @@ def test_status_and_top_show_the_server(rig: DaemonRig, served: Launcher) -> Non
     [row] = top["servers"]
     assert (row["url"], row["pid"], row["restarts"]) == (served.url, record.pid, record.restarts), row
     # Its engine announces the server's URL (the launcher tells it), so top scrapes the server's /metrics.
-    [engine] = [e for e in top["engines"] if e["url"] == served.url]
+    engines = [e for e in top["engines"] if e["url"] == served.url]
+    assert len(engines) == 1, (engines, [p.read_text() for p in RunPaths(rig.run_dir).engines.glob("*.json")])
+    [engine] = engines
     assert engine["kind"] == "vllm" and engine["up"] and engine["weights"] == "hit", engine
     # The launcher holds a lease of its own (the server holds the other): a stop without --force is refused,
     # also between a server's death and its restart, when no engine holds one.
