@@ -171,10 +171,11 @@ def test_a_killed_server_comes_back_with_the_same_tokens(served: Launcher) -> No
     # The restarted server attached to the same daemon again (a hit): the launcher kept the group up.
     assert Path(again.log).read_text().count("hit from daemon " + record.daemons[0]) == 2
     # vLLM's start-up caches went under the weights' key (its CPU build writes its model-class inspection cache
-    # there with --enforce-eager), and nowhere else under the cache root; the restart used the same directory.
+    # there with --enforce-eager); the restart used the same directory. Beside it only the inspection cache of
+    # the plan's resolution, which ran before the key was known (and depends on vLLM's code, not the weights).
     key_id = served.rig.descriptors()[0].key_id
     root = served.rig.base / "vllm-cache"
-    assert [p.name for p in root.iterdir()] == ["by-weights"]
+    assert sorted(p.name for p in root.iterdir()) == ["by-weights", "modelinfos"]
     assert [p.name for p in (root / "by-weights").iterdir()] == [key_id]
     assert "modelinfos" in {p.name for p in (root / "by-weights" / key_id).iterdir()}
     # The killed server's ranks announced themselves at the same URL: their announcements went with them.
@@ -212,7 +213,8 @@ def test_status_and_top_show_the_server(rig: DaemonRig, served: Launcher) -> Non
     assert (row["url"], row["pid"], row["restarts"]) == (served.url, record.pid, record.restarts), row
     # Its engine announces the server's URL (the launcher tells it), so top scrapes the server's /metrics.
     engines = [e for e in top["engines"] if e["url"] == served.url]
-    assert len(engines) == 1, (engines, [p.read_text() for p in RunPaths(rig.run_dir).engines.glob("*.json")])
+    assert len(engines) == 1, [(e["id"], e["up"], e["weights"], psutil.pid_exists(int(e["id"].split()[-1])) and
+                                psutil.Process(int(e["id"].split()[-1])).status()) for e in engines]
     [engine] = engines
     assert engine["kind"] == "vllm" and engine["up"] and engine["weights"] == "hit", engine
     # The launcher holds a lease of its own (the server holds the other): a stop without --force is refused,

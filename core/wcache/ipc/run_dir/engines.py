@@ -80,8 +80,19 @@ def remove_gone_announcements(run_dir: Path, url: str) -> list[int]:
             descriptor = read_engine_descriptor(path)
         except (OSError, ValueError):
             continue
-        if descriptor.url == url and not announcer_alive(descriptor):
+        if descriptor.url == url and (not announcer_alive(descriptor) or _exited(descriptor.pid)):
             path.unlink(missing_ok=True)
             paths.engine_token(descriptor.pid).unlink(missing_ok=True)
             removed.append(descriptor.pid)
     return removed
+
+
+def _exited(pid: int) -> bool:
+    """Whether `pid` has exited and waits to be reaped: a rank whose server died is reparented to PID 1, which
+    may reap it only later, and until then it still has a start time."""
+    import psutil
+
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return True
