@@ -128,15 +128,19 @@ class Launcher:
         log_start = log_size(self.spec.log)
         began = time.monotonic()
         process = self.starter.start(argv, self.spec.env, self.spec.log)
-        self._record(servers.STARTING, process.pid)
-        outcome = self._wait_ready(process, began)
         serving_since: float | None = None
-        if outcome == READY:
-            serving_since = time.monotonic()
-            self.last_ready_s = serving_since - began
-            self._record(servers.SERVING, process.pid)
-            self._announce_ready(process.pid)
-            outcome = self._watch(process)
+        try:
+            self._record(servers.STARTING, process.pid)
+            outcome = self._wait_ready(process, began)
+            if outcome == READY:
+                serving_since = time.monotonic()
+                self.last_ready_s = serving_since - began
+                self._record(servers.SERVING, process.pid)
+                self._announce_ready(process.pid)
+                outcome = self._watch(process)
+        except BaseException:
+            self._stop_group(process)  # the run dir failing us (a full disk) must not orphan a server
+            raise
         if outcome == DIED:
             status = process.wait()
             served = None if serving_since is None else time.monotonic() - serving_since
