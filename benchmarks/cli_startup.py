@@ -6,6 +6,9 @@ with its ratio to the floor's median. `key` is warm: the tiny checkpoint's recei
 store before timing starts. `status (daemon)` asks a real daemon of the tiny checkpoint, started (in its own run
 dir) before timing and stopped after. `attach --no-fallback` finds no daemon and exits 3: the cost of a miss that
 needs no tensors. Target (issues 11 and 30): `--help`, both `status` rows and warm `key` within 150 ms.
+`serve (typo)` is `wcache serve MODEL -- --max-model-lenn 5` refused by the check against vLLM's saved option table
+(built by the warm-up run, where vLLM is installed; the row is left out where it is not). Target (issue 31): within
+2 s, against the 7-15 s of importing vLLM's own parser.
 
 Bytecode is cached as in any installed copy (compiled files go to a scratch PYTHONPYCACHEPREFIX, even where the
 environment sets PYTHONDONTWRITEBYTECODE); `--no-bytecode-cache` compiles every wcache module on every run.
@@ -29,7 +32,8 @@ import time
 from pathlib import Path
 
 TARGET_MS = 150.0
-TARGETED = ("wcache --help", "wcache status", "wcache status (daemon)", "wcache key (warm)")
+TARGETS_MS = {"wcache --help": TARGET_MS, "wcache status": TARGET_MS, "wcache status (daemon)": TARGET_MS,
+              "wcache key (warm)": TARGET_MS, "wcache serve (typo)": 2000.0}
 
 
 def _cpu_of_children() -> float:
@@ -67,6 +71,10 @@ def _sample(args: argparse.Namespace, env: dict[str, str], python: str, wcache: 
         "wcache key (warm)": ([wcache, "key", str(model)], (0,)),
         "wcache attach --no-fallback (miss)": ([wcache, "attach", str(model), "--no-fallback"], (3,)),
     }
+    from wcache.integrations.vllm_version import version_problem
+
+    if version_problem() is None:
+        commands["wcache serve (typo)"] = ([wcache, "serve", str(model), "--", "--max-model-lenn", "5"], (2,))
     time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)  # receipts of files changed this recently are never trusted
     for argv, codes in commands.values():  # warm-up: fills the digest store and the page cache
         _time_once(argv, env, codes)
@@ -115,7 +123,8 @@ def main() -> None:
           f"Python {sys.version.split()[0]}, {cache})")
     print(f"{'command':<38} {'wall':>10} {'× floor':>8} {'CPU':>10}  target (wall)")
     for name, ms in walls.items():
-        verdict = ("ok" if ms <= TARGET_MS else "OVER") + f" (≤ {TARGET_MS:.0f} ms)" if name in TARGETED else ""
+        target = TARGETS_MS.get(name)
+        verdict = ("ok" if ms <= target else "OVER") + f" (≤ {target:.0f} ms)" if target is not None else ""
         print(f"{name:<38} {ms:>7.1f} ms {ms / floor:>7.1f}× {cpus[name]:>7.1f} ms  {verdict}")
 
 

@@ -38,7 +38,11 @@ REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 UNIT = DEPLOY / "systemd" / "wcache-preload@.service"
 UNIT_ENV = DEPLOY / "systemd" / "example.env"
+SERVE_UNIT = DEPLOY / "systemd" / "wcache-serve@.service"
+SERVE_UNIT_ENV = DEPLOY / "systemd" / "example-serve.env"
 KUBERNETES = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+# Recipes of `wcache serve`, which starts the daemons of its server's plan itself: no daemon container to match.
+SERVE_RECIPES = [DEPLOY / "kubernetes" / "serve.yaml"]
 COMPOSE = DEPLOY / "compose" / "docker-compose.yaml"
 README = DEPLOY / "README.md"
 ENGINE_SERVER = REPO / "core" / "wcache" / "serving" / "server.py"
@@ -195,19 +199,19 @@ def unit_exec_argv(value: str, env: dict[str, str]) -> list[str]:
     return words
 
 
-def unit_workload() -> Workload:
-    directives = unit_directives(UNIT)
-    env = env_file(UNIT_ENV)
+def unit_workload(unit: Path = UNIT, unit_env: Path = UNIT_ENV) -> Workload:
+    directives = unit_directives(unit)
+    env = env_file(unit_env)
     for key, value in directives:
         if key == "Environment":
             name, _, setting = value.partition("=")
             env[name] = unit_exec_argv(setting, {})[0]
     (exec_start,) = [v for k, v in directives if k == "ExecStart"]
-    return Workload(where=f"{UNIT.name} ExecStart", argv=unit_exec_argv(exec_start, env), env=env)
+    return Workload(where=f"{unit.name} ExecStart", argv=unit_exec_argv(exec_start, env), env=env)
 
 
 def all_workloads() -> list[Workload]:
-    found = [unit_workload(), *compose_workloads(COMPOSE)]
+    found = [unit_workload(), unit_workload(SERVE_UNIT, SERVE_UNIT_ENV), *compose_workloads(COMPOSE)]
     for path in KUBERNETES:
         found.extend(kubernetes_workloads(path))
     return found
@@ -278,7 +282,7 @@ def test_every_recipe_parses_and_runs_wcache() -> None:
     for path in [*KUBERNETES, COMPOSE]:
         assert load_yaml(path), f"{path} holds no document"
     wheres = {where.split(" ")[0] for where, _ in all_commands()}
-    expected = {UNIT.name, COMPOSE.name, README.name, *(p.name for p in KUBERNETES)}
+    expected = {UNIT.name, SERVE_UNIT.name, COMPOSE.name, README.name, *(p.name for p in KUBERNETES)}
     assert expected <= wheres, f"recipes without any wcache command: {sorted(expected - wheres)}"
     assert {"sidecar.yaml", "daemonset.yaml"} <= {p.name for p in KUBERNETES}
 
@@ -401,7 +405,7 @@ def daemons_and_engines(workloads: list[Workload]) -> tuple[list[tuple[Workload,
     return daemons, engines
 
 
-@pytest.mark.parametrize("recipe", [*KUBERNETES, COMPOSE], ids=lambda p: p.name)
+@pytest.mark.parametrize("recipe", [*(p for p in KUBERNETES if p not in SERVE_RECIPES), COMPOSE], ids=lambda p: p.name)
 def test_engines_ask_for_what_their_daemon_holds(recipe: Path) -> None:
     """Same run dir on the same volume, same uid, same model and plan: anything else is a miss at runtime."""
     workloads = kubernetes_workloads(recipe) if recipe in KUBERNETES else compose_workloads(recipe)
@@ -468,6 +472,40 @@ def test_systemd_unit_is_notify_and_stops_through_the_cli() -> None:
     assert name == "preload" and not params["detach"]
     assert str(params["model"]) == env_file(UNIT_ENV)["WCACHE_MODEL"]
     assert str(params["run_dir"]) == "/run/wcache"  # RuntimeDirectory=wcache under %t
+
+
+def test_serve_recipes_probe_the_server_and_leave_restarts_to_the_launcher() -> None:
+    """`wcache serve` restarts its server itself, keeping the daemons: a liveness probe on the server would kill
+    the launcher and its weights during a restart; readiness is the server's /health on its own port."""
+    checked = 0
+    for workload in [w for path in SERVE_RECIPES for w in kubernetes_workloads(path)]:
+        argv = workload.wcache
+        assert argv is not None and parse(argv)[0] == "serve", workload.where
+        vllm_args = argv[argv.index("--") + 1:]
+        assert option_value(vllm_args, "--host") not in LOOPBACK, f"{workload.where}: the kubelet cannot probe it"
+        port = int(option_value(vllm_args, "--port") or 8000)
+        assert "livenessProbe" not in workload.probes, workload.where
+        for kind in ("startupProbe", "readinessProbe"):
+            get = workload.probes[kind]["httpGet"]
+            assert get["path"] == "/health" and workload.ports.get(get["port"], get["port"]) == port, workload.where
+        startup = workload.probes["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= MIN_STARTUP_S, workload.where
+        run_dir = str(parse(argv)[1]["run_dir"])
+        assert volume_of(workload, run_dir) is not None, f"{workload.where}: {run_dir} is on no volume"
+        checked += 1
+    assert checked >= 1
+
+
+def test_systemd_serve_unit_is_notify_reloads_with_sighup_and_stops_through_the_cli() -> None:
+    directives = dict(unit_directives(SERVE_UNIT))
+    assert (directives["Type"], directives["NotifyAccess"], directives["KillMode"]) == ("notify", "main", "mixed")
+    assert directives["ExecReload"] == "/bin/kill -HUP $MAINPID"  # what `wcache restart` sends, and SIGHUP restarts
+    assert directives["EnvironmentFile"] == "/etc/wcache/serve-%i.env"
+    argv = unit_workload(SERVE_UNIT, SERVE_UNIT_ENV).wcache or []
+    name, params = parse(argv)
+    assert name == "serve" and str(params["model"]) == env_file(SERVE_UNIT_ENV)["WCACHE_MODEL"]
+    assert str(params["run_dir"]) == "/run/wcache"
+    assert params["vllm_args"][:4] == ["--host", "127.0.0.1", "--port", "8000"]
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")

@@ -52,6 +52,8 @@ ALLOWED: dict[str, set[str]] = {
                                  "verify"},
     "verify_served": FOUNDATION | {"plan", "key", "load", "ipc", "engine", "serving", "integrations", "verify",
                                    "vllm_served"},
+    # `wcache serve`: vLLM's options and plan (from children that import vLLM), the daemons, the supervision.
+    "serve": FOUNDATION | {"checkpoint", "plan", "key", "ipc", "daemon", "attach_options", "integrations"},
 }
 
 

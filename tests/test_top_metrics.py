@@ -236,6 +236,10 @@ ENGINE_SCHEMA: dict[str, tuple[Any, ...]] = {
 EVENT_SCHEMA: dict[str, tuple[Any, ...]] = {
     "ts": NUMBER, "kind": (str,), "severity": (str,), "summary": (str,), "detail": (dict,),
 }
+SERVER_SCHEMA: dict[str, tuple[Any, ...]] = {
+    "launcher_pid": (int,), "url": (str,), "model": (str,), "state": (str,), "pid": (int, type(None)),
+    "restarts": (int,), "last_ready_s": (*NUMBER, type(None)), "last_exit": (str, type(None)),
+}
 
 
 def check_fields(record: dict[str, Any], schema: dict[str, tuple[Any, ...]], where: str) -> None:
@@ -257,7 +261,7 @@ def check_schema(document: dict[str, Any]) -> None:
     """The documented `wcache.top/1` schema (wcache.monitor.snapshot), numbers as JSON numbers."""
     assert document["schema"] == SCHEMA
     assert set(document) == {"schema", "taken_at", "interval_s", "rates", "run_dir", "daemons", "engines", "events",
-                             "alerts"}
+                             "alerts", "servers"}
     assert isinstance(document["taken_at"], float) and isinstance(document["interval_s"], NUMBER)
     assert document["rates"] in ("interval", "cumulative")
     for i, d in enumerate(document["daemons"]):
@@ -268,6 +272,9 @@ def check_schema(document: dict[str, Any]) -> None:
         assert all(isinstance(v, float) and 0 <= v <= 1 for v in e["hit_rate_history"])
         for rate in ("hit_rate_interval", "hit_rate_overall"):
             assert e[rate] is None or 0 <= e[rate] <= 1
+    for i, server in enumerate(document["servers"]):
+        check_fields(server, SERVER_SCHEMA, f"servers[{i}]")
+        assert server["state"] in ("starting", "serving", "backing off", "stopping")
     for i, ev in enumerate(document["events"]):
         check_fields(ev, EVENT_SCHEMA, f"events[{i}]")
         assert ev["severity"] in ("info", "warning", "error")

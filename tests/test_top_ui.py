@@ -262,7 +262,7 @@ async def test_selecting_a_miss_event_shows_its_reason_and_key_diff() -> None:
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
-        await pilot.press("tab", "tab", "tab")
+        await pilot.press("tab", "tab", "tab", "tab")  # daemons → engines → servers → replay → events
         events = table(app, "events")
         assert events.has_focus
         kinds = column(app, "events", "kind")

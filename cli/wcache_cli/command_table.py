@@ -16,6 +16,8 @@ COMMANDS: dict[str, str] = {
     "preload": "wcache_cli.commands.preload",
     "status": "wcache_cli.commands.status",
     "stop": "wcache_cli.commands.status",
+    "serve": "wcache_cli.commands.serve",
+    "restart": "wcache_cli.commands.serve",
     "attach": "wcache_cli.commands.attach",
     "key": "wcache_cli.commands.key",
     "diff": "wcache_cli.commands.diff",

@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from wcache.monitor.collector import summarize
-from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
+from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, ServerRow, Snapshot
 
 FROZEN_NOW = 1_800_000_000.0
 """The display clock of tests and screenshots (2027-01-15 08:00:00 UTC)."""
@@ -113,10 +113,16 @@ def _events(step: int) -> tuple[EventRow, ...]:
     return tuple(summarize(e) for e in (*RAW_EVENTS, *extra))
 
 
+# One `wcache serve` whose server was killed once and came back.
+SERVERS = (ServerRow(launcher_pid=7001, url="http://127.0.0.1:8000", model="Qwen/Qwen3-0.6B", state="serving",
+                     pid=7342, restarts=1, last_ready_s=6.4,
+                     last_exit="the vLLM server (pid 7020) was killed by SIGKILL"),)
+
+
 def sample_snapshot(step: int = 0) -> Snapshot:
     """Step 0 is the fixed picture; each later step grows the counters and adds one event."""
     return Snapshot(taken_at=TAKEN_AT, interval_s=INTERVAL_S, rates="interval", run_dir=RUN_DIR,
-                    daemons=_daemons(step), engines=_engines(step), events=_events(step))
+                    daemons=_daemons(step), engines=_engines(step), events=_events(step), servers=SERVERS)
 
 
 class SampleSource:

@@ -36,6 +36,7 @@ from wcache_cli.params import (
     run_dir_or_default,
     warn_if_exposed,
 )
+from wcache_cli.stop_signals import StopSignal, raise_stop
 from wcache_cli.words import cli_message
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ def preload(
     notifier = Notifier.take_from_environment()  # systemd's Type=notify; taken before any child inherits it
     # SIGTERM and SIGHUP (systemd, supervisord, `timeout`, `docker stop`, a closed terminal) stop every rank we
     # started, as Ctrl-C does: the supervisor runs in a session of its own, so only we can pass the stop on.
-    previous = {signum: signal.signal(signum, _raise_stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {signum: signal.signal(signum, raise_stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
     group: DaemonGroup | None = None  # once set (ready), a stop must reach its supervisor
     try:
         try:
@@ -242,7 +243,7 @@ def preload(
         if code != 0:
             raise UnavailableError(f"a daemon of {model} exited on its own (its supervisor exited with code {code}); "
                                    f"see {where / 'logs'}.")
-    except (KeyboardInterrupt, _StopSignal) as stop:
+    except (KeyboardInterrupt, StopSignal) as stop:
         # Further stops wait: the ranks' files must be removed, not abandoned half-way.
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_IGN)
@@ -273,16 +274,6 @@ def _engine_plan(engine: str, model: Path | None, tp: int, dtype: Dtype, quantiz
 
     resolved = vllm_plan(str(model), tensor_parallel_size=tp, dtype=dtype.value)
     return Dtype(resolved.dtype), Layout(resolved.layout)
-
-
-class _StopSignal(BaseException):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_stop(signum: int, frame: object) -> None:
-    raise _StopSignal(signum)
 
 
 def _warn_provenance(ready: GroupReady, run_dir: Path, expected: Path | None) -> None:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from rich.console import RenderableType
     from rich.table import Table
     from wcache.monitor.daemon_status import DaemonStatus
-    from wcache.monitor.snapshot import EngineRow
+    from wcache.monitor.snapshot import EngineRow, ServerRow, Snapshot
     from wcache.monitor.status_row import StatusRow
 
 HEALTH_TIMEOUT_S = 2.0
@@ -67,7 +67,9 @@ def status(
     ] = False,
 ) -> None:
     """List the daemons in the run dir: device, model, key, state, origin, memory, leases, uptime, health and
-    plan; then the engines attached to them (vLLM ranks and wcache's servers): hit or fallback and why.
+    plan; then the engines attached to them (vLLM ranks and wcache's servers): hit or fallback and why; then the
+    vLLM servers `wcache serve` supervises: address, state, pid, restarts, the last start's time until /health
+    answered, and why the last one died.
 
     origin is the checkpoint's files against what the Hub published, judged when the daemon loaded them:
     "✓ hub" all match, "✗ DIFFERS" one does not (wcache verify --provenance names it), "?" not known.
@@ -88,9 +90,11 @@ def status(
     stale = [{"name": d.name, "pid": d.pid, "source": d.source} for d in found.stale] if found else []
     problems = [p for p in map(_unhealthy, rows) if p is not None]
     engines = _engines(where) if where.exists() and not check else ()
+    servers = _servers(where) if not check else ()
     if json:
         out.json({"run_dir": str(where), "daemons": rows, "stale_removed": stale,
-                  "ready": bool(rows) and not problems, "engines": [_plain(e) for e in engines]})
+                  "ready": bool(rows) and not problems, "engines": [_plain(e) for e in engines],
+                  "servers": [_plain(s) for s in servers]})
     else:
         for gone in stale:
             out.warning(f"daemon {gone['name']} (pid {gone['pid']}) is gone; removed its descriptor and socket.")
@@ -100,6 +104,8 @@ def status(
             out.print(_table(where, rows, out.stdout.width))
         if engines:
             out.print(_engine_table(engines, out.stdout.width))
+        if servers:
+            out.print(_panel("servers", _snapshot(servers=servers), out.stdout.width))
     if check:
         if not rows:
             raise UnavailableError(f"no daemons in {where}.")
@@ -125,24 +131,45 @@ def _engines(where: Path) -> tuple[EngineRow, ...]:
         collector.close()
 
 
-def _plain(engine: EngineRow) -> dict[str, object]:
+def _servers(where: Path) -> tuple[ServerRow, ...]:
+    """The vLLM servers `wcache serve` launchers supervise here, as `top` shows them."""
+    from wcache.ipc.run_dir.paths import RunPaths
+
+    if not where.exists() or not RunPaths.server_files(RunPaths(where).servers):
+        return ()
+    from wcache.monitor.collector import server_rows
+
+    return server_rows(where)
+
+
+def _plain(row: EngineRow | ServerRow) -> dict[str, object]:
     from dataclasses import asdict
 
-    return {k: v for k, v in asdict(engine).items() if k not in ("hit_rate_history", "hit_rate_by_weights")}
+    return {k: v for k, v in asdict(row).items() if k not in ("hit_rate_history", "hit_rate_by_weights")}
 
 
-def _engine_table(engines: tuple[EngineRow, ...], width: int | None) -> RenderableType:
-    """`top`'s engines panel, once: the same columns and cells (a fallback in red, with its reason)."""
+def _snapshot(engines: tuple[EngineRow, ...] = (), servers: tuple[ServerRow, ...] = ()) -> Snapshot:
     import time
 
     from wcache.monitor.snapshot import Snapshot
 
+    return Snapshot(taken_at=time.time(), interval_s=0.0, rates="cumulative", run_dir="", daemons=(),
+                    engines=engines, events=(), servers=servers)
+
+
+def _panel(panel: str, snapshot: Snapshot, width: int | None) -> RenderableType:
+    """One of `top`'s panels, once: the same columns and cells."""
+    import time
+
     from wcache_cli.top.once import panel_table
     from wcache_cli.top.view import PANEL_BY_ID
 
-    snapshot = Snapshot(taken_at=time.time(), interval_s=0.0, rates="cumulative", run_dir="", daemons=(),
-                        engines=engines, events=())
-    return panel_table(PANEL_BY_ID["engines"], snapshot, time.time(), width=width)
+    return panel_table(PANEL_BY_ID[panel], snapshot, time.time(), width=width)
+
+
+def _engine_table(engines: tuple[EngineRow, ...], width: int | None) -> RenderableType:
+    """`top`'s engines panel, once: the same columns and cells (a fallback in red, with its reason)."""
+    return _panel("engines", _snapshot(engines=engines), width)
 
 
 # The table's columns and, for a narrow terminal, which go first (highest first; 0: never). The daemon's name

@@ -65,7 +65,7 @@ HELP: dict[str, str] = {
     "export": f"Write the displayed snapshot as JSON to the current directory (or ${EXPORT_DIR_ENV}).",
 }
 NAVIGATION: tuple[tuple[str, str], ...] = (
-    ("Tab / Shift+Tab", "Move between the daemons, engines, replay and events tables."),
+    ("Tab / Shift+Tab", "Move between the daemons, engines, servers, replay and events tables."),
     ("↑ ↓ PgUp PgDn", "Move the cursor in a table; in the events table this selects an event."),
     ("Enter", "Select the event under the cursor: its reason and key diff show beside the feed."),
 )
@@ -157,8 +157,9 @@ class TopApp(App[None]):
     def compose(self) -> ComposeResult:
         yield Static(id="status")
         yield Static(id="banner")
-        for panel in PANELS[:3]:
-            yield DataTable(id=panel.id, cursor_type="row")
+        for panel in PANELS:
+            if panel.id != "events":  # the feed sits beside its detail, below
+                yield DataTable(id=panel.id, cursor_type="row")
         with Horizontal(id="bottom"):
             yield DataTable(id="events", cursor_type="row")
             with VerticalScroll(id="detail-pane"):
@@ -283,6 +284,8 @@ class TopApp(App[None]):
         if panel.id == "events":
             self._events = {row.key: row.row for row in rows}
         total = len(panel.rows(self.shown)) if self.shown else 0
+        if panel.id == "servers":
+            table.display = total > 0  # most run dirs have no `wcache serve`: no empty table for them
         shown = f"{len(rows)} of {total}" if self.row_filter is not None else str(total)
         table.border_title = f"{panel.title} ({shown})"
         table.border_subtitle = f"sorted by {panel.columns[sort.column].label} {sort.arrow}"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rich.text import Text
-from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
+from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, ServerRow, Snapshot
 
 from wcache_cli.fit import RICH_FIXED, RICH_PER_COLUMN, visible_columns
 from wcache_cli.output import printable
@@ -264,6 +264,34 @@ REPLAY_COLUMNS: tuple[Column[EngineRow], ...] = (
 )
 
 
+SERVER_STATE_STYLE = {"serving": "green", "starting": "yellow", "backing off": "bold red", "stopping": "dim"}
+
+
+def server_address(s: ServerRow) -> str:
+    return s.url.split("://", 1)[-1].rstrip("/")
+
+
+def ready_in(s: ServerRow) -> Text:
+    """The last start's time until /health answered 200."""
+    return Text(f"{s.last_ready_s:.1f} s") if s.last_ready_s is not None else Text(NOT_YET, style="dim")
+
+
+SERVER_COLUMNS: tuple[Column[ServerRow], ...] = (
+    Column("where", lambda s, _: shown(server_address(s)), server_address),
+    Column("state", lambda s, _: shown(s.state, SERVER_STATE_STYLE.get(s.state, "")), lambda s: s.state, drop=1),
+    Column("pid", lambda s, _: Text(str(s.pid)) if s.pid is not None else off(), lambda s: s.pid or 0, "right",
+           drop=4),
+    Column("restarts", lambda s, _: Text(str(s.restarts)), lambda s: s.restarts, "right", drop=2),
+    Column("ready in", lambda s, _: ready_in(s), lambda s: s.last_ready_s or 0.0, "right", drop=3),
+    Column("model", lambda s, _: shown(s.model), lambda s: s.model, drop=5),
+    Column("launcher", lambda s, _: Text(str(s.launcher_pid), style="dim"), lambda s: s.launcher_pid, "right",
+           drop=7),
+    # Why the last server died: its whole line is in the launcher's output and `status --json`.
+    Column("last exit", lambda s, _: shown(s.last_exit, style="red") if s.last_exit else Text(""),
+           lambda s: s.last_exit or "", drop=6),
+)
+
+
 def _severity_text(value: str, e: EventRow) -> Text:
     return shown(value, SEVERITY_STYLE.get(e.severity, ""))
 
@@ -296,6 +324,8 @@ PANELS: tuple[Panel[Any], ...] = (
           lambda d: f"{d.name} {d.pid}"),
     Panel("engines", "Engines", ENGINE_COLUMNS, lambda s: s.engines, lambda e: e.id,
           lambda e: f"{e.id} {e.url}"),
+    Panel("servers", "Served by wcache serve", SERVER_COLUMNS, lambda s: s.servers, lambda s: str(s.launcher_pid),
+          lambda s: f"{s.url} {s.launcher_pid} {s.last_exit or ''}"),
     Panel("replay", "Replay and prefix cache (hit % = hit tokens / queried tokens)", REPLAY_COLUMNS,
           lambda s: s.engines, lambda e: e.id, lambda e: f"{e.id} {e.url} {e.model} {e.kind}"),
     Panel("events", "Events", EVENT_COLUMNS, lambda s: s.events, lambda e: f"{e.ts!r}/{e.kind}/{e.summary}",
@@ -479,7 +509,8 @@ def event_detail(event: EventRow, now: float) -> Text:
 def counts_line(snapshot: Snapshot) -> str:
     warnings = sum(1 for e in snapshot.events if e.severity == "warning")
     errors = sum(1 for e in snapshot.events if e.severity == "error")
-    return (f"{len(snapshot.daemons)} daemon(s) · {len(snapshot.engines)} engine(s) · "
+    served = f"{len(snapshot.servers)} served · " if snapshot.servers else ""
+    return (f"{len(snapshot.daemons)} daemon(s) · {len(snapshot.engines)} engine(s) · {served}"
             f"{len(snapshot.events)} event(s), {warnings} warning(s), {errors} error(s)")
 
 

@@ -30,6 +30,7 @@ from vllm.model_executor.model_loader.utils import (  # noqa: E402
     initialize_model,
     process_weights_after_loading,
 )
+from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 
 
@@ -81,6 +82,7 @@ __all__ = [
     "process_weights_after_loading",
     "register_model_loader",
     "resolved_model_config",
+    "server_arg_parser",
     "set_default_torch_dtype",
     "shutdown_engine",
 ]
@@ -95,3 +97,13 @@ def resolved_model_config(model: str, dtype: str = "auto", revision: str | None 
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(model=model, dtype=dtype, revision=revision).create_model_config()  # type: ignore[arg-type]
+
+
+def server_arg_parser() -> FlexibleArgumentParser:
+    """The argument parser of vLLM's OpenAI server, built as its entry point builds it (`wcache serve` saves a
+    table of its options once per installed vLLM)."""
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    except ImportError:  # where 0.32's launchers package is not (yet) the server's home
+        from vllm.entrypoints.openai.cli_args import make_arg_parser  # type: ignore[no-redef,import-not-found,unused-ignore]
+    return make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))

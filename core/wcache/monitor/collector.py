@@ -25,6 +25,7 @@ from wcache.ipc.run_dir.directory import DaemonDescriptor, read_descriptors, run
 from wcache.ipc.run_dir.engines import EngineDescriptor, announcer_alive, read_engine_descriptor
 from wcache.ipc.run_dir.loading import LoadingRecord, read_loading
 from wcache.ipc.run_dir.paths import RunPaths
+from wcache.ipc.run_dir.servers import live_server_records
 from wcache.ipc.wire import counters as counter_names
 from wcache.monitor import event_types as ev
 from wcache.monitor.daemon_status import DaemonStatus, collect
@@ -32,7 +33,7 @@ from wcache.monitor.event_types import FEED_KINDS
 from wcache.monitor.events import events_path, parse_event, rotated_path
 from wcache.monitor.prometheus import Samples, by_label, label_value, parse_metrics, total
 from wcache.monitor.rates import CounterDeltas, ratio
-from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, Snapshot
+from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, ServerRow, Snapshot
 from wcache.plan.spec import plan_summary
 
 TIMEOUT_S = 1.0  # an engine's /metrics and a supervisor's /health (daemons: daemon_status.STATS_TIMEOUT_S)
@@ -342,6 +343,7 @@ class Collector:
             taken_at=time.time(), interval_s=self.interval_s,
             rates="interval" if self._polls > 1 else "cumulative", run_dir=str(self.run_dir),
             daemons=daemons, engines=engines, events=tuple(self._events), alerts=alerts(self._events, time.time()),
+            servers=server_rows(self.run_dir),
         )
 
     @staticmethod
@@ -439,3 +441,12 @@ def _hit_rates_by_weights(samples: Samples, current: str | None) -> tuple[tuple[
     hits = by_label(samples, "wcache:prefix_cache_hits_by_weights_total", "weights")
     order = sorted(queries, key=lambda key: (key != current, key))
     return tuple((key or "unkeyed", ratio(hits.get(key), queries[key])) for key in order)
+
+
+def server_rows(run_dir: Path) -> tuple[ServerRow, ...]:
+    """The servers running `wcache serve` launchers supervise, from their records (stale ones left out)."""
+    if not run_dir.exists():
+        return ()
+    return tuple(ServerRow(launcher_pid=r.launcher_pid, url=r.url, model=r.model, state=r.state, pid=r.pid,
+                           restarts=r.restarts, last_ready_s=r.last_ready_s, last_exit=r.last_exit)
+                 for r in live_server_records(run_dir))

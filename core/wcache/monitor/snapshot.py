@@ -16,6 +16,10 @@ Schema (`Snapshot.to_json()`), version `wcache.top/1`:
              the engine does not export the series; key_id (of the weights it serves now) and
              hit_rate_by_weights[] ([key id, overall hit rate or null] per weights key it served, current first),
              reason (why a fallback loaded from disk), requests_running, requests_done, kv_usage (0..1)
+  servers[]: launcher_pid, url, model, state (starting | serving | backing off | stopping), pid (the vLLM server's
+             front process; null between a death and the next start), restarts, last_ready_s (the last start's
+             time until /health answered 200), last_exit (why the last server died, one line) — each a running
+             `wcache serve`
   events[]: ts, kind, severity (info | warning | error), summary, detail{}
   alerts[]: one sentence each, for what needs a person now (a storm of fallbacks, unverified hits)
 """
@@ -81,6 +85,20 @@ class EngineRow:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerRow:
+    """A vLLM server supervised by `wcache serve`, from its launcher's record in the run dir."""
+
+    launcher_pid: int
+    url: str
+    model: str
+    state: str
+    pid: int | None
+    restarts: int
+    last_ready_s: float | None
+    last_exit: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class EventRow:
     ts: float
     kind: str
@@ -99,6 +117,7 @@ class Snapshot:
     engines: tuple[EngineRow, ...]
     events: tuple[EventRow, ...]
     alerts: tuple[str, ...] = ()
+    servers: tuple[ServerRow, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         # Field by field rather than dataclasses.asdict, which deep-copies every event's detail: with a full
@@ -113,6 +132,7 @@ class Snapshot:
             "engines": [{**_plain(e), "hit_rate_history": list(e.hit_rate_history),
                          "hit_rate_by_weights": [list(pair) for pair in e.hit_rate_by_weights]}
                         for e in self.engines],
+            "servers": [_plain(s) for s in self.servers],
             "events": [{**_plain(e), "detail": dict(e.detail)} for e in self.events],
             "alerts": list(self.alerts),
         }

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from wcache.ipc.attach_summary import AttachSummary
-from wcache.ipc.run_dir.directory import Pid, process_created, read_run_file
+from wcache.ipc.run_dir.directory import Pid, process_created, read_run_file, run_subdir
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.schema import Schema
 
@@ -64,3 +64,35 @@ def write_engine_descriptor(run_dir: Path, descriptor: EngineDescriptor) -> Path
 def read_engine_descriptor(path: Path) -> EngineDescriptor:
     """One announcement; OSError or ValueError (SchemaError) when it cannot be read or is not one."""
     return EngineDescriptor.from_wire(read_run_file(path, MAX_ANNOUNCEMENT_BYTES))
+
+
+def remove_gone_announcements(run_dir: Path, url: str) -> list[int]:
+    """Remove the announcements (and tokens) of engines at `url` whose process is gone; their pids.
+
+    What `wcache serve` does once a server it supervised is stopped: its URL answers again for the next server,
+    so a reader, which shows a gone announcer while its URL answers (it may live in another pid namespace),
+    could not tell the dead ranks from their successors."""
+    paths = RunPaths(run_dir)
+    directory = run_subdir(run_dir, RunPaths.ENGINES)  # a symlink there is refused: never remove through it
+    removed = []
+    for path in RunPaths.engine_files(directory) if directory is not None else []:
+        try:
+            descriptor = read_engine_descriptor(path)
+        except (OSError, ValueError):
+            continue
+        if descriptor.url == url and (not announcer_alive(descriptor) or _exited(descriptor.pid)):
+            path.unlink(missing_ok=True)
+            paths.engine_token(descriptor.pid).unlink(missing_ok=True)
+            removed.append(descriptor.pid)
+    return removed
+
+
+def _exited(pid: int) -> bool:
+    """Whether `pid` has exited and waits to be reaped: a rank whose server died is reparented to PID 1, which
+    may reap it only later, and until then it still has a start time."""
+    import psutil
+
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return True

@@ -7,7 +7,10 @@
   loading/<pid>.json, loading/<pid>.lock        a rank still loading: its progress record and the lock it holds
   engines/<pid>.json                            a serving engine's announcement, for `wcache top`
   engines/<pid>.token                           its control token (0600): what a request that switches it must send
+  servers/<pid>.json                            a `wcache serve` launcher's record of the vLLM server it supervises
+  servers/<pid>.restart.json                    a restart asked of that launcher (`wcache restart`), with new arguments
   logs/supervisor-<pid>.log, logs/preload-<supervisor pid>-rank<r>.log
+  logs/serve-<pid>.log                          the output of every vLLM server a launcher started
 ```
 
 `RunPaths(run_dir)` spells them; nothing else in wcache joins a file name onto a run dir. Checking the run
@@ -34,6 +37,8 @@ class RunPaths:
     EVENTS = "events.jsonl"
     LOADING = "loading"
     ENGINES = "engines"
+    SERVERS = "servers"
+    RESTART_SUFFIX = ".restart.json"
     LOGS = "logs"
 
     # -- daemons -----------------------------------------------------------------------------------------
@@ -96,6 +101,23 @@ class RunPaths:
         """Every engine announcement in `engines` (the checked directory), sorted."""
         return sorted(engines.glob(f"*{cls.DESCRIPTOR_SUFFIX}"))
 
+    # -- `wcache serve` launchers -----------------------------------------------------------------------
+
+    @property
+    def servers(self) -> Path:
+        return self.root / self.SERVERS
+
+    def server(self, launcher_pid: int) -> Path:
+        return self.servers / f"{launcher_pid}{self.DESCRIPTOR_SUFFIX}"
+
+    def server_restart(self, launcher_pid: int) -> Path:
+        return self.servers / f"{launcher_pid}{self.RESTART_SUFFIX}"
+
+    @classmethod
+    def server_files(cls, servers: Path) -> list[Path]:
+        """Every launcher's record in `servers`, sorted (restart requests left out)."""
+        return sorted(p for p in servers.glob(f"*{cls.DESCRIPTOR_SUFFIX}") if not p.name.endswith(cls.RESTART_SUFFIX))
+
     # -- logs --------------------------------------------------------------------------------------------
 
     @property
@@ -104,6 +126,9 @@ class RunPaths:
 
     def supervisor_log(self, pid: int) -> Path:
         return self.logs / f"supervisor-{pid}.log"
+
+    def serve_log(self, launcher_pid: int) -> Path:
+        return self.logs / f"serve-{launcher_pid}.log"
 
     def rank_log(self, supervisor_pid: int, rank: int) -> Path:
         return self.logs / f"preload-{supervisor_pid}-rank{rank}.log"
