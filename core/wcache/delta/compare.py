@@ -1,8 +1,8 @@
 """Two checkpoints with the same tensors compared in one read of each: what changed, and both Merkle roots.
 
 A reader thread reads both checkpoints chunk by chunk (the new checkpoint's file order) into a few reused buffer
-pairs, hashing the old checkpoint's chunks as they arrive; the calling thread hashes the new checkpoint's (BLAKE3:
-the keys' digests) and compares both eight bytes at a time (`wide_compare`), block by block while a block is in
+pairs, hashing the new checkpoint's bytes as they arrive (BLAKE3: the keys' digests); the calling thread compares
+both eight bytes at a time (`wide_compare`) and hashes the old checkpoint's, block by block while a block is in
 its core's cache. Reading, hashing and comparing overlap on two cores, nothing larger than a chunk is held, and no
 torch is imported. Where the digest store trusts a receipt for every shard of the old checkpoint (the rule a
 preload follows), the old digests come from the receipts and its bytes are only compared. The receipts of what was
@@ -90,53 +90,54 @@ class _Pair:
 @dataclass(frozen=True, slots=True)
 class _Piece:
     """A chunk of tensor `index` read into `pair` (None for a tensor of no bytes), from its byte `start` on; the
-    last one carries the old tensor's digest where the reader hashed it."""
+    last one carries the new tensor's digest."""
 
     index: int
     start: int
     nbytes: int
     pair: _Pair | None
     last: bool
-    old_digest: str | None = None
+    new_digest: str = ""
 
 
-def _read_pieces(work: list[_Pairing], hash_old: bool, free: queue.Queue[_Pair | None],
+def _read_pieces(work: list[_Pairing], free: queue.Queue[_Pair | None],
                  ready: queue.Queue[_Piece | BaseException | None]) -> None:
     """The reader thread: every chunk of every tensor of both checkpoints, in order, then None (or the error).
 
-    It also hashes the old checkpoint's chunks (where asked) as it reads them, while they are in its cache: the
-    comparer has the new checkpoint's hashing and the comparison, and the two threads' work is about even."""
+    It also hashes the new checkpoint, a block at a time right after reading it (while the block is in its
+    core's cache): the comparer has the comparison and, where no receipt gives them, the old digests, so the two
+    threads' work is about even."""
     try:
         for index, pairing in enumerate(work):
             nbytes = pairing.info.nbytes
-            old_hasher = blake3.blake3() if hash_old else None  # single-threaded: the other core is busy
+            new_hasher = blake3.blake3()  # single-threaded: the other core is comparing
             if nbytes == 0:
-                ready.put(_Piece(index, 0, 0, None, True, None if old_hasher is None else old_hasher.hexdigest()))
+                ready.put(_Piece(index, 0, 0, None, True, new_hasher.hexdigest()))
             for start in range(0, nbytes, CHUNK_BYTES):
                 pair = free.get()
                 if pair is None:  # the comparer stopped
                     return
                 size = min(CHUNK_BYTES, nbytes - start)
                 pairing.old_shard.read_into(pairing.old_info, start, pair.before[:size].data)
-                if old_hasher is not None:
-                    old_hasher.update(pair.before[:size].data)
-                pairing.shard.read_into(pairing.info, start, pair.after[:size].data)
+                for at in range(0, size, BLOCK_BYTES):
+                    block = pair.after[at : min(at + BLOCK_BYTES, size)].data
+                    pairing.shard.read_into(pairing.info, start + at, block)
+                    new_hasher.update(block)
                 last = start + size == nbytes
-                digest = old_hasher.hexdigest() if last and old_hasher is not None else None
-                ready.put(_Piece(index, start, size, pair, last, digest))
+                ready.put(_Piece(index, start, size, pair, last, new_hasher.hexdigest() if last else ""))
         ready.put(None)
     except BaseException as exc:  # handed to the comparer, which raises it
         ready.put(exc)
 
 
-def _pieces(work: list[_Pairing], hash_old: bool) -> Iterator[_Piece]:
+def _pieces(work: list[_Pairing]) -> Iterator[_Piece]:
     """Every chunk of both checkpoints as the reader thread delivers it; a pair is reused once the next is asked
     for, and the reader stops (within PAIRS chunks) when this generator is closed."""
     free: queue.Queue[_Pair | None] = queue.Queue()
     for _ in range(PAIRS):
         free.put(_Pair())
     ready: queue.Queue[_Piece | BaseException | None] = queue.Queue()
-    reader = threading.Thread(target=_read_pieces, args=(work, hash_old, free, ready), name="wcache-delta-read",
+    reader = threading.Thread(target=_read_pieces, args=(work, free, ready), name="wcache-delta-read",
                               daemon=True)
     reader.start()
     try:
@@ -154,9 +155,9 @@ def _pieces(work: list[_Pairing], hash_old: bool) -> Iterator[_Piece]:
 class _TensorComparison:
     """One tensor's digests and changed elements, chunk by chunk."""
 
-    def __init__(self, pairing: _Pairing, scratch: np.ndarray) -> None:
+    def __init__(self, pairing: _Pairing, hash_old: bool, scratch: np.ndarray) -> None:
         self.pairing = pairing
-        self.new_hasher = blake3.blake3()  # single-threaded: the other core is reading
+        self.old_hasher = blake3.blake3() if hash_old else None  # single-threaded: the other core is reading
         self.elements = ChangedElements(ITEMSIZE[pairing.info.dtype], scratch)
         self.indices: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
@@ -169,7 +170,8 @@ class _TensorComparison:
         for at in range(0, piece.nbytes, BLOCK_BYTES):
             end = min(at + BLOCK_BYTES, piece.nbytes)
             before, after = piece.pair.before[at:end], piece.pair.after[at:end]
-            self.new_hasher.update(after.data)
+            if self.old_hasher is not None:
+                self.old_hasher.update(before.data)
             indices, values = self.elements.find(before, after, (piece.start + at) // itemsize)
             if indices.size:
                 self.indices.append(indices)
@@ -216,15 +218,15 @@ def compare_checkpoints(old: Path, new: Path, store: DigestStore | None = None) 
         changed: list[Change] = []
         scratch = np.empty(BLOCK_BYTES // WORD_BYTES, dtype=np.bool_)
         comparison: _TensorComparison | None = None
-        for piece in _pieces(work, receipts is None):
+        for piece in _pieces(work):
             if comparison is None:
-                comparison = _TensorComparison(work[piece.index], scratch)
+                comparison = _TensorComparison(work[piece.index], receipts is None, scratch)
             comparison.add(piece)
             if piece.last:
                 name = comparison.pairing.info.name
-                new_digests[name] = comparison.new_hasher.hexdigest()
-                if piece.old_digest is not None:
-                    old_digests[name] = piece.old_digest
+                new_digests[name] = piece.new_digest
+                if comparison.old_hasher is not None:
+                    old_digests[name] = comparison.old_hasher.hexdigest()
                 found = comparison.change(new_digests[name])
                 if found is not None:
                     changed.append(found)
