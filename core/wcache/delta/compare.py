@@ -16,6 +16,7 @@ import math
 import queue
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,7 @@ def _read_pieces(work: list[_Pairing], free: queue.Queue[_Pair | None],
     It also hashes the new checkpoint, a block at a time right after reading it (while the block is in its
     core's cache): the comparer has the comparison and, where no receipt gives them, the old digests, so the two
     threads' work is about even."""
+    old_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wcache-delta-read-old")
     try:
         for index, pairing in enumerate(work):
             nbytes = pairing.info.nbytes
@@ -118,16 +120,21 @@ def _read_pieces(work: list[_Pairing], free: queue.Queue[_Pair | None],
                 if pair is None:  # the comparer stopped
                     return
                 size = min(CHUNK_BYTES, nbytes - start)
-                pairing.old_shard.read_into(pairing.old_info, start, pair.before[:size].data)
+                # Both files at once: storage then serves two streams side by side, not one and then a seek.
+                old_read = old_reader.submit(pairing.old_shard.read_into, pairing.old_info, start,
+                                             pair.before[:size].data)
                 for at in range(0, size, BLOCK_BYTES):
                     block = pair.after[at : min(at + BLOCK_BYTES, size)].data
                     pairing.shard.read_into(pairing.info, start + at, block)
                     new_hasher.update(block)
+                old_read.result()
                 last = start + size == nbytes
                 ready.put(_Piece(index, start, size, pair, last, new_hasher.hexdigest() if last else ""))
         ready.put(None)
     except BaseException as exc:  # handed to the comparer, which raises it
         ready.put(exc)
+    finally:
+        old_reader.shutdown()
 
 
 def _pieces(work: list[_Pairing]) -> Iterator[_Piece]:
@@ -209,6 +216,8 @@ def compare_checkpoints(old: Path, new: Path, store: DigestStore | None = None) 
         check_same_tensors(old, a.header_manifest(), new, b.header_manifest())
         old_at = {t.name: (shard, t) for shard in a.shards for t in shard.header.tensors}
         work = [_Pairing(*old_at[info.name], shard, info) for shard, info in file_order(b.shards)]
+        for shard in (*a.shards, *b.shards):
+            shard.advise_sequential()
         receipts = a.trusted_receipts(store)
         old_digests: dict[str, str] = {}
         if receipts is not None:
