@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -189,8 +190,8 @@ def _delta_only(args: argparse.Namespace) -> int:
     cli = wcache_command()
     table = Table(title=f"wcache delta N N+1 on {args.preset}, {args.fraction:.1%} of every tensor's elements "
                         f"changed, median of {args.repeat} (interleaved with the reads)", title_justify="left")
-    for column in ("digest store, page cache", "read both checkpoints", "wcache delta", "ratio (goal ≤ 2×)",
-                   "delta file"):
+    for column in ("digest store, page cache", "read both checkpoints", "wcache delta", "its CPU (user + sys)",
+                   "ratio (goal ≤ 2×)", "delta file"):
         table.add_column(column, justify="left" if column.startswith("digest") else "right")
     with workspace(args.workdir) as work:
         parent, child, delta = work / "n", work / "n1", work / "step.safetensors"
@@ -199,10 +200,10 @@ def _delta_only(args: argparse.Namespace) -> int:
             from wcache_dev.synth import write_checkpoint
 
             write_checkpoint(args.preset, parent)
-        shutil.rmtree(child, ignore_errors=True)
-        err.print("writing N+1 ...")
-        subprocess.run([sys.executable, "-c", _WRITE_STEP, str(parent), str(child), str(args.fraction), ""],
-                       check=True)
+        if not child.exists():  # a kept --workdir keeps N+1 too (same --fraction assumed)
+            err.print("writing N+1 ...")
+            subprocess.run([sys.executable, "-c", _WRITE_STEP, str(parent), str(child), str(args.fraction), ""],
+                           check=True)
         files = [*sorted(parent.glob("*.safetensors")), *sorted(child.glob("*.safetensors"))]
         stores = work / "delta-stores"
         shutil.rmtree(stores, ignore_errors=True)
@@ -215,7 +216,7 @@ def _delta_only(args: argparse.Namespace) -> int:
                  for fresh, store in ((True, "fresh store (N and N+1 hashed)"),
                                       (False, "N's receipts stored (N+1 hashed)"))]
         for label, fresh, evict in cases:
-            reads, deltas = [], []
+            reads, deltas, cpus = [], [], []
             for attempt in range(args.repeat):
                 if evict:
                     _evict(files)
@@ -223,17 +224,25 @@ def _delta_only(args: argparse.Namespace) -> int:
                 if evict:
                     _evict(files)
                 run_env = {**env, "WCACHE_CACHE_DIR": str(stores / f"fresh-{attempt}")} if fresh else warm_env
-                began = time.perf_counter()
+                began, cpu_before = time.perf_counter(), _children_cpu()
                 summary = _run([*cli, "delta", str(parent), str(child), "-o", str(delta), "--json"], run_env)
                 deltas.append(time.perf_counter() - began)
+                cpus.append(_children_cpu() - cpu_before)
             read_s, delta_s = statistics.median(reads), statistics.median(deltas)
-            table.add_row(label, fmt_seconds(read_s), fmt_seconds(delta_s), f"{delta_s / read_s:.2f}×",
+            table.add_row(label, fmt_seconds(read_s), fmt_seconds(delta_s), fmt_seconds(statistics.median(cpus)),
+                          f"{delta_s / read_s:.2f}×",
                           f"{int(summary['bytes']) / 1e6:,.1f} MB, {summary['tensors_changed']} tensors, "
                           f"{summary['elements_changed'] / summary['elements_total']:.2%} of elements")
     console.print(table)
     console.print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; the read is every "
                   "file once in 16 MiB reads.")
     return 0
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of the child processes waited for so far."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def _timed_read(paths: list[Path]) -> float:
