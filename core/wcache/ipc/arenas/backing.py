@@ -36,7 +36,7 @@ class Mount:
     fstype: str
     options: tuple[str, ...]
 
-    def option(self, name: str) -> str | None:
+    def value_of(self, name: str) -> str | None:
         """The value of mount option `name=value`, or None."""
         return next((o.partition("=")[2] for o in self.options if o.startswith(f"{name}=")), None)
 
@@ -105,7 +105,7 @@ def backing_of(directory: Path | None) -> Backing:
         raise UnavailableError(f"{ARENA_DIR_ENV}={directory} is on {fstype}, not tmpfs or hugetlbfs: an arena there "
                                "would be written to storage; name a directory on a tmpfs mounted huge=always or on a "
                                "hugetlbfs mount, or unset it.")
-    huge = fstype == "hugetlbfs" or mount.option("huge") in HUGE_VALUES
+    huge = fstype == "hugetlbfs" or mount.value_of("huge") in HUGE_VALUES
     return Backing(directory, fstype, huge, False)
 
 
