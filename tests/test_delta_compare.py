@@ -209,3 +209,47 @@ def test_the_writer_lays_out_entries_aligned_for_the_safetensors_library(tmp_pat
     assert loaded["b"].view(torch.int16).tolist() == [1, 2, 3] and loaded["b"].dtype == torch.bfloat16
     with safe_open(str(path), "pt") as f:
         assert dict(f.metadata()) == {"format": "test"}
+
+
+def _reader_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("wcache-delta-read")]
+
+
+def test_a_read_that_fails_midway_is_one_error_and_stops_the_reader(crafted: tuple[Path, Path],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from wcache.errors import CheckpointError
+    from wcache.key.shard_hash import OpenShard
+
+    real_read = OpenShard.read_into
+    calls = {"n": 0}
+
+    def failing_read(shard: OpenShard, tensor: object, start: int, buffer: memoryview) -> None:
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise CheckpointError(f"{shard.path} shrank while it was being read; wait until it is fully written.")
+        real_read(shard, tensor, start, buffer)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(OpenShard, "read_into", failing_read)
+    with pytest.raises(CheckpointError, match="shrank while it was being read"):
+        compare_checkpoints(*crafted)
+    assert _reader_threads() == []
+
+
+def test_a_whole_replacement_whose_bytes_changed_since_the_pass_is_refused(crafted: tuple[Path, Path],
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from wcache.delta import compare
+    from wcache.errors import CheckpointError
+
+    class Other:
+        def update(self, data: object) -> None:
+            pass
+
+        def hexdigest(self) -> str:
+            return "0" * 64
+
+    monkeypatch.setattr(compare, "tensor_hasher", lambda nbytes: Other())
+    with pytest.raises(CheckpointError, match="changed while it was being read"):
+        compare_checkpoints(*crafted)  # bf16.dense is replaced whole: read again, and its digest must match
+    assert _reader_threads() == []
