@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 from daemon_fixtures import daemon_rig
+from helpers import one_sentence
 from wcache.attach import attach
-from wcache.errors import UnavailableError
+from wcache.errors import BadInputError
 from wcache.ipc.arenas import backing
 from wcache.ipc.arenas.backing import ARENA_DIR_ENV, backing_of
 from wcache.ipc.arenas.daemon_side import CpuArena
@@ -48,9 +49,9 @@ def test_memfds_unless_a_directory_is_named(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_a_directory_on_storage_or_missing_is_refused_in_one_sentence(tmp_path: Path) -> None:
-    with pytest.raises(UnavailableError, match=r"not tmpfs or hugetlbfs: an arena there would be written"):
+    with pytest.raises(BadInputError, match=r"not tmpfs or hugetlbfs: an arena there would be written"):
         backing_of(tmp_path)  # the test's tmp dir is on the root filesystem, not memory
-    with pytest.raises(UnavailableError, match="is not a directory"):
+    with pytest.raises(BadInputError, match="is not a directory"):
         backing_of(tmp_path / "missing")
 
 
@@ -131,3 +132,9 @@ def test_a_daemon_serves_from_an_arena_in_the_directory(shm_dir: Path) -> None:
         assert verified.returncode == 0, verified.stdout + verified.stderr
         assert daemon.name in verified.stdout
         assert list(shm_dir.iterdir()) == []
+        # A directory on storage: the rank refuses it in one sentence, as bad input, and nothing is left running.
+        other = write_checkpoint("tiny", rig.base / "other", seed=5)
+        refused = rig.cli("preload", str(other), "--detach", "--run-dir", str(rig.run_dir),
+                          env={ARENA_DIR_ENV: str(rig.base)})
+        assert refused.returncode == 2
+        assert "not tmpfs or hugetlbfs" in one_sentence(refused.stderr)

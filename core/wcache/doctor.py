@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from wcache.errors import UnavailableError, WcacheError, option
+from wcache.errors import WcacheError, option
 from wcache.ipc.arenas.backing import ARENA_DIR_ENV, THP_SHMEM, arena_dir, backing_of, mount_of, shmem_huge_setting
 from wcache.ipc.run_dir.directory import DaemonDescriptor, census, default_run_dir, run_dir_unfit
 from wcache.key.digest_store import DB_NAME, default_store_dir, quick_check_read_only, untrusted_reason
@@ -176,7 +176,7 @@ def check_arena_backing() -> Finding:
     directory = arena_dir()
     try:
         backing = backing_of(directory)
-    except UnavailableError as exc:
+    except WcacheError as exc:
         return Finding(name, "fail", str(exc))
     if directory is not None and not backing.huge:
         return Finding(name, "warn", f"{backing.describe()}; that directory gives no huge pages for the "

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from wcache.errors import UnavailableError
+from wcache.errors import BadInputError, UnavailableError
 
 ARENA_DIR_ENV = "WCACHE_ARENA_DIR"
 MOUNTS = Path("/proc/self/mounts")
@@ -93,16 +93,16 @@ class Backing:
 
 
 def backing_of(directory: Path | None) -> Backing:
-    """What an arena made now gets; UnavailableError (one sentence) for a directory an arena cannot live in."""
+    """What an arena made now gets; BadInputError (one sentence) for a directory an arena cannot live in."""
     if directory is None:
         return Backing(None, "memfd", shmem_huge_setting() in HUGE_VALUES, True)
     if not directory.is_dir():
-        raise UnavailableError(f"{ARENA_DIR_ENV}={directory} is not a directory; create it on a tmpfs mounted "
+        raise BadInputError(f"{ARENA_DIR_ENV}={directory} is not a directory; create it on a tmpfs mounted "
                                "huge=always or on a hugetlbfs mount, or unset it.")
     mount = mount_of(directory)
     fstype = mount.fstype if mount is not None else "?"
     if mount is None or fstype not in MEMORY_FILESYSTEMS:
-        raise UnavailableError(f"{ARENA_DIR_ENV}={directory} is on {fstype}, not tmpfs or hugetlbfs: an arena there "
+        raise BadInputError(f"{ARENA_DIR_ENV}={directory} is on {fstype}, not tmpfs or hugetlbfs: an arena there "
                                "would be written to storage; name a directory on a tmpfs mounted huge=always or on a "
                                "hugetlbfs mount, or unset it.")
     huge = fstype == "hugetlbfs" or mount.value_of("huge") in HUGE_VALUES
