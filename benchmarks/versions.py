@@ -13,10 +13,17 @@ In one run, on the ``--preset`` checkpoint (qwen3-0.6b: 1.5 GB bf16, fused plan,
   memcpy floor of one arena (its bytes ``pwrite``n from memory into a fresh memfd, as preload_floor.py measures).
 * The new daemon's key against a cold key (``--rehash``) of the materialized checkpoint: equal, or the run fails.
 
+``--delta-only`` times just ``wcache delta N N+1`` (the whole command, process start included) against reading
+both checkpoints once, interleaved, median of ``--repeat``: with a fresh digest store (both checkpoints hashed)
+and with the parent's receipts stored (as after ``wcache preload N``; only N+1 hashed), each with the page cache
+as the checkpoints left it (just written) and with both checkpoints' pages evicted before the read and before the
+command. The goal is ≤ 2×.
+
 Run::
 
     .venv/bin/python benchmarks/versions.py                    # qwen3-0.6b, 1.5% of every tensor
     .venv/bin/python benchmarks/versions.py --preset small --fraction 0.02
+    .venv/bin/python benchmarks/versions.py --delta-only --repeat 5   # wcache delta against reading both
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -34,7 +43,7 @@ from typing import Any
 
 import psutil
 import torch
-from bench_common import fmt_seconds, read_all, stop_preloaded, timed_preload, wcache_command, workspace
+from bench_common import RACY_WINDOW_S, fmt_seconds, read_all, stop_preloaded, timed_preload, wcache_command, workspace
 from preload_floor import checkpoint_in_memory, fill_arena
 from restart import our_leftovers, resident_fraction
 from rich.console import Console
@@ -84,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--fraction", type=float, default=0.015, help="share of every tensor's elements changed")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--delta-only", action="store_true", help="time only `wcache delta` against reading both")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement with --delta-only (median)")
     args = parser.parse_args(argv)
+    if args.delta_only:
+        return _delta_only(args)
     console = Console() if sys.stdout.isatty() else Console(width=200)
     err = Console(stderr=True, soft_wrap=True)
     cli = wcache_command()
@@ -168,6 +181,68 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"KEY MISMATCH for {', '.join(bad)}")
         return 1
     return 0
+
+
+def _delta_only(args: argparse.Namespace) -> int:
+    """`wcache delta N N+1` against reading both checkpoints, with a fresh store and with N's receipts stored."""
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    err = Console(stderr=True, soft_wrap=True)
+    cli = wcache_command()
+    table = Table(title=f"wcache delta N N+1 on {args.preset}, {args.fraction:.1%} of every tensor's elements "
+                        f"changed, median of {args.repeat} (interleaved with the reads)", title_justify="left")
+    for column in ("digest store, page cache", "read both checkpoints", "wcache delta", "its CPU (user + sys)",
+                   "ratio (goal ≤ 2×)", "delta file"):
+        table.add_column(column, justify="left" if column.startswith("digest") else "right")
+    with workspace(args.workdir) as work:
+        parent, child, delta = work / "n", work / "n1", work / "step.safetensors"
+        if not parent.exists():
+            err.print(f"writing the {args.preset!r} checkpoint ...")
+            from wcache_dev.synth import write_checkpoint
+
+            write_checkpoint(args.preset, parent)
+        if not child.exists():  # a kept --workdir keeps N+1 too (same --fraction assumed)
+            err.print("writing N+1 ...")
+            subprocess.run([sys.executable, "-c", _WRITE_STEP, str(parent), str(child), str(args.fraction), ""],
+                           check=True)
+        files = [*sorted(parent.glob("*.safetensors")), *sorted(child.glob("*.safetensors"))]
+        stores = work / "delta-stores"
+        shutil.rmtree(stores, ignore_errors=True)
+        env = {**os.environ, "WCACHE_RUN_DIR": str(work / "run")}
+        warm_env = {**env, "WCACHE_CACHE_DIR": str(stores / "parent-receipts")}
+        _run([*cli, "key", str(parent), "--json"], warm_env)  # N's receipts, as its preload leaves them
+        time.sleep(RACY_WINDOW_S + 0.1)  # receipts of files written just now are not trusted before this
+        cases = [(f"{store}, {cache}", fresh, evict) for evict, cache in ((False, "page cache warm"),
+                                                                           (True, "N and N+1 evicted"))
+                 for fresh, store in ((True, "fresh store (N and N+1 hashed)"),
+                                      (False, "N's receipts stored (N+1 hashed)"))]
+        for label, fresh, evict in cases:
+            reads, deltas, cpus = [], [], []
+            for attempt in range(args.repeat):
+                if evict:
+                    _evict(files)
+                reads.append(_timed_read(files))
+                if evict:
+                    _evict(files)
+                run_env = {**env, "WCACHE_CACHE_DIR": str(stores / f"fresh-{attempt}")} if fresh else warm_env
+                began, cpu_before = time.perf_counter(), _children_cpu()
+                summary = _run([*cli, "delta", str(parent), str(child), "-o", str(delta), "--json"], run_env)
+                deltas.append(time.perf_counter() - began)
+                cpus.append(_children_cpu() - cpu_before)
+            read_s, delta_s = statistics.median(reads), statistics.median(deltas)
+            table.add_row(label, fmt_seconds(read_s), fmt_seconds(delta_s), fmt_seconds(statistics.median(cpus)),
+                          f"{delta_s / read_s:.2f}×",
+                          f"{int(summary['bytes']) / 1e6:,.1f} MB, {summary['tensors_changed']} tensors, "
+                          f"{summary['elements_changed'] / summary['elements_total']:.2%} of elements")
+    console.print(table)
+    console.print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; the read is every "
+                  "file once in 16 MiB reads.")
+    return 0
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of the child processes waited for so far."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def _timed_read(paths: list[Path]) -> float:

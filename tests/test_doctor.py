@@ -16,8 +16,8 @@ from daemon_fixtures import daemon_rig, wait_for
 from helpers import WCACHE, environment, wcache_in_process, wcache_process
 from wcache.ipc.run_dir.directory import process_created, write_descriptor
 
-CHECKS = ["run dir", "memfd and seals", "shared memory", "huge pages", "cgroup memory", "daemon owners", "vllm",
-          "cuda", "digest store"]
+CHECKS = ["run dir", "memfd and seals", "shared memory", "huge pages", "arena backing", "cgroup memory",
+          "daemon owners", "vllm", "cuda", "digest store"]
 
 
 def _doctor(run_dir: Path, env: dict[str, str | None] | None = None, *, process: bool = False

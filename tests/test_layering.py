@@ -157,11 +157,14 @@ def test_no_modules_import_each_other_in_a_cycle() -> None:
 
 def test_an_engines_side_of_the_arena_imports_nothing_of_the_daemons() -> None:
     """`ipc.arenas.daemon_side` makes, fills and seals arenas (torch-free); `ipc.arenas.engine_side` maps and views
-    them. The daemon's side may borrow the engine's dtype lookup for its own views, never the other way round."""
+    them. The daemon's side may borrow the engine's dtype lookup for its own views, never the other way round, and
+    asks `ipc.arenas.backing` where its arenas live (memfds, or the directory an operator named)."""
     graph = _module_graph()
     daemon_side, engine_side = "wcache.ipc.arenas.daemon_side", "wcache.ipc.arenas.engine_side"
-    assert daemon_side not in graph[engine_side]
-    assert graph[daemon_side] <= {"wcache.errors", engine_side, "wcache.ipc.wire.messages"}
+    backing = "wcache.ipc.arenas.backing"
+    assert daemon_side not in graph[engine_side] and backing not in graph[engine_side]
+    assert graph[daemon_side] <= {"wcache.errors", engine_side, "wcache.ipc.wire.messages", backing}
+    assert graph[backing] <= {"wcache.errors"}
 
 
 # The sub-packages of ipc and what of ipc each may import (besides itself).

@@ -444,6 +444,13 @@ _ENVIRONMENT = (
         "Where daemons write their descriptors and sockets. "
         "Default: `$XDG_RUNTIME_DIR/wcache`, else `/tmp/wcache-<uid>`; mode 0700, owner checked, never a symlink.",
     ),
+    (
+        "WCACHE_ARENA_DIR",
+        "A directory on a tmpfs mounted `huge=always` or on a hugetlbfs mount: daemons started with it make their CPU "
+        "arenas there (unnamed files in 2 MiB pages) instead of as memfds. Such arenas are not write-sealed (Linux "
+        "seals only memfds); engines get read-only descriptors. A directory on any other filesystem is refused. "
+        "`wcache doctor` says what arenas get.",
+    ),
     ("WCACHE_DEBUG", "Set to anything but empty or `0` to show tracebacks for errors, like `--verbose`."),
     ("NO_COLOR", "When set, output is not coloured. Output that is not a terminal is never coloured."),
 )

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from wcache.errors import WcacheError, option
+from wcache.ipc.arenas.backing import ARENA_DIR_ENV, THP_SHMEM, arena_dir, backing_of, mount_of, shmem_huge_setting
 from wcache.ipc.run_dir.directory import DaemonDescriptor, census, default_run_dir, run_dir_unfit
 from wcache.key.digest_store import DB_NAME, default_store_dir, quick_check_read_only, untrusted_reason
 
@@ -28,11 +29,9 @@ Status = Literal["ok", "warn", "fail"]
 MIN_RUN_DIR_FREE = 16 * 1024 * 1024
 # The vLLM releases wcache's load format is tested with (major.minor); older ones lack the loader interface.
 LOAD_FORMAT_ENTRY = "wcache.integrations.vllm_plugin:register"
-THP_SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 MEMINFO = Path("/proc/meminfo")
 # What benchmarks/preload_floor.py measured on the 2-vCPU development VM (README, "Preload against its floor").
 THP_COST = "on the development VM a 1.5 GB arena filled in 0.66 s without them, 0.11 s with them"
-MOUNTS = Path("/proc/self/mounts")
 NVIDIA_VERSION = Path("/proc/driver/nvidia/version")
 
 
@@ -56,21 +55,8 @@ def _bytes(n: float) -> str:
 
 def filesystem_of(path: Path) -> str:
     """The type of the filesystem `path` is on (the longest mount point that holds it), or "?"."""
-    try:
-        lines = MOUNTS.read_text().splitlines()
-    except OSError:
-        return "?"
-    best, kind = "", "?"
-    target = os.path.realpath(path)
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, kind = point, fields[2]
-    return kind
+    mount = mount_of(path)
+    return mount.fstype if mount is not None else "?"
 
 
 def check_run_dir(run_dir: Path) -> Finding:
@@ -163,18 +149,10 @@ def check_shared_memory() -> Finding:
     return Finding(name, "ok", "; ".join(parts))
 
 
-def _bracketed(path: Path) -> str | None:
-    try:
-        match = re.search(r"\[(\w[\w-]*)\]", path.read_text())
-    except OSError:
-        return None
-    return match.group(1) if match else None
-
-
 def check_huge_pages() -> Finding:
     """Transparent huge pages for shmem: without them an arena's fill faults once per 4 KiB page."""
     name = "huge pages"
-    shmem = _bracketed(THP_SHMEM)
+    shmem = shmem_huge_setting()
     hugetlb = _meminfo().get("HugePages_Total", 0)
     tail = f"; {hugetlb} hugetlb pages reserved" if hugetlb else "; no hugetlb pages reserved"
     if shmem is None:
@@ -184,11 +162,26 @@ def check_huge_pages() -> Finding:
         # An arena is a memfd filled by pwrite, never mapped first: only "always" or "within_size" give it
         # huge pages ("advise" needs a madvise on a mapping).
         return Finding(name, "warn", f"shmem transparent huge pages are '{shmem}': an arena's fill takes a page "
-                       f"fault per 4 KiB page ({THP_COST}); echo within_size > {THP_SHMEM}{tail}")
+                       f"fault per 4 KiB page ({THP_COST}); echo within_size > {THP_SHMEM}, or name a directory on "
+                       f"a tmpfs mounted huge=always in {ARENA_DIR_ENV}{tail}")
     if shmem == "advise":
         return Finding(name, "warn", f"shmem transparent huge pages are 'advise': arenas, filled by pwrite, get none "
                        f"and fault per 4 KiB page ({THP_COST}); echo within_size > {THP_SHMEM}{tail}")
     return Finding(name, "ok", f"shmem transparent huge pages '{shmem}'{tail}")
+
+
+def check_arena_backing() -> Finding:
+    """What arenas made now get: sealed memfds, or files in the directory the operator named for huge pages."""
+    name = "arena backing"
+    directory = arena_dir()
+    try:
+        backing = backing_of(directory)
+    except WcacheError as exc:
+        return Finding(name, "fail", str(exc))
+    if directory is not None and not backing.huge:
+        return Finding(name, "warn", f"{backing.describe()}; that directory gives no huge pages for the "
+                       f"seal given up: mount it with huge=always, or unset {ARENA_DIR_ENV}")
+    return Finding(name, "ok", backing.describe())
 
 
 def _cgroup_memory_limit() -> tuple[str, int] | None:
@@ -338,7 +331,7 @@ def check_digest_store() -> Finding:
 def run_checks(run_dir: Path | None = None) -> list[Finding]:
     where = run_dir or default_run_dir()
     checks: list[Callable[[], Finding]] = [
-        lambda: check_run_dir(where), check_memfd, check_shared_memory, check_huge_pages,
+        lambda: check_run_dir(where), check_memfd, check_shared_memory, check_huge_pages, check_arena_backing,
         lambda: check_cgroup(where), lambda: check_same_uid(where), check_vllm, check_cuda, check_digest_store,
     ]
     return [check() for check in checks]

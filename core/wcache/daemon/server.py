@@ -455,7 +455,7 @@ class DaemonServer:
                 self.shared.counters["bytes_served"] += arena.total_bytes
                 # Duplicated under the lock so a concurrent release cannot close it mid-send.
                 if isinstance(arena, CpuArena):
-                    fds = (os.dup(arena.fd),)
+                    fds = (arena.engine_descriptor(),)
         if not ready:
             return ErrorReply(self._released_message()), ()
         if corrupt:  # found between this client's hello and its map: the hello's answer no longer holds

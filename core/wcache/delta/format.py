@@ -29,6 +29,7 @@ import numpy as np
 from wcache.checkpoint.dtypes import ITEMSIZE, TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.checkpoint.safetensors_header import TensorInfo
+from wcache.checkpoint.safetensors_write import Entry, write_safetensors
 from wcache.errors import BadInputError, CheckpointError
 from wcache.key.shard_hash import OpenShard
 
@@ -221,19 +222,17 @@ def _change(shard: OpenShard, path: Path, name: str, found: dict[str, TensorInfo
 
 def write_delta(path: Path, parent: str, checkpoint: str, changes: Iterator[Change]) -> int:
     """Write a delta file (through a temporary name, so a reader never sees half of one); its size in bytes."""
-    import torch
-    from safetensors.torch import save_file
-
-    tensors: dict[str, torch.Tensor] = {}
+    entries: list[Entry] = []
     for change in changes:
         if change.indices is None:
-            tensors[entry_name(change.name, WHOLE)] = change.torch_values().reshape(change.shape)
+            entries.append(Entry(entry_name(change.name, WHOLE), change.dtype, change.shape, change.values))
         else:
-            tensors[entry_name(change.name, INDICES)] = torch.from_numpy(change.indices)
-            tensors[entry_name(change.name, VALUES)] = change.torch_values()
+            count = (int(change.indices.size),)
+            entries.append(Entry(entry_name(change.name, INDICES), "I64", count, change.indices))
+            entries.append(Entry(entry_name(change.name, VALUES), change.dtype, count, change.values))
     partial = path.with_name(f".{path.name}.partial")
     try:
-        save_file(tensors, str(partial), metadata={"format": FORMAT, "parent": parent, "checkpoint": checkpoint})
+        write_safetensors(partial, entries, {"format": FORMAT, "parent": parent, "checkpoint": checkpoint})
         partial.replace(path)
     except OSError as exc:
         partial.unlink(missing_ok=True)

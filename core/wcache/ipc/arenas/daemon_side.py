@@ -1,7 +1,8 @@
 """The arena: every processed tensor of one rank in one contiguous block.
 
 CPU: a sealed-size memfd. The daemon fills it with pwrite, then write-seals it; an engine receives the descriptor by
-SCM_RIGHTS and maps it copy-on-write (MAP_PRIVATE): pages it only reads are the shared ones, and an in-place
+SCM_RIGHTS (or, for an arena in the directory an operator named for huge pages, an unsealed file: see `backing`, a
+read-only descriptor) and maps it copy-on-write (MAP_PRIVATE): pages it only reads are the shared ones, and an in-place
 write (engines post-process weights) lands in a private page, so no engine can corrupt or crash on the shared
 weights. The engine's map stays valid after the daemon exits (the memfd lives while any map or descriptor does).
 
@@ -16,6 +17,7 @@ what it receives, viewing it as tensors) is `engine_side`, which imports nothing
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from wcache.errors import UnavailableError
+from wcache.ipc.arenas.backing import arena_dir, open_arena_file, read_only_descriptor
 
 if TYPE_CHECKING:
     import torch
@@ -89,16 +92,23 @@ def view_tensors(buffer: Any, entries: Sequence[ArenaEntry]) -> dict[str, torch.
 
 
 class CpuArena:
-    """A memfd of fixed size; writable in the daemon, mapped copy-on-write by engines."""
+    """A memfd of fixed size (or an unnamed file in the operator's WCACHE_ARENA_DIR); writable in the daemon,
+    mapped copy-on-write by engines."""
 
     def __init__(self, total_bytes: int, label: str = "wcache-arena") -> None:
         self.total_bytes = total_bytes
-        self.fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        directory = arena_dir()
+        self.sealable = directory is None
+        if directory is None:
+            self.fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        else:
+            self.fd = open_arena_file(directory, total_bytes)  # of that size already
         try:
-            os.ftruncate(self.fd, total_bytes)
-            # Nobody may shrink it: an engine's map of a shrunk memfd faults (SIGBUS) on the lost pages. The write
-            # seal comes once it is filled (seal()); F_SEAL_SEAL follows it there.
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            if self.sealable:
+                os.ftruncate(self.fd, total_bytes)
+                # Nobody may shrink it: an engine's map of a shrunk memfd faults (SIGBUS) on the lost pages. The
+                # write seal comes once it is filled (seal()); F_SEAL_SEAL follows it there.
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             self._map: mmap.mmap | None = mmap.mmap(self.fd, total_bytes, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
@@ -116,13 +126,17 @@ class CpuArena:
         pwrite, not a copy through the map: the kernel gives the memfd its pages as it copies, where a write
         through a map takes a page fault per 4 KiB page (microseconds each on a VM).
         """
-        self._live_map()  # a closed arena refuses writes as it refuses every other use
+        live = self._live_map()  # a closed arena refuses writes as it refuses every other use
         view = data.cast("B")
         done = 0
         while done < len(view):
             try:
                 done += os.pwrite(self.fd, view[done:], offset + done)
             except OSError as exc:
+                if exc.errno == errno.EINVAL and not self.sealable:
+                    # hugetlbfs has no write(): its files are filled through a map (a fault per 2 MiB page).
+                    live[offset + done : offset + len(view)] = view[done:]
+                    return
                 raise UnavailableError(
                     f"the {self.total_bytes}-byte arena cannot be filled ({exc.strerror}); free some memory."
                 ) from None
@@ -149,8 +163,18 @@ class CpuArena:
         # F_SEAL_WRITE is refused while any writable shared map exists, our own included.
         self._live_map().close()
         self._map = None
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+        if self.sealable:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+        else:
+            # No seal for a file: read-only for its owner, so an engine of another user id, or one without
+            # CAP_DAC_OVERRIDE, cannot reopen it for writing through /proc.
+            os.fchmod(self.fd, 0o400)
         self._map = mmap.mmap(self.fd, self.total_bytes, prot=mmap.PROT_READ)
+
+    def engine_descriptor(self) -> int:
+        """A new descriptor to hand an engine: of the sealed memfd, or read-only of an unsealed arena file."""
+        self._live_map()
+        return os.dup(self.fd) if self.sealable else read_only_descriptor(self.fd)
 
     def _live_map(self) -> mmap.mmap:
         if self._map is None:
