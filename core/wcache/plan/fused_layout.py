@@ -155,10 +155,11 @@ class _Shards(Generic[P]):
             rows = b.manifest[f"{module}.weight"].shape[0]
             for suffix in family.QUANTIZED_SUFFIXES:
                 name = f"{module}.{suffix}"
-                if name in b.manifest and (suffix != "weight_scale" or tuple(b.manifest[name].shape) != (rows, 1)):
+                shape = tuple(b.manifest[name].shape) if name in b.manifest else None
+                if shape is not None and (suffix != "weight_scale" or shape != (rows, 1)):
                     raise UnsupportedPlanError(
-                        f"expert tensor {name!r} {tuple(b.manifest[name].shape)} cannot be stacked: the fused layout "
-                        "holds only per-channel expert weight scales ([rows, 1], as vLLM's fused MoE does); use "
+                        f"expert tensor {name!r} of shape {shape} cannot be stacked: the fused layout holds only "
+                        "per-channel expert weight scales ([rows, 1], as vLLM's fused MoE does); use "
                         f"{option('layout', 'identity')}."
                     )
         scales = [f"{module}.weight_scale" for module in modules]
