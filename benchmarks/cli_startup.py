@@ -13,10 +13,15 @@ needs no tensors. Target (issues 11 and 30): `--help`, both `status` rows and wa
 Bytecode is cached as in any installed copy (compiled files go to a scratch PYTHONPYCACHEPREFIX, even where the
 environment sets PYTHONDONTWRITEBYTECODE); `--no-bytecode-cache` compiles every wcache module on every run.
 
+`--against REV` times each wcache command a second time, round-robin with the first, under the `core/` and `cli/`
+of git revision REV (exported to the scratch dir and put first on PYTHONPATH): a before/after in one run, on
+one machine load. The daemon both ask is this tree's.
+
 Run::
 
     .venv/bin/python benchmarks/cli_startup.py
     .venv/bin/python benchmarks/cli_startup.py --runs 15
+    .venv/bin/python benchmarks/cli_startup.py --runs 9 --against HEAD~1
 """
 
 from __future__ import annotations
@@ -75,17 +80,38 @@ def _sample(args: argparse.Namespace, env: dict[str, str], python: str, wcache: 
 
     if version_problem() is None:
         commands["wcache serve (typo)"] = ([wcache, "serve", str(model), "--", "--max-model-lenn", "5"], (2,))
+    envs: dict[str, dict[str, str]] = {}  # a command's environment where it is not `env` (--against)
     time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)  # receipts of files changed this recently are never trusted
     for argv, codes in commands.values():  # warm-up: fills the digest store and the page cache
         _time_once(argv, env, codes)
     shown = subprocess.run(commands["wcache key (warm)"][0], env=env, capture_output=True, text=True, check=True)
     if ", 0 hashed" not in shown.stdout:
         raise SystemExit(f"`wcache key` still hashes after the warm-up:\n{shown.stdout}")
+    if args.against:
+        against = {**env, "PYTHONPATH": os.pathsep.join(str(root / "against" / part) for part in ("core", "cli"))}
+        for name, (argv, codes) in list(commands.items()):
+            if argv[0] == wcache:
+                commands[f"{name} [{args.against}]"] = (argv, codes)
+                envs[f"{name} [{args.against}]"] = against
+        for name, (argv, codes) in commands.items():
+            if name in envs:
+                _time_once(argv, envs[name], codes)  # its warm-up
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
     for _ in range(args.runs):
         for name, (argv, codes) in commands.items():
-            samples[name].append(_time_once(argv, env, codes))
+            samples[name].append(_time_once(argv, envs.get(name, env), codes))
     return samples
+
+
+def _export(revision: str, dest: Path) -> None:
+    """This repository's core/ and cli/ as of git `revision`, written under `dest`."""
+    repo = Path(__file__).resolve().parents[1]
+    dest.mkdir()
+    archive = subprocess.run(["git", "-C", str(repo), "archive", revision, "core", "cli"], capture_output=True,
+                             check=False)
+    if archive.returncode != 0:
+        raise SystemExit(f"git archive {revision} failed: {archive.stderr.decode(errors='replace').strip()}")
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
 
 
 def main() -> None:
@@ -93,6 +119,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=7, help="timed runs of each command (default 7)")
     parser.add_argument("--no-bytecode-cache", action="store_true",
                         help="recompile wcache's modules on every run (as under PYTHONDONTWRITEBYTECODE=1)")
+    parser.add_argument("--against", metavar="REV",
+                        help="also time each wcache command under git revision REV's core/ and cli/ (before/after)")
     args = parser.parse_args()
 
     import wcache
@@ -106,6 +134,8 @@ def main() -> None:
         run_dir.mkdir(mode=0o700)
         daemon_run_dir = root / "run-daemon"
         daemon_run_dir.mkdir(mode=0o700)
+        if args.against:
+            _export(args.against, root / "against")
         model = root / "tiny"
         synth.write_checkpoint("tiny", model)
         env = {**os.environ, "WCACHE_CACHE_DIR": str(root / "cache"), "WCACHE_RUN_DIR": str(run_dir)}
@@ -121,11 +151,12 @@ def main() -> None:
     cache = "recompiled every run" if args.no_bytecode_cache else "bytecode cached"
     print(f"median of {args.runs} runs each ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, "
           f"Python {sys.version.split()[0]}, {cache})")
-    print(f"{'command':<38} {'wall':>10} {'× floor':>8} {'CPU':>10}  target (wall)")
+    width = max(map(len, walls))
+    print(f"{'command':<{width}} {'wall':>10} {'× floor':>8} {'CPU':>10}  target (wall)")
     for name, ms in walls.items():
-        target = TARGETS_MS.get(name)
+        target = TARGETS_MS.get(name.split(" [")[0])
         verdict = ("ok" if ms <= target else "OVER") + f" (≤ {target:.0f} ms)" if target is not None else ""
-        print(f"{name:<38} {ms:>7.1f} ms {ms / floor:>7.1f}× {cpus[name]:>7.1f} ms  {verdict}")
+        print(f"{name:<{width}} {ms:>7.1f} ms {ms / floor:>7.1f}× {cpus[name]:>7.1f} ms  {verdict}")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,14 @@ NOT_FOR_EMPTY_STATUS = (
     *NOT_FOR_HELP_OR_STATUS, "wcache_cli.commands.attach", "wcache_cli.commands.preload", "wcache.integrations",
     "wcache.ipc.wire.client", "wcache.key.digest_store",
 )
+# With a daemon, status reads its descriptor, asks it over the wire and probes its health server, and needs no
+# more: not the checkpoint's file rules behind the descriptor's key type, not http.client (ssl, email) for the probe,
+# not the plan and attach options that other commands' choices are made of, nor a thread pool for one daemon.
+NOT_FOR_STATUS_WITH_A_DAEMON = (
+    *NOT_FOR_HELP_OR_STATUS, "wcache_cli.commands.attach", "wcache_cli.commands.preload", "wcache_cli.choices",
+    "wcache.attach_options", "wcache.monitor.logs", "wcache.checkpoint.files", "wcache.checkpoint.companions",
+    "wcache.key.digest_store", "http.client", "ssl", "email", "concurrent.futures",
+)
 NOT_FOR_KEY = ("torch", "wcache.daemon", "wcache.engine", "pydantic")
 # A shell completing a daemon id runs `wcache` on every TAB: the run dir census (psutil), nothing more.
 NOT_FOR_COMPLETION = ("torch", "wcache.daemon", "wcache.engine", "textual", "prometheus_client", "pydantic")
@@ -50,6 +58,17 @@ def test_status_of_an_empty_run_dir_imports_no_machinery(tmp_path: Path) -> None
     assert result.returncode == 0, result.stderr
     assert "No daemons" in result.stdout
     assert loaded_of(modules, NOT_FOR_EMPTY_STATUS) == []
+
+
+def test_status_with_a_daemon_imports_only_what_it_shows(tmp_path: Path, tiny_template: Path) -> None:
+    from daemon_fixtures import preloaded_tiny
+
+    with preloaded_tiny(tiny_template) as (rig, _, daemon):
+        result, modules = modules_after_cli(tmp_path, "status", "--json", env=rig.env)
+    assert result.returncode == 0, result.stderr
+    (row,) = json.loads(result.stdout)["daemons"]
+    assert (row["name"], row["state"], row["health_status"]) == (daemon.name, "ready", 200)
+    assert loaded_of(modules, NOT_FOR_STATUS_WITH_A_DAEMON) == []
 
 
 def test_completing_a_daemon_id_imports_no_torch(tmp_path: Path) -> None:

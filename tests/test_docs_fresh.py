@@ -25,8 +25,8 @@ import pytest
 import typer
 from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives  # noqa: F401
 from wcache_cli.app import app
+from wcache_cli.choices import Dtype, Mode
 from wcache_cli.commands.completion import SHELLS
-from wcache_cli.params import Dtype, Mode
 from wcache_dev import docgen
 
 REPO = Path(__file__).resolve().parents[1]

@@ -35,7 +35,8 @@ def _plan(path: Path, tp: int = 1, rank: int = 0) -> tuple[ProcessingPlan, dict[
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Mapping[str, Path]:
     base = tmp_path_factory.mktemp("family")
-    return {name: write_checkpoint(name, base / name) for name in ("small-w8a8", "small-fp8-tensor", "small-moe")}
+    return {name: write_checkpoint(name, base / name) for name in ("small-w8a8", "small-fp8-tensor", "small-moe",
+                                                                   "small-moe-w8a8")}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -94,6 +95,59 @@ def test_experts_are_stacked_as_vllms_fused_moe_holds_them(checkpoints: Mapping[
     views = plan.checkpoint_views(out)
     for name, tensor in source.items():
         assert torch.equal(views[name].to(tensor.dtype), tensor), name
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pre_quantized_experts_keep_their_channel_scales_stacked_as_vllms_fused_moe_holds_them(
+        checkpoints: Mapping[str, Path], tp: int) -> None:
+    path = checkpoints["small-moe-w8a8"]
+    source = read_tensors(path)
+    config = PRESETS["small-moe-w8a8"].config
+    experts, hidden = config["num_experts"], config["hidden_size"]
+    inter = config["moe_intermediate_size"] // tp
+    scales = {name for name in source if name.endswith(".weight_scale") and ".experts." in name}
+    assert len(scales) == 3 * experts * config["num_hidden_layers"]
+    for rank in range(tp):
+        plan, out = _plan(path, tp, rank)
+        # Every checkpoint scale reaches the plan: none is dropped on the way to the engine.
+        assert scales <= {source for o in plan.outputs for source in o.sources}
+        rows = slice(rank * inter, (rank + 1) * inter)
+        for i in range(config["num_hidden_layers"]):
+            assert out[family.expert_stack(i, "w13_weight")].dtype == torch.int8
+            w13 = out[family.expert_stack(i, "w13_weight_scale")]
+            w2 = out[family.expert_stack(i, "w2_weight_scale")]
+            # vLLM's CompressedTensorsW8A8Int8MoEMethod: [experts, 2 × inter per rank, 1] and [experts, hidden, 1].
+            assert (w13.dtype, tuple(w13.shape)) == (torch.float32, (experts, 2 * inter, 1))
+            assert (w2.dtype, tuple(w2.shape)) == (torch.float32, (experts, hidden, 1))
+            for e in range(experts):
+                prefix = family.expert(i, e)
+                gate_up = torch.cat([source[f"{prefix}.gate_proj.weight_scale"][rows],
+                                     source[f"{prefix}.up_proj.weight_scale"][rows]])
+                assert torch.equal(w13[e], gate_up)
+                assert torch.equal(w2[e], source[f"{prefix}.down_proj.weight_scale"])
+    plan, out = _plan(path)
+    views = plan.checkpoint_views(out)
+    for name, tensor in source.items():
+        assert torch.equal(views[name].to(tensor.dtype), tensor), name
+
+
+@pytest.mark.parametrize(("suffix", "shape", "reason"), [
+    ("weight_scale", (), r"cannot be stacked: the fused layout holds only per-channel expert weight scales"),
+    ("input_scale", (), r"cannot be stacked"),
+    ("weight_scale", None, r"is missing beside .*, so the experts' scales cannot be stacked"),
+])
+def test_expert_companions_the_fused_layout_cannot_hold_are_refused(suffix: str, shape: tuple[int, ...] | None,
+                                                                    reason: str) -> None:
+    config = PRESETS["small-moe-w8a8"].config
+    manifest = [TensorDigest(name, "F32", shape, 0, "0" * 64) for name, shape in tensor_shapes(config, True)]
+    expert_weights = [entry for entry in manifest if family.is_expert_projection(entry.name)]
+    if shape is None:  # every expert's per-channel scale but the last one's
+        extra = [TensorDigest(family.companion(e.name, suffix), "F32", (e.shape[0], 1), 0, "0" * 64)
+                 for e in expert_weights[:-1]]
+    else:
+        extra = [TensorDigest(family.companion(expert_weights[0].name, suffix), "F32", shape, 0, "0" * 64)]
+    with pytest.raises(UnsupportedPlanError, match=reason):
+        build_plan(PlanSpec(dtype="float32"), config, manifest + extra)
 
 
 @pytest.mark.parametrize("layout", ["fused", "identity"])

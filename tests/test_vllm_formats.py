@@ -17,10 +17,14 @@ from pathlib import Path
 import pytest
 from daemon_fixtures import DaemonRig, copy_checkpoint, daemon_rig, nothing_survives  # noqa: F401
 from helpers import VLLM_IN_PYTEST
+from wcache.checkpoint.files import locate
 from wcache.integrations.vllm_runner import VllmResult, VllmRun, greedy_runs
 from wcache.ipc.run_dir.directory import DaemonDescriptor
+from wcache.key.fingerprint import fingerprint_checkpoint
 from wcache.plan import family
 from wcache.plan.family import ModelDims, UnsupportedPlanError
+from wcache.plan.processing import build_plan
+from wcache.plan.spec import PlanSpec
 from wcache_dev.synth import PRESETS as DEV_PRESETS
 from wcache_dev.synth import write_checkpoint
 
@@ -125,3 +129,38 @@ def test_vllms_model_classes_fuse_as_the_plan_does() -> None:
     # A class that fuses other modules under the same names (Phi-3's stored qkv_proj) is not of the family:
     # its tensors are served by name.
     assert not family.fuses_like_family({"qkv_proj": ["qkv_proj"], "gate_up_proj": ["gate_up_proj"]})
+
+
+@VLLM_IN_PYTEST
+def test_pre_quantized_expert_stacks_have_the_shapes_of_vllms_int8_moe_parameters(tmp_path: Path) -> None:
+    """No engine runs small-moe-w8a8 here (vLLM CPU: "No Int8 MoE backend supports the deployment
+    configuration"), so the plan's expert stacks are checked against the parameters vLLM's compressed-tensors
+    W8A8 int8 MoE method makes for each rank, which its FusedMoE weight loader fills."""
+    from types import SimpleNamespace
+
+    import torch
+    from compressed_tensors.quantization import QuantizationStrategy
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w8a8_int8 as int8_moe,
+    )
+
+    layout = locate(write_checkpoint("small-moe-w8a8", tmp_path / "moe-w8a8"))
+    manifest = fingerprint_checkpoint(layout, None).manifest
+    config = DEV_PRESETS["small-moe-w8a8"].config
+    # What create_weights reads of the method: gate and up fused, no bias, per-channel weights, dynamic inputs.
+    method = SimpleNamespace(moe=SimpleNamespace(is_act_and_mul=True, has_bias=False), static_input_scales=False,
+                             weight_quant=SimpleNamespace(strategy=QuantizationStrategy.CHANNEL))
+    for tp in (1, 2):
+        layer = torch.nn.Module()
+        int8_moe.CompressedTensorsW8A8Int8MoEMethod.create_weights(
+            method, layer, num_experts=config["num_experts"], hidden_size=config["hidden_size"],
+            intermediate_size_per_partition=config["moe_intermediate_size"] // tp, params_dtype=torch.bfloat16)
+        expected = {name: (str(p.dtype).removeprefix("torch."), tuple(p.shape))
+                    for name, p in layer.named_parameters()}
+        assert set(expected) == set(family.EXPERT_STACK_LEAVES)
+        for rank in range(tp):
+            plan = build_plan(PlanSpec(tp_size=tp, tp_rank=rank, dtype="bfloat16"), layout.config, manifest)
+            outputs = {o.name: (o.dtype, o.shape) for o in plan.outputs}
+            for i in range(config["num_hidden_layers"]):
+                for leaf, held in expected.items():
+                    assert outputs[family.expert_stack(i, leaf)] == held, (tp, rank, i, leaf)

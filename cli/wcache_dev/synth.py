@@ -83,6 +83,17 @@ _BYTE_VOCAB_MIXED_WINDOWS: dict[str, Any] = {
     "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
 }
 
+# A Qwen3-MoE as small as vLLM's CPU backend runs it: head_dim 64, 4 experts of which each token takes 2,
+# every layer sparse, over the byte vocabulary.
+_SMALL_MOE = _qwen3_config(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=128, intermediate_size=256,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+    router_aux_loss_coef=0.001, output_router_logits=False, torch_dtype="bfloat16",
+    num_hidden_layers=4, vocab_size=320, max_position_embeddings=2048, bos_token_id=256, eos_token_id=257,
+    tie_word_embeddings=False,
+)
+
 PRESETS: dict[str, Preset] = {
     # Mixed full and sliding-window layers so the engine's SWA paths have something to chew on; float32
     # so outputs can be compared with transformers to 1e-4. Written as two shards to exercise the index.
@@ -135,18 +146,15 @@ PRESETS: dict[str, Preset] = {
         ),
         num_shards=2, write_lm_head=True, tokenizer=True, quantized="fp8-tensor", matrix_std=0.09,
     ),
-    # A Qwen3-MoE as small as vLLM's CPU backend runs it: head_dim 64, 4 experts of which each token takes 2,
-    # every layer sparse, over the byte vocabulary.
     "small-moe": Preset(
-        config=_qwen3_config(
-            architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=128, intermediate_size=256,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-            router_aux_loss_coef=0.001, output_router_logits=False, torch_dtype="bfloat16",
-            num_hidden_layers=4, vocab_size=320, max_position_embeddings=2048, bos_token_id=256, eos_token_id=257,
-            tie_word_embeddings=False,
-        ),
+        config=_SMALL_MOE,
         num_shards=2, write_lm_head=True, tokenizer=True, matrix_std=0.09,
+    ),
+    # The same pre-quantized as compressed-tensors W8A8 int8: every projection, each expert's too, as int8 codes
+    # with a float32 weight_scale [rows, 1]; the router and lm_head unquantized.
+    "small-moe-w8a8": Preset(
+        config={**_SMALL_MOE, "quantization_config": _compressed_tensors("int")},
+        num_shards=2, write_lm_head=True, tokenizer=True, quantized="int8", matrix_std=0.09,
     ),
     # Qwen/Qwen3-0.6B's exact tensor names, shapes and dtype. Its published file also stores lm_head.weight
     # although the embeddings are tied: 311 tensors, 1,503,264,768 data bytes.
@@ -228,7 +236,7 @@ def make_tensors(preset: Preset, seed: int = 0) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(_tensor_seed(seed, name))
         values = torch.randn(shape, generator=generator, dtype=torch.float32)
         values = 1.0 + 0.1 * values if len(shape) == 1 else preset.matrix_std * values
-        if preset.quantized and family.is_dense_projection(name):
+        if preset.quantized and family.is_projection(name):
             tensors.update(_quantized(name, values, preset.quantized))
         else:
             tensors[name] = values.to(dtype)

@@ -9,26 +9,28 @@ import typer
 from wcache.attach_options import AttachOptions
 from wcache.errors import BadInputError
 
-from wcache_cli.output import out
-from wcache_cli.params import (
+from wcache_cli.choices import (
     DEFAULT_DTYPE,
     DEFAULT_LAYOUT,
     DEFAULT_MODE,
     DEFAULT_QUANTIZATION,
-    DaemonOpt,
-    DeviceOpt,
     DtypeOpt,
-    JsonOpt,
-    MaxNewTokensOpt,
-    ModelArg,
     ModeOpt,
     PlanOpt,
     QuantizationOpt,
+    plan_from_options,
+)
+from wcache_cli.output import out
+from wcache_cli.params import (
+    DaemonOpt,
+    DeviceOpt,
+    JsonOpt,
+    MaxNewTokensOpt,
+    ModelArg,
     RankOpt,
     RunDirOpt,
     TpOpt,
     TrustDaemonOpt,
-    plan_from_options,
     run_dir_or_default,
     warn_if_exposed,
 )

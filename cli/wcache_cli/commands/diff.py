@@ -8,21 +8,18 @@ from typing import Annotated
 import typer
 from wcache.errors import EXIT_DIFFERENCE
 
-from wcache_cli.completers import daemon_ids_or_paths
-from wcache_cli.output import out
-from wcache_cli.params import (
+from wcache_cli.choices import (
     DEFAULT_DTYPE,
     DEFAULT_LAYOUT,
     DEFAULT_QUANTIZATION,
     DtypeOpt,
-    JsonOpt,
     PlanOpt,
     QuantizationOpt,
-    RankOpt,
-    RunDirOpt,
-    TpOpt,
     plan_from_options,
 )
+from wcache_cli.completers import daemon_ids_or_paths
+from wcache_cli.output import out
+from wcache_cli.params import JsonOpt, RankOpt, RunDirOpt, TpOpt
 
 OperandArg = Annotated[
     Path,

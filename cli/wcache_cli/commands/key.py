@@ -7,22 +7,18 @@ from typing import Annotated
 
 import typer
 
-from wcache_cli.completers import daemon_ids_or_paths
-from wcache_cli.output import out
-from wcache_cli.params import (
+from wcache_cli.choices import (
     DEFAULT_DTYPE,
     DEFAULT_LAYOUT,
     DEFAULT_QUANTIZATION,
     DtypeOpt,
-    ExpectedOpt,
-    JsonOpt,
     PlanOpt,
     QuantizationOpt,
-    RankOpt,
-    RunDirOpt,
-    TpOpt,
     plan_from_options,
 )
+from wcache_cli.completers import daemon_ids_or_paths
+from wcache_cli.output import out
+from wcache_cli.params import ExpectedOpt, JsonOpt, RankOpt, RunDirOpt, TpOpt
 
 
 def key(

@@ -11,26 +11,28 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from wcache.errors import EXIT_INTERRUPTED, BadInputError, UnavailableError
 
-from wcache_cli.completers import daemon_ids
-from wcache_cli.output import out, printable
-from wcache_cli.params import (
+from wcache_cli.choices import (
     DEFAULT_DTYPE,
     DEFAULT_FORMAT,
     DEFAULT_LAYOUT,
     DEFAULT_LEVEL,
     DEFAULT_QUANTIZATION,
-    DeviceOpt,
     Dtype,
     DtypeOpt,
-    ExpectedOpt,
-    JsonOpt,
     Layout,
     LogFormat,
     LogLevel,
-    OptionalModelArg,
     PlanOpt,
     Quantization,
     QuantizationOpt,
+)
+from wcache_cli.completers import daemon_ids
+from wcache_cli.output import out, printable
+from wcache_cli.params import (
+    DeviceOpt,
+    ExpectedOpt,
+    JsonOpt,
+    OptionalModelArg,
     RunDirOpt,
     TpOpt,
     run_dir_or_default,

@@ -26,9 +26,9 @@ def _health(url: str | None) -> int | None:
     if not url:
         return None
     # Imported per use: the help and a run dir without daemons must not pay for http.client, sockets or psutil.
-    from wcache.ipc.http.client import http_get
+    from wcache.ipc.http.client import health_status
 
-    return http_get(f"{url}/health", HEALTH_TIMEOUT_S)[0]
+    return health_status(f"{url}/health", HEALTH_TIMEOUT_S)
 
 
 def _ask(sockets: list[str]) -> list[DaemonStatus]:

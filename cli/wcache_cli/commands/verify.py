@@ -10,26 +10,28 @@ import typer
 from wcache.errors import EXIT_DIFFERENCE, BadInputError
 from wcache.integrations.registry import ENGINES
 
-from wcache_cli.output import out
-from wcache_cli.params import (
+from wcache_cli.choices import (
     DEFAULT_DTYPE,
     DEFAULT_LAYOUT,
     DEFAULT_MODE,
     DEFAULT_QUANTIZATION,
-    DaemonOpt,
-    DeviceOpt,
     DtypeOpt,
-    ExpectedOpt,
-    JsonOpt,
-    MaxNewTokensOpt,
     ModeOpt,
     PlanOpt,
     QuantizationOpt,
+    plan_from_options,
+)
+from wcache_cli.output import out
+from wcache_cli.params import (
+    DaemonOpt,
+    DeviceOpt,
+    ExpectedOpt,
+    JsonOpt,
+    MaxNewTokensOpt,
     RankOpt,
     RunDirOpt,
     TpOpt,
     TrustDaemonOpt,
-    plan_from_options,
     run_dir_or_default,
 )
 

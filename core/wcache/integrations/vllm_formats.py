@@ -52,7 +52,7 @@ def daemon_name(parameter: str) -> str:
     """The daemon's name for a vLLM parameter: its own, but for stacked experts, which vLLM 0.32 keeps one module
     deeper (`mlp.experts.routed_experts.w13_weight`) than the plan names them (`mlp.experts.w13_weight`)."""
     head, dot, leaf = parameter.rpartition(".")
-    if leaf not in family.EXPERT_STACKS or ".experts." not in f"{head}.":
+    if leaf not in family.EXPERT_STACK_LEAVES or ".experts." not in f"{head}.":
         return parameter
     return f"{head.split('.experts', 1)[0]}.experts{dot}{leaf}"
 

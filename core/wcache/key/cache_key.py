@@ -14,8 +14,6 @@ import msgspec
 
 from wcache.bounded_read import read_named_text, unreadable_why
 from wcache.canonical import digest_of
-from wcache.checkpoint.companions import is_companion
-from wcache.checkpoint.files import CONFIG_NAME
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
 from wcache.checkpoint.model_config import config_digest
 from wcache.checkpoint.provenance import FileDigest, FilesSource, build_files
@@ -165,6 +163,11 @@ class KeyFile:
 
 def split_files(files: tuple[FileDigest, ...]) -> tuple[tuple[FileDigest, ...], tuple[FileDigest, ...]]:
     """A key's files as (shards, then config.json and the tokenizer's files), by name."""
+    # Imported here: every reader of a daemon descriptor (`wcache status`) decodes a key, and would otherwise
+    # load the checkpoint's file and companion rules (hashlib, safetensors headers) for nothing.
+    from wcache.checkpoint.companions import is_companion
+    from wcache.checkpoint.files import CONFIG_NAME
+
     beside = tuple(f for f in files if f.name == CONFIG_NAME or is_companion(f.name))
     return tuple(f for f in files if f not in beside), beside
 

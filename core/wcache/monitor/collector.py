@@ -20,7 +20,7 @@ from typing import Any
 
 from wcache.bounded_read import open_regular, read_bounded_fd
 from wcache.checkpoint.display_name import display_name
-from wcache.ipc.http.client import http_get
+from wcache.ipc.http.client import health_status, http_get
 from wcache.ipc.run_dir.directory import DaemonDescriptor, read_descriptors, run_subdir
 from wcache.ipc.run_dir.engines import EngineDescriptor, announcer_alive, read_engine_descriptor
 from wcache.ipc.run_dir.loading import LoadingRecord, read_loading
@@ -290,7 +290,7 @@ class Collector:
 
     @staticmethod
     def _health(url: str) -> int | None:
-        return http_get(f"{url}/health", TIMEOUT_S)[0]
+        return health_status(f"{url}/health", TIMEOUT_S)
 
     def _health_checks(self, urls: set[str]) -> dict[str, Future[int | None]]:
         """A /health request per supervisor, reusing an answer younger than HEALTH_EVERY_S.

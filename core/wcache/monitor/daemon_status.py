@@ -7,11 +7,14 @@ daemons through `collect`, so a slow daemon is "unreachable" to each of them aft
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from wcache.ipc.wire.client import DaemonError, request_once
 from wcache.ipc.wire.messages import Stats, StatsReply
+
+if TYPE_CHECKING:
+    from concurrent.futures import Executor
 
 # Long enough for a daemon busy attaching a burst of engines, short enough that a hung one does not stall
 # a probe or a `top` refresh: a stats reply takes well under a millisecond.
@@ -50,5 +53,8 @@ def collect(sockets: Sequence[str], pool: Executor | None = None) -> list[Daemon
         return [ask(s) for s in sockets]
     if pool is not None:
         return [f.result() for f in [pool.submit(ask, s) for s in sockets]]
+    # Imported here: `wcache status` of one daemon, the common case, needs no thread pool.
+    from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(sockets)), thread_name_prefix="wcache-stats") as own:
         return list(own.map(ask, sockets))

@@ -32,6 +32,8 @@ LAYER_PROJECTIONS: dict[str, tuple[str, ...]] = {"self_attn": (*ATTENTION_PROJEC
 # projection kind, the experts stacked along a new first dimension (vLLM's FusedMoE w13_weight and w2_weight).
 ROUTER = "gate"  # mlp.gate.weight: [num_experts, hidden]
 EXPERT_STACKS: dict[str, tuple[str, ...]] = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
+# A pre-quantized checkpoint's per-channel expert scales are stacked alike (FusedMoE's w13_weight_scale, w2_…).
+EXPERT_STACK_LEAVES = (*EXPERT_STACKS, *(f"{stack}_scale" for stack in EXPERT_STACKS))
 
 # A pre-quantized linear module `x` stores `x.weight` as codes and, beside it, tensors that give them meaning.
 # Per output channel ones ([rows, 1] or [rows]) are stacked and sharded with the weight's rows; the others
@@ -67,7 +69,7 @@ def expert(i: int, e: int) -> str:
 
 
 def expert_stack(i: int, stack: str) -> str:
-    """The engine name of layer `i`'s stacked experts for one of EXPERT_STACKS."""
+    """The engine name of layer `i`'s stacked experts for one of EXPERT_STACK_LEAVES."""
     return f"{mlp(i)}.experts.{stack}"
 
 

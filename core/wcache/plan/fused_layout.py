@@ -137,6 +137,43 @@ class _Shards(Generic[P]):
             w2 += [self.cols(f"{prefix}.{part}.weight", start, inter) for part in family.EXPERT_STACKS["w2_weight"]]
         b.add(family.expert_stack(i, "w13_weight"), tuple(w13), (d.experts, 2 * inter, d.hidden))
         b.add(family.expert_stack(i, "w2_weight"), tuple(w2), (d.experts, d.hidden, inter))
+        self._expert_scales(i, start, inter)
+
+    def _expert_scales(self, i: int, start: int, inter: int) -> None:
+        """A pre-quantized checkpoint's per-channel expert scales stacked as the codes are, in the shapes vLLM's
+        FusedMoE holds for a channel strategy: `w13_weight_scale` [experts, 2 × inter, 1] (this rank's rows of
+        gate and up), `w2_weight_scale` [experts, hidden, 1] (down_proj's output rows, whole on every rank).
+
+        Any other expert companion (a per-tensor or grouped scale, a zero point, an input scale) is refused:
+        the fused layout would have to drop it, and an engine would then run the codes with the wrong scales.
+        """
+        d, b = self.d, self.b
+        stacks = {stack: [f"{family.expert(i, e)}.{part}" for e in range(d.experts) for part in parts]
+                  for stack, parts in family.EXPERT_STACKS.items()}
+        modules = [module for parts in stacks.values() for module in parts]
+        for module in modules:
+            rows = b.manifest[f"{module}.weight"].shape[0]
+            for suffix in family.QUANTIZED_SUFFIXES:
+                name = f"{module}.{suffix}"
+                shape = tuple(b.manifest[name].shape) if name in b.manifest else None
+                if shape is not None and (suffix != "weight_scale" or shape != (rows, 1)):
+                    raise UnsupportedPlanError(
+                        f"expert tensor {name!r} of shape {shape} cannot be stacked: the fused layout holds only "
+                        "per-channel expert weight scales ([rows, 1], as vLLM's fused MoE does); use "
+                        f"{option('layout', 'identity')}."
+                    )
+        scales = [f"{module}.weight_scale" for module in modules]
+        present = [name for name in scales if name in b.manifest]
+        if not present:
+            return
+        if len(present) < len(scales):
+            missing = next(name for name in scales if name not in b.manifest)
+            raise UnsupportedPlanError(f"{missing!r} is missing beside {present[0]!r}, so the experts' scales "
+                                       "cannot be stacked.")
+        w13 = tuple(self.rows(f"{m}.weight_scale", start, inter) for m in stacks["w13_weight"])
+        w2 = tuple(self.rows(f"{m}.weight_scale", 0, d.hidden) for m in stacks["w2_weight"])
+        b.add(family.expert_stack(i, "w13_weight_scale"), w13, (d.experts, 2 * inter, 1), dtype=family.SCALE_DTYPE)
+        b.add(family.expert_stack(i, "w2_weight_scale"), w2, (d.experts, d.hidden, 1), dtype=family.SCALE_DTYPE)
 
 
 def build(b: Builder[P], d: ModelDims) -> None:

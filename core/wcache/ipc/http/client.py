@@ -3,15 +3,21 @@
 
 http.client rather than urllib: urllib's opener machinery costs about a third more CPU per request, and `top`
 makes dozens of requests a second; there is no proxy and no redirect to follow to a process of our own.
+A health probe needs only the status line, and reads it over a plain socket (`health_status`): importing
+http.client (ssl, email) would cost `wcache status` more than the probe itself.
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import socket
 import threading
+import time
 import urllib.parse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import http.client
 
 
 class NoAnswerError(Exception):
@@ -27,6 +33,8 @@ def http_call(url: str, *, method: str = "GET", body: bytes | None = None,
     """One request to the http(s) `url`: (status, body), or NoAnswerError when nothing answers, the whole
     exchange takes longer than `timeout` seconds (a server dripping its answer included), or the answer is
     longer than `max_bytes`."""
+    import http.client
+
     connection: http.client.HTTPConnection | None = None
     expired = threading.Event()
 
@@ -82,3 +90,41 @@ def http_request(url: str, *, method: str = "GET", body: bytes | None = None,
 def http_get(url: str, timeout: float) -> tuple[int | None, bytes | None]:
     """GET `url`: (status, body), or (None, None) when nothing answers."""
     return http_request(url, headers={"Accept": "text/plain"}, timeout=timeout)
+
+
+# The longest status line a health probe reads ("HTTP/1.1 200 OK" and a reason phrase): more is no answer of ours.
+_STATUS_LINE_BYTES = 256
+
+
+def health_status(url: str, timeout: float) -> int | None:
+    """The status a GET of the http `url` answers, read from its status line, or None when nothing answers one
+    within `timeout` seconds (an https URL goes through `http_get`)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http":
+        return http_get(url, timeout)[0]
+    deadline = time.monotonic() + timeout
+    try:
+        host, port = parts.hostname, parts.port or 80  # a port out of range raises ValueError
+        if not host:
+            return None
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        request = (f"GET {target} HTTP/1.1\r\nHost: {parts.netloc.rpartition('@')[2]}\r\nAccept: text/plain\r\n"
+                   "Connection: close\r\n\r\n").encode("ascii")
+        line = b""
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(request)
+            while b"\n" not in line and len(line) < _STATUS_LINE_BYTES:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                sock.settimeout(remaining)
+                chunk = sock.recv(_STATUS_LINE_BYTES)
+                if not chunk:
+                    break
+                line += chunk
+    except (OSError, ValueError):  # UnicodeError (a URL that is not ASCII) is a ValueError
+        return None
+    fields = line.split(b"\n", 1)[0].split(None, 2)
+    if len(fields) >= 2 and fields[0].startswith(b"HTTP/1.") and len(fields[1]) == 3 and fields[1].isdigit():
+        return int(fields[1])
+    return None
