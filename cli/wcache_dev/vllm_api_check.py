@@ -87,14 +87,39 @@ def installed() -> Source:
     return Source("installed", Path(spec.origin).parent.parent, None)
 
 
-def needed_names() -> list[tuple[str, str]]:
-    """(module, name) for every `from vllm… import name` in wcache's vLLM fence."""
-    names = []
+def needed_names() -> list[tuple[tuple[str, str], ...]]:
+    """Every `from vllm… import name` in wcache's vLLM fence, as alternatives: one name imported in the branches
+    of a `try: … except ImportError: …` (one release's home of it, then another's) is one need, met by any."""
+    needs: set[tuple[tuple[str, str], ...]] = set()
     for user in USERS:
-        for node in ast.walk(ast.parse((INTEGRATIONS / user).read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "vllm":
-                names += [(node.module, alias.name) for alias in node.names]
-    return sorted(set(names))
+        tree = ast.parse((INTEGRATIONS / user).read_text())
+        grouped: set[int] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Try) and any(_catches_import_error(h) for h in node.handlers):
+                branches = [node.body, *(h.body for h in node.handlers if _catches_import_error(h))]
+                imports = [(i, _vllm_module(i)) for branch in branches for i in branch if _vllm_module(i)]
+                grouped.update(id(i) for i, _ in imports)
+                homes: dict[str, set[tuple[str, str]]] = {}
+                for statement, module in imports:
+                    for alias in statement.names:  # type: ignore[attr-defined]
+                        homes.setdefault(alias.name, set()).add((module, alias.name))
+                needs.update(tuple(sorted(alternatives)) for alternatives in homes.values())
+        for node in ast.walk(tree):
+            module = _vllm_module(node)
+            if module and id(node) not in grouped:
+                needs.update(((module, alias.name),) for alias in node.names)  # type: ignore[attr-defined]
+    return sorted(needs)
+
+
+def _vllm_module(node: ast.AST) -> str:
+    """The vLLM module a `from vllm… import` statement reads, or "" for any other node."""
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "vllm":
+        return node.module
+    return ""
+
+
+def _catches_import_error(handler: ast.ExceptHandler) -> bool:
+    return isinstance(handler.type, ast.Name) and handler.type.id in {"ImportError", "ModuleNotFoundError"}
 
 
 def _defines(tree: ast.Module, name: str) -> bool:
@@ -170,9 +195,10 @@ def body(source: Source, module: str, qualified: str) -> list[str] | None:
 
 def differences(base: Source, other: Source) -> Iterator[tuple[bool, str]]:
     """(holds, one line) per fact."""
-    for module, name in needed_names():
-        holds = provides(other, module, name)
-        yield holds, f"name {module}.{name}" + ("" if holds else ": missing")
+    for alternatives in needed_names():
+        holds = any(provides(other, module, name) for module, name in alternatives)
+        names = " or ".join(f"{module}.{name}" for module, name in alternatives)
+        yield holds, f"name {names}" + ("" if holds else ": missing")
     for module, qualified in SIGNATURES:
         mine, theirs = signature(base, module, qualified), signature(other, module, qualified)
         yield mine == theirs, (f"signature {module}.{qualified}" if mine == theirs else

@@ -104,6 +104,6 @@ def server_arg_parser() -> FlexibleArgumentParser:
     table of its options once per installed vLLM)."""
     try:
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    except ImportError:  # where 0.32's launchers package is not (yet) the server's home
-        from vllm.entrypoints.openai.cli_args import make_arg_parser  # type: ignore[no-redef,import-not-found,unused-ignore]
+    except ImportError:  # 0.34 moved it to the package the server and `vllm serve` share
+        from vllm.entrypoints.common.cli_args import make_arg_parser  # type: ignore[no-redef,import-not-found,unused-ignore]
     return make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))
