@@ -1,0 +1,198 @@
+"""The multiprocessing context a warm vLLM server starts its engine core and TP workers with: a forkserver
+that imported vLLM once.
+
+vLLM's CPU platform starts its engine core and each worker with `spawn`, and each of them re-imports torch,
+vLLM and the plugin (7-10 s apiece here) while it unpickles its target. Here they are forked instead, by one
+forkserver started once per `WarmStarter` (`start_forkserver`), which imported everything those processes
+import (`PRELOAD`) and was single-threaded when it forks (`check_fork_safe`). multiprocessing's own forkserver
+protocol carries the process object, so vLLM's `proc.sentinel`, `is_alive`, `join`, `terminate` and exit codes
+work as under `spawn`. What a forkserver child would otherwise get wrong is set right in `WarmProcess`: the
+environment of the process that started it (a forkserver child inherits the forkserver's), and the process
+group of the server it belongs to (so a launcher's `killpg` stops the whole server).
+
+Every process of a warm server (front, engine core, workers) shares the one forkserver the zygote started:
+`share_forkserver` makes multiprocessing connect to it instead of starting a forkserver of its own.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import socket
+import sys
+from multiprocessing import connection, resource_tracker, spawn, util
+from multiprocessing.context import ForkServerContext, ForkServerProcess
+from typing import Any
+
+# Everything the server's front, engine core and CPU workers import while they start, imported once by the
+# zygote and the forkserver (a module missing here is imported by each process that needs it, costing time).
+PRELOAD = (
+    "torch",
+    "vllm",
+    "vllm.entrypoints.openai.api_server",
+    "vllm.v1.engine.async_llm",
+    "vllm.v1.engine.core_client",
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.multiproc_executor",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.model_executor.models.llama",
+    "vllm.model_executor.models.qwen2",
+    "vllm.model_executor.models.qwen3",
+    "wcache.integrations.vllm_plugin",
+    "wcache.integrations.vllm_loader",
+    "wcache.integrations.vllm_api",
+)
+# Thread pools native libraries start at import (numpy's and OpenCV's OpenBLAS); one thread each keeps the
+# zygote and the forkserver single-threaded when they fork. Set before the imports, in their own environment.
+SINGLE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1"}
+
+
+class NotForkSafeError(RuntimeError):
+    """A process that is about to fork vLLM's processes has more than one thread or has initialised CUDA."""
+
+
+def thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def cuda_initialized() -> bool:
+    """Whether torch has initialised CUDA in this process (never, in a process that forks vLLM's)."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def check_fork_safe(what: str) -> None:
+    """Refuse to fork from a process where a child could inherit a held lock or a CUDA context."""
+    if cuda_initialized():
+        raise NotForkSafeError(f"the {what} has initialised CUDA, so it cannot fork vLLM's processes")
+    if (threads := thread_count()) != 1:
+        raise NotForkSafeError(f"the {what} runs {threads} threads, so it cannot fork vLLM's processes safely")
+
+
+def import_preload() -> None:
+    for name in PRELOAD:
+        __import__(name)
+
+
+class WarmProcess(ForkServerProcess):
+    """A forkserver process that runs with its starter's environment and in its starter's process group."""
+
+    _warm_environ: dict[str, str]
+    _warm_pgid: int
+
+    def start(self) -> None:
+        # vLLM sets per-process variables (OpenMP binding, thread counts) just around `start()`.
+        self._warm_environ = dict(os.environ)
+        self._warm_pgid = os.getpgrp()
+        super().start()
+
+    def run(self) -> None:
+        try:
+            os.setpgid(0, self._warm_pgid)
+        except OSError:  # the server's group is gone: it was killed while this process started
+            os._exit(1)
+        os.environ.clear()
+        os.environ.update(self._warm_environ)
+        super().run()
+
+
+class WarmContext(ForkServerContext):
+    Process = WarmProcess  # type: ignore[assignment]
+
+
+WARM_CONTEXT = WarmContext()
+
+
+def share_forkserver() -> None:
+    """Make multiprocessing in this process use the forkserver it knows (inherited from the zygote, or set by
+    the forkserver itself in its children) instead of starting one: its own check waits on a pid that is not
+    this process's child, and a forkserver child knows no pid at all."""
+    server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+
+    def ensure_running() -> None:
+        if server._forkserver_address is None or server._forkserver_alive_fd is None:
+            raise RuntimeError("this process was not started from wcache's warm forkserver")
+        resource_tracker.ensure_running()
+
+    server.ensure_running = ensure_running
+
+
+def route_vllm_to_warm_context() -> None:
+    """vLLM's engine core and workers started from this process come from the warm forkserver."""
+    from wcache.integrations.vllm_api import route_mp_context
+
+    route_mp_context(WARM_CONTEXT)
+
+
+def forkserver_main(listener_fd: int, alive_r: int) -> None:
+    """The forkserver's entry (a fresh interpreter): import what vLLM's processes import, check it is safe to
+    fork, then serve multiprocessing's forkserver protocol."""
+    try:
+        import_preload()
+        share_forkserver()
+        route_vllm_to_warm_context()
+        check_fork_safe("warm forkserver")
+    except Exception as exc:  # noqa: BLE001 - one sentence to the zygote's log, then the zygote reports it
+        print(f"wcache: the warm forkserver cannot start: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)
+    multiprocessing.forkserver.main(listener_fd, alive_r, preload=[])  # type: ignore[no-untyped-call]
+
+
+def start_forkserver() -> int:
+    """Start the warm forkserver as multiprocessing's forkserver for this process (the zygote) and its
+    descendants: its listener and the write end of its "alive" pipe are multiprocessing's, so every
+    descendant that shares them (`share_forkserver`) reaches it. The forkserver's pid."""
+    server: Any = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    resource_tracker.ensure_running()
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        try:
+            command = ("from wcache.integrations.vllm_warm_context import forkserver_main; "
+                       f"forkserver_main({listener.fileno()}, {alive_r})")
+            executable = spawn.get_executable()  # bytes, as multiprocessing's own forkserver start uses it
+            argv = [executable, *util._args_from_interpreter_flags(), "-c", command]  # type: ignore[attr-defined]
+            pid = util.spawnv_passfds(executable, argv, [listener.fileno(), alive_r])  # type: ignore[attr-defined]
+        except BaseException:
+            os.close(alive_w)
+            raise
+        finally:
+            os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+    return int(pid)
+
+
+def stop_forkserver(timeout: float) -> None:
+    """Close this process's end of the forkserver's alive pipe and reap it (it exits once no process of a
+    warm server holds the pipe); killed when it has not gone after `timeout` seconds."""
+    import signal
+    import time
+
+    server: Any = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    pid, alive_w, address = server._forkserver_pid, server._forkserver_alive_fd, server._forkserver_address
+    if pid is None:
+        return
+    os.close(alive_w)
+    server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None
+    deadline = time.monotonic() + timeout
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.05)
+    if address is not None and os.path.exists(address):
+        os.unlink(address)
+
+
+def probe_target() -> None:
+    """Run in a forkserver child at start-up: the fork works, and the child inherited no CUDA context."""
+    if cuda_initialized():
+        os._exit(3)
