@@ -10,6 +10,7 @@ importing this module first checks the installed vLLM against the range the test
 from __future__ import annotations
 
 from multiprocessing.context import BaseContext
+from typing import Any
 
 from wcache.integrations.vllm_version import check_version
 
@@ -97,4 +98,5 @@ def route_mp_context(context: BaseContext) -> None:
 
     get_mp_context.__wrapped__ = original  # type: ignore[attr-defined]
     for name in _MP_CONTEXT_USERS:
-        setattr(importlib.import_module(name), "get_mp_context", get_mp_context)
+        module: Any = importlib.import_module(name)
+        module.get_mp_context = get_mp_context

@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wcache.ipc.interpreter import python_module_argv
 from wcache.integrations.vllm_warm_context import SINGLE_THREAD_ENV
+from wcache.ipc.interpreter import python_module_argv
 
 ZYGOTE_MODULE = "wcache.integrations.vllm_warm_zygote"
 PREPARE_TIMEOUT_S = 600.0  # the zygote's and the forkserver's imports on a busy machine
@@ -153,7 +153,7 @@ class WarmStarter:
         and `env` as its whole environment, its output appended to `log_path`."""
         self.prepare()
         reply, conn = self._ask({"op": "start", "argv": list(argv), "env": dict(env),
-                                 "log_path": str(Path(log_path).absolute()), "cwd": os.getcwd()}, keep=True)
+                                 "log_path": str(Path(log_path).absolute()), "cwd": str(Path.cwd())}, keep=True)
         if "pid" not in reply:
             conn.close()
             raise WarmStartError(f"the warm zygote could not start the server: {reply.get('error', reply)}")

@@ -21,8 +21,9 @@ import multiprocessing.forkserver
 import os
 import socket
 import sys
-from multiprocessing import connection, resource_tracker, spawn, util
+from multiprocessing import connection, reduction, resource_tracker, spawn, util
 from multiprocessing.context import ForkServerContext, ForkServerProcess
+from pathlib import Path
 from typing import Any
 
 # Everything the server's front, engine core and CPU workers import while they start, imported once by the
@@ -40,6 +41,16 @@ PRELOAD = (
     "vllm.model_executor.models.llama",
     "vllm.model_executor.models.qwen2",
     "vllm.model_executor.models.qwen3",
+    # Imported lazily while the engine core and a worker start (found by listing the modules they add):
+    "setproctitle",
+    "vllm.v1.core.sched.scheduler",
+    "vllm.plugins.lora_resolvers.filesystem_resolver",
+    "vllm.plugins.lora_resolvers.hf_hub_resolver",
+    "vllm.v1.attention.backends.cpu_attn",
+    "vllm.distributed.elastic_ep.elastic_execute",
+    "vllm.model_executor.layers.quantization.compressed_tensors.utils",
+    "vllm.model_executor.layers.quantization.online.fp8",
+    "vllm.v1.pool.flash_maxsim.flash_maxsim_rerank",
     "wcache.integrations.vllm_plugin",
     "wcache.integrations.vllm_loader",
     "wcache.integrations.vllm_api",
@@ -54,7 +65,7 @@ class NotForkSafeError(RuntimeError):
 
 
 def thread_count() -> int:
-    return len(os.listdir("/proc/self/task"))
+    return sum(1 for _ in Path("/proc/self/task").iterdir())
 
 
 def cuda_initialized() -> bool:
@@ -76,16 +87,41 @@ def import_preload() -> None:
         __import__(name)
 
 
+class _Stdio:
+    """The starter's stdout and stderr, sent along with a process object as multiprocessing sends a
+    connection's descriptor (`DupFd`: duplicated into the forkserver child while it unpickles)."""
+
+    def __init__(self, fds: tuple[int, ...]) -> None:
+        self.fds = fds
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _Stdio._received, tuple(reduction.DupFd(fd) for fd in (1, 2))
+
+    @staticmethod
+    def _received(*dup_fds: Any) -> _Stdio:
+        return _Stdio(tuple(int(d.detach()) for d in dup_fds))
+
+    def install(self) -> None:
+        for target, fd in zip((1, 2), self.fds, strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
+
+
 class WarmProcess(ForkServerProcess):
-    """A forkserver process that runs with its starter's environment and in its starter's process group."""
+    """A forkserver process that runs like its starter's spawned child would: with the starter's environment,
+    stdout and stderr (a forkserver child inherits the forkserver's), and in the starter's process group."""
 
     _warm_environ: dict[str, str]
     _warm_pgid: int
+    _warm_stdio: _Stdio
 
     def start(self) -> None:
         # vLLM sets per-process variables (OpenMP binding, thread counts) just around `start()`.
         self._warm_environ = dict(os.environ)
         self._warm_pgid = os.getpgrp()
+        self._warm_stdio = _Stdio((1, 2))
+        sys.stdout.flush()
+        sys.stderr.flush()
         super().start()
 
     def run(self) -> None:
@@ -93,13 +129,14 @@ class WarmProcess(ForkServerProcess):
             os.setpgid(0, self._warm_pgid)
         except OSError:  # the server's group is gone: it was killed while this process started
             os._exit(1)
+        self._warm_stdio.install()
         os.environ.clear()
         os.environ.update(self._warm_environ)
         super().run()
 
 
 class WarmContext(ForkServerContext):
-    Process = WarmProcess  # type: ignore[assignment]
+    Process = WarmProcess
 
 
 WARM_CONTEXT = WarmContext()
@@ -109,7 +146,7 @@ def share_forkserver() -> None:
     """Make multiprocessing in this process use the forkserver it knows (inherited from the zygote, or set by
     the forkserver itself in its children) instead of starting one: its own check waits on a pid that is not
     this process's child, and a forkserver child knows no pid at all."""
-    server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    server: Any = multiprocessing.forkserver._forkserver
 
     def ensure_running() -> None:
         if server._forkserver_address is None or server._forkserver_alive_fd is None:
@@ -134,30 +171,30 @@ def forkserver_main(listener_fd: int, alive_r: int) -> None:
         share_forkserver()
         route_vllm_to_warm_context()
         check_fork_safe("warm forkserver")
-    except Exception as exc:  # noqa: BLE001 - one sentence to the zygote's log, then the zygote reports it
+    except Exception as exc:
         print(f"wcache: the warm forkserver cannot start: {exc}", file=sys.stderr, flush=True)
         os._exit(1)
-    multiprocessing.forkserver.main(listener_fd, alive_r, preload=[])  # type: ignore[no-untyped-call]
+    multiprocessing.forkserver.main(listener_fd, alive_r, preload=[])
 
 
 def start_forkserver() -> int:
     """Start the warm forkserver as multiprocessing's forkserver for this process (the zygote) and its
     descendants: its listener and the write end of its "alive" pipe are multiprocessing's, so every
     descendant that shares them (`share_forkserver`) reaches it. The forkserver's pid."""
-    server: Any = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    server: Any = multiprocessing.forkserver._forkserver
     resource_tracker.ensure_running()
     with socket.socket(socket.AF_UNIX) as listener:
         address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
         listener.bind(address)
-        os.chmod(address, 0o600)
+        Path(address).chmod(0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()
         try:
             command = ("from wcache.integrations.vllm_warm_context import forkserver_main; "
                        f"forkserver_main({listener.fileno()}, {alive_r})")
-            executable = spawn.get_executable()  # bytes, as multiprocessing's own forkserver start uses it
+            executable: Any = spawn.get_executable()  # bytes, as multiprocessing's own forkserver start uses it
             argv = [executable, *util._args_from_interpreter_flags(), "-c", command]  # type: ignore[attr-defined]
-            pid = util.spawnv_passfds(executable, argv, [listener.fileno(), alive_r])  # type: ignore[attr-defined]
+            pid = util.spawnv_passfds(executable, argv, [listener.fileno(), alive_r])
         except BaseException:
             os.close(alive_w)
             raise
@@ -175,7 +212,7 @@ def stop_forkserver(timeout: float) -> None:
     import signal
     import time
 
-    server: Any = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    server: Any = multiprocessing.forkserver._forkserver
     pid, alive_w, address = server._forkserver_pid, server._forkserver_alive_fd, server._forkserver_address
     if pid is None:
         return
@@ -188,8 +225,8 @@ def stop_forkserver(timeout: float) -> None:
             os.waitpid(pid, 0)
             break
         time.sleep(0.05)
-    if address is not None and os.path.exists(address):
-        os.unlink(address)
+    if address is not None:
+        Path(address).unlink(missing_ok=True)
 
 
 def probe_target() -> None:

@@ -29,6 +29,7 @@ import signal
 import socket
 import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 from wcache.integrations.vllm_warm_context import (
@@ -86,7 +87,7 @@ def _run_server(request: dict[str, Any], keep: set[int]) -> int:
     os.dup2(log, 2)
     os.close(log)
     os.close(null)
-    os.chdir(request.get("cwd") or os.getcwd())
+    os.chdir(request.get("cwd") or Path.cwd())
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in request["env"].items()})
     sys.argv = [SERVER_MODULE, *request["argv"]]
@@ -100,7 +101,7 @@ def _run_server(request: dict[str, Any], keep: set[int]) -> int:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - the server's own traceback, in its log, as a cold server would
+    except BaseException:
         traceback.print_exc()
         code = 1
     atexit._run_exitfuncs()  # what interpreter exit runs (vLLM's shutdown hooks), then no zygote clean-up
@@ -112,7 +113,7 @@ class Zygote:
         self.selector = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX)
         self.listener.bind(socket_path)
-        os.chmod(socket_path, 0o600)
+        Path(socket_path).chmod(0o600)
         self.listener.listen()
         self.socket_path = socket_path
         self.wake_r, self.wake_w = os.pipe()
@@ -172,7 +173,7 @@ class Zygote:
                 raise ValueError(f"unknown request {request.get('op')!r}")
             conn.settimeout(None)
             self.start(conn, request)
-        except Exception as exc:  # noqa: BLE001 - the starter gets the sentence; the zygote keeps serving
+        except Exception as exc:
             _send(conn, {"error": str(exc)})
             conn.close()
 
@@ -202,8 +203,7 @@ class Zygote:
     def close(self) -> None:
         self.selector.close()
         self.listener.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
+        Path(self.socket_path).unlink(missing_ok=True)
         stop_forkserver(FORKSERVER_STOP_S)
         _stop_resource_tracker()
         self.reap()
@@ -214,7 +214,7 @@ def _stop_resource_tracker() -> None:
     and this last descriptor."""
     from multiprocessing import resource_tracker
 
-    tracker: Any = resource_tracker._resource_tracker  # type: ignore[attr-defined]
+    tracker: Any = resource_tracker._resource_tracker
     if tracker._fd is None:
         return
     os.close(tracker._fd)
@@ -247,7 +247,7 @@ def main() -> None:
     zygote = Zygote(socket_path)
     try:
         zygote.forkserver_pid = _prepare()
-    except Exception as exc:  # noqa: BLE001 - one sentence to the starter
+    except Exception as exc:
         ready.write(json.dumps({"error": str(exc)}) + "\n")
         ready.close()
         zygote.close()
