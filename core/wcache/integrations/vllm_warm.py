@@ -103,11 +103,15 @@ class WarmStarter:
     """Starts vLLM's OpenAI servers from a pre-imported zygote (the launcher's `ServerStarter`).
 
     `zygote_log` receives the zygote's, the forkserver's and multiprocessing's resource tracker's own output
-    (default: a file in the starter's private directory, removed by `close`)."""
+    (default: a file in the starter's private directory, removed by `close`); that directory (the zygote's
+    socket) is made in `base_dir` (default: the system's temporary directory); `env` is the zygote's
+    environment (default: this process's; each server gets the one `start` is given)."""
 
-    def __init__(self, zygote_log: Path | None = None, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, zygote_log: Path | None = None, env: Mapping[str, str] | None = None,
+                 base_dir: Path | None = None) -> None:
         self._zygote_log = zygote_log
         self._env = dict(os.environ if env is None else env)
+        self._base_dir = base_dir
         self._dir: Path | None = None
         self._zygote: subprocess.Popen[bytes] | None = None
 
@@ -125,7 +129,7 @@ class WarmStarter:
         """Start the zygote and its forkserver and wait until both have imported vLLM (seconds, once)."""
         if self._zygote is not None:
             return
-        self._dir = Path(tempfile.mkdtemp(prefix="wcache-warm-"))
+        self._dir = Path(tempfile.mkdtemp(prefix="wcache-warm-", dir=self._base_dir))
         log_path = self._zygote_log or self._dir / "zygote.log"
         ready_r, ready_w = os.pipe()
         try:
