@@ -33,6 +33,8 @@ ZYGOTE_MODULE = "wcache.integrations.vllm_warm_zygote"
 PREPARE_TIMEOUT_S = 600.0  # the zygote's and the forkserver's imports on a busy machine
 REPLY_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 30.0
+# A server's exit status once the zygote (its parent, which alone can know it) has died before it.
+UNKNOWN_EXIT = 255
 
 
 class WarmStartError(RuntimeError):
@@ -41,7 +43,8 @@ class WarmStartError(RuntimeError):
 
 class WarmServer:
     """One vLLM OpenAI server front forked by the zygote (the launcher's `ServerProcess`). Its exit status
-    comes from the zygote, its parent, over the connection the start was asked on."""
+    comes from the zygote, its parent, over the connection the start was asked on (`UNKNOWN_EXIT` once the
+    server has gone after the zygote died)."""
 
     def __init__(self, pid: int, conn: socket.socket) -> None:
         self.pid = pid
@@ -50,16 +53,18 @@ class WarmServer:
         self.returncode: int | None = None
 
     def _read(self, timeout: float | None) -> None:
+        if self._conn.fileno() < 0:  # the zygote is gone: all that is left to know is whether the pid is
+            if not _exists(self.pid):
+                self.returncode = UNKNOWN_EXIT
+            elif timeout:
+                time.sleep(min(timeout, 0.1))
+            return
         ready, _, _ = select.select([self._conn], [], [], timeout)
         if not ready:
             return
         chunk = self._conn.recv(4096)
         if not chunk:
-            # The zygote went away without saying how the server ended: it was killed with it, or is gone now.
-            self._conn.close()
-            self.returncode = -signal.SIGKILL if not _exists(self.pid) else None
-            if self.returncode is None:
-                raise WarmStartError(f"the warm zygote died while server {self.pid} still runs")
+            self._conn.close()  # the zygote died without saying how the server ended
             return
         self._buffer += chunk
         while b"\n" in self._buffer:
@@ -154,7 +159,10 @@ class WarmStarter:
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> WarmServer:
         """Fork one vLLM OpenAI server with `argv` (what follows `python -m vllm.entrypoints.openai.api_server`)
-        and `env` as its whole environment, its output appended to `log_path`."""
+        and `env` as its whole environment, its output appended to `log_path`. A zygote that died is replaced
+        (its imports are paid again)."""
+        if self._zygote is not None and self._zygote.poll() is not None:
+            self.close()
         self.prepare()
         reply, conn = self._ask({"op": "start", "argv": list(argv), "env": dict(env),
                                  "log_path": str(Path(log_path).absolute()), "cwd": str(Path.cwd())}, keep=True)
