@@ -26,9 +26,12 @@ from multiprocessing.context import ForkServerContext, ForkServerProcess
 from pathlib import Path
 from typing import Any
 
+from wcache.errors import EXIT_DIFFERENCE, EXIT_UNAVAILABLE
+
 # Everything the server's front, engine core and CPU workers import while they start, imported once by the
 # zygote and the forkserver (a module missing here is imported by each process that needs it, costing time).
 PRELOAD = (
+    "wcache.integrations.vllm_api",  # first: its version check refuses an untested vLLM in one sentence
     "torch",
     "vllm",
     "vllm.entrypoints.openai.api_server",
@@ -53,8 +56,9 @@ PRELOAD = (
     "vllm.v1.pool.flash_maxsim.flash_maxsim_rerank",
     "wcache.integrations.vllm_plugin",
     "wcache.integrations.vllm_loader",
-    "wcache.integrations.vllm_api",
 )
+# The probe child's exit code when it inherited CUDA (any other failure exits otherwise).
+PROBE_FOUND_CUDA = EXIT_DIFFERENCE
 # Thread pools native libraries start at import (numpy's and OpenCV's OpenBLAS); one thread each keeps the
 # zygote and the forkserver single-threaded when they fork. Set before the imports, in their own environment.
 SINGLE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1"}
@@ -128,7 +132,7 @@ class WarmProcess(ForkServerProcess):
         try:
             os.setpgid(0, self._warm_pgid)
         except OSError:  # the server's group is gone: it was killed while this process started
-            os._exit(1)
+            os._exit(EXIT_UNAVAILABLE)
         self._warm_stdio.install()
         os.environ.clear()
         os.environ.update(self._warm_environ)
@@ -173,7 +177,7 @@ def forkserver_main(listener_fd: int, alive_r: int) -> None:
         check_fork_safe("warm forkserver")
     except Exception as exc:
         print(f"wcache: the warm forkserver cannot start: {exc}", file=sys.stderr, flush=True)
-        os._exit(1)
+        os._exit(EXIT_UNAVAILABLE)
     multiprocessing.forkserver.main(listener_fd, alive_r, preload=[])
 
 
@@ -232,4 +236,4 @@ def stop_forkserver(timeout: float) -> None:
 def probe_target() -> None:
     """Run in a forkserver child at start-up: the fork works, and the child inherited no CUDA context."""
     if cuda_initialized():
-        os._exit(3)
+        os._exit(PROBE_FOUND_CUDA)

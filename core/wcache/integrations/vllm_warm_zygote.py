@@ -32,7 +32,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from wcache.errors import EXIT_UNAVAILABLE
 from wcache.integrations.vllm_warm_context import (
+    PROBE_FOUND_CUDA,
     WARM_CONTEXT,
     check_fork_safe,
     cuda_initialized,
@@ -93,6 +95,11 @@ def _run_server(request: dict[str, Any], keep: set[int]) -> int:
     sys.argv = [SERVER_MODULE, *request["argv"]]
     import atexit
     import runpy
+    import warnings
+
+    # runpy notes that the zygote imported the module it now runs as __main__; a cold server never does.
+    warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
+                            category=RuntimeWarning)
 
     code: int = 0
     try:
@@ -234,7 +241,7 @@ def _prepare() -> int:
     probe.start()
     probe.join(PROBE_TIMEOUT_S)
     if probe.exitcode != 0:
-        reason = ("it inherited CUDA" if probe.exitcode == 3 else
+        reason = ("it inherited CUDA" if probe.exitcode == PROBE_FOUND_CUDA else
                   f"its forked child exited with {probe.exitcode} (see the zygote's log)")
         raise RuntimeError(f"the warm forkserver cannot start vLLM's processes: {reason}")
     check_fork_safe("zygote")
@@ -251,7 +258,7 @@ def main() -> None:
         ready.write(json.dumps({"error": str(exc)}) + "\n")
         ready.close()
         zygote.close()
-        sys.exit(1)
+        sys.exit(EXIT_UNAVAILABLE)
     ready.write(json.dumps({"ready": True, "pid": os.getpid(), "forkserver_pid": zygote.forkserver_pid}) + "\n")
     ready.close()
     try:
