@@ -128,6 +128,13 @@ def unavoidable(log_text: str, tp: int) -> tuple[float, float]:
     return inits[0], max(loads)
 
 
+def _mark(log: Path, what: str) -> None:
+    """A line with the wall-clock time (ms) in the server's log, to place vLLM's own (second-resolution) lines."""
+    now = time.time()
+    with log.open("a") as f:
+        f.write(f"benchmark {time.strftime('%H:%M:%S', time.localtime(now))}.{int(now % 1 * 1000):03d}: {what}\n")
+
+
 def restart(row: str, argv: list[str], url: str, env: dict[str, str], logs: Path, starter: WarmStarter
             ) -> tuple[float, list[int], Path, float]:
     """Start a server, wait for its first completion, kill it, and time its restart; seconds, tokens, log, and
@@ -138,12 +145,14 @@ def restart(row: str, argv: list[str], url: str, env: dict[str, str], logs: Path
         first_completion(url, victim, victim_log)
     finally:
         kill_server(victim)
-    log.unlink(missing_ok=True)
+    log.unlink(missing_ok=True)  # one start a log: its lines are the ones read back
+    _mark(log, "killed; restarting")
     began = time.perf_counter()
     server = start_server(row, argv, env, log, starter)
     try:
         tokens = first_completion(url, server, log)
         seconds = time.perf_counter() - began
+        _mark(log, f"first completion, {seconds:.2f} s after the start")
         again = time.perf_counter()
         assert first_completion(url, server, log) == tokens, "a second greedy completion must repeat the first"
         return seconds, tokens, log, time.perf_counter() - again
