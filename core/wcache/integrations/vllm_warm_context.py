@@ -91,6 +91,34 @@ def import_preload() -> None:
         __import__(name)
 
 
+def _cpus_from_openmp_environment() -> set[int] | None:
+    """The CPUs vLLM's OpenMP variables bind a process to, in the three forms vLLM writes them (libgomp's
+    `GOMP_CPU_AFFINITY="0 1"`, Intel's `KMP_AFFINITY=...proclist=[0,1]`, standard `OMP_PLACES={0,1}`)."""
+    text = os.environ.get("GOMP_CPU_AFFINITY")
+    if text is None and (kmp := os.environ.get("KMP_AFFINITY")) and "proclist=[" in kmp:
+        text = kmp.split("proclist=[", 1)[1].split("]", 1)[0]
+    if text is None and (places := os.environ.get("OMP_PLACES")):
+        text = places.strip("{}")
+    if text is None:
+        return None
+    try:
+        return {int(cpu) for cpu in text.replace(",", " ").split()} or None
+    except ValueError:
+        return None
+
+
+def apply_openmp_environment() -> None:
+    """Do what the OpenMP runtime does with its variables when a process starts, in a process forked after
+    the runtime was loaded (it read them once, in the zygote or the forkserver): vLLM sets a CPU worker's
+    thread count and CPU list in them just around `start()`, and relies on nothing else to apply them."""
+    if (threads := os.environ.get("OMP_NUM_THREADS", "")).isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    if (cpus := _cpus_from_openmp_environment()) is not None:
+        os.sched_setaffinity(0, cpus)  # the OpenMP threads made later inherit it
+
+
 class _Stdio:
     """The starter's stdout and stderr, sent along with a process object as multiprocessing sends a
     connection's descriptor (`DupFd`: duplicated into the forkserver child while it unpickles)."""
@@ -136,6 +164,7 @@ class WarmProcess(ForkServerProcess):
         self._warm_stdio.install()
         os.environ.clear()
         os.environ.update(self._warm_environ)
+        apply_openmp_environment()
         super().run()
 
 

@@ -36,6 +36,7 @@ from wcache.errors import EXIT_UNAVAILABLE
 from wcache.integrations.vllm_warm_context import (
     PROBE_FOUND_CUDA,
     WARM_CONTEXT,
+    apply_openmp_environment,
     check_fork_safe,
     cuda_initialized,
     import_preload,
@@ -92,6 +93,7 @@ def _run_server(request: dict[str, Any], keep: set[int]) -> int:
     os.chdir(request.get("cwd") or Path.cwd())
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in request["env"].items()})
+    apply_openmp_environment()
     sys.argv = [SERVER_MODULE, *request["argv"]]
     import atexit
     import runpy
