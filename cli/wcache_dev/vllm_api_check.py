@@ -142,6 +142,8 @@ def provides(source: Source, module: str, name: str, depth: int = 3) -> bool:
     text = source.read(module)
     if text is None:
         return False
+    if source.read(f"{module}.{name}") is not None:  # `from package import submodule`
+        return True
     tree = ast.parse(text)
     if _defines(tree, name):
         return True

@@ -10,6 +10,7 @@ importing this module first checks the installed vLLM against the range the test
 from __future__ import annotations
 
 from collections.abc import Callable
+from multiprocessing.context import BaseContext
 from typing import Any
 
 from wcache.integrations.vllm_version import check_version
@@ -82,6 +83,7 @@ __all__ = [
     "process_weights_after_loading",
     "register_model_loader",
     "resolved_model_config",
+    "route_mp_context",
     "server_arg_parser",
     "set_default_torch_dtype",
     "shutdown_engine",
@@ -107,3 +109,30 @@ def server_arg_parser() -> FlexibleArgumentParser:
     except ImportError:  # 0.34 moved it to the package the server and `vllm serve` share
         from vllm.entrypoints.common.cli_args import make_arg_parser  # type: ignore[no-redef,import-not-found,unused-ignore]
     return make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))
+
+
+# --- wcache serve's warm start: the multiprocessing context vLLM starts its engine core and workers with ---
+
+# The modules that imported vLLM's `get_mp_context` by name (each holds its own reference to it).
+_MP_CONTEXT_USERS = ("vllm.utils.system_utils", "vllm.v1.engine.utils", "vllm.v1.executor.multiproc_executor",
+                     "vllm.v1.engine.coordinator")
+
+
+def route_mp_context(context: BaseContext) -> None:
+    """Make vLLM start its engine core, workers and their queues and locks with `context` in this process (and
+    in processes forked from it). vLLM's own `get_mp_context` still runs first, for what it does besides
+    choosing (forcing `spawn` where CUDA is initialised is then refused by the warm starter, never ignored)."""
+    import importlib
+
+    from vllm.utils import system_utils
+
+    original = getattr(system_utils.get_mp_context, "__wrapped__", system_utils.get_mp_context)
+
+    def get_mp_context() -> BaseContext:
+        original()
+        return context
+
+    get_mp_context.__wrapped__ = original  # type: ignore[attr-defined]
+    for name in _MP_CONTEXT_USERS:
+        module: Any = importlib.import_module(name)
+        module.get_mp_context = get_mp_context
