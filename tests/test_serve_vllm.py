@@ -26,6 +26,7 @@ import psutil
 import pytest
 from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives, wait_for  # noqa: F401
 from helpers import assert_one_error_sentence, environment, loaded_of, modules_after_cli
+from wcache.integrations.vllm_warm import ZYGOTE_MODULE
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.ipc.run_dir.servers import ServerRecord, live_server_records
 from wcache_dev.synth import write_checkpoint
@@ -81,13 +82,14 @@ class Launcher:
             return int(json.load(response)["data"][0]["max_model_len"])
 
 
-def _start(rig: DaemonRig, model: Path, *vllm_args: str, name: str) -> Launcher:
+def _start(rig: DaemonRig, model: Path, *vllm_args: str, name: str, cold: bool = False) -> Launcher:
     port = _free_port()
     output = rig.base / f"{name}.out"
     env = environment({**rig.env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(rig.base / "vllm-cache")})
     with output.open("w") as out:
         process = subprocess.Popen(
-            [*_wcache(), "serve", str(model), "--run-dir", str(rig.run_dir), "--stop-grace", "10", "--",
+            [*_wcache(), "serve", str(model), "--run-dir", str(rig.run_dir), "--stop-grace", "10",
+             *(["--cold"] if cold else []), "--",
              "--port", str(port), *SERVER_ARGS, *vllm_args],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, text=True)
     return Launcher(rig, process, output, f"http://127.0.0.1:{port}", port)
@@ -226,8 +228,9 @@ def test_status_and_top_show_the_server(rig: DaemonRig, served: Launcher) -> Non
 
 
 def test_a_server_that_keeps_crashing_backs_off_and_says_why(rig: DaemonRig, served: Launcher) -> None:
-    """--max-model-len past the model's 512 positions passes vLLM's parser and fails in its engine config."""
-    crashing = _start(rig, rig.base / "small", "--max-model-len", "99999", name="crashing")
+    """--max-model-len past the model's 512 positions passes vLLM's parser and fails in its engine config. This
+    launcher starts its servers cold (the module's launcher is warm), so both starters are served here."""
+    crashing = _start(rig, rig.base / "small", "--max-model-len", "99999", name="crashing", cold=True)
     try:
         wait_for(lambda: "restarting in 2 s." in crashing.said(), timeout=START_S, interval=1.0,
                  what="the second failed start")
@@ -252,6 +255,8 @@ def test_stopping_the_launcher_leaves_nothing_behind(rig: DaemonRig, served: Lau
     assert all(s.exists() for s in sockets)
     shm = _shared_memory(tree)
     assert shm  # at least the daemon's arena
+    zygote_socket = next(Path(p.cmdline()[-2]) for p in tree if ZYGOTE_MODULE in p.cmdline())
+    assert zygote_socket.exists()
     assert _stop(served) == -signal.SIGTERM
     alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert alive == [], alive
@@ -259,3 +264,4 @@ def test_stopping_the_launcher_leaves_nothing_behind(rig: DaemonRig, served: Lau
     assert not RunPaths(rig.run_dir).server(served.process.pid).exists()
     assert [d.name for d in rig.descriptors()] == []
     assert sorted(path for path in shm if path.exists()) == []
+    assert not zygote_socket.parent.exists()  # the warm starter's private directory

@@ -18,6 +18,7 @@ from wcache_cli.stop_signals import StopSignal, raise_stop
 
 if TYPE_CHECKING:
     from wcache.daemon.sd_notify import Notifier
+    from wcache.ipc.run_dir.paths import RunPaths
     from wcache.serve.daemons import ServedDaemons
     from wcache.serve.option_table import OptionTable
     from wcache.serve.server_args import ServerArgs
@@ -73,6 +74,11 @@ def serve(
         float, typer.Option("--stop-grace", help="Seconds a stopping server (and its engine core and workers) gets "
                             "after SIGTERM before SIGKILL.", min=0)
     ] = 20.0,
+    cold: Annotated[
+        bool, typer.Option("--cold", help="Start each server in a fresh interpreter that imports vLLM anew, "
+                           "instead of forking it from processes that imported vLLM once (slower restarts, "
+                           "nothing kept resident).")
+    ] = False,
 ) -> None:
     """Run vLLM's OpenAI server over wcache's daemons, restarting it when it dies.
 
@@ -83,7 +89,9 @@ def serve(
     and its output goes to the run dir's logs/serve-<pid>.log. When it dies, one line says why, and it starts
     again after a backoff (1, 2, 4 … 30 s; reset once it has served a minute). SIGHUP or `wcache restart`
     restarts it at once (`wcache restart -- ARGS` with new vLLM arguments); SIGTERM and Ctrl-C stop it, its
-    engine core and workers, and the daemons this command started. Under systemd (Type=notify) it reports
+    engine core and workers, and the daemons this command started. Restarts are warm: the server, its engine
+    core and workers are forked from processes that imported vLLM once, when this command started (--cold
+    starts each in a fresh interpreter). Under systemd (Type=notify) it reports
     READY=1 once /health answers 200.
     """
     from wcache.daemon.sd_notify import Notifier
@@ -101,7 +109,8 @@ def serve(
     try:
         try:
             daemons = _daemons(model, first, device, where)
-            code = _supervise(model, user_argv, first, table, daemons, where, notifier, ready_timeout, stop_grace)
+            code = _supervise(model, user_argv, first, table, daemons, where, notifier, ready_timeout, stop_grace,
+                                 cold)
         finally:
             if daemons is not None:
                 for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -144,7 +153,7 @@ def _daemons(model: Path, first: ServerArgs, device: str, where: Path) -> Served
 
 
 def _supervise(model: Path, user_argv: list[str], first: ServerArgs, table: OptionTable, daemons: ServedDaemons,
-               where: Path, notifier: Notifier, ready_timeout: float, stop_grace: float) -> int:
+               where: Path, notifier: Notifier, ready_timeout: float, stop_grace: float, cold: bool) -> int:
     from wcache.checkpoint.model_path import resolve_model_path
     from wcache.integrations.vllm_announce import URL_VARIABLE
     from wcache.ipc.run_dir.paths import RunPaths
@@ -167,17 +176,22 @@ def _supervise(model: Path, user_argv: list[str], first: ServerArgs, table: Opti
     spec = LaunchSpec(model=str(model), user_argv=user_argv, server_argv=server_argv, env=env, url=url,
                       run_dir=where, log=paths.serve_log(os.getpid()), daemons=daemons.names,
                       ready_timeout_s=ready_timeout, stop_grace_s=stop_grace)
-    launcher = Launcher(_starter(), spec, notifier, say=lambda line: out.hint(printable(line)))
-    out.hint(f"Starting vLLM's server for {printable(str(model))} at {spec.url}; its log is {spec.log}.")
+    launcher = Launcher(_starter(cold, paths), spec, notifier, say=lambda line: out.hint(printable(line)))
+    how = "" if cold else " (importing vLLM once first, for warm restarts)"
+    out.hint(f"Starting vLLM's server for {printable(str(model))} at {spec.url}{how}; its log is {spec.log}.")
     launcher.install_signals()
     return launcher.run()
 
 
-def _starter() -> ServerStarter:
-    """The server starter: the cold one (a fresh interpreter per start); a warm one plugs in here."""
-    from wcache.serve.starter import ColdStarter
+def _starter(cold: bool, paths: RunPaths) -> ServerStarter:
+    """The warm starter (a pre-imported zygote and forkserver), or the cold one (a fresh interpreter a start)."""
+    if cold:
+        from wcache.serve.starter import ColdStarter
 
-    return ColdStarter()
+        return ColdStarter()
+    from wcache.integrations.vllm_warm import WarmStarter
+
+    return WarmStarter(zygote_log=paths.serve_starter_log(os.getpid()))
 
 
 def restart(

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from wcache.errors import UnavailableError
 from wcache.integrations.vllm_warm_context import SINGLE_THREAD_ENV
 from wcache.ipc.interpreter import python_module_argv
 
@@ -37,7 +38,7 @@ CLOSE_TIMEOUT_S = 30.0
 UNKNOWN_EXIT = 255
 
 
-class WarmStartError(RuntimeError):
+class WarmStartError(UnavailableError):
     """The warm starter could not prepare or start a server; the message is one sentence."""
 
 

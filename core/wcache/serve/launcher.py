@@ -127,7 +127,15 @@ class Launcher:
         argv = self.spec.server_argv(self.spec.user_argv)
         log_start = log_size(self.spec.log)
         began = time.monotonic()
-        process = self.starter.start(argv, self.spec.env, self.spec.log)
+        try:
+            process = self.starter.start(argv, self.spec.env, self.spec.log)
+        except WcacheError as exc:  # a warm starter whose zygote died is replaced by the next start
+            self.last_exit = f"the vLLM server could not be started: {marked(exc)}"
+            delay = self.backoff.next_delay(None)
+            self.say(f"{self.last_exit.rstrip('.')}; trying again in {delay:g} s.")
+            self._record(servers.BACKING_OFF, None)
+            self._pause(delay)
+            return
         serving_since: float | None = None
         try:
             self._record(servers.STARTING, process.pid)

@@ -130,5 +130,9 @@ class RunPaths:
     def serve_log(self, launcher_pid: int) -> Path:
         return self.logs / f"serve-{launcher_pid}.log"
 
+    def serve_starter_log(self, launcher_pid: int) -> Path:
+        """The output of `wcache serve`'s pre-imported zygote and forkserver (its servers log to `serve_log`)."""
+        return self.logs / f"serve-{launcher_pid}-starter.log"
+
     def rank_log(self, supervisor_pid: int, rank: int) -> Path:
         return self.logs / f"preload-{supervisor_pid}-rank{rank}.log"
