@@ -78,6 +78,7 @@ class EngineRow:
     requests_running: float | None = None  # a vLLM server's requests in flight, finished, and KV cache use (0..1)
     requests_done: float | None = None
     kv_usage: float | None = None
+    follows: bool = False  # a reference engine that moves to its weights' newest version by itself (--follow)
 
 
 @dataclass(frozen=True, slots=True)
