@@ -12,8 +12,9 @@ In one run, on the ``--preset`` checkpoint (qwen3-0.6b: 1.5 GB bf16, fused plan,
 * Then ``--steps`` steps of a loop (publish, follow, generate, stop the version left behind, which must need no
   ``--force``: the engine released its lease): each step replaces the final norm and every layer's norms (whole
   tensors; a sparse change needs the parent's tensor, which publish reads from its checkpoint, and a version built
-  from a delta has none on disk). Each step's follow time, the engine's RSS and USS, the live daemons' RSS and the number of arenas
-  (distinct ``memfd:wcache-arena`` inodes mapped or held by the engine and the daemons), first step against last.
+  from a delta has none on disk). Each step's follow time, the engine's RSS and USS, the live daemons' RSS and the
+  number of arenas (distinct ``memfd:wcache-arena`` inodes mapped or held by the engine and the daemons), first step
+  against last.
 
 Run::
 
@@ -235,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         for label, s in (("first step", first), ("last step", last)):
             print(f"  {label}: engine RSS {s['engine_rss'] / 1e6:,.0f} MB (USS {s['engine_uss'] / 1e6:,.0f} MB), "
                   f"{s['daemons']} daemon(s) RSS {s['daemon_rss'] / 1e6:,.0f} MB, {s['arenas']} arena(s)")
+        marks = sorted({0, len(steps) // 4, len(steps) // 2, 3 * len(steps) // 4, len(steps) - 1})
+        print("  engine USS by step: " + ", ".join(f"{i + 1}: {steps[i]['engine_uss'] / 1e6:,.0f} MB" for i in marks))
         growth = last["engine_uss"] - first["engine_uss"]
         print(f"  engine USS growth first → last: {growth / 1e6:+,.1f} MB; daemons' RSS "
               f"{(last['daemon_rss'] - first['daemon_rss']) / 1e6:+,.1f} MB; arenas at the end: {last['arenas']}")
