@@ -15,7 +15,8 @@ Schema (`Snapshot.to_json()`), version `wcache.top/1`:
              prefill_saved_total, swa_cached_bytes, hit_rate_history[] — any of these is null ("off") when
              the engine does not export the series; key_id (of the weights it serves now) and
              hit_rate_by_weights[] ([key id, overall hit rate or null] per weights key it served, current first),
-             reason (why a fallback loaded from disk), requests_running, requests_done, kv_usage (0..1)
+             reason (why a fallback loaded from disk), requests_running, requests_done, kv_usage (0..1), follows
+             (a reference engine that moves to its weights' newest version by itself: `attach --serve --follow`)
   events[]: ts, kind, severity (info | warning | error), summary, detail{}
   alerts[]: one sentence each, for what needs a person now (a storm of fallbacks, unverified hits)
 """
