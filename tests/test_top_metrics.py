@@ -231,7 +231,7 @@ ENGINE_SCHEMA: dict[str, tuple[Any, ...]] = {
         "adopted_hits_total", "replayed_tokens_total", "prefill_saved_total", "swa_cached_bytes",
         "requests_running", "requests_done", "kv_usage")},
     "reason": (str, None),
-    "hit_rate_history": (list,), "key_id": (str, None), "hit_rate_by_weights": (list,),
+    "hit_rate_history": (list,), "key_id": (str, None), "hit_rate_by_weights": (list,), "follows": (bool,),
 }
 EVENT_SCHEMA: dict[str, tuple[Any, ...]] = {
     "ts": NUMBER, "kind": (str,), "severity": (str,), "summary": (str,), "detail": (dict,),

@@ -62,6 +62,10 @@ def attach(
     serve: Annotated[bool, typer.Option("--serve", help="Serve POST /v1/completions, /health and /metrics.")] = False,
     port: Annotated[int, typer.Option("--port", help="Port for --serve (0 picks a free one).")] = 8000,
     host: Annotated[str, typer.Option("--host", help="Address for --serve.")] = "127.0.0.1",
+    follow: Annotated[
+        bool, typer.Option("--follow", help="With --serve: switch to each new version built from the weights "
+                           "served (preload --from, publish) as soon as its daemon is ready.")
+    ] = False,
     no_swa_bounded_replay: Annotated[
         bool, typer.Option("--no-swa-bounded-replay", help="Keep sliding-window KV in the prefix cache instead.")
     ] = False,
@@ -75,6 +79,8 @@ def attach(
     """
     if prompt is not None and serve:
         raise BadInputError("use --prompt or --serve, not both.")
+    if follow and not serve:
+        raise BadInputError("--follow moves a served engine to new versions; add --serve.")
     # Imported here so that building the help (every command's signature) loads no attach machinery.
     from wcache.checkpoint.model_path import resolve_model_path
 
@@ -92,7 +98,7 @@ def attach(
         check_tp_fits(model, spec)
         if serve:
             warn_if_exposed(host, "--host", "completions, metrics and weight switches")
-            _serve(model, spec.to_json(), engine_config, options, device, host, port, where)
+            _serve(model, spec.to_json(), engine_config, options, device, host, port, where, follow)
         else:
             _generate(model, spec.to_json(), engine_config, options, device, prompt or "", max_new_tokens, json)
         return
@@ -188,13 +194,17 @@ def announce(url: str, engine: Any) -> None:
 
 
 def _serve(model: Path, plan: dict[str, Any], engine_config: Any, options: AttachOptions, device: str, host: str,
-           port: int, where: Path) -> None:
+           port: int, where: Path, follow: bool) -> None:
+    from wcache.serving.follow import check_followable
     from wcache.serving.ranks import corrupt_channel, serve_rank
 
+    if follow:
+        check_followable(plan["tp_size"])
     if plan["tp_size"] == 1:
         from wcache.engine.parallel import TensorParallel
 
-        serve_rank(TensorParallel(), model, plan, engine_config, options, device, host, port, where, announce)
+        serve_rank(TensorParallel(), model, plan, engine_config, options, device, host, port, where, announce,
+                   follow=follow)
         return
     from wcache.tp_launch import run_tensor_parallel
 

@@ -212,6 +212,12 @@ def address(e: EngineRow) -> str:
     return url.removesuffix("/metrics") or "(no URL)"  # an offline engine
 
 
+def engine_daemon(e: EngineRow) -> Text:
+    """The daemon whose weights (its name holds their key id) the engine serves now, and "follows" when it moves
+    to each newer version by itself."""
+    return Text.assemble(plain(e.daemon), Text(" follows", style="dim")) if e.follows else plain(e.daemon)
+
+
 def engine_pid(e: EngineRow) -> int | None:
     """Engines announced in the run dir are named "pid N"; scraped ones have no pid we know."""
     head, _, tail = e.id.partition(" ")
@@ -226,7 +232,7 @@ ENGINE_COLUMNS: tuple[Column[EngineRow], ...] = (
     Column("model", lambda e, _: shown(e.model), lambda e: e.model, drop=2),
     Column("weights", lambda e, _: weights(e), lambda e: e.weights, drop=1),
     Column("mode", lambda e, _: plain(e.mode), lambda e: e.mode, drop=5),
-    Column("daemon", lambda e, _: plain(e.daemon), lambda e: e.daemon, drop=3),
+    Column("daemon", lambda e, _: engine_daemon(e), lambda e: e.daemon, drop=3),
     Column("attach", lambda e, _: attach_ms(e), lambda e: e.attach_ms, "right", drop=4),
     Column("up", lambda e, _: Text("up", style="green") if e.up else Text("down", style="bold red"),
            lambda e: e.up, drop=1),

@@ -432,6 +432,7 @@ class Collector:
             swa_cached_bytes=total(samples, "wcache:swa_cached_bytes"),
             hit_rate_history=tuple(history),
             key_id=key_id, hit_rate_by_weights=_hit_rates_by_weights(samples, key_id),
+            follows=announced is not None and announced.follows,
         )
 
 

@@ -15,7 +15,8 @@ Schema (`Snapshot.to_json()`), version `wcache.top/1`:
              prefill_saved_total, swa_cached_bytes, hit_rate_history[] — any of these is null ("off") when
              the engine does not export the series; key_id (of the weights it serves now) and
              hit_rate_by_weights[] ([key id, overall hit rate or null] per weights key it served, current first),
-             reason (why a fallback loaded from disk), requests_running, requests_done, kv_usage (0..1)
+             reason (why a fallback loaded from disk), requests_running, requests_done, kv_usage (0..1), follows
+             (a reference engine that moves to its weights' newest version by itself: `attach --serve --follow`)
   servers[]: launcher_pid, url, model, state (starting | serving | backing off | stopping), pid (the vLLM server's
              front process; null between a death and the next start), restarts, last_ready_s (the last start's
              time until /health answered 200), last_exit (why the last server died, one line) — each a running
@@ -82,6 +83,7 @@ class EngineRow:
     requests_running: float | None = None  # a vLLM server's requests in flight, finished, and KV cache use (0..1)
     requests_done: float | None = None
     kv_usage: float | None = None
+    follows: bool = False  # a reference engine that moves to its weights' newest version by itself (--follow)
 
 
 @dataclass(frozen=True, slots=True)

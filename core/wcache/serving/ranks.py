@@ -39,13 +39,16 @@ from wcache.ipc.run_dir.directory import ensure_run_dir
 from wcache.ipc.run_dir.engine_token import engine_token, write_engine_token
 from wcache.plan.spec import PlanSpec
 from wcache.schema import Schema, SchemaError
+from wcache.serving.follow import Follower, check_followable
 from wcache.serving.server import (
     MAX_BODY_BYTES,
     MAX_TOKENS_LIMIT,
     CounterEvents,
     ServedEngine,
     announce_engine,
+    corrupt_weights,
     make_server,
+    switch_served,
 )
 
 log = logging.getLogger("wcache.engine")
@@ -214,13 +217,26 @@ def _stats_lines_to_stderr() -> None:
     stats.setLevel(logging.INFO)
 
 
+def _follower(served: ServedEngine, daemons: Path) -> Follower:
+    """The started thread that switches `served` to its weights' newest version in `daemons` (a run dir)."""
+    engine = served.engine
+    follower = Follower(daemons, engine.device, lambda: engine.served.key_id,
+                        lambda: corrupt_weights(engine) is not None,
+                        lambda daemon: switch_served(served, None, daemon))
+    follower.start()
+    return follower
+
+
 def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_config: EngineConfig,
                options: AttachOptions, device: str, host: str, port: int, run_dir: Path,
                on_ready: Callable[[str, Engine], None] | None = None,
-               corrupt: tuple[Connection, Connection] | None = None) -> None:
+               corrupt: tuple[Connection, Connection] | None = None, follow: bool = False) -> None:
     """One rank's life: attach, build the engine, then serve (rank 0) or follow rank 0 (others). The engine
     publishes itself in `run_dir`, where `options` look for daemons unless they name another. With TP > 1,
-    `corrupt` is the `corrupt_channel()` the parent made for these ranks."""
+    `corrupt` is the `corrupt_channel()` the parent made for these ranks. With `follow` (TP 1), the engine moves
+    to its weights' newest version by itself (`serving.follow`)."""
+    if follow:
+        check_followable(tp.size)
     # Read first: an operator's token file that cannot serve fails before the attach, not after it.
     token = engine_token() if tp.rank == 0 else None
     spec = PlanSpec.from_json({**plan, "tp_rank": tp.rank})
@@ -237,7 +253,7 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
         driver = Driver(engine, tp) if tp.size > 1 else None
         _stats_lines_to_stderr()
         served = ServedEngine(engine, driver.generate if driver is not None else engine.generate,
-                              lambda switched: announce_engine(run_dir, url, switched))
+                              lambda switched: announce_engine(run_dir, url, switched), follows=follow)
         server = make_server(served, host, port, (option("host"), option("port")), control_token=token)
         url = http_url(host, server.server_address[1])
         ensure_run_dir(run_dir)
@@ -247,6 +263,7 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
         descriptor = announce_engine(run_dir, url, served)
         counters = CounterEvents(served, run_dir, url)
         counters.start()
+        follower = _follower(served, Path(options.run_dir or run_dir)) if follow else None
         stop = threading.Event()
         # SIGTERM and SIGINT end serve_forever from another thread (it cannot be interrupted in place).
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -262,6 +279,8 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
         try:
             server.serve_forever(poll_interval=0.2)
         finally:
+            if follower is not None:
+                follower.stop()
             counters.stop()
             descriptor.unlink(missing_ok=True)
             token_file.unlink(missing_ok=True)

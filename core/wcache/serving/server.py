@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -40,6 +40,9 @@ from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 from wcache.schema import Schema, SchemaError
 from wcache.serving.tokenize_api import DetokenizeAnswer, DetokenizeRequest, TokenizeAnswer, TokenizeRequest
+
+if TYPE_CHECKING:
+    from wcache.serving.switch import SwitchResult
 
 MAX_BODY_BYTES = 1 << 20
 PATH_MAX = 4096  # Linux's, terminating NUL included: no longer path names a file
@@ -59,6 +62,7 @@ class ServedEngine:
     engine: Engine
     generate: Callable[[list[int], int], Generation]  # the TP-aware entry (rank 0 drives the others)
     on_switch: Callable[[ServedEngine], object] | None = None  # after the engine moved to other weights
+    follows: bool = False  # it moves to its weights' newest version by itself (serving.follow)
 
     @property
     def model_name(self) -> str:
@@ -233,13 +237,16 @@ def _detokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
     return DetokenizeAnswer(engine.tokenizer.decode(request.tokens)).to_wire()
 
 
-def weights_document(engine: Engine) -> dict[str, Any]:
-    """GET /v1/weights: the checkpoint and key the engine serves, under which plan, and how it got them."""
+def weights_document(served: ServedEngine) -> dict[str, Any]:
+    """GET /v1/weights: the checkpoint and key the engine serves, under which plan, how it got them, and whether
+    it follows its weights' newest version."""
     from wcache.serving.switch import weights_json
 
+    engine = served.engine
     report = engine.attach_report
     plan = engine.attach_plan
-    return {"object": "weights", **weights_json(engine.served), "corrupt": corrupt_weights(engine),
+    return {"object": "weights", **weights_json(engine.served), "follows": served.follows,
+            "corrupt": corrupt_weights(engine),
             "plan": plan.to_json() if plan is not None else None,
             "tp_size": engine.tp.size, "device": engine.device, "engine_config": asdict(engine.config),
             "attach": report.summary().to_wire() if report else None}
@@ -248,7 +255,7 @@ def weights_document(engine: Engine) -> dict[str, Any]:
 def _switch(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
     """POST /v1/weights: move the engine to {"model": PATH} and/or {"daemon": ID}; 409 when nothing serves it."""
     from wcache.checkpoint.model_path import looks_like_repo_id, resolve_model_path
-    from wcache.serving.switch import SwitchMissError, switch_weights
+    from wcache.serving.switch import SwitchMissError
 
     model, daemon = body.get("model"), body.get("daemon")
     unknown = sorted(set(body) - {"model", "daemon"})
@@ -269,16 +276,25 @@ def _switch(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
             checkpoint = resolve_model_path(model) if model is not None else None
         except OSError as exc:  # a name too long for the filesystem, a directory on the way closed to the engine
             raise RequestError(f"model cannot be looked up ({exc.strerror or exc})") from None
-        result = switch_weights(served.engine, checkpoint, daemon)
+        result = switch_served(served, checkpoint, daemon)
     except SwitchMissError as exc:
         raise HTTPRequestError(str(exc), 409) from None
     except UnavailableError as exc:
         raise HTTPRequestError(str(exc), 503) from None
     except WcacheError as exc:
         raise RequestError(str(exc)) from None
+    return {"object": "weights_switch", **result.to_json()}
+
+
+def switch_served(served: ServedEngine, checkpoint: Path | None, daemon: str | None) -> SwitchResult:
+    """Switch the served engine (`switch_weights`), then announce what it serves now: what a POST /v1/weights
+    and a following engine both run."""
+    from wcache.serving.switch import switch_weights
+
+    result = switch_weights(served.engine, checkpoint, daemon)
     if served.on_switch is not None:
         served.on_switch(served)
-    return {"object": "weights_switch", **result.to_json()}
+    return result
 
 
 def make_server(served: ServedEngine, host: str, port: int, flags: tuple[str, str] | None = None, *,
@@ -307,7 +323,7 @@ def make_server(served: ServedEngine, host: str, port: int, flags: tuple[str, st
             elif path == "/metrics":
                 self.send_metrics(registry)
             elif path == "/v1/weights":
-                self.send_json(200, weights_document(served.engine))
+                self.send_json(200, weights_document(served))
             elif path == "/v1/models":
                 self.send_json(200, {"object": "list", "data": [{"id": served.model_name, "object": "model",
                                                                  "owned_by": "wcache"}]})
@@ -422,4 +438,4 @@ def write_engine_descriptor(run_dir: Path, url: str, served: ServedEngine) -> Pa
     return write_descriptor(run_dir, EngineDescriptor(
         pid=os.getpid(), url=url, model=served.model_name, source=str(served.engine.served.source),
         attach=report.summary() if report is not None else None,
-        key_id=served.engine.served.key_id, started=time.time()))
+        key_id=served.engine.served.key_id, started=time.time(), follows=served.follows))

@@ -41,6 +41,7 @@ class EngineDescriptor(Schema, frozen=True):
     engine: str = REFERENCE_ENGINE
     tp_rank: int = 0
     tp_size: int = 1
+    follows: bool = False  # a reference engine that moves to its weights' newest version by itself (--follow)
 
 
 def announcer_alive(descriptor: EngineDescriptor) -> bool:

@@ -1,0 +1,250 @@
+"""Engines follow: a served reference engine with ``--follow`` answering on the version a training loop publishes.
+
+In one run, on the ``--preset`` checkpoint (qwen3-0.6b: 1.5 GB bf16, fused plan, TP 1):
+
+* ``wcache preload N`` holds N; ``wcache attach N --serve --follow`` serves it.
+* N+1 is N after a simulated training step (``--fraction``, 1.5%, of every tensor's elements moved), held in this
+  process as tensors; ``publish(N, changes)`` gets each tensor's changed elements as (flat indices, values).
+  Timed: the publish call (to the new daemon READY), then from its return until ``GET /v1/weights`` names N+1's
+  key, and until a one-token completion answers with ``weights_key`` = N+1's key (target ≤ 1 s).
+* The engine's greedy tokens (16, from a fixed prompt of token ids) against an engine loading N+1 from disk
+  (N+1's tensors written as a checkpoint): equal, or the run fails.
+* Then ``--steps`` steps of a loop (publish, follow, generate, stop the version left behind, which must need no
+  ``--force``: the engine released its lease): each step replaces the final norm and every layer's norms (whole
+  tensors; a sparse change needs the parent's tensor, which publish reads from its checkpoint, and a version built
+  from a delta has none on disk). Each step's follow time, the engine's RSS and USS, the live daemons' RSS and the
+  number of arenas (distinct ``memfd:wcache-arena`` inodes mapped or held by the engine and the daemons), first step
+  against last.
+
+Run::
+
+    .venv/bin/python benchmarks/follow.py                          # qwen3-0.6b, 1.5%, 20 loop steps
+    .venv/bin/python benchmarks/follow.py --preset small --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from bench_common import fmt_seconds, stop_preloaded, timed_preload, wcache_command, workspace
+from restart import our_leftovers
+from wcache.daemon.publish import publish
+from wcache.ipc.run_dir.directory import census
+from wcache_dev.synth import read_tensors, training_step, write_checkpoint, write_tensors
+
+PROMPT_IDS = [11, 257, 1024, 3000, 42, 7, 99, 512]  # taken modulo the vocabulary
+PROMPT: list[int] = []
+GREEDY_TOKENS = 16
+SERVING = re.compile(r"SERVING (http://127\.0\.0\.1:\d+)/v1/completions")
+POLL_S = 0.005
+
+
+def _sparse(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, object]:
+    """Each changed tensor as (flat int64 indices, values): what a trainer holding both would hand to publish."""
+    changes: dict[str, object] = {}
+    for name, new in after.items():
+        old = before[name]
+        bits = {2: torch.int16, 4: torch.int32}[new.element_size()]
+        where = (new.reshape(-1).view(bits) != old.reshape(-1).view(bits)).nonzero().reshape(-1)
+        if where.numel():
+            changes[name] = (where, new.reshape(-1)[where].clone())
+    return changes
+
+
+def _changed_bytes(changes: dict[str, object]) -> int:
+    total = 0
+    for value in changes.values():
+        assert isinstance(value, tuple)
+        total += value[1].numel() * value[1].element_size()
+    return total
+
+
+def _get(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return dict(json.loads(response.read()))
+
+
+def _complete(url: str, max_tokens: int) -> dict[str, Any]:
+    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return dict(json.loads(response.read()))
+
+
+def _follow(url: str, key_id: str, timeout: float = 60.0) -> tuple[float, float]:
+    """Seconds until /v1/weights names `key_id`, and until a one-token completion runs on it."""
+    began = time.perf_counter()
+    while _get(f"{url}/v1/weights")["key_id"] != key_id:
+        if time.perf_counter() - began > timeout:
+            raise SystemExit(f"the engine did not follow to {key_id} in {timeout:.0f} s")
+        time.sleep(POLL_S)
+    switched = time.perf_counter() - began
+    while _complete(url, 1)["wcache"]["weights_key"] != key_id:
+        pass
+    return switched, time.perf_counter() - began
+
+
+def _serve(cli: list[str], model: Path, run_dir: Path, env: dict[str, str],
+           log: Path) -> tuple[subprocess.Popen[str], str]:
+    process = subprocess.Popen([*cli, "attach", str(model), "--serve", "--follow", "--port", "0", "--run-dir",
+                                str(run_dir)], stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env,
+                               stdin=subprocess.DEVNULL)
+    assert process.stdout is not None
+    for line in process.stdout:
+        if (match := SERVING.search(line)) is not None:
+            return process, match.group(1)
+    raise SystemExit(f"the engine exited {process.wait()}: {log.read_text()[-2000:]}")
+
+
+def _arenas(pids: list[int]) -> int:
+    """Distinct arena memfds the processes map or hold open."""
+    inodes: set[int] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                if "memfd:wcache-arena" in line:
+                    inodes.add(int(line.split()[4]))
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if "memfd:wcache-arena" in str(fd.readlink()):
+                        inodes.add(fd.stat().st_ino)
+    return len(inodes)
+
+
+def _memory(engine: psutil.Process, run_dir: Path) -> dict[str, int]:
+    daemons = [d.pid for d in census(run_dir, clean=False).live]
+    info = engine.memory_full_info()
+    daemon_rss = 0
+    for pid in daemons:
+        with contextlib.suppress(psutil.Error):
+            daemon_rss += psutil.Process(pid).memory_info().rss
+    return {"engine_rss": info.rss, "engine_uss": info.uss, "daemon_rss": daemon_rss, "daemons": len(daemons),
+            "arenas": _arenas([engine.pid, *daemons])}
+
+
+def _stop(cli: list[str], name: str, env: dict[str, str]) -> None:
+    done = subprocess.run([*cli, "stop", name], env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"`wcache stop {name}` (no --force) failed: {done.stderr.strip()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen3-0.6b")
+    parser.add_argument("--fraction", type=float, default=0.015, help="share of every tensor's elements changed")
+    parser.add_argument("--steps", type=int, default=20, help="publish-follow-generate loop steps")
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    cli = wcache_command()
+    began = time.perf_counter()
+    with workspace(args.workdir) as work:
+        run_dir, store = work / "run", work / "store"
+        for owned in (run_dir, store, work / "n1"):
+            shutil.rmtree(owned, ignore_errors=True)
+        env = {**os.environ, "WCACHE_RUN_DIR": str(run_dir), "WCACHE_CACHE_DIR": str(store)}
+        os.environ.update(env)  # publish, in this process, reads the same store
+        parent = work / "n"
+        if not parent.exists():
+            print(f"writing the {args.preset!r} checkpoint ...", file=sys.stderr)
+            write_checkpoint(args.preset, parent)
+        config = json.loads((parent / "config.json").read_text())
+        PROMPT[:] = [i % int(config["vocab_size"]) for i in PROMPT_IDS]
+        spawned: list[psutil.Process] = []
+        engine_process: subprocess.Popen[str] | None = None
+        try:
+            _, ready = timed_preload([*cli, "preload", str(parent), "--detach", "--json"], env, run_dir, spawned)
+            current = ready["ranks"][0]["name"]
+            arena_bytes = int(ready["ranks"][0]["weights_bytes"])
+            engine_process, url = _serve(cli, parent, run_dir, env, work / "engine.err")
+            engine = psutil.Process(engine_process.pid)
+            tensors = read_tensors(parent)
+            stepped = training_step(tensors, args.fraction, seed=1)
+            changes = _sparse(tensors, stepped)
+            t = time.perf_counter()
+            published = publish(current, changes, run_dir=run_dir)
+            publish_s = time.perf_counter() - t
+            switched_s, answered_s = _follow(url, published.key.short_id)
+            served = _complete(url, GREEDY_TOKENS)["choices"][0]["token_ids"]
+            _stop(cli, current, env)
+            current = published.daemons[0]
+            write_tensors(stepped, config, work / "n1", 1)
+            del tensors
+            from wcache.engine.engine import Engine
+
+            disk = Engine.from_disk(work / "n1")
+            on_disk = disk.generate(PROMPT, GREEDY_TOKENS).token_ids
+            disk.close()
+            del disk
+            shutil.rmtree(work / "n1")
+            norms = sorted(n for n in stepped if n.endswith("norm.weight"))
+            steps: list[dict[str, Any]] = []
+            for step in range(args.steps):
+                # Each step's norms differ from the last step's (a multiple of 1/16 added, cycling through 50).
+                whole = {n: (stepped[n].float() + (step % 50 + 1) / 16).to(stepped[n].dtype) for n in norms}
+                t = time.perf_counter()
+                made = publish(current, whole, run_dir=run_dir)
+                step_publish_s = time.perf_counter() - t
+                step_switch_s, step_answer_s = _follow(url, made.key.short_id)
+                generated = _complete(url, 4)
+                assert generated["wcache"]["weights_key"] == made.key.short_id
+                _stop(cli, current, env)
+                current = made.daemons[0]
+                steps.append({"publish_s": step_publish_s, "switch_s": step_switch_s, "answer_s": step_answer_s,
+                              **_memory(engine, run_dir)})
+        finally:
+            if engine_process is not None:
+                engine_process.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    engine_process.wait(30)
+            spawned.extend(p for p in our_leftovers(run_dir) if p.pid != os.getpid())
+            stop_preloaded(cli, run_dir, spawned)
+    elapsed = time.perf_counter() - began
+    changed = _changed_bytes(changes)
+    equal = served == on_disk
+    print(f"N → N+1 on {args.preset} ({arena_bytes / 1e9:.2f} GB arena), {args.fraction:.1%} of every tensor's "
+          f"elements ({len(changes)} tensors, {changed / 1e6:,.1f} MB of changed values), published from memory:")
+    print(f"  publish call (to N+1 READY): {fmt_seconds(publish_s)}")
+    print(f"  after it returned: /v1/weights on N+1 in {fmt_seconds(switched_s)}, a completion answered on N+1 in "
+          f"{fmt_seconds(answered_s)} (target ≤ 1 s: {'met' if answered_s <= 1.0 else 'NOT met'}); "
+          f"from the publish call's start {fmt_seconds(publish_s + answered_s)}")
+    print(f"  greedy tokens ({GREEDY_TOKENS}) equal to a disk load of N+1: {'yes' if equal else 'NO'}")
+    if steps:
+        first, last = steps[0], steps[-1]
+
+        def median(field: str) -> str:
+            return fmt_seconds(statistics.median(s[field] for s in steps))
+
+        print(f"loop of {len(steps)} steps (norms replaced, publish → follow → generate → stop the old version "
+              f"without --force): median publish {median('publish_s')}, switch seen {median('switch_s')}, "
+              f"answered {median('answer_s')} after publish returned (max "
+              f"{fmt_seconds(max(s['answer_s'] for s in steps))})")
+        for label, s in (("first step", first), ("last step", last)):
+            print(f"  {label}: engine RSS {s['engine_rss'] / 1e6:,.0f} MB (USS {s['engine_uss'] / 1e6:,.0f} MB), "
+                  f"{s['daemons']} daemon(s) RSS {s['daemon_rss'] / 1e6:,.0f} MB, {s['arenas']} arena(s)")
+        marks = sorted({0, len(steps) // 4, len(steps) // 2, 3 * len(steps) // 4, len(steps) - 1})
+        print("  engine USS by step: " + ", ".join(f"{i + 1}: {steps[i]['engine_uss'] / 1e6:,.0f} MB" for i in marks))
+        growth = last["engine_uss"] - first["engine_uss"]
+        print(f"  engine USS growth first → last: {growth / 1e6:+,.1f} MB; daemons' RSS "
+              f"{(last['daemon_rss'] - first['daemon_rss']) / 1e6:+,.1f} MB; arenas at the end: {last['arenas']}")
+    print(f"{os.cpu_count()} CPUs, torch {torch.__version__}, whole run {elapsed:.0f} s.")
+    leaked = bool(steps) and steps[-1]["arenas"] != 1
+    return 0 if equal and not leaked else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

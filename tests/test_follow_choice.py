@@ -1,0 +1,60 @@
+"""Which version a following engine moves to (`newest_descendant`), and when it moves at all (`Follower.look`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from wcache.errors import BadInputError
+from wcache.ipc.run_dir.directory import DaemonDescriptor
+from wcache.key.cache_key import WeightCacheKey
+from wcache.plan.spec import PlanSpec
+from wcache.serving.follow import Follower, check_followable, newest_descendant
+
+
+def _daemon(key_id: str, parent: str | None = None, *, started: str = "2026-01-01T00:00:00+00:00",
+            device: str = "cpu", tp_size: int = 1) -> DaemonDescriptor:
+    name = f"{device}-{key_id}"
+    return DaemonDescriptor(
+        name=name, pid=1, pid_created=0.0, device=device, tp_size=tp_size, tp_rank=0, key_id=key_id,
+        key=WeightCacheKey(checkpoint=key_id, config="c", tokenizer="t", plan="p", format=1), plan=PlanSpec(),
+        config=None, source=f"/{key_id}", socket=f"/{name}.sock", health_url=None, supervisor_pid=None,
+        started=started, weights_bytes=0, parent_key_id=parent, parent=f"{device}-{parent}" if parent else None)
+
+
+def test_the_newest_descendant_is_the_tip_of_the_chain_from_the_served_key() -> None:
+    live = [_daemon("aaaa"), _daemon("bbbb", "aaaa"), _daemon("cccc", "bbbb"), _daemon("uuuu"),
+            _daemon("vvvv", "uuuu")]
+    assert newest_descendant(live, "aaaa", "cpu") == live[2]
+    assert newest_descendant(live, "bbbb", "cpu") == live[2]
+    assert newest_descendant(live, "cccc", "cpu") is None  # nothing newer
+    assert newest_descendant(live, "zzzz", "cpu") is None  # an engine on a key no version descends from
+
+
+def test_unrelated_other_device_and_tensor_parallel_versions_are_not_followed() -> None:
+    live = [_daemon("aaaa"), _daemon("uuuu"), _daemon("vvvv", "uuuu"), _daemon("bbbb", "aaaa", device="cuda0"),
+            _daemon("dddd", "aaaa", tp_size=2)]
+    assert newest_descendant(live, "aaaa", "cpu") is None
+
+
+def test_of_two_branches_the_one_started_last() -> None:
+    early = _daemon("bbbb", "aaaa", started="2026-01-01T00:00:01+00:00")
+    late = _daemon("cccc", "aaaa", started="2026-01-01T00:00:02+00:00")
+    assert newest_descendant([late, early, _daemon("aaaa")], "aaaa", "cpu") == late
+
+
+def test_a_cycle_of_parents_ends() -> None:
+    assert newest_descendant([_daemon("aaaa", "bbbb"), _daemon("bbbb", "aaaa")], "aaaa", "cpu") is not None
+
+
+def test_a_corrupt_or_unkeyed_engine_does_not_look(tmp_path: Path) -> None:
+    switched: list[str] = []
+    corrupt = Follower(tmp_path, "cpu", lambda: "aaaa", lambda: True, switched.append)
+    unkeyed = Follower(tmp_path, "cpu", lambda: None, lambda: False, switched.append)
+    assert corrupt.look() is None and unkeyed.look() is None and switched == []
+
+
+def test_a_tensor_parallel_engine_cannot_follow() -> None:
+    with pytest.raises(BadInputError, match="TP 2"):
+        check_followable(2)
+    check_followable(1)
