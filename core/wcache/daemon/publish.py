@@ -3,13 +3,20 @@
 `publish(parent, changes)` takes the parent daemon (a name or key id) and, by Hugging Face checkpoint name, either
 a whole new tensor or (flat int64 indices, values). The changes are checked as a delta file's entries are (a
 tensor the parent holds, its dtype and shape, indices 1-D, sorted, unique and in range), each changed tensor is
-hashed as it will be (the parent's bytes read from the parent's checkpoint on disk, checked against the parent's
-manifest, with the change applied) to name the new checkpoint digest, and the delta is written beside the run dir
-and built by `start_next_version`, which computes that digest again from the built arena before publishing. A
-refusal raises one sentence and leaves every daemon serving.
+hashed as it will be to name the new checkpoint digest, and the delta is written beside the run dir and built by
+`start_next_version`, which computes that digest again from the built arena before publishing. A refusal raises
+one sentence and leaves every daemon serving.
 
-Not yet here (issue 29): builds inside the parent's daemon group, a pool of retired arenas, the parent's tensors
-from its arena instead of its checkpoint.
+A whole new tensor is hashed as given. A sparse change needs the parent's tensor: it is read from the parent
+daemon's arena, mapped zero-copy as the build maps it (`wcache.delta.arena.mapped_parent`), wherever the arena
+holds it as the checkpoint did (no cast, not a TP shard, not quantized: every tensor of the default plan at TP 1),
+checked against the parent's manifest and hashed before and after the change in one pass. So a training loop
+publishes step after step from the version it published last, whose only file is a delta long deleted. Where the
+plan transforms the tensor, it comes from the parent's checkpoint on disk (checked likewise); a parent built from
+a delta has none, and a sparse change to such a tensor is one sentence (whole tensors still work).
+
+Not yet here (issue 29): builds inside the parent's daemon group, a pool of retired arenas, sparse changes to
+tensors the parent's plan transforms once its checkpoint is gone (the build would need them too).
 """
 
 from __future__ import annotations
@@ -25,14 +32,19 @@ import numpy as np
 from wcache.checkpoint.dtypes import TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest, merkle_root
 from wcache.daemon.launch import parent_group, start_next_version
+from wcache.delta.arena import ParentTensors, mapped_parent, parent_layout, patched_digests
 from wcache.delta.format import BITS, Change, DeltaError, write_delta
-from wcache.delta.make import read_tensor, tensor_locations
 from wcache.errors import UnavailableError
-from wcache.ipc.run_dir.directory import default_run_dir, ensure_run_dir
+from wcache.ipc.run_dir.directory import DaemonDescriptor, default_run_dir, ensure_run_dir
 from wcache.ipc.wire.client import DaemonConnection, DaemonError
 from wcache.ipc.wire.messages import Hello, Manifest, WantedKey
 from wcache.key.cache_key import WeightCacheKey
 from wcache.load.loader import processed_digest
+
+# How the sentence ends when a sparse change's parent tensor is in neither the parent's arena (as the checkpoint
+# held it) nor on disk.
+_SPARSE_NEEDS = ("publish of sparse changes needs the parent's tensors as the checkpoint held them; whole new "
+                 "tensors work")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,24 +95,25 @@ def publish(parent: str, changes: Mapping[str, object], *, run_dir: Path | None 
     hold, UnavailableError when the parent cannot be read."""
     where = ensure_run_dir(run_dir or default_run_dir())
     head = parent_group(where, parent)[0]
-    connection = DaemonConnection(head.socket)
-    try:
-        hello = connection.request(Hello.mine(WantedKey.of(head.key)))
-        if hello.status != "hit":
-            raise UnavailableError(f"daemon {head.name} answered {hello.status}; it no longer serves its key.")
-        manifest = {e.name: e for e in connection.request(Manifest()).tensors}
-    except DaemonError as exc:
-        raise UnavailableError(f"daemon {head.name} cannot be read ({str(exc).rstrip('.')}).") from None
-    finally:
-        connection.close()
     if not changes:
         raise DeltaError("publish was given no changed tensor.")
-    made: list[Change] = []
-    for name in sorted(changes):
-        if name not in manifest:
-            raise _refuse(name, "the parent checkpoint holds no such tensor")
-        made.append(_change(name, changes[name], manifest[name]))
-    digests = {c.name: _new_digest(c, manifest[c.name], Path(head.source)) for c in made}
+    connection = DaemonConnection(head.socket)
+    try:  # the connection's lease keeps the parent serving while its arena is read
+        try:
+            hello = connection.request(Hello.mine(WantedKey.of(head.key)))
+            if hello.status != "hit":
+                raise UnavailableError(f"daemon {head.name} answered {hello.status}; it no longer serves its key.")
+            manifest = {e.name: e for e in connection.request(Manifest()).tensors}
+        except DaemonError as exc:
+            raise UnavailableError(f"daemon {head.name} cannot be read ({str(exc).rstrip('.')}).") from None
+        made: list[Change] = []
+        for name in sorted(changes):
+            if name not in manifest:
+                raise _refuse(name, "the parent checkpoint holds no such tensor")
+            made.append(_change(name, changes[name], manifest[name]))
+        digests = _new_digests(made, manifest, connection, head)
+    finally:
+        connection.close()
     new_manifest = tuple(msgspec.structs.replace(e, digest=digests.get(e.name, e.digest))
                          for e in manifest.values())
     checkpoint = merkle_root(tuple(sorted(new_manifest, key=lambda e: e.name)))
@@ -113,15 +126,30 @@ def publish(parent: str, changes: Mapping[str, object], *, run_dir: Path | None 
     return Published(descriptors[0].key, [d.name for d in descriptors])
 
 
-def _new_digest(change: Change, target: TensorDigest, source: Path) -> str:
-    if change.indices is None:
-        return processed_digest(change.torch_values())
-    try:
-        shard_path, info = tensor_locations(source)[change.name]
-    except KeyError:
-        raise UnavailableError(f"the parent's checkpoint {source} no longer holds {change.name!r}.") from None
-    tensor = read_tensor(shard_path, info)
-    if processed_digest(tensor) != target.digest:
-        raise UnavailableError(f"{change.name!r} in {shard_path} is no longer the parent daemon's.")
-    change.apply_to(tensor.reshape(-1))
-    return processed_digest(tensor)
+def _new_digests(made: list[Change], manifest: dict[str, TensorDigest], connection: DaemonConnection,
+                 head: DaemonDescriptor) -> dict[str, str]:
+    """BLAKE3 of each changed tensor as the change makes it. The parent's arena is mapped only when a change is
+    sparse (a whole new tensor needs nothing of the parent), and unmapped before this returns."""
+    digests = {c.name: processed_digest(c.torch_values()) for c in made if c.indices is None}
+    sparse = [c for c in made if c.indices is not None]
+    if not sparse:
+        return digests
+    plan, entries, total = parent_layout(head, tuple(manifest.values()))
+    with mapped_parent(connection, head, plan, entries, total, manifest, _SPARSE_NEEDS) as parent:
+        for change in sparse:
+            digests[change.name] = _sparse_digest(change, manifest[change.name], parent, head.name)
+    return digests
+
+
+def _sparse_digest(change: Change, target: TensorDigest, parent: ParentTensors, daemon: str) -> str:
+    """BLAKE3 of the parent's tensor with sparse `change` applied; the parent's bytes checked against `target`."""
+    view = parent.held(change.name)
+    if view is None:  # transformed in the arena: from the checkpoint on disk, checked there
+        tensor = parent.full(change.name)  # read from the file for this call alone: patched in place
+        change.apply_to(tensor.reshape(-1))
+        return processed_digest(tensor)
+    before, after = patched_digests(view, change)
+    if before != target.digest:
+        raise UnavailableError(f"tensor {change.name!r} in daemon {daemon}'s arena no longer has the digest its "
+                               "manifest names; nothing was published from it.")
+    return after

@@ -24,10 +24,11 @@ arena, give that digest too.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -40,6 +41,7 @@ import numpy as np
 from wcache._version import __version__
 from wcache.checkpoint.dtypes import TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest, merkle_root
+from wcache.checkpoint.safetensors_header import TensorInfo
 from wcache.delta.format import Change, Delta, DeltaError, read_delta
 from wcache.errors import BadInputError, CheckpointError, UnavailableError
 from wcache.ipc.arenas.daemon_side import ArenaEntry, CpuArena, plan_layout
@@ -114,8 +116,7 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
         delta = read_delta(delta_path, by_name)
         delta.check_parent(parent.key.checkpoint, f"daemon {parent.name}")
         claimed = next_key(parent.key, delta.checkpoint)
-        plan = build_plan(parent.plan, parent.config, manifest)
-        entries, total = plan_layout([(o.name, o.dtype, o.shape, o.nbytes) for o in plan.outputs])
+        plan, entries, total = parent_layout(parent, manifest)
         if on_key is not None:
             try:
                 on_key(claimed)
@@ -152,6 +153,37 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
         connection.close()  # the lease on the parent ends here, built or not
 
 
+def parent_layout(parent: DaemonDescriptor, manifest: tuple[TensorDigest, ...]
+                  ) -> tuple[ProcessingPlan, tuple[ArenaEntry, ...], int]:
+    """Daemon `parent`'s plan over its manifest, and the arena layout (entries, total bytes) that plan gives: its
+    arena's, which `_map_parent` checks the daemon's map reply against."""
+    plan = build_plan(parent.plan, parent.config, manifest)
+    entries, total = plan_layout([(o.name, o.dtype, o.shape, o.nbytes) for o in plan.outputs])
+    return plan, entries, total
+
+
+@contextlib.contextmanager
+def mapped_parent(connection: DaemonConnection, parent: DaemonDescriptor, plan: ProcessingPlan,
+                  entries: tuple[ArenaEntry, ...], total: int, manifest: dict[str, TensorDigest],
+                  why: str) -> Iterator[ParentTensors]:
+    """The parent's checkpoint tensors, from a zero-copy map of its arena (the lease `connection` holds keeps it
+    serving meanwhile) where it holds them whole, else from its checkpoint on disk; `why` ends the sentence raised
+    when neither has one. A CUDA arena is not mapped here (it would need the device): its tensors come from disk.
+    The map is gone once the block ends, unless the caller still holds a view of it."""
+    from wcache.ipc.arenas.engine_side import map_cpu_arena
+
+    views: dict[str, torch.Tensor] = {}
+    if parent.device == "cpu":
+        fd, wire_entries = _map_parent(connection, parent, entries, total)
+        views = map_cpu_arena(fd, total, wire_entries).tensors  # closes fd; the views hold the map
+    tensors = ParentTensors(plan, views, manifest, Path(parent.source), why)
+    del views
+    try:
+        yield tensors
+    finally:
+        tensors.close()
+
+
 def _map_parent(connection: DaemonConnection, parent: DaemonDescriptor, entries: tuple[ArenaEntry, ...],
                 total: int) -> tuple[int, list[Any]]:
     """A zero-copy map of the parent's arena (its memfd, which the caller closes, and its wire entries), checked
@@ -186,27 +218,42 @@ def _check_makes_claim(delta: Delta, parent: DaemonDescriptor, connection: Daemo
                        entries: tuple[ArenaEntry, ...], total: int, manifest: dict[str, TensorDigest]) -> None:
     """DeltaError unless the delta's changes, applied to the parent, make the checkpoint it names: only the
     changed tensors are made and hashed (from the parent's arena where it holds them whole, else its files)."""
-    from wcache.ipc.arenas.engine_side import map_cpu_arena
-
-    fd, wire_entries = _map_parent(connection, parent, entries, total)
-    mapped = map_cpu_arena(fd, total, wire_entries)  # closes fd
-    tensors = _ParentTensors(plan, mapped.tensors, manifest, Path(parent.source))
-    try:
-        digests = {name: processed_digest(_applied(change, tensors.full(name), manifest[name].shape))
+    with mapped_parent(connection, parent, plan, entries, total, manifest, _REMAKE) as tensors:
+        digests = {name: processed_digest(_applied(change, tensors.full, manifest[name].shape))
                    for name, change in delta.changes.items()}
-    finally:
-        del tensors, mapped
-        gc.collect()  # torch views hold the map
     _check_root(delta, parent, tuple(manifest.values()), digests)
 
 
-def _applied(change: Change, parent: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Checkpoint tensor `parent` with `change` applied (a new tensor; `parent` is left as it was)."""
+def _applied(change: Change, parent_full: Callable[[str], torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """Checkpoint tensor `change.name` with `change` applied (a new tensor; the parent's is left as it was). The
+    parent's tensor is fetched only for a sparse change: a whole new tensor needs none, so it works where the
+    parent's tensor is in neither its arena nor on disk (a parent built from a delta, whose plan casts)."""
     if change.indices is None:
         return change.torch_values().reshape(shape)
-    made = parent.clone()
+    made = parent_full(change.name).clone()
     change.apply_to(made.reshape(-1))
     return made
+
+
+def patched_digests(tensor: torch.Tensor, change: Change) -> tuple[str, str]:
+    """BLAKE3 of contiguous `tensor`'s bytes as they are and with sparse `change` applied, in one pass over them a
+    chunk at a time (read, hash, copy into one reused buffer, patch, hash): no copy of the whole tensor is made,
+    and each chunk is still in the CPU's cache when hashed the second time."""
+    import torch
+
+    data = tensor.reshape(-1).view(torch.uint8).numpy()
+    nbytes = data.size
+    whole = Span(change.name, 0, nbytes, 0)  # the tensor's bytes, at their own offsets
+    before, after = tensor_hasher(nbytes), tensor_hasher(nbytes)
+    buffer = np.empty(min(_STREAM_CHUNK, nbytes), dtype=np.uint8)
+    for done in range(0, nbytes, _STREAM_CHUNK):
+        n = min(_STREAM_CHUNK, nbytes - done)
+        np.copyto(buffer[:n], data[done : done + n])
+        chunk = buffer.data[:n]
+        before.update(chunk)
+        _patch(chunk, done, whole, change)
+        after.update(chunk)
+    return before.hexdigest(), after.hexdigest()
 
 
 
@@ -363,7 +410,7 @@ class _TorchSide:
         self.build = build
         self.new_tensors = build.arena.tensors(build.entries)
         parent = map_cpu_arena(os.dup(build._parent_fd), build.arena.total_bytes, build._parent_entries)
-        self.parent = _ParentTensors(build.plan, parent.tensors, build.manifest, build.parent_source)
+        self.parent = ParentTensors(build.plan, parent.tensors, build.manifest, build.parent_source, _REMAKE)
         self.new_views = _exact_views(build.plan, self.new_tensors, build.manifest)
         self._made: dict[str, torch.Tensor] = {}
 
@@ -382,7 +429,7 @@ class _TorchSide:
             return view
         made = self._made.get(name)
         if made is None:
-            made = self._made[name] = _applied(change, self.parent_full(name), self.build.manifest[name].shape)
+            made = self._made[name] = _applied(change, self.parent_full, self.build.manifest[name].shape)
         return made
 
     def scatter(self, output: str, pieces: tuple[Piece, ...]) -> None:
@@ -397,20 +444,37 @@ class _TorchSide:
             row += piece.length if piece.dim == 0 else piece.source_shape[0]
 
 
-class _ParentTensors:
+# How a build's sentence ends when a parent tensor is in neither the parent's arena nor its checkpoint on disk.
+_REMAKE = "the plan cannot be re-made without it"
+
+
+class ParentTensors:
     """Whole checkpoint tensors of the parent: views of its arena where it holds them whole in their checkpoint
-    dtype, else read from its checkpoint on disk (checked against its manifest; `bytes_read` counts them)."""
+    dtype, else read from its checkpoint on disk (checked against its manifest; `bytes_read` counts them). `why`
+    ends the one sentence raised when the disk has no such tensor (a caller's reason for needing it)."""
 
     def __init__(self, plan: ProcessingPlan, arena_tensors: dict[str, torch.Tensor],
-                 manifest: dict[str, TensorDigest], source: Path) -> None:
+                 manifest: dict[str, TensorDigest], source: Path, why: str) -> None:
         self.views = _exact_views(plan, arena_tensors, manifest)
         self.manifest = manifest
         self.source = source
+        self.why = why
         self.bytes_read = 0
+        self._locations: dict[str, tuple[Path, TensorInfo]] | None = None  # the source's headers, read once
+
+    def held(self, name: str) -> torch.Tensor | None:
+        """The arena's view of tensor `name` (its checkpoint bytes, not yet checked), or None where the arena
+        does not hold it so."""
+        return self.views.get(name)
 
     def full(self, name: str) -> torch.Tensor:
         view = self.views.get(name)
         return view if view is not None else self._from_disk(name)
+
+    def close(self) -> None:
+        """Drop the views, so the arena's map goes once nothing else holds one."""
+        self.views = {}
+        gc.collect()  # torch views hold the map; nothing else refers to them now
 
     def _from_disk(self, name: str) -> torch.Tensor:
         from wcache.delta.make import read_tensor, tensor_locations
@@ -418,17 +482,18 @@ class _ParentTensors:
         entry = self.manifest[name]
         source = self.source
         try:
-            shard_path, info = tensor_locations(source)[name]
+            if self._locations is None:
+                self._locations = tensor_locations(source)
+            shard_path, info = self._locations[name]
         except (CheckpointError, KeyError):
             raise UnavailableError(
-                f"tensor {name!r} is not held whole in the parent's arena and its checkpoint {source} no longer "
-                "holds it; the plan cannot be re-made without it."
+                f"tensor {name!r} is not held whole in the parent's arena (its plan shards, casts or quantizes it) "
+                f"and its checkpoint {source} no longer holds it; {self.why}."
             ) from None
         tensor = read_tensor(shard_path, info).reshape(entry.shape)
         self.bytes_read += info.nbytes
         if processed_digest(tensor) != entry.digest:
-            raise UnavailableError(f"tensor {name!r} in {shard_path} is no longer the parent daemon's; the plan "
-                                   "cannot be re-made from it.")
+            raise UnavailableError(f"tensor {name!r} in {shard_path} is no longer the parent daemon's; {self.why}.")
         return tensor
 
 
