@@ -26,17 +26,19 @@ from wcache_dev.synth import write_training_step
 
 @pytest.fixture(scope="module")
 def versions(tmp_path_factory: pytest.TempPathFactory, tiny_template: Path) -> dict[str, Path]:
-    """N (the tiny checkpoint), N+1 (2% of every tensor's elements moved), the delta, and N+1 materialized."""
+    """N (the tiny checkpoint), N+1 (2% of every tensor's elements moved), the delta, N+1 materialized, and N+2
+    (N+1 after another such step)."""
     base = tmp_path_factory.mktemp("versions")
     parent = tiny_template
     child = write_training_step(parent, base / "n1", 0.02)
+    grandchild = write_training_step(child, base / "n2", 0.02, seed=2)
     delta = base / "step.safetensors"
     made = wcache_process("delta", str(parent), str(child), "-o", str(delta), "--json")
     assert made.returncode == 0, made.stderr
     materialized = base / "materialized"
     applied = wcache_process("delta", "--apply", str(parent), str(delta), "-o", str(materialized), "--json")
     assert applied.returncode == 0, applied.stderr
-    return {"parent": parent, "child": child, "delta": delta, "materialized": materialized}
+    return {"parent": parent, "child": child, "grandchild": grandchild, "delta": delta, "materialized": materialized}
 
 
 @pytest.fixture
@@ -335,6 +337,73 @@ def test_publish_steps_leave_no_arena_behind(rig: DaemonRig, versions: dict[str,
                     arenas.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
     assert len(arenas) == 1  # the newest version's, held by its one daemon
     assert set(os.listdir("/dev/shm")) - shm_before == set()
+
+
+_PUBLISH_CHAIN = """
+import sys
+from pathlib import Path
+import torch
+from wcache.daemon.publish import publish
+from wcache.errors import UnavailableError
+from wcache_dev.synth import read_tensors
+n, n1, n2 = (read_tensors(Path(p)) for p in sys.argv[2:5])
+current, run_dir, last = sys.argv[5], Path(sys.argv[6]), sys.argv[7]
+
+def sparse(before, after):
+    changes = {}
+    for name, new in after.items():
+        bits = {2: torch.int16, 4: torch.int32}[new.element_size()]
+        where = (new.reshape(-1).view(bits) != before[name].reshape(-1).view(bits)).nonzero().reshape(-1)
+        if where.numel():
+            changes[name] = (where, new.reshape(-1)[where].clone())
+    return changes
+
+first = publish(current, sparse(n, n1), run_dir=run_dir)
+print(first.key.short_id)
+if last == "whole":
+    try:
+        publish(first.daemons[0], sparse(n1, n2), run_dir=run_dir)
+    except UnavailableError as exc:
+        print("unavailable:", exc)
+    second = publish(first.daemons[0], n2, run_dir=run_dir)
+else:
+    second = publish(first.daemons[0], sparse(n1, n2), run_dir=run_dir)
+print(second.key.short_id)
+"""
+
+
+def test_a_chain_of_sparse_publishes_reads_each_parent_from_its_arena(rig: DaemonRig,
+                                                                      versions: dict[str, Path]) -> None:
+    # N+1 is built from a delta file that publish deleted: N+2's sparse changes need N+1's tensors from its arena.
+    [parent] = rig.preload(versions["parent"])
+    done = rig.python(_PUBLISH_CHAIN, str(versions["parent"]), str(versions["child"]), str(versions["grandchild"]),
+                      parent.name, str(rig.run_dir), "sparse")
+    rig._remember_supervisors()
+    assert done.returncode == 0, done.stderr
+    n1_id, n2_id = done.stdout.split()
+    assert n1_id == _key_id(versions["child"])
+    assert n2_id == _key_id(versions["grandchild"])  # the cold key of the checkpoint with both steps applied
+    assert {d.key_id for d in rig.descriptors()} == {parent.key_id, n1_id, n2_id}
+    assert {d["state"] for d in rig.status()["daemons"]} == {"ready"}
+    assert not list(rig.run_dir.glob("publish-*"))
+
+
+def test_a_sparse_publish_from_a_casting_parent_without_its_checkpoint_is_one_sentence(
+        rig: DaemonRig, versions: dict[str, Path]) -> None:
+    # The plan casts float32 to bfloat16: the arena does not hold the checkpoint's bytes, so N+1's sparse changes
+    # read N's from its checkpoint on disk; N+1's only file was a deleted delta, so N+2's cannot, but whole do.
+    cast = ("--dtype", "bfloat16")
+    [parent] = rig.preload(versions["parent"], *cast)
+    done = rig.python(_PUBLISH_CHAIN, str(versions["parent"]), str(versions["child"]), str(versions["grandchild"]),
+                      parent.name, str(rig.run_dir), "whole")
+    rig._remember_supervisors()
+    assert done.returncode == 0, done.stderr
+    n1_id, refused, n2_id = done.stdout.strip().splitlines()
+    assert n1_id == _key_id(versions["child"], *cast)
+    assert refused.startswith("unavailable: tensor ") and refused.endswith("; whole new tensors work.")
+    assert "publish of sparse changes needs the parent's tensors as the checkpoint held them" in refused
+    assert n2_id == _key_id(versions["grandchild"], *cast)
+    assert {d.key_id for d in rig.descriptors()} == {parent.key_id, n1_id, n2_id}
 
 
 def _is_rig_daemon(pid: int, run_dir: Path) -> bool:
