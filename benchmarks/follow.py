@@ -10,11 +10,11 @@ In one run, on the ``--preset`` checkpoint (qwen3-0.6b: 1.5 GB bf16, fused plan,
 * The engine's greedy tokens (16, from a fixed prompt of token ids) against an engine loading N+1 from disk
   (N+1's tensors written as a checkpoint): equal, or the run fails.
 * Then ``--steps`` steps of a loop (publish, follow, generate, stop the version left behind, which must need no
-  ``--force``: the engine released its lease): each step replaces the final norm and every layer's norms (whole
-  tensors; a sparse change needs the parent's tensor, which publish reads from its checkpoint, and a version built
-  from a delta has none on disk). Each step's follow time, the engine's RSS and USS, the live daemons' RSS and the
-  number of arenas (distinct ``memfd:wcache-arena`` inodes mapped or held by the engine and the daemons), first step
-  against last.
+  ``--force``: the engine released its lease): each step moves the same ``--fraction`` of every tensor's elements
+  again (by 1/16), handed to publish as (indices, values) from the version published last, whose only file was a
+  deleted delta: publish reads the parent's tensors from its arena. Each step's follow time, the engine's RSS and
+  USS, the live daemons' RSS and the number of arenas (distinct ``memfd:wcache-arena`` inodes mapped or held by the
+  engine and the daemons), first step against last.
 
 Run::
 
@@ -191,13 +191,18 @@ def main(argv: list[str] | None = None) -> int:
             disk.close()
             del disk
             shutil.rmtree(work / "n1")
-            norms = sorted(n for n in stepped if n.endswith("norm.weight"))
             steps: list[dict[str, Any]] = []
-            for step in range(args.steps):
-                # Each step's norms differ from the last step's (a multiple of 1/16 added, cycling through 50).
-                whole = {n: (stepped[n].float() + (step % 50 + 1) / 16).to(stepped[n].dtype) for n in norms}
+            for _ in range(args.steps):
+                # The elements N+1 moved, moved again by 1/16 (more than a bf16 ulp), from the version published
+                # last: `stepped` follows each step so the next one's values are the parent's plus a change.
+                step_changes: dict[str, object] = {}
+                for name, change in changes.items():
+                    assert isinstance(change, tuple)
+                    flat = stepped[name].reshape(-1)
+                    flat[change[0]] = (flat[change[0]].float() * (1 + 1 / 16)).to(flat.dtype)
+                    step_changes[name] = (change[0], flat[change[0]].clone())
                 t = time.perf_counter()
-                made = publish(current, whole, run_dir=run_dir)
+                made = publish(current, step_changes, run_dir=run_dir)
                 step_publish_s = time.perf_counter() - t
                 step_switch_s, step_answer_s = _follow(url, made.key.short_id)
                 generated = _complete(url, 4)
@@ -229,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         def median(field: str) -> str:
             return fmt_seconds(statistics.median(s[field] for s in steps))
 
-        print(f"loop of {len(steps)} steps (norms replaced, publish → follow → generate → stop the old version "
+        print(f"loop of {len(steps)} steps (sparse steps, publish → follow → generate → stop the old version "
               f"without --force): median publish {median('publish_s')}, switch seen {median('switch_s')}, "
               f"answered {median('answer_s')} after publish returned (max "
               f"{fmt_seconds(max(s['answer_s'] for s in steps))})")
