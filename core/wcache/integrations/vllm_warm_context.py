@@ -91,6 +91,19 @@ def import_preload() -> None:
         __import__(name)
 
 
+def freeze_imported_objects() -> None:
+    """Move every object the imports made into the collector's permanent generation, in a process about to fork.
+
+    vLLM's front, engine core and workers each run a full `gc.collect()` when they have started
+    (`freeze_gc_heap`); in a process forked from here that pass would walk every object of torch and vLLM
+    again, 0.4-0.6 s apiece on this shape. Frozen objects are never walked, and never written by the
+    collector, so their pages also stay shared with the parent. They live as long as the imports anyway."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def _cpus_from_openmp_environment() -> set[int] | None:
     """The CPUs vLLM's OpenMP variables bind a process to, in the three forms vLLM writes them (libgomp's
     `GOMP_CPU_AFFINITY="0 1"`, Intel's `KMP_AFFINITY=...proclist=[0,1]`, standard `OMP_PLACES={0,1}`)."""
@@ -204,6 +217,7 @@ def forkserver_main(listener_fd: int, alive_r: int) -> None:
         share_forkserver()
         route_vllm_to_warm_context()
         check_fork_safe("warm forkserver")
+        freeze_imported_objects()
     except Exception as exc:
         print(f"wcache: the warm forkserver cannot start: {exc}", file=sys.stderr, flush=True)
         os._exit(EXIT_UNAVAILABLE)

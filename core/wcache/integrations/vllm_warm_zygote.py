@@ -11,7 +11,8 @@ and have not initialised CUDA, then serves requests on the Unix socket SOCKET, o
   stdout and stderr appended to `log_path`, as the leader of a new process group. Answered `{"pid": N}` (or
   `{"error": "..."}`), then `{"exit": CODE}` on the same connection when it has exited (negative: the signal
   that killed it), the way `subprocess.Popen.returncode` says it.
-* `{"op": "status"}`: `{"pid", "forkserver_pid", "threads", "cuda_initialized"}`.
+* `{"op": "status"}`: `{"pid", "forkserver_pid", "threads", "cuda_initialized", "frozen_objects"}` (what
+  `gc.freeze` moved out of the collector's reach before the zygote forks).
 
 The server is a process group leader in the zygote's session rather than a session leader: its engine core
 and workers are forked by the forkserver (another process of this session) and join the server's group
@@ -22,6 +23,7 @@ and workers are forked by the forkserver (another process of this session) and j
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import selectors
@@ -39,6 +41,7 @@ from wcache.integrations.vllm_warm_context import (
     apply_openmp_environment,
     check_fork_safe,
     cuda_initialized,
+    freeze_imported_objects,
     import_preload,
     probe_target,
     route_vllm_to_warm_context,
@@ -175,7 +178,8 @@ class Zygote:
             request = _read_request(conn)
             if request.get("op") == "status":
                 _send(conn, {"pid": os.getpid(), "forkserver_pid": self.forkserver_pid,
-                             "threads": thread_count(), "cuda_initialized": cuda_initialized()})
+                             "threads": thread_count(), "cuda_initialized": cuda_initialized(),
+                             "frozen_objects": gc.get_freeze_count()})
                 conn.close()
                 return
             if request.get("op") != "start":
@@ -247,6 +251,7 @@ def _prepare() -> int:
                   f"its forked child exited with {probe.exitcode} (see the zygote's log)")
         raise RuntimeError(f"the warm forkserver cannot start vLLM's processes: {reason}")
     check_fork_safe("zygote")
+    freeze_imported_objects()
     return forkserver_pid
 
 
