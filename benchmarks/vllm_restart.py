@@ -15,7 +15,8 @@ server's first completion (greedy, 4 tokens; every row's tokens must equal `auto
 The warm restart is also set against what no start-up can skip, measured in that same server: vLLM's engine
 initialisation (its log's ``init engine (profile, create kv cache, warmup model) took``), the weight phase
 (wcache's ``load_model``: the model's build, the attach and vLLM's post-processing) and the completion's own
-compute (the same completion asked again once the server is up). Medians of ``--repeat``. Run under the vLLM
+compute (the same completion asked again once the server is up). Medians of ``--repeat``; the ratio to that
+sum also as the median of each repeat's own ratio (its rows share one machine load). Run under the vLLM
 lock where other jobs start engines::
 
     flock /tmp/wcache-vllm.lock .venv/bin/python benchmarks/vllm_restart.py               # qwen3-0.6b, TP 1
@@ -178,7 +179,8 @@ def main() -> None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
         group = start_daemons(model, run_dir=run_dir, tp=args.tp)
         starter = WarmStarter(zygote_log=logs / "zygote.log", env=env)
-        samples: dict[str, list[float]] = {row: [] for row in (*ROWS, "init", "load", "completion")}
+        samples: dict[str, list[float]] = {row: [] for row in (*ROWS, "init", "load", "completion",
+                                                                  "warm_over_floor")}
         try:
             began = time.perf_counter()
             starter.prepare()
@@ -198,10 +200,12 @@ def main() -> None:
                         samples["init"].append(init)
                         samples["load"].append(load)
                 assert tokens["hit"] == tokens["auto"] == tokens["warm"], f"tokens differ from auto's: {tokens}"
+                floor_s = samples["init"][-1] + samples["load"][-1] + samples["completion"][-1]
+                samples["warm_over_floor"].append(samples["warm"][-1] / floor_s)
                 console.print(f"repeat {i + 1}: auto {samples['auto'][-1]:.1f} s, hit {samples['hit'][-1]:.1f} s, "
                               f"warm {samples['warm'][-1]:.1f} s (engine init {samples['init'][-1]:.2f} s, "
-                              f"weights {samples['load'][-1]:.2f} s, completion {samples['completion'][-1]:.2f} s); "
-                              f"tokens {tokens['auto']}")
+                              f"weights {samples['load'][-1]:.2f} s, completion {samples['completion'][-1]:.2f} s: "
+                              f"warm is {samples['warm_over_floor'][-1]:.2f}× their sum); tokens {tokens['auto']}")
         finally:
             starter.close()
             group.stop(force=True)
@@ -219,7 +223,8 @@ def main() -> None:
     table.add_row("unavoidable, in (c)'s server: vLLM engine init + weight phase (model build, attach, "
                   "post-processing) + the completion itself",
                   f"{fmt_seconds(med['init'])} + {fmt_seconds(med['load'])} + {fmt_seconds(med['completion'])} = "
-                  f"{fmt_seconds(floor)}", f"(c) is {med['warm'] / floor:.2f}× this")
+                  f"{fmt_seconds(floor)}", f"(c) is {med['warm'] / floor:.2f}× this (median of each repeat's own "
+                  f"ratio: {med['warm_over_floor']:.2f}×)")
     console.print(table)
 
 
