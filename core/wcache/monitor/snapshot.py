@@ -37,6 +37,8 @@ SCHEMA = "wcache.top/1"
 
 @dataclass(frozen=True, slots=True)
 class DaemonRow:
+    """A daemon: what it holds, its state, memory, leases, hellos and health."""
+
     name: str
     pid: int
     device: str
@@ -60,6 +62,8 @@ class DaemonRow:
 
 @dataclass(frozen=True, slots=True)
 class EngineRow:
+    """An engine: how it got its weights, and its prefix-cache series (null: it does not export them)."""
+
     id: str
     url: str
     kind: str
@@ -104,6 +108,8 @@ class ServerRow:
 
 @dataclass(frozen=True, slots=True)
 class EventRow:
+    """An event of the run dir's log, with its severity and a one-line summary."""
+
     ts: float
     kind: str
     severity: str

@@ -84,11 +84,13 @@ def _status_engine() -> type[msgspec.Struct]:
     """An engine as `status` lists it: `top`'s row (`EngineRow`) without the hit-rate histories a one-off read
     has none of."""
     hints = get_type_hints(EngineRow)
-    return msgspec.defstruct(
+    engine = msgspec.defstruct(
         "StatusEngine",
         [(f.name, hints[f.name]) if f.default is MISSING else (f.name, hints[f.name], f.default)
          for f in fields(EngineRow) if f.name not in STATUS_ENGINE_OMITS],
         frozen=True, forbid_unknown_fields=True, module=__name__)
+    engine.__doc__ = "An engine as `status` lists it: `top`'s engine row without the hit-rate histories."
+    return engine
 
 
 STATUS_ENGINE_OMITS = ("hit_rate_history", "hit_rate_by_weights")
