@@ -1,6 +1,7 @@
 """Generate man pages and the shell completion scripts from the Typer app, and check the committed copies.
 
-`python -m wcache_dev.docgen` writes `man/` and `completions/` at the repository root;
+`python -m wcache_dev.docgen` writes `man/`, `completions/` and `docs/json-outputs.md` (each documented `--json`
+output's fields, from the msgspec schema that writes it) at the repository root;
 `python -m wcache_dev.docgen --check` writes nothing and exits 1 naming every stale, missing or extra file.
 Man pages are derived from `typer.main.get_command(app)` alone, so a new command or option that was not
 regenerated makes the check fail. Only attributes of the returned command objects are read: Typer ≥0.26
@@ -644,7 +645,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     changed = write(root, files)
     for line in changed:
         print(line.replace("stale:  ", "updated:").replace("missing:", "added:  ").replace("extra:  ", "removed:"))
-    print(f"{len(files)} files in {root / MAN_DIR} and {root / COMPLETIONS_DIR}; {len(changed)} changed.")
+    print(f"{len(files)} files in {root / MAN_DIR}, {root / COMPLETIONS_DIR} and {root / JSON_OUTPUTS_PAGE}; "
+          f"{len(changed)} changed.")
     return 0
 
 

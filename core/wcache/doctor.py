@@ -17,7 +17,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from wcache.errors import WcacheError, option
 from wcache.ipc.arenas.backing import ARENA_DIR_ENV, THP_SHMEM, arena_dir, backing_of, mount_of, shmem_huge_setting
@@ -41,9 +41,6 @@ class Finding:
     check: str
     status: Status
     message: str  # what was found; for warn and fail, what to do
-
-    def to_json(self) -> dict[str, Any]:
-        return {"check": self.check, "status": self.status, "message": self.message}
 
 
 class DoctorOutput(Schema, frozen=True):
