@@ -55,7 +55,7 @@ def tree(root: Path) -> dict[str, bytes]:
         for directory in ("man", "completions")
         for p in sorted((root / directory).rglob("*"))
         if p.is_file()
-    }
+    } | {docgen.JSON_OUTPUTS_PAGE: (root / docgen.JSON_OUTPUTS_PAGE).read_bytes()}
 
 
 # --- freshness -------------------------------------------------------------------------------------------------

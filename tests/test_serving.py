@@ -24,6 +24,9 @@ from daemon_fixtures import (
 )
 from engine_serving import Server, metrics, post, serving
 from wcache.ipc.run_dir.directory import DaemonDescriptor
+from wcache.schema import Schema
+from wcache.serving.api import CompletionAnswer, ErrorAnswer, ErrorBody, HealthAnswer, ModelsAnswer, WeightsAnswer
+from wcache.serving.tokenize_api import DetokenizeAnswer, TokenizeAnswer
 
 # Two prompts sharing a 96-byte prefix (the byte tokenizer makes that 96 tokens: six blocks of 16, well past
 # tiny's 32-token window, so the hit is adopted even with bounded replay on).
@@ -145,6 +148,45 @@ def test_health_models_and_bad_requests(server: Server) -> None:
 
 
 # -- attach --prompt and serving without bounded replay ---------------------------------------------------
+
+
+def _written_by(kind: type[Schema], reply: Any) -> Schema:
+    """`reply` read through `kind`, asserting the schema writes it back as the server wrote it: every field,
+    in the same order, with the same values."""
+    typed = kind.from_wire(reply)
+    assert json.dumps(typed.to_wire()) == json.dumps(reply), (kind.__name__, reply)
+    return typed
+
+
+def test_every_reply_is_written_by_its_schema(server: Server) -> None:
+    """The API's replies decode through the schemas its clients read them with, and re-encode to the same
+    JSON: the schemas are the whole of what the server writes, not a part of it."""
+    for route, kind in (("/health", HealthAnswer), ("/v1/models", ModelsAnswer), ("/v1/weights", WeightsAnswer)):
+        code, reply = http_status(f"{server.url}{route}")
+        assert code == 200, (route, reply)
+        _written_by(kind, reply)
+    code, claim = http_status(f"{server.url}/v1/weights")
+    assert isinstance(_written_by(WeightsAnswer, claim), WeightsAnswer)
+    weights = WeightsAnswer.from_wire(claim)
+    assert weights.key is not None and weights.attach is not None and weights.attach.outcome == "hit"
+    code, reply = post(server.url, json.dumps({"prompt": "warm", "max_tokens": 3}).encode())
+    assert code == 200
+    completion = _written_by(CompletionAnswer, reply)
+    assert isinstance(completion, CompletionAnswer) and len(completion.choices[0].token_ids) == 3
+    assert completion.wcache.weights_key == weights.key_id
+    code, reply = post(server.url, json.dumps({"prompt": "warm"}).encode(), "/tokenize")
+    assert code == 200
+    _written_by(TokenizeAnswer, reply)
+    code, reply = post(server.url, json.dumps({"tokens": [104, 105]}).encode(), "/detokenize")
+    assert code == 200
+    _written_by(DetokenizeAnswer, reply)
+    for route, body in (("/v1/completions", {"prompt": [True]}), ("/v1/completions", {"max_tokens": "many"}),
+                        ("/tokenize", {"prompt": 3})):
+        code, reply = post(server.url, json.dumps(body).encode(), route)
+        error = _written_by(ErrorAnswer, reply)
+        assert code == 400 and isinstance(error, ErrorAnswer) and isinstance(error.error, ErrorBody), reply
+        assert error.error.code == 400 and error.error.type == "invalid_request_error"
+        assert error.error.message and "\n" not in error.error.message, reply
 
 
 def test_attach_prompt_json_prints_text_and_tokens(

@@ -33,6 +33,7 @@ from engine_serving import Server, post, serving
 from helpers import WCACHE
 from prometheus_client.parser import text_string_to_metric_families
 from wcache.engine import Engine, EngineConfig
+from wcache.serving.api import SwitchAnswer, WeightsSwitched
 from wcache_dev.synth import PRESETS, write_byte_tokenizer, write_checkpoint, write_training_step
 
 # Four prompts sharing 64 tokens (four blocks of 16, past tiny's 32-token window), then their own tails.
@@ -318,6 +319,10 @@ def test_a_switch_without_the_engines_token_is_refused_and_changes_nothing(versi
 
     code, answer = post(server.url, body, "/v1/weights", token)
     assert code == 200 and answer["current"]["key_id"] == keys[1], answer
+    # The reply is what its schema writes, every field in order; `wcache switch` reads it through the same type.
+    switched = WeightsSwitched.from_wire(answer)
+    assert json.dumps(switched.to_wire()) == json.dumps(answer), answer
+    assert switched.attach.outcome == "hit" and SwitchAnswer.from_wire(answer).attach.daemon == switched.attach.daemon
 
 
 def test_another_local_user_cannot_switch_the_engine(versions: Versions, engine: Server) -> None:

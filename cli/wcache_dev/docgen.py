@@ -1,6 +1,7 @@
 """Generate man pages and the shell completion scripts from the Typer app, and check the committed copies.
 
-`python -m wcache_dev.docgen` writes `man/` and `completions/` at the repository root;
+`python -m wcache_dev.docgen` writes `man/`, `completions/` and `docs/json-outputs.md` (each documented `--json`
+output's fields, from the msgspec schema that writes it) at the repository root;
 `python -m wcache_dev.docgen --check` writes nothing and exits 1 naming every stale, missing or extra file.
 Man pages are derived from `typer.main.get_command(app)` alone, so a new command or option that was not
 regenerated makes the check fail. Only attributes of the returned command objects are read: Typer ≥0.26
@@ -485,10 +486,92 @@ def man_page(command: Command, model: Command) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The JSON outputs' field lists, from the msgspec schemas that write them
+
+
+JSON_OUTPUTS_PAGE = "docs/json-outputs.md"
+
+
+def json_outputs() -> tuple[tuple[str, type], ...]:
+    """Each documented `--json` output and the schema that writes it."""
+    from wcache.doctor import DoctorOutput
+    from wcache.monitor.snapshot import Snapshot
+    from wcache.monitor.status_row import StatusOutput
+    from wcache.verify import VerifyOutput
+
+    return (("wcache verify --json", VerifyOutput), ("wcache top --json", Snapshot),
+            ("wcache status --json", StatusOutput), ("wcache doctor --json", DoctorOutput))
+
+
+def _first_paragraph(kind: type) -> str:
+    text = " ".join((kind.__doc__ or "").strip().split("\n\n", 1)[0].split())
+    return "" if text.startswith(f"{kind.__name__}(") else text  # a dataclass's made-up docstring says nothing
+
+
+def _type_text(info: Any, named: list[type]) -> str:
+    """A field's type in words; a struct or dataclass is named (and queued to be described)."""
+    import msgspec.inspect as mi
+
+    if isinstance(info, mi.Metadata):
+        return _type_text(info.type, named)
+    if isinstance(info, mi.StructType | mi.DataclassType):
+        if info.cls not in named:
+            named.append(info.cls)
+        return f"[{info.cls.__name__}](#{info.cls.__name__.lower()})"
+    if isinstance(info, mi.ListType | mi.VarTupleType | mi.SetType | mi.FrozenSetType):
+        return f"list of {_type_text(info.item_type, named)}"
+    if isinstance(info, mi.TupleType):
+        return "[" + ", ".join(_type_text(t, named) for t in info.item_types) + "]"
+    if isinstance(info, mi.DictType):
+        return f"object of {_type_text(info.key_type, named)} to {_type_text(info.value_type, named)}"
+    if isinstance(info, mi.UnionType):
+        return " or ".join(_type_text(t, named) for t in info.types)
+    if isinstance(info, mi.LiteralType):
+        return " or ".join(f"`{v!r}`".replace("'", '"') for v in info.values)
+    words = {mi.StrType: "string", mi.IntType: "integer", mi.FloatType: "number", mi.BoolType: "boolean",
+             mi.NoneType: "null", mi.AnyType: "any"}
+    return next(word for kind, word in words.items() if isinstance(info, kind))
+
+
+def _fields_text(kind: type, named: list[type]) -> list[str]:
+    import msgspec.inspect as mi
+
+    info = mi.type_info(kind)
+    assert isinstance(info, mi.StructType | mi.DataclassType), kind
+    omits = isinstance(info, mi.StructType) and info.cls.__struct_config__.omit_defaults
+    lines = []
+    for field in info.fields:
+        note = " (left out at its default)" if omits and not field.required else ""
+        lines.append(f"- `{field.encode_name}`: {_type_text(field.type, named)}{note}")
+    return lines
+
+
+def json_outputs_page() -> str:
+    """docs/json-outputs.md: every field of each documented JSON output, from its schema, in the order written."""
+    lines = ["# JSON outputs", "", f"<!-- {GENERATED_BY.replace('the Typer app', 'the schemas')} -->", "",
+             "What each `--json` output holds, field by field in the order it is written, generated from the "
+             "msgspec schema that writes it; [the commands](commands.md) say what each command does.", ""]
+    named: list[type] = []
+    for command, schema in json_outputs():
+        lines += [f"## `{command}`", "", f"{_first_paragraph(schema)} (schema `{schema.__name__}`)", "",
+                  *_fields_text(schema, named), ""]
+    if named:
+        lines += ["## The parts", ""]
+    done = 0
+    while done < len(named):  # the parts name further parts; each is described once, in the order first named
+        kind = named[done]
+        done += 1
+        text = _first_paragraph(kind)
+        lines += [f"### {kind.__name__}", "", *([text, ""] if text else []), *_fields_text(kind, named), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Files, check and command line
 
 
-GENERATED_PATTERNS = {MAN_DIR: (f"{PROG}.1", f"{PROG}-*.1"), COMPLETIONS_DIR: (f"{PROG}.*", f"_{PROG}")}
+GENERATED_PATTERNS = {MAN_DIR: (f"{PROG}.1", f"{PROG}-*.1"), COMPLETIONS_DIR: (f"{PROG}.*", f"_{PROG}"),
+                      "docs": ("json-outputs.md",)}
 # The names each shell's completion loader looks for (zsh's compinit: `_` and the command).
 COMPLETION_FILES = {"bash": f"{PROG}.bash", "zsh": f"_{PROG}", "fish": f"{PROG}.fish"}
 
@@ -498,6 +581,7 @@ def render(app: typer.Typer) -> dict[str, str]:
     model = command_model(app)
     files = {f"{MAN_DIR}/{c.page}.1": man_page(c, model) for c in model.walk()}
     files.update({f"{COMPLETIONS_DIR}/{COMPLETION_FILES[shell]}": completion_script(shell) for shell in SHELLS})
+    files[JSON_OUTPUTS_PAGE] = json_outputs_page()
     return dict(sorted(files.items()))
 
 
@@ -561,7 +645,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     changed = write(root, files)
     for line in changed:
         print(line.replace("stale:  ", "updated:").replace("missing:", "added:  ").replace("extra:  ", "removed:"))
-    print(f"{len(files)} files in {root / MAN_DIR} and {root / COMPLETIONS_DIR}; {len(changed)} changed.")
+    print(f"{len(files)} files in {root / MAN_DIR}, {root / COMPLETIONS_DIR} and {root / JSON_OUTPUTS_PAGE}; "
+          f"{len(changed)} changed.")
     return 0
 
 

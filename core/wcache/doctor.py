@@ -17,12 +17,13 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from wcache.errors import WcacheError, option
 from wcache.ipc.arenas.backing import ARENA_DIR_ENV, THP_SHMEM, arena_dir, backing_of, mount_of, shmem_huge_setting
 from wcache.ipc.run_dir.directory import DaemonDescriptor, census, default_run_dir, run_dir_unfit
 from wcache.key.digest_store import DB_NAME, default_store_dir, quick_check_read_only, untrusted_reason
+from wcache.schema import Schema
 
 Status = Literal["ok", "warn", "fail"]
 # A run dir with less free space than this cannot take the next daemon's lock, socket and descriptor (or logs).
@@ -41,8 +42,12 @@ class Finding:
     status: Status
     message: str  # what was found; for warn and fail, what to do
 
-    def to_json(self) -> dict[str, Any]:
-        return {"check": self.check, "status": self.status, "message": self.message}
+
+class DoctorOutput(Schema, frozen=True):
+    """`wcache doctor --json`: whether every check passed (no "fail"), and each finding."""
+
+    ok: bool
+    findings: list[Finding]
 
 
 def _bytes(n: float) -> str:

@@ -30,7 +30,7 @@ class Schema(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
         try:
             return msgspec.convert(data, cls, strict=True)
         except msgspec.ValidationError as exc:
-            raise SchemaError(schema_error(cls.__name__, exc)) from None
+            raise SchemaError(schema_error(cls.__name__, exc), schema_error_field(exc)) from None
 
 
 class Record(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -38,10 +38,16 @@ class Record(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class SchemaError(ValueError):
-    """Data that does not fit its schema; the message is one sentence naming the field."""
+    """Data that does not fit its schema; the message is one sentence naming the field, `field` the top-level
+    field it lies under (None: the whole value, a missing or an unknown field)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 _WHERE = re.compile(r"^(?P<what>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
+_TOP_FIELD = re.compile(r"^\.(?P<field>[A-Za-z_][A-Za-z0-9_]*)")
 
 
 def schema_error(kind: str, exc: msgspec.ValidationError | msgspec.DecodeError) -> str:
@@ -52,3 +58,10 @@ def schema_error(kind: str, exc: msgspec.ValidationError | msgspec.DecodeError) 
     if match is not None:
         text, where = match["what"], kind + match["path"]
     return f"{where}: {text[:1].lower()}{text[1:]}"
+
+
+def schema_error_field(exc: msgspec.ValidationError | msgspec.DecodeError) -> str | None:
+    """The top-level field msgspec's reason lies under (`prompt` of `$.prompt[2]`), or None."""
+    match = _WHERE.match(" ".join(str(exc).split()))
+    top = _TOP_FIELD.match(match["path"]) if match is not None else None
+    return top["field"] if top is not None else None

@@ -9,7 +9,7 @@ the daemon re-hash its processed arena against the digests it recorded when it b
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ import msgspec
 
 from wcache.attach import AttachMissError
 from wcache.attach_options import AttachOptions
-from wcache.checkpoint.provenance import FileVerdict, overall, report
+from wcache.checkpoint.provenance import FileVerdict, ProvenanceReport, overall, provenance_report
 from wcache.daemon_choice import pick_daemon
 from wcache.errors import BadInputError, UnavailableError
 from wcache.integrations.registry import GreedyAttach, engine_entry
@@ -28,6 +28,7 @@ from wcache.key.compute import compute_key
 from wcache.key.diff import KeyDiff, diff_keys
 from wcache.key.provenance import verdicts_of
 from wcache.plan.spec import PlanSpec, preload_command
+from wcache.schema import Schema
 
 _WORDS = (
     "weights", "cache", "daemon", "engine", "restart", "shard", "tensor", "prefix", "window", "replay", "token",
@@ -66,8 +67,17 @@ class GreedyReport:
         return self.problem is None and all(r.match for r in self.results)
 
     def to_json(self) -> dict[str, Any]:
-        return {"all_match": self.all_match, "attach": self.attach.to_wire(), "problem": self.problem,
-                "prompts": [asdict(r) for r in self.results]}
+        return GreedyOutput(self.all_match, self.attach, self.problem, list(self.results)).to_wire()
+
+
+class GreedyOutput(Schema, frozen=True, omit_defaults=False):
+    """`verify --greedy --json`'s `greedy`: whether every prompt matched (and nothing else went wrong: `problem`),
+    how the cached side got its weights, and each prompt's tokens on both sides."""
+
+    all_match: bool
+    attach: GreedyAttach
+    problem: str | None
+    prompts: list[PromptResult]
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -164,17 +174,46 @@ class ContentReport:
 
     def to_json(self) -> dict[str, Any]:
         diff = self.source_diff
-        return {
-            "ok": self.ok,
-            "daemon": self.daemon,
-            "source": {
-                "changed": [c.name for c in diff.changed] if diff else [],
-                "added": [e.name for e in diff.added] if diff else [],
-                "removed": [e.name for e in diff.removed] if diff else [],
-            },
-            "arena": {"checked": self.arena_checked, "changed": self.arena_changed},
-            "provenance": report(self.provenance),
-        }
+        source = SourceChanges([c.name for c in diff.changed] if diff else [],
+                               [e.name for e in diff.added] if diff else [],
+                               [e.name for e in diff.removed] if diff else [])
+        return ContentOutput(self.ok, self.daemon, source, ArenaCheck(self.arena_checked, self.arena_changed),
+                             provenance_report(self.provenance)).to_wire()
+
+
+class SourceChanges(Schema, frozen=True):
+    """Tensors whose bytes on disk differ from what the daemon loaded, by name."""
+
+    changed: list[str]
+    added: list[str]
+    removed: list[str]
+
+
+class ArenaCheck(Schema, frozen=True):
+    """The daemon's re-hash of its arena: how many tensors it checked, and the names of those that changed."""
+
+    checked: int
+    changed: list[str]
+
+
+class ContentOutput(Schema, frozen=True, omit_defaults=False):
+    """`verify --content --json`'s `content`: whether the daemon serves the checkpoint's bytes, and where not."""
+
+    ok: bool
+    daemon: str
+    source: SourceChanges
+    arena: ArenaCheck
+    provenance: ProvenanceReport
+
+
+class VerifyOutput(Schema, frozen=True):
+    """`wcache verify --json`: whether every check asked for passed, and the report of each (absent when not
+    asked)."""
+
+    ok: bool
+    provenance: ProvenanceReport | None = None
+    content: ContentOutput | None = None
+    greedy: GreedyOutput | None = None
 
 
 def verify_content(model: Path, plan: PlanSpec, run_dir: Path, device: str = "cpu",

@@ -23,15 +23,8 @@ from wcache.integrations.registry import GreedyAttach
 from wcache.ipc.attach_summary import AttachSummary
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
-from wcache.serving.client import (
-    CompletionAnswer,
-    EngineRequestError,
-    ServedCacheConfig,
-    call_engine,
-    engine_text,
-    engine_tokens,
-    read_answer,
-)
+from wcache.serving.api import CompletionAnswer, WeightsAnswer
+from wcache.serving.client import EngineRequestError, call_engine, engine_text, engine_tokens, read_answer
 from wcache.verify import GreedyReport, PromptResult, compare_prompts, decoding_difference, encoding_difference
 
 if TYPE_CHECKING:
@@ -48,14 +41,14 @@ def _claim(url: str) -> tuple[Path, WeightCacheKey, PlanSpec, EngineConfig, Atta
 
     document = call_engine(url, "GET", "/v1/weights")
     try:
-        if document.get("tp_size") != 1:
-            raise BadInputError(f"the engine at {url} runs TP {document.get('tp_size')}; verifying a served "
+        claim = WeightsAnswer.from_wire(document)
+        if claim.tp_size != 1:
+            raise BadInputError(f"the engine at {url} runs TP {claim.tp_size}; verifying a served "
                                 "tensor-parallel engine is not implemented.")
-        if document.get("model") is None or document.get("key") is None or document.get("plan") is None:
+        if claim.model is None or claim.key is None or claim.plan is None:
             raise BadInputError(f"the engine at {url} does not say which keyed checkpoint it serves.")
-        return (Path(document["model"]), WeightCacheKey(**document["key"]), PlanSpec.from_json(document["plan"]),
-                EngineConfig(**ServedCacheConfig.from_wire(document.get("engine_config") or {}).to_wire()),
-                None if document.get("attach") is None else AttachSummary.from_wire(document["attach"]))
+        return (Path(claim.model), claim.key, PlanSpec.from_json(claim.plan),
+                EngineConfig(**claim.engine_config.to_wire()), claim.attach)
     except (TypeError, ValueError) as exc:
         raise UnavailableError(f"the engine at {url} describes its weights in a form wcache does not read "
                                f"({exc}).") from None

@@ -41,8 +41,8 @@ from wcache.key.companion_digest import companion_files, tokenizer_digest
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import engine_events
 from wcache.plan.spec import PlanSpec, preload_command
+from wcache.serving.api import CompletionAnswer
 from wcache.serving.client import (
-    CompletionAnswer,
     EngineRequestError,
     call_engine,
     engine_base_url,

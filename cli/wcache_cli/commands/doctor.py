@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import typer
 from wcache.errors import EXIT_DIFFERENCE
 
@@ -21,12 +23,12 @@ def doctor(run_dir: RunDirOpt = None, json: JsonOpt = False) -> None:
     (something wcache needs is missing or unsafe), with what to do. Exit 1 when any check fails.
     """
     from rich.markup import escape
-    from wcache.doctor import run_checks
+    from wcache.doctor import DoctorOutput, run_checks
 
     findings = run_checks(run_dir_or_default(run_dir))
     failed = any(f.status == "fail" for f in findings)
     if json:
-        out.json({"ok": not failed, "findings": [{**f.to_json(), "message": cli_text(f.message)} for f in findings]})
+        out.json(DoctorOutput(ok=not failed, findings=[replace(f, message=cli_text(f.message)) for f in findings]))
     else:
         for finding in findings:
             mark, style = MARKS[finding.status]

@@ -13,6 +13,7 @@ from wcache_cli.output import literal, out
 from wcache_cli.params import JsonOpt, RunDirOpt, run_dir_or_default
 
 if TYPE_CHECKING:
+    import msgspec
     from rich.console import RenderableType
     from rich.table import Table
     from wcache.monitor.daemon_status import DaemonStatus
@@ -79,7 +80,7 @@ def status(
     """
     from wcache.ipc.run_dir.directory import census
     from wcache.ipc.run_dir.loading import read_loading
-    from wcache.monitor.status_row import StatusRow
+    from wcache.monitor.status_row import StaleDaemon, StatusOutput, StatusRow
 
     where = run_dir_or_default(run_dir)
     found = census(where) if where.exists() else None
@@ -87,17 +88,17 @@ def status(
     rows = [StatusRow.of(d, answer, _health(d.health_url))
             for d, answer in zip(live, _ask([d.socket for d in live]), strict=True)]
     rows += [StatusRow.loading(r) for r in read_loading(where)] if where.exists() else []
-    stale = [{"name": d.name, "pid": d.pid, "source": d.source} for d in found.stale] if found else []
+    stale = [StaleDaemon(d.name, d.pid, d.source) for d in found.stale] if found else []
     problems = [p for p in map(_unhealthy, rows) if p is not None]
     engines = _engines(where) if where.exists() and not check else ()
     servers = _servers(where) if not check else ()
     if json:
-        out.json({"run_dir": str(where), "daemons": rows, "stale_removed": stale,
-                  "ready": bool(rows) and not problems, "engines": [_plain(e) for e in engines],
-                  "servers": [_plain(s) for s in servers]})
+        out.json(StatusOutput(run_dir=str(where), daemons=rows, stale_removed=stale,
+                              ready=bool(rows) and not problems, engines=[_plain(e) for e in engines],
+                              servers=list(servers)))
     else:
         for gone in stale:
-            out.warning(f"daemon {gone['name']} (pid {gone['pid']}) is gone; removed its descriptor and socket.")
+            out.warning(f"daemon {gone.name} (pid {gone.pid}) is gone; removed its descriptor and socket.")
         if not rows and not check:
             out.print(f"No daemons in {where}.")
         elif rows and not check:
@@ -142,10 +143,10 @@ def _servers(where: Path) -> tuple[ServerRow, ...]:
     return server_rows(where)
 
 
-def _plain(row: EngineRow | ServerRow) -> dict[str, object]:
-    from dataclasses import asdict
+def _plain(row: EngineRow) -> msgspec.Struct:
+    from wcache.monitor.status_row import StatusEngine
 
-    return {k: v for k, v in asdict(row).items() if k not in ("hit_rate_history", "hit_rate_by_weights")}
+    return StatusEngine(**{name: getattr(row, name) for name in StatusEngine.__struct_fields__})
 
 
 def _snapshot(engines: tuple[EngineRow, ...] = (), servers: tuple[ServerRow, ...] = ()) -> Snapshot:

@@ -33,7 +33,8 @@ def switch(
     the new. The switch never falls back to disk: when no daemon holds MODEL's key under the engine's plan it
     is refused with the reason (exit 3) and the engine keeps serving its old weights.
     """
-    from wcache.serving.client import EngineRequestError, SwitchAnswer, call_engine, read_answer
+    from wcache.serving.api import SwitchAnswer
+    from wcache.serving.client import EngineRequestError, call_engine, read_answer
     from wcache.serving.credentials import control_token
 
     if model is None and daemon is None:

@@ -169,7 +169,9 @@ def verify(
 
             print_greedy(greedy_report)
     if json:
-        out.json({"ok": not failed, **document})
+        from wcache.verify import VerifyOutput
+
+        out.json(VerifyOutput.from_wire({"ok": not failed, **document}))
     if failed:
         raise typer.Exit(EXIT_DIFFERENCE)
 
@@ -187,7 +189,9 @@ def _verify_served(url: str, content: bool, engine: Engine, prompts: Path | None
     texts = _read_prompts(prompts) if prompts is not None else default_prompts(num_prompts)
     report = verify_served(url, texts, max_new_tokens).to_json()
     if json:
-        out.json({"ok": report["all_match"], "greedy": report})
+        from wcache.verify import VerifyOutput
+
+        out.json(VerifyOutput.from_wire({"ok": report["all_match"], "greedy": report}))
     else:
         from wcache_cli.verify_report import print_greedy
 

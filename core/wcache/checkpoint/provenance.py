@@ -198,7 +198,20 @@ def counts(verdicts: Iterable[FileVerdict]) -> dict[str, int]:
     return found
 
 
-def report(verdicts: Iterable[FileVerdict]) -> dict[str, Any]:
-    """The JSON form every command prints: the overall verdict, counts and each file's verdict."""
+class ProvenanceReport(Schema, frozen=True):
+    """What every command prints of a checkpoint's provenance: the overall verdict, the count of each verdict,
+    and each file's."""
+
+    verdict: str
+    counts: dict[str, int]
+    files: list[FileVerdict]
+
+
+def provenance_report(verdicts: Iterable[FileVerdict]) -> ProvenanceReport:
     listed = tuple(verdicts)
-    return {"verdict": overall(listed), "counts": counts(listed), "files": [v.to_json() for v in listed]}
+    return ProvenanceReport(overall(listed), counts(listed), list(listed))
+
+
+def report(verdicts: Iterable[FileVerdict]) -> dict[str, Any]:
+    """The JSON form every command prints (`ProvenanceReport`)."""
+    return provenance_report(verdicts).to_wire()

@@ -1,6 +1,6 @@
 """The snapshot `wcache top` shows: plain values, numbers as numbers, units in field names.
 
-Schema (`Snapshot.to_json()`), version `wcache.top/1`:
+Schema (`Snapshot`, written by `Snapshot.to_json()`), version `wcache.top/1`:
   taken_at (unix s), interval_s, rates ("interval": rates are deltas over the last interval; "cumulative":
   only one sample yet, so rates are null and totals are since start), run_dir,
   daemons[]: name, pid, device, tp_rank, tp_size, model, key_id, state ("loading" while it loads), weights_bytes,
@@ -27,14 +27,18 @@ Schema (`Snapshot.to_json()`), version `wcache.top/1`:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 SCHEMA = "wcache.top/1"
 
 
 @dataclass(frozen=True, slots=True)
 class DaemonRow:
+    """A daemon: what it holds, its state, memory, leases, hellos and health."""
+
     name: str
     pid: int
     device: str
@@ -58,6 +62,8 @@ class DaemonRow:
 
 @dataclass(frozen=True, slots=True)
 class EngineRow:
+    """An engine: how it got its weights, and its prefix-cache series (null: it does not export them)."""
+
     id: str
     url: str
     kind: str
@@ -102,6 +108,8 @@ class ServerRow:
 
 @dataclass(frozen=True, slots=True)
 class EventRow:
+    """An event of the run dir's log, with its severity and a one-line summary."""
+
     ts: float
     kind: str
     severity: str
@@ -109,36 +117,22 @@ class EventRow:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class Snapshot:
+class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
+    """What `wcache top` shows at one moment; `top --json` writes it field by field, in this order."""
+
+    schema: str = SCHEMA
     taken_at: float
     interval_s: float
     rates: str
     run_dir: str
     daemons: tuple[DaemonRow, ...]
     engines: tuple[EngineRow, ...]
+    servers: tuple[ServerRow, ...] = ()
     events: tuple[EventRow, ...]
     alerts: tuple[str, ...] = ()
-    servers: tuple[ServerRow, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        # Field by field rather than dataclasses.asdict, which deep-copies every event's detail: with a full
-        # feed that was most of a `--json` poll's CPU.
-        return {
-            "schema": SCHEMA,
-            "taken_at": self.taken_at,
-            "interval_s": self.interval_s,
-            "rates": self.rates,
-            "run_dir": self.run_dir,
-            "daemons": [_plain(d) for d in self.daemons],
-            "engines": [{**_plain(e), "hit_rate_history": list(e.hit_rate_history),
-                         "hit_rate_by_weights": [list(pair) for pair in e.hit_rate_by_weights]}
-                        for e in self.engines],
-            "servers": [_plain(s) for s in self.servers],
-            "events": [{**_plain(e), "detail": dict(e.detail)} for e in self.events],
-            "alerts": list(self.alerts),
-        }
-
-
-def _plain(row: Any) -> dict[str, Any]:
-    return {f.name: getattr(row, f.name) for f in fields(row)}
+        # msgspec writes the rows (dataclasses) without the deep copy dataclasses.asdict makes of every event's
+        # detail: with a full feed that was most of a `--json` poll's CPU.
+        document: dict[str, Any] = msgspec.to_builtins(self)
+        return document

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import urllib.parse
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -12,6 +12,7 @@ from wcache.errors import BadInputError, UnavailableError
 from wcache.ipc.http.client import NoAnswerError, http_call
 from wcache.ipc.run_dir.engine_token import operator_token
 from wcache.schema import Schema, SchemaError
+from wcache.serving.api import ErrorAnswer
 from wcache.serving.tokenize_api import DetokenizeAnswer, TokenizeAnswer
 
 MAX_SHOWN = 300  # characters of a server's own message shown to the user
@@ -68,12 +69,20 @@ def call_engine(url: str, method: str, path: str, body: dict[str, Any] | None = 
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # deep nesting is a RecursionError
         raise UnavailableError(f"{base}{path} answered {status} without JSON; is it a wcache engine?") from None
     if status != 200:
-        error = document.get("error") if isinstance(document, dict) else None
-        message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
-        raise EngineRequestError.of(shown(str(message or f"{base}{path} answered {status}")), status)
+        message = _error_message(document)
+        raise EngineRequestError.of(shown(message or f"{base}{path} answered {status}"), status)
     if not isinstance(document, dict):
         raise UnavailableError(f"{base}{path} answered something other than a JSON object.")
     return document
+
+
+def _error_message(document: Any) -> str | None:
+    """The sentence of an error answer (OpenAI's shape, or a bare string under "error"), if it has one."""
+    try:
+        error = ErrorAnswer.from_wire(document).error
+    except SchemaError:
+        return None
+    return error if isinstance(error, str) else error.message if error is not None else None
 
 
 def shown(text: str) -> str:
@@ -92,65 +101,6 @@ def read_answer(kind: type[Answer], document: dict[str, Any], url: str) -> Answe
     except SchemaError as exc:
         raise UnavailableError(f"the engine at {engine_base_url(url)} answered in a form wcache does not read "
                                f"({shown(str(exc))}).") from None
-
-
-class SwitchedWeights(Schema, frozen=True, forbid_unknown_fields=False):
-    """The weights a switch answer names (previous or current)."""
-
-    model: str | None = None
-    key_id: str | None = None
-
-
-class SwitchAttach(Schema, frozen=True, forbid_unknown_fields=False):
-    daemon: str | None = None
-
-
-class SwitchAnswer(Schema, frozen=True, forbid_unknown_fields=False):
-    """What `POST /v1/weights` (or the vLLM switch) answers, as far as `wcache switch` reads it."""
-
-    previous: SwitchedWeights
-    current: SwitchedWeights
-    attach: SwitchAttach
-    switch_ms: Annotated[float, msgspec.Meta(ge=0, lt=1e12)]
-
-
-# What a verify may allocate from an engine's word: its disk engine holds the same KV cache as the served one.
-MAX_BLOCK_SIZE = 4096
-MAX_CACHE_TOKENS = 1 << 24
-
-
-class ServedCacheConfig(Schema, frozen=True):
-    """An engine's cache settings as `GET /v1/weights` states them, bounded before anything is allocated."""
-
-    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)] = 16
-    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_CACHE_TOKENS)] = 2048
-    swa_bounded_replay: bool = True
-    enable_prefix_caching: bool = True
-
-    def __post_init__(self) -> None:
-        if self.block_size * self.num_blocks > MAX_CACHE_TOKENS:
-            raise ValueError(f"a KV cache of {self.num_blocks} blocks of {self.block_size} tokens is more than "
-                             f"the {MAX_CACHE_TOKENS} tokens a verify allocates")
-
-
-class CompletionExtension(Schema, frozen=True, forbid_unknown_fields=False):
-    """The `wcache` part of a completion: what ran it and what it took from the prefix cache."""
-
-    weights_key: str | None = None
-    hit_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_CACHE_TOKENS)] = 0
-
-
-class CompletionChoice(Schema, frozen=True, forbid_unknown_fields=False):
-    token_ids: list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]]
-    index: int = 0
-    text: str | None = None  # the engine's own decoding of token_ids
-
-
-class CompletionAnswer(Schema, frozen=True, forbid_unknown_fields=False):
-    """A completion answer, as far as `verify URL` reads it: at least one choice with its token ids."""
-
-    choices: Annotated[list[CompletionChoice], msgspec.Meta(min_length=1)]
-    wcache: CompletionExtension = CompletionExtension()
 
 
 def engine_tokens(url: str, prompt: str, model: str | None = None) -> list[int]:

@@ -39,6 +39,22 @@ from wcache.ipc.run_dir.engines import write_engine_descriptor as write_descript
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
 from wcache.schema import Schema, SchemaError
+from wcache.serving.api import (
+    CompletionAnswer,
+    CompletionChoice,
+    CompletionExtension,
+    CompletionRequest,
+    CompletionUsage,
+    ErrorAnswer,
+    ErrorBody,
+    HealthAnswer,
+    ModelCard,
+    ModelsAnswer,
+    ServedCacheConfig,
+    SwitchRequest,
+    WeightsAnswer,
+    WeightsSwitched,
+)
 from wcache.serving.tokenize_api import DetokenizeAnswer, DetokenizeRequest, TokenizeAnswer, TokenizeRequest
 
 if TYPE_CHECKING:
@@ -146,28 +162,36 @@ def _refused_while_corrupt(engine: Engine) -> None:
                                "restarts on good weights", 503)
 
 
-def _completion(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
+# The sentence a request gets for a value of the wrong type, by the field it sent it in.
+_COMPLETION_FIELDS = {
+    "prompt": "prompt must be a non-empty string or a list of token ids",
+    "max_tokens": f"max_tokens must be an integer between 1 and {MAX_TOKENS_LIMIT}",
+    "temperature": "only greedy decoding is supported: temperature must be 0",
+}
+
+
+def _completion(served: ServedEngine, body: dict[str, Any]) -> CompletionAnswer:
     _refused_while_corrupt(served.engine)
-    prompt = body.get("prompt")
+    request = _read_body(CompletionRequest, body, _COMPLETION_FIELDS)
+    prompt = request.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     tokenizer = served.engine.tokenizer
     if isinstance(prompt, str):
         token_ids = _encode(served.engine, prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        token_ids = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        token_ids = [t for t in prompt if isinstance(t, int)]
     else:
-        raise RequestError("prompt must be a non-empty string or a list of token ids")
+        raise RequestError(_COMPLETION_FIELDS["prompt"])
     if not token_ids:
         raise RequestError("prompt is empty")
     if any(not 0 <= t < served.engine.model_config.vocab_size for t in token_ids):
         raise RequestError("prompt holds token ids outside the vocabulary")
-    max_tokens = body.get("max_tokens", 16)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
-        raise RequestError(f"max_tokens must be an integer between 1 and {MAX_TOKENS_LIMIT}")
-    temperature = body.get("temperature", 0)
-    if not isinstance(temperature, int | float) or temperature != 0:
-        raise RequestError("only greedy decoding is supported: temperature must be 0")
+    max_tokens = request.max_tokens
+    if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+        raise RequestError(_COMPLETION_FIELDS["max_tokens"])
+    if request.temperature != 0:
+        raise RequestError(_COMPLETION_FIELDS["temperature"])
     # Refused here, before any TP rank starts: a request the KV cache cannot hold would fail on every rank.
     capacity, needed = _kv_capacity(served.engine), len(token_ids) + max_tokens - 1
     if needed > capacity:
@@ -178,19 +202,14 @@ def _completion(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
     text = tokenizer.decode(generation.token_ids) if tokenizer is not None else ""
     eos = set(served.engine.model_config.eos_token_ids)
     finished = "stop" if generation.token_ids and generation.token_ids[-1] in eos else "length"
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": served.model_name,
-        "choices": [{"index": 0, "text": text, "token_ids": generation.token_ids, "logprobs": None,
-                     "finish_reason": finished}],
-        "usage": {"prompt_tokens": generation.prompt_tokens, "completion_tokens": len(generation.token_ids),
-                  "total_tokens": generation.prompt_tokens + len(generation.token_ids)},
-        "wcache": {"hit_tokens": generation.hit_tokens, "adopted": generation.adopted,
-                   "replayed_tokens": generation.replayed_tokens, "prefill_tokens": generation.prefill_tokens,
-                   "weights_key": generation.weights_key},
-    }
+    return CompletionAnswer(
+        id=f"cmpl-{uuid.uuid4().hex}", object="text_completion", created=int(time.time()), model=served.model_name,
+        choices=[CompletionChoice(index=0, text=text, token_ids=generation.token_ids, finish_reason=finished)],
+        usage=CompletionUsage(prompt_tokens=generation.prompt_tokens, completion_tokens=len(generation.token_ids),
+                              total_tokens=generation.prompt_tokens + len(generation.token_ids)),
+        wcache=CompletionExtension(hit_tokens=generation.hit_tokens, adopted=generation.adopted,
+                                   replayed_tokens=generation.replayed_tokens,
+                                   prefill_tokens=generation.prefill_tokens, weights_key=generation.weights_key))
 
 
 def _kv_capacity(engine: Engine) -> int:
@@ -211,11 +230,14 @@ def _encode(engine: Engine, prompt: str) -> list[int]:
 Body = TypeVar("Body", bound=Schema)
 
 
-def _read_body(kind: type[Body], body: dict[str, Any]) -> Body:
+def _read_body(kind: type[Body], body: dict[str, Any], sentences: dict[str, str] | None = None) -> Body:
+    """`body` read as `kind`; a 400 with the sentence `sentences` holds for the field at fault, else the
+    schema's own sentence naming it."""
     try:
         return kind.from_wire(body)
     except SchemaError as exc:
-        raise RequestError(str(exc)) from None
+        sentence = (sentences or {}).get(exc.field or "")
+        raise RequestError(sentence or str(exc)) from None
 
 
 def _tokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
@@ -237,36 +259,44 @@ def _detokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
     return DetokenizeAnswer(engine.tokenizer.decode(request.tokens)).to_wire()
 
 
-def weights_document(served: ServedEngine) -> dict[str, Any]:
+def weights_document(served: ServedEngine) -> WeightsAnswer:
     """GET /v1/weights: the checkpoint and key the engine serves, under which plan, how it got them, and whether
     it follows its weights' newest version."""
-    from wcache.serving.switch import weights_json
+    from wcache.serving.switch import served_claim
 
     engine = served.engine
     report = engine.attach_report
     plan = engine.attach_plan
-    return {"object": "weights", **weights_json(engine.served), "follows": served.follows,
-            "corrupt": corrupt_weights(engine),
-            "plan": plan.to_json() if plan is not None else None,
-            "tp_size": engine.tp.size, "device": engine.device, "engine_config": asdict(engine.config),
-            "attach": report.summary().to_wire() if report else None}
+    claim = served_claim(engine.served)
+    return WeightsAnswer(model=claim.model, key=claim.key, key_id=claim.key_id, follows=served.follows,
+                         corrupt=corrupt_weights(engine), plan=plan.to_json() if plan is not None else None,
+                         tp_size=engine.tp.size, device=engine.device,
+                         engine_config=ServedCacheConfig(**asdict(engine.config)),
+                         attach=report.summary() if report else None)
 
 
-def _switch(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
+# The sentence a switch request gets for a value of the wrong type, by its field.
+_SWITCH_FIELDS = {"model": "model must be a non-empty string", "daemon": "daemon must be a non-empty string"}
+
+
+def _switch(served: ServedEngine, body: dict[str, Any]) -> WeightsSwitched:
     """POST /v1/weights: move the engine to {"model": PATH} and/or {"daemon": ID}; 409 when nothing serves it."""
     from wcache.checkpoint.model_path import looks_like_repo_id, resolve_model_path
     from wcache.serving.switch import SwitchMissError
 
-    model, daemon = body.get("model"), body.get("daemon")
-    unknown = sorted(set(body) - {"model", "daemon"})
+    unknown = sorted(set(body) - set(SwitchRequest.__struct_fields__))
     if unknown:
         raise RequestError(f"unknown field {unknown[0]!r}; send model (a checkpoint path) and/or daemon (an id)")
+    request = _read_body(SwitchRequest, body, _SWITCH_FIELDS)
+    model, daemon = request.model, request.daemon
     if model is None and daemon is None:
         raise RequestError("name the weights to switch to: model (a checkpoint path) and/or daemon (an id)")
     for name, value in (("model", model), ("daemon", daemon)):
-        if value is not None and (not isinstance(value, str) or not value):
-            raise RequestError(f"{name} must be a non-empty string")
-        if isinstance(value, str) and ("\0" in value or len(value.encode(errors="replace")) >= PATH_MAX):
+        if value is None:
+            continue
+        if not value:
+            raise RequestError(_SWITCH_FIELDS[name])
+        if "\0" in value or len(value.encode(errors="replace")) >= PATH_MAX:
             raise RequestError(f"{name} holds a NUL byte or is longer than a path may be ({PATH_MAX - 1} bytes)")
     try:
         if model is not None and not (Path(model).is_absolute() or looks_like_repo_id(model)):
@@ -283,7 +313,7 @@ def _switch(served: ServedEngine, body: dict[str, Any]) -> dict[str, Any]:
         raise HTTPRequestError(str(exc), 503) from None
     except WcacheError as exc:
         raise RequestError(str(exc)) from None
-    return {"object": "weights_switch", **result.to_json()}
+    return result.answer()
 
 
 def switch_served(served: ServedEngine, checkpoint: Path | None, daemon: str | None) -> SwitchResult:
@@ -308,7 +338,7 @@ def make_server(served: ServedEngine, host: str, port: int, flags: tuple[str, st
         def error_document(self, code: int, sentence: str) -> Any:
             # OpenAI's error shape: what the clients of this API parse.
             kind = "not_found" if code == 404 else "invalid_request_error" if code < 500 else "server_error"
-            return {"error": {"message": sentence, "type": kind, "code": code}}
+            return ErrorAnswer(error=ErrorBody(message=sentence, type=kind, code=code)).to_wire()
 
         def do_GET(self) -> None:
             path = self.route()
@@ -319,14 +349,14 @@ def make_server(served: ServedEngine, host: str, port: int, flags: tuple[str, st
                 # CPU weights outlive their daemon (memfd); CUDA weights die with it.
                 ok = not (lost and report.device != "cpu") and corrupt is None
                 status = "ok" if ok else "weights corrupt" if corrupt is not None else "weights lost"
-                self.send_json(200 if ok else 503, {"status": status, "daemon_lost": lost, "corrupt": corrupt})
+                self.send_json(200 if ok else 503, HealthAnswer(status=status, daemon_lost=lost,
+                                                                corrupt=corrupt).to_wire())
             elif path == "/metrics":
                 self.send_metrics(registry)
             elif path == "/v1/weights":
-                self.send_json(200, weights_document(served))
+                self.send_json(200, weights_document(served).to_wire())
             elif path == "/v1/models":
-                self.send_json(200, {"object": "list", "data": [{"id": served.model_name, "object": "model",
-                                                                 "owned_by": "wcache"}]})
+                self.send_json(200, ModelsAnswer(data=[ModelCard(id=served.model_name)]).to_wire())
             else:
                 raise HTTPRequestError(f"no route {path}", 404)
 
@@ -334,7 +364,7 @@ def make_server(served: ServedEngine, host: str, port: int, flags: tuple[str, st
             path = self.route()
             if path == "/v1/weights":
                 self.require_token(control_token, "switching this engine's weights")  # before its body is read
-                self.send_json(200, _switch(served, self.read_json_object(MAX_BODY_BYTES)))
+                self.send_json(200, _switch(served, self.read_json_object(MAX_BODY_BYTES)).to_wire())
                 return
             if path in ("/tokenize", "/detokenize"):
                 route = _tokenize if path == "/tokenize" else _detokenize
@@ -347,7 +377,7 @@ def make_server(served: ServedEngine, host: str, port: int, flags: tuple[str, st
                 completion = _completion(served, body)
             except (ValueError, KVCacheFullError) as exc:  # a prompt the tokenizer or the cache cannot take
                 raise RequestError(str(exc)) from None
-            self.send_json(200, completion)
+            self.send_json(200, completion.to_wire())
 
     return make_http_server(host, port, Handler, flags)
 

@@ -27,6 +27,7 @@ from wcache.ipc.run_dir.directory import census, default_run_dir
 from wcache.key.digest_store import DigestStore
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
+from wcache.serving.api import ServedClaim, WeightsSwitched
 
 
 class SwitchMissError(UnavailableError):
@@ -42,15 +43,17 @@ class SwitchResult:
     report: AttachReport
     seconds: float
 
-    def to_json(self) -> dict[str, Any]:
-        return {"previous": weights_json(self.previous), "current": weights_json(self.current),
-                "attach": self.report.summary().to_wire(), "switch_ms": round(self.seconds * 1000, 3)}
+    def answer(self) -> WeightsSwitched:
+        """The reply of POST /v1/weights."""
+        return WeightsSwitched(object="weights_switch", previous=served_claim(self.previous),
+                               current=served_claim(self.current), attach=self.report.summary(),
+                               switch_ms=round(self.seconds * 1000, 3))
 
 
-def weights_json(served: ServedWeights) -> dict[str, Any]:
-    """The weights an engine claims to serve, as its API and its events state them."""
-    return {"model": str(served.source) if served.source is not None else None,
-            "key": served.key.to_json() if served.key is not None else None, "key_id": served.key_id}
+def served_claim(served: ServedWeights) -> ServedClaim:
+    """The weights an engine claims to serve, as its API states them."""
+    return ServedClaim(model=str(served.source) if served.source is not None else None, key=served.key,
+                       key_id=served.key_id)
 
 
 def _target(engine: Engine, checkpoint: Path | None, daemon: str | None) -> ServedWeights:
