@@ -371,10 +371,18 @@ class DigestStore:
             )
             for r in records
         ]
+        with self._writing() as conn:
+            conn.executemany("INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (the caller holds the lock and has checked the connection); a failure
+        disables or rebuilds the store and is swallowed, so a write is never an error."""
+        assert self._conn is not None
         try:
             with self._conn:
                 self._conn.execute("BEGIN IMMEDIATE")
-                self._conn.executemany("INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+                yield self._conn
         except sqlite3.OperationalError as exc:
             # "database or disk is full", "readonly database", a writer holding the lock past the timeout:
             # the key is still right, only the next run pays for hashing again.
@@ -398,28 +406,23 @@ class DigestStore:
             except sqlite3.DatabaseError as exc:
                 self._rebuild(str(exc))
                 return None
-            if row is None or not isinstance(row[0], str) or len(row[0]) != 64 or not _HEX.issuperset(row[0]):
-                return None  # anything but a root's 64 hex digits is treated as absent, like a malformed record
-            return row[0]
+            if row is None or not _is_hex(row[0], 64):
+                return None
+            root: str = row[0]
+            return root
 
     def put_root(self, state: str, root: str) -> None:
         """Store the root of a checkpoint state whose every receipt is trusted; failures are warnings."""
         with self._lock:
             if self._conn is None:
                 return
-            try:
-                with self._conn:
-                    self._conn.execute("BEGIN IMMEDIATE")
-                    self._conn.execute("INSERT OR REPLACE INTO roots VALUES (?, ?, ?)", (state, root, time.time_ns()))
-                    self._conn.execute(
-                        "DELETE FROM roots WHERE state NOT IN "
-                        "(SELECT state FROM roots ORDER BY stored_at_ns DESC LIMIT ?)",
-                        (MAX_ROOTS,),
-                    )
-            except sqlite3.OperationalError as exc:
-                self._disable(f"writing failed ({exc})")
-            except sqlite3.DatabaseError as exc:
-                self._rebuild(str(exc))
+            with self._writing() as conn:
+                conn.execute("INSERT OR REPLACE INTO roots VALUES (?, ?, ?)", (state, root, time.time_ns()))
+                conn.execute(
+                    "DELETE FROM roots WHERE state NOT IN "
+                    "(SELECT state FROM roots ORDER BY stored_at_ns DESC LIMIT ?)",
+                    (MAX_ROOTS,),
+                )
 
     # -- small files' receipts (the tokenizer's files and the generation config) ----------------------
 
@@ -450,14 +453,8 @@ class DigestStore:
                 return
             rows = [(_file_id(i), i.size, i.mtime_ns, i.ctime_ns, at, str(path), d.sha256, d.git_sha1)
                     for path, i, at, d in receipts]
-            try:
-                with self._conn:
-                    self._conn.execute("BEGIN IMMEDIATE")
-                    self._conn.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
-            except sqlite3.OperationalError as exc:
-                self._disable(f"writing failed ({exc})")
-            except sqlite3.DatabaseError as exc:
-                self._rebuild(str(exc))
+            with self._writing() as conn:
+                conn.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
 
 def _is_hex(value: object, length: int) -> bool:
