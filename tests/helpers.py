@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import psutil
@@ -170,6 +170,20 @@ def plant_wcache(where: Path, marker: Path) -> Path:
 def wait_past_racy_window() -> None:
     """Sleep until files written now are old enough for their receipts to be trusted."""
     time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(where: Path, options: str) -> Iterator[Path]:
+    """A fresh tmpfs at `where` with these mount options (-o), unmounted on the way out; mounting needs root."""
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.fail(f"this test mounts a tmpfs and needs root: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
 
 
 # -- error sentences ------------------------------------------------------------------------------------
