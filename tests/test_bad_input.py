@@ -9,6 +9,7 @@ that must not hang (ended by a timeout), uid 65534, and a daemon started along t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -79,8 +80,12 @@ def single_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint("tiny", tmp_path_factory.mktemp("bad-input-single") / "tiny", num_shards=1)
 
 
-def _index(checkpoint: Path) -> dict[str, object]:
-    return json.loads((checkpoint / INDEX).read_text())
+@contextlib.contextmanager
+def _edited_weight_map(checkpoint: Path) -> Iterator[dict[str, str]]:
+    """The index's weight map, to change in place: written back on the way out."""
+    index = json.loads((checkpoint / INDEX).read_text())
+    yield index["weight_map"]
+    _write_index(checkpoint, index)
 
 
 def _write_index(checkpoint: Path, index: object) -> None:
@@ -136,28 +141,23 @@ def _index_missing_shard(root: Path, template: Path, single: Path) -> tuple[Path
 
 def _index_ghost_tensor(root: Path, template: Path, single: Path) -> tuple[Path, tuple[str, ...]]:
     checkpoint = _tiny_copy(root, template)
-    index = _index(checkpoint)
-    index["weight_map"]["model.ghost.weight"] = SHARD1  # type: ignore[index]
-    _write_index(checkpoint, index)
+    with _edited_weight_map(checkpoint) as weight_map:
+        weight_map["model.ghost.weight"] = SHARD1
     return checkpoint, (INDEX, "model.ghost.weight")
 
 
 def _index_wrong_shard(root: Path, template: Path, single: Path) -> tuple[Path, tuple[str, ...]]:
     checkpoint = _tiny_copy(root, template)
-    index = _index(checkpoint)
-    weight_map: dict[str, str] = index["weight_map"]  # type: ignore[assignment]
-    assert weight_map["model.embed_tokens.weight"] == SHARD1
-    weight_map["model.embed_tokens.weight"] = SHARD2
-    _write_index(checkpoint, index)
+    with _edited_weight_map(checkpoint) as weight_map:
+        assert weight_map["model.embed_tokens.weight"] == SHARD1
+        weight_map["model.embed_tokens.weight"] = SHARD2
     return checkpoint, (INDEX, "model.embed_tokens.weight")
 
 
 def _index_missing_entry(root: Path, template: Path, single: Path) -> tuple[Path, tuple[str, ...]]:
     checkpoint = _tiny_copy(root, template)
-    index = _index(checkpoint)
-    weight_map: dict[str, str] = index["weight_map"]  # type: ignore[assignment]
-    assert weight_map.pop("model.norm.weight") == SHARD2
-    _write_index(checkpoint, index)
+    with _edited_weight_map(checkpoint) as weight_map:
+        assert weight_map.pop("model.norm.weight") == SHARD2
     return checkpoint, (SHARD2, "model.norm.weight")
 
 
@@ -175,12 +175,10 @@ def _index_traversal(root: Path, template: Path, single: Path) -> tuple[Path, tu
     checkpoint = _tiny_copy(root, template)
     # A real shard sits right where "../" points, so only the name check can refuse it.
     shutil.copy(checkpoint / SHARD1, root / SHARD1)
-    index = _index(checkpoint)
-    weight_map: dict[str, str] = index["weight_map"]  # type: ignore[assignment]
-    for name, shard in weight_map.items():
-        if shard == SHARD1:
-            weight_map[name] = f"../{SHARD1}"
-    _write_index(checkpoint, index)
+    with _edited_weight_map(checkpoint) as weight_map:
+        for name, shard in weight_map.items():
+            if shard == SHARD1:
+                weight_map[name] = f"../{SHARD1}"
     return checkpoint, (INDEX,)
 
 
