@@ -22,9 +22,11 @@ import time
 import traceback
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
+from wcache.checkpoint.files import INDEX_NAME
 from wcache.key.digest_store import RACY_WINDOW_NS
 
 CLI_TIMEOUT_S = 120.0
@@ -170,6 +172,14 @@ def plant_wcache(where: Path, marker: Path) -> Path:
 def wait_past_racy_window() -> None:
     """Sleep until files written now are old enough for their receipts to be trusted."""
     time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)
+
+
+@contextlib.contextmanager
+def edited_index(checkpoint: Path) -> Iterator[dict[str, Any]]:
+    """A sharded checkpoint's index, to change in place: written back (compact JSON) on the way out."""
+    index = json.loads((checkpoint / INDEX_NAME).read_text())
+    yield index
+    (checkpoint / INDEX_NAME).write_text(json.dumps(index))
 
 
 @contextlib.contextmanager

@@ -9,7 +9,6 @@ that must not hang (ended by a timeout), uid 65534, and a daemon started along t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -17,12 +16,12 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from as_nobody import nobody_tree, open_to_all, run_as_nobody
-from helpers import WCACHE, assert_one_error_sentence, cli_env, wcache_in_process, wcache_process
+from helpers import WCACHE, assert_one_error_sentence, cli_env, edited_index, wcache_in_process, wcache_process
 from wcache.checkpoint.safetensors_header import MAX_HEADER_BYTES
 from wcache.errors import BadInputError, CheckpointError, KeyFileError
 from wcache.key.cache_key import load_key_file
@@ -80,12 +79,6 @@ def single_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint("tiny", tmp_path_factory.mktemp("bad-input-single") / "tiny", num_shards=1)
 
 
-@contextlib.contextmanager
-def _edited_weight_map(checkpoint: Path) -> Iterator[dict[str, str]]:
-    """The index's weight map, to change in place: written back on the way out."""
-    index = json.loads((checkpoint / INDEX).read_text())
-    yield index["weight_map"]
-    _write_index(checkpoint, index)
 
 
 def _write_index(checkpoint: Path, index: object) -> None:
@@ -141,14 +134,15 @@ def _index_missing_shard(root: Path, template: Path, single: Path) -> tuple[Path
 
 def _index_ghost_tensor(root: Path, template: Path, single: Path) -> tuple[Path, tuple[str, ...]]:
     checkpoint = _tiny_copy(root, template)
-    with _edited_weight_map(checkpoint) as weight_map:
-        weight_map["model.ghost.weight"] = SHARD1
+    with edited_index(checkpoint) as index:
+        index["weight_map"]["model.ghost.weight"] = SHARD1
     return checkpoint, (INDEX, "model.ghost.weight")
 
 
 def _index_wrong_shard(root: Path, template: Path, single: Path) -> tuple[Path, tuple[str, ...]]:
     checkpoint = _tiny_copy(root, template)
-    with _edited_weight_map(checkpoint) as weight_map:
+    with edited_index(checkpoint) as index:
+        weight_map = index["weight_map"]
         assert weight_map["model.embed_tokens.weight"] == SHARD1
         weight_map["model.embed_tokens.weight"] = SHARD2
     return checkpoint, (INDEX, "model.embed_tokens.weight")
@@ -156,8 +150,8 @@ def _index_wrong_shard(root: Path, template: Path, single: Path) -> tuple[Path, 
 
 def _index_missing_entry(root: Path, template: Path, single: Path) -> tuple[Path, tuple[str, ...]]:
     checkpoint = _tiny_copy(root, template)
-    with _edited_weight_map(checkpoint) as weight_map:
-        assert weight_map.pop("model.norm.weight") == SHARD2
+    with edited_index(checkpoint) as index:
+        assert index["weight_map"].pop("model.norm.weight") == SHARD2
     return checkpoint, (SHARD2, "model.norm.weight")
 
 
@@ -175,7 +169,8 @@ def _index_traversal(root: Path, template: Path, single: Path) -> tuple[Path, tu
     checkpoint = _tiny_copy(root, template)
     # A real shard sits right where "../" points, so only the name check can refuse it.
     shutil.copy(checkpoint / SHARD1, root / SHARD1)
-    with _edited_weight_map(checkpoint) as weight_map:
+    with edited_index(checkpoint) as index:
+        weight_map = index["weight_map"]
         for name, shard in weight_map.items():
             if shard == SHARD1:
                 weight_map[name] = f"../{SHARD1}"

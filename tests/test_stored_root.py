@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import wcache.key.fingerprint as fingerprint
-from helpers import wait_past_racy_window
+from helpers import edited_index, wait_past_racy_window
 from wcache.errors import CheckpointError
 from wcache.key.cache_key import KeyFile
 from wcache.key.compute import compute_key
@@ -250,11 +250,10 @@ def test_a_new_inode_with_the_same_times_misses_the_stored_root(checkpoint: Path
 def test_an_index_that_now_lies_is_an_error_not_a_stored_root(checkpoint: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     warm_hit(checkpoint, cache)
-    index = json.loads((checkpoint / INDEX).read_text())
-    names = sorted(set(index["weight_map"].values()))
-    moved = next(t for t, s in index["weight_map"].items() if s == names[0])
-    index["weight_map"][moved] = names[1]  # the same shard files, a wrong place for one tensor
-    (checkpoint / INDEX).write_text(json.dumps(index))
+    with edited_index(checkpoint) as index:
+        names = sorted(set(index["weight_map"].values()))
+        moved = next(t for t, s in index["weight_map"].items() if s == names[0])
+        index["weight_map"][moved] = names[1]  # the same shard files, a wrong place for one tensor
     with pytest.raises(CheckpointError, match="lists tensor"):
         key_with(checkpoint, cache)
 
@@ -271,11 +270,11 @@ def test_a_rewritten_but_equal_index_misses_the_stored_root(checkpoint: Path, tm
 def test_a_shard_renamed_with_its_index_misses_the_stored_root(checkpoint: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     before = warm_hit(checkpoint, cache)
-    index = json.loads((checkpoint / INDEX).read_text())
-    old_name = sorted(set(index["weight_map"].values()))[0]
-    (checkpoint / old_name).rename(checkpoint / "renamed.safetensors")
-    index["weight_map"] = {t: ("renamed.safetensors" if s == old_name else s) for t, s in index["weight_map"].items()}
-    (checkpoint / INDEX).write_text(json.dumps(index))
+    with edited_index(checkpoint) as index:
+        old_name = sorted(set(index["weight_map"].values()))[0]
+        (checkpoint / old_name).rename(checkpoint / "renamed.safetensors")
+        index["weight_map"] = {t: ("renamed.safetensors" if s == old_name else s)
+                               for t, s in index["weight_map"].items()}
     after = assert_recomputed(checkpoint, cache)
     assert after.key == before.key
 
@@ -283,10 +282,9 @@ def test_a_shard_renamed_with_its_index_misses_the_stored_root(checkpoint: Path,
 def test_a_shard_left_out_of_the_index_misses_the_stored_root(checkpoint: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     warm_hit(checkpoint, cache)
-    index = json.loads((checkpoint / INDEX).read_text())
-    dropped = sorted(set(index["weight_map"].values()))[0]
-    index["weight_map"] = {t: s for t, s in index["weight_map"].items() if s != dropped}
-    (checkpoint / INDEX).write_text(json.dumps(index))
+    with edited_index(checkpoint) as index:
+        dropped = sorted(set(index["weight_map"].values()))[0]
+        index["weight_map"] = {t: s for t, s in index["weight_map"].items() if s != dropped}
     (checkpoint / dropped).unlink()
     after = assert_recomputed(checkpoint, cache)
     assert after.stats is not None and after.stats.num_shards == len(set(index["weight_map"].values()))
