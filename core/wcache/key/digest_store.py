@@ -42,24 +42,22 @@ LOOKUP_BATCH = 500
 MAX_ROOTS = 4096
 _HEX = frozenset("0123456789abcdef")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS shards (
-    file_id TEXT PRIMARY KEY,
+# What every receipt row starts with: the file, its stat identity when read, and when hashing began
+# (`_rows_by_id` reads them back in this order).
+_RECEIPT_COLUMNS = """file_id TEXT PRIMARY KEY,
     size INTEGER NOT NULL,
     mtime_ns INTEGER NOT NULL,
     ctime_ns INTEGER NOT NULL,
     hashed_at_ns INTEGER NOT NULL,
-    path TEXT NOT NULL,
+    path TEXT NOT NULL"""
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS shards (
+    {_RECEIPT_COLUMNS},
     record BLOB NOT NULL
 );
 CREATE TABLE IF NOT EXISTS files (
-    file_id TEXT PRIMARY KEY,
-    size INTEGER NOT NULL,
-    mtime_ns INTEGER NOT NULL,
-    ctime_ns INTEGER NOT NULL,
-    hashed_at_ns INTEGER NOT NULL,
-    path TEXT NOT NULL,
+    {_RECEIPT_COLUMNS},
     sha256 TEXT NOT NULL,
     git_sha1 TEXT NOT NULL
 );
