@@ -16,11 +16,14 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator, Mapping
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +175,26 @@ def plant_wcache(where: Path, marker: Path) -> Path:
 def wait_past_racy_window() -> None:
     """Sleep until files written now are old enough for their receipts to be trusted."""
     time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serving_in_thread(server: ThreadingHTTPServer) -> Iterator[int]:
+    """`server` answering from a thread of this process; its port. Shut and joined on the way out."""
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
 
 
 @contextlib.contextmanager
