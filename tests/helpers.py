@@ -16,15 +16,20 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from http.server import ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
+from wcache.checkpoint.files import INDEX_NAME
 from wcache.key.digest_store import RACY_WINDOW_NS
 
 CLI_TIMEOUT_S = 120.0
@@ -170,6 +175,48 @@ def plant_wcache(where: Path, marker: Path) -> Path:
 def wait_past_racy_window() -> None:
     """Sleep until files written now are old enough for their receipts to be trusted."""
     time.sleep(RACY_WINDOW_NS / 1e9 + 0.1)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serving_in_thread(server: ThreadingHTTPServer) -> Iterator[int]:
+    """`server` answering from a thread of this process; its port. Shut and joined on the way out."""
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def edited_index(checkpoint: Path) -> Iterator[dict[str, Any]]:
+    """A sharded checkpoint's index, to change in place: written back (compact JSON) on the way out."""
+    index = json.loads((checkpoint / INDEX_NAME).read_text())
+    yield index
+    (checkpoint / INDEX_NAME).write_text(json.dumps(index))
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(where: Path, options: str) -> Iterator[Path]:
+    """A fresh tmpfs at `where` with these mount options (-o), unmounted on the way out; mounting needs root."""
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.fail(f"this test mounts a tmpfs and needs root: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
 
 
 # -- error sentences ------------------------------------------------------------------------------------

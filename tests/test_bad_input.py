@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from as_nobody import nobody_tree, open_to_all, run_as_nobody
-from helpers import WCACHE, assert_one_error_sentence, cli_env, wcache_in_process, wcache_process
+from helpers import WCACHE, assert_one_error_sentence, cli_env, edited_index, wcache_in_process, wcache_process
 from wcache.checkpoint.safetensors_header import MAX_HEADER_BYTES
 from wcache.errors import BadInputError, CheckpointError, KeyFileError
 from wcache.key.cache_key import load_key_file
@@ -79,8 +79,6 @@ def single_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint("tiny", tmp_path_factory.mktemp("bad-input-single") / "tiny", num_shards=1)
 
 
-def _index(checkpoint: Path) -> dict[str, object]:
-    return json.loads((checkpoint / INDEX).read_text())
 
 
 def _write_index(checkpoint: Path, index: object) -> None:
@@ -136,28 +134,24 @@ def _index_missing_shard(root: Path, template: Path, single: Path) -> tuple[Path
 
 def _index_ghost_tensor(root: Path, template: Path, single: Path) -> tuple[Path, tuple[str, ...]]:
     checkpoint = _tiny_copy(root, template)
-    index = _index(checkpoint)
-    index["weight_map"]["model.ghost.weight"] = SHARD1  # type: ignore[index]
-    _write_index(checkpoint, index)
+    with edited_index(checkpoint) as index:
+        index["weight_map"]["model.ghost.weight"] = SHARD1
     return checkpoint, (INDEX, "model.ghost.weight")
 
 
 def _index_wrong_shard(root: Path, template: Path, single: Path) -> tuple[Path, tuple[str, ...]]:
     checkpoint = _tiny_copy(root, template)
-    index = _index(checkpoint)
-    weight_map: dict[str, str] = index["weight_map"]  # type: ignore[assignment]
-    assert weight_map["model.embed_tokens.weight"] == SHARD1
-    weight_map["model.embed_tokens.weight"] = SHARD2
-    _write_index(checkpoint, index)
+    with edited_index(checkpoint) as index:
+        weight_map = index["weight_map"]
+        assert weight_map["model.embed_tokens.weight"] == SHARD1
+        weight_map["model.embed_tokens.weight"] = SHARD2
     return checkpoint, (INDEX, "model.embed_tokens.weight")
 
 
 def _index_missing_entry(root: Path, template: Path, single: Path) -> tuple[Path, tuple[str, ...]]:
     checkpoint = _tiny_copy(root, template)
-    index = _index(checkpoint)
-    weight_map: dict[str, str] = index["weight_map"]  # type: ignore[assignment]
-    assert weight_map.pop("model.norm.weight") == SHARD2
-    _write_index(checkpoint, index)
+    with edited_index(checkpoint) as index:
+        assert index["weight_map"].pop("model.norm.weight") == SHARD2
     return checkpoint, (SHARD2, "model.norm.weight")
 
 
@@ -175,12 +169,11 @@ def _index_traversal(root: Path, template: Path, single: Path) -> tuple[Path, tu
     checkpoint = _tiny_copy(root, template)
     # A real shard sits right where "../" points, so only the name check can refuse it.
     shutil.copy(checkpoint / SHARD1, root / SHARD1)
-    index = _index(checkpoint)
-    weight_map: dict[str, str] = index["weight_map"]  # type: ignore[assignment]
-    for name, shard in weight_map.items():
-        if shard == SHARD1:
-            weight_map[name] = f"../{SHARD1}"
-    _write_index(checkpoint, index)
+    with edited_index(checkpoint) as index:
+        weight_map = index["weight_map"]
+        for name, shard in weight_map.items():
+            if shard == SHARD1:
+                weight_map[name] = f"../{SHARD1}"
     return checkpoint, (INDEX,)
 
 

@@ -7,13 +7,12 @@ import contextlib
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
 from daemon_fixtures import daemon_rig, wait_for
-from helpers import WCACHE, environment, wcache_in_process, wcache_process
+from helpers import WCACHE, environment, mounted_tmpfs, wcache_in_process, wcache_process
 from wcache.ipc.run_dir.directory import process_created, write_descriptor
 
 CHECKS = ["run dir", "memfd and seals", "shared memory", "huge pages", "arena backing", "cgroup memory",
@@ -63,21 +62,8 @@ def test_a_run_dir_others_can_write_fails_with_what_to_do(run_dir: Path) -> None
     assert f"chmod 700 {run_dir}" in findings["run dir"]["message"]
 
 
-@contextlib.contextmanager
-def _tmpfs(where: Path, size: str) -> Iterator[Path]:
-    where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=700", "tmpfs", str(where)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.fail(f"this test mounts a tmpfs and needs root: {mounted.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
-
-
 def test_a_full_tmpfs_run_dir_fails(tmp_path: Path) -> None:
-    with _tmpfs(tmp_path / "small", "1m") as mount:
+    with mounted_tmpfs(tmp_path / "small", "size=1m,mode=700") as mount:
         run_dir = mount / "run"
         run_dir.mkdir(mode=0o700)
         with (mount / "filler").open("wb") as f, contextlib.suppress(OSError):

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from http.server import ThreadingHTTPServer
 
 import pytest
+from helpers import serving_in_thread
 from wcache.ipc.http.client import health_status, http_get
 from wcache.ipc.http.server import QuietHandler
 
@@ -29,15 +30,8 @@ class _Answers(QuietHandler):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[int]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield httpd.server_address[1]
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join()
+    with serving_in_thread(ThreadingHTTPServer(("127.0.0.1", 0), _Answers)) as port:
+        yield port
 
 
 @pytest.mark.parametrize("status", [200, 404, 503])

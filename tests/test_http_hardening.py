@@ -14,7 +14,6 @@ import json
 import logging
 import select
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -33,6 +32,7 @@ from daemon_fixtures import (
     read_until_closed,
     wait_for,
 )
+from helpers import serving_in_thread
 from wcache.errors import BadInputError, ListenError
 from wcache.ipc.http.server import QuietHandler, make_http_server
 
@@ -92,16 +92,6 @@ def post(port: int, body: bytes, host: str = "127.0.0.1") -> tuple[int, Any]:
         return exc.code, json.loads(exc.read())
 
 
-@contextlib.contextmanager
-def running(server: ThreadingHTTPServer) -> Iterator[int]:
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
 
 
 @contextlib.contextmanager
@@ -146,7 +136,7 @@ def engine_server(served: Any) -> Iterator[tuple[ThreadingHTTPServer, int]]:
     from wcache.serving.server import make_server
 
     server = make_server(served, "127.0.0.1", 0)
-    with running(server) as port:
+    with serving_in_thread(server) as port:
         yield server, port
 
 
@@ -212,7 +202,7 @@ def test_an_exception_in_a_route_is_a_500_and_the_server_keeps_serving() -> None
                 raise ZeroDivisionError("division by zero")
             self.send_json(200, {"ok": True})
 
-    with running(make_http_server("127.0.0.1", 0, Fragile)) as port:
+    with serving_in_thread(make_http_server("127.0.0.1", 0, Fragile)) as port:
         reply = exchange(port, b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
         assert reply is not None and reply.status == 500
         assert "ZeroDivisionError" in error_sentence(reply)
@@ -348,7 +338,7 @@ def test_ipv6_loopback(served: Any) -> None:
     finally:
         health.shutdown()
         health.server_close()
-    with running(make_server(served, "::1", 0)) as port:
+    with serving_in_thread(make_server(served, "::1", 0)) as port:
         code, reply = post(port, json.dumps({"prompt": "over IPv6", "max_tokens": 2}).encode(), host="[::1]")
         assert code == 200 and len(reply["choices"][0]["token_ids"]) == 2
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from wcache.engine import Engine, EngineConfig, ModelConfig
+from wcache.engine import Engine, EngineConfig, Generation, ModelConfig
 from wcache.engine.block_manager import KVCacheFullError, chain_hashes
 from wcache.engine.threads import MACS_PER_THREAD
 from wcache.plan.spec import PlanSpec
@@ -156,18 +156,24 @@ def test_replay_off_adopts_short_hits(tiny_template: Path) -> None:
 # -- (b) replay on: what prefill computes, and the counters -------------------------------------------------
 
 
-@pytest.mark.parametrize(("shared", "expected_hit"), [(90, 80), (49, 48), (70, 64)])
-def test_replay_prefills_tail_plus_one_window(tiny_template: Path, shared: int, expected_hit: int) -> None:
-    engine = make_engine(tiny_template, replay=True)
+def _after_first(checkpoint: Path, prompt: list[int]) -> tuple[Generation, dict[str, int]]:
+    """A replaying engine that has served FIRST, then `prompt`: what it generated and how the counters moved."""
+    engine = make_engine(checkpoint, replay=True)
     engine.generate(FIRST, NEW_TOKENS)
-    prompt = [*FIRST[:shared], *_prompt(5, 25)]
     before = engine.counters.snapshot()
     hit = engine.generate(prompt, NEW_TOKENS)
+    return hit, delta(before, engine.counters.snapshot())
+
+
+@pytest.mark.parametrize(("shared", "expected_hit"), [(90, 80), (49, 48), (70, 64)])
+def test_replay_prefills_tail_plus_one_window(tiny_template: Path, shared: int, expected_hit: int) -> None:
+    prompt = [*FIRST[:shared], *_prompt(5, 25)]
+    hit, counted = _after_first(tiny_template, prompt)
     tail = len(prompt) - expected_hit
     assert hit.hit_tokens == expected_hit and hit.adopted
     assert hit.replayed_tokens == WINDOW
     assert hit.prefill_tokens == tail + WINDOW
-    assert delta(before, engine.counters.snapshot()) == {
+    assert counted == {
         "requests": 1,
         "prefix_queries": len(prompt),
         "prefix_hits": expected_hit,  # vLLM's accounting: the replayed window is part of the hit
@@ -182,15 +188,12 @@ def test_replay_prefills_tail_plus_one_window(tiny_template: Path, shared: int, 
 
 @pytest.mark.parametrize(("shared", "expected_hit"), [(40, 32), (20, 16)])
 def test_replay_rejects_hits_of_one_window_or_less(tiny_template: Path, shared: int, expected_hit: int) -> None:
-    engine = make_engine(tiny_template, replay=True)
-    engine.generate(FIRST, NEW_TOKENS)
     prompt = [*FIRST[:shared], *_prompt(6, 50)]
-    before = engine.counters.snapshot()
-    hit = engine.generate(prompt, NEW_TOKENS)
+    hit, counted = _after_first(tiny_template, prompt)
     assert hit.hit_tokens == expected_hit  # what the lookup found
     assert not hit.adopted and hit.replayed_tokens == 0
     assert hit.prefill_tokens == len(prompt)
-    assert delta(before, engine.counters.snapshot()) == {
+    assert counted == {
         "requests": 1, "prefix_queries": len(prompt), "lookup_hits": expected_hit, "rejected_hits": 1,
         "prefill_tokens": len(prompt), "generation_tokens": len(hit.token_ids),
     }

@@ -4,28 +4,11 @@ sentence before starting anything."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from helpers import assert_one_error_sentence, cli_env, wcache_in_process
-
-
-@contextlib.contextmanager
-def _tmpfs(where: Path, options: str) -> Iterator[Path]:
-    where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.fail(f"this test mounts a tmpfs and needs root: {mounted.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
+from helpers import assert_one_error_sentence, cli_env, mounted_tmpfs, wcache_in_process
 
 
 def _check(run_dir: Path, tmp_path: Path, template: Path, words: str) -> None:
@@ -39,12 +22,12 @@ def _check(run_dir: Path, tmp_path: Path, template: Path, words: str) -> None:
 
 
 def test_a_read_only_run_dir(tmp_path: Path, tiny_template: Path) -> None:
-    with _tmpfs(tmp_path / "ro", "size=1m,mode=700,ro") as mount:
+    with mounted_tmpfs(tmp_path / "ro", "size=1m,mode=700,ro") as mount:
         _check(mount, tmp_path, tiny_template, "read-only")
 
 
 def test_a_run_dir_without_free_inodes(tmp_path: Path, tiny_template: Path) -> None:
-    with _tmpfs(tmp_path / "few", "size=1m,mode=700,nr_inodes=8") as mount:
+    with mounted_tmpfs(tmp_path / "few", "size=1m,mode=700,nr_inodes=8") as mount:
         _check(mount, tmp_path, tiny_template, "free inode")
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 from daemon_fixtures import wait_for
+from helpers import free_port
 from wcache.daemon.sd_notify import Notifier
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.ipc.run_dir.servers import RestartRequest, live_server_records, write_restart_request
@@ -67,17 +68,11 @@ class ScriptStarter:
         self.closed = True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Run:
     """A launcher running in this thread's stead (its loop on a thread; signals are set as its handlers would)."""
 
     def __init__(self, tmp_path: Path, user_argv: list[str], notifier: Notifier | None = None) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.run_dir = tmp_path / "run"
         self.run_dir.mkdir(mode=0o700)
         self.said: list[str] = []

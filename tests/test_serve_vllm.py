@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives, wait_for  # noqa: F401
-from helpers import assert_one_error_sentence, environment, loaded_of, modules_after_cli
+from helpers import assert_one_error_sentence, environment, free_port, loaded_of, modules_after_cli
 from wcache.integrations.vllm_warm import ZYGOTE_MODULE
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.ipc.run_dir.servers import ServerRecord, live_server_records
@@ -37,12 +36,6 @@ PROMPT = "the weights cache keeps"
 MAX_NEW_TOKENS = 8
 START_S = 600.0  # a cold start imports vLLM in three processes; far more than a healthy start needs here
 SERVER_ARGS = ("--host", "127.0.0.1", "--enforce-eager", "--served-model-name", "small")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -83,7 +76,7 @@ class Launcher:
 
 
 def _start(rig: DaemonRig, model: Path, *vllm_args: str, name: str, cold: bool = False) -> Launcher:
-    port = _free_port()
+    port = free_port()
     output = rig.base / f"{name}.out"
     env = environment({**rig.env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(rig.base / "vllm-cache")})
     with output.open("w") as out:

@@ -13,12 +13,12 @@ import os
 import shutil
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import wcache.key.fingerprint as fingerprint
-from helpers import wait_past_racy_window
+from helpers import edited_index, wait_past_racy_window
 from wcache.errors import CheckpointError
 from wcache.key.cache_key import KeyFile
 from wcache.key.compute import compute_key
@@ -221,72 +221,76 @@ def test_a_longer_shard_misses_the_stored_root(checkpoint: Path, tmp_path: Path)
         key_with(checkpoint, cache)
 
 
-@pytest.mark.parametrize("change", ["mtime", "ctime"])
-def test_a_new_time_misses_the_stored_root(change: str, checkpoint: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    before = warm_hit(checkpoint, cache)
+def _older_mtime(checkpoint: Path) -> None:
     shard = shard_of(checkpoint, "model.norm.weight")
-    if change == "mtime":
-        os.utime(shard, ns=(os.stat(shard).st_atime_ns, os.stat(shard).st_mtime_ns - 10**9))
-    else:
-        os.chmod(shard, os.stat(shard).st_mode)  # changes ctime only
-    after = assert_recomputed(checkpoint, cache)
-    assert after.key == before.key  # same bytes, same key: only the shortcut was refused
+    os.utime(shard, ns=(os.stat(shard).st_atime_ns, os.stat(shard).st_mtime_ns - 10**9))
 
 
-def test_a_new_inode_with_the_same_times_misses_the_stored_root(checkpoint: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    before = warm_hit(checkpoint, cache)
+def _new_ctime(checkpoint: Path) -> None:
+    shard = shard_of(checkpoint, "model.norm.weight")
+    os.chmod(shard, os.stat(shard).st_mode)  # changes ctime only
+
+
+def _new_inode_with_the_same_times(checkpoint: Path) -> None:
     shard = shard_of(checkpoint, "model.norm.weight")
     old = os.stat(shard)
     replacement = shard.with_suffix(".new")
     shutil.copy2(shard, replacement)
     os.replace(replacement, shard)
     assert os.stat(shard).st_ino != old.st_ino and os.stat(shard).st_mtime_ns == old.st_mtime_ns
+
+
+def _rewritten_but_equal_index(checkpoint: Path) -> None:
+    index = json.loads((checkpoint / INDEX).read_text())
+    (checkpoint / INDEX).write_text(json.dumps(index, indent=4))
+
+
+def _shard_renamed_with_its_index(checkpoint: Path) -> None:
+    with edited_index(checkpoint) as index:
+        old_name = sorted(set(index["weight_map"].values()))[0]
+        (checkpoint / old_name).rename(checkpoint / "renamed.safetensors")
+        index["weight_map"] = {t: ("renamed.safetensors" if s == old_name else s)
+                               for t, s in index["weight_map"].items()}
+
+
+# Changes to the files' identities, not to their bytes.
+SAME_BYTES_CHANGES: dict[str, Callable[[Path], None]] = {
+    "mtime": _older_mtime,
+    "ctime": _new_ctime,
+    "new inode with the same times": _new_inode_with_the_same_times,
+    "rewritten but equal index": _rewritten_but_equal_index,
+    "shard renamed with its index": _shard_renamed_with_its_index,
+}
+
+
+@pytest.mark.parametrize("change", SAME_BYTES_CHANGES.values(), ids=SAME_BYTES_CHANGES.keys())
+def test_the_same_bytes_under_a_new_identity_miss_the_stored_root(
+    change: Callable[[Path], None], checkpoint: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    before = warm_hit(checkpoint, cache)
+    change(checkpoint)
     after = assert_recomputed(checkpoint, cache)
-    assert after.key == before.key
+    assert after.key == before.key  # same bytes, same key: only the shortcut was refused
 
 
 def test_an_index_that_now_lies_is_an_error_not_a_stored_root(checkpoint: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     warm_hit(checkpoint, cache)
-    index = json.loads((checkpoint / INDEX).read_text())
-    names = sorted(set(index["weight_map"].values()))
-    moved = next(t for t, s in index["weight_map"].items() if s == names[0])
-    index["weight_map"][moved] = names[1]  # the same shard files, a wrong place for one tensor
-    (checkpoint / INDEX).write_text(json.dumps(index))
+    with edited_index(checkpoint) as index:
+        names = sorted(set(index["weight_map"].values()))
+        moved = next(t for t, s in index["weight_map"].items() if s == names[0])
+        index["weight_map"][moved] = names[1]  # the same shard files, a wrong place for one tensor
     with pytest.raises(CheckpointError, match="lists tensor"):
         key_with(checkpoint, cache)
-
-
-def test_a_rewritten_but_equal_index_misses_the_stored_root(checkpoint: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    before = warm_hit(checkpoint, cache)
-    index = json.loads((checkpoint / INDEX).read_text())
-    (checkpoint / INDEX).write_text(json.dumps(index, indent=4))
-    after = assert_recomputed(checkpoint, cache)
-    assert after.key == before.key
-
-
-def test_a_shard_renamed_with_its_index_misses_the_stored_root(checkpoint: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    before = warm_hit(checkpoint, cache)
-    index = json.loads((checkpoint / INDEX).read_text())
-    old_name = sorted(set(index["weight_map"].values()))[0]
-    (checkpoint / old_name).rename(checkpoint / "renamed.safetensors")
-    index["weight_map"] = {t: ("renamed.safetensors" if s == old_name else s) for t, s in index["weight_map"].items()}
-    (checkpoint / INDEX).write_text(json.dumps(index))
-    after = assert_recomputed(checkpoint, cache)
-    assert after.key == before.key
 
 
 def test_a_shard_left_out_of_the_index_misses_the_stored_root(checkpoint: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     warm_hit(checkpoint, cache)
-    index = json.loads((checkpoint / INDEX).read_text())
-    dropped = sorted(set(index["weight_map"].values()))[0]
-    index["weight_map"] = {t: s for t, s in index["weight_map"].items() if s != dropped}
-    (checkpoint / INDEX).write_text(json.dumps(index))
+    with edited_index(checkpoint) as index:
+        dropped = sorted(set(index["weight_map"].values()))[0]
+        index["weight_map"] = {t: s for t, s in index["weight_map"].items() if s != dropped}
     (checkpoint / dropped).unlink()
     after = assert_recomputed(checkpoint, cache)
     assert after.stats is not None and after.stats.num_shards == len(set(index["weight_map"].values()))

@@ -9,13 +9,13 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 from daemon_fixtures import daemon_rig, http_status, nothing_survives, wait_for  # noqa: F401
+from helpers import free_port
 from hub_cache import write_hub_cache
 from safetensors.torch import load_file, save_file
 from wcache_dev.synth import write_checkpoint
@@ -40,12 +40,6 @@ def _float32_small(dest: Path) -> Path:
     return model
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_the_readme_vllm_example_hits_on_cpu_as_written() -> None:
     preload_line, server_line = _readme_vllm_commands()
     repo_id = preload_line.split()[2]
@@ -58,7 +52,7 @@ def test_the_readme_vllm_example_hits_on_cpu_as_written() -> None:
         preloaded = subprocess.run(["bash", "-c", preload_line], env=env, capture_output=True, text=True,
                                    timeout=300)
         assert preloaded.returncode == 0, preloaded.stderr
-        port = _free_port()
+        port = free_port()
         log_path = rig.base / "vllm.log"
         command = server_line.replace("python ", f"{sys.executable} ", 1) + f" --port {port} --enforce-eager"
         with log_path.open("w") as log:

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from daemon_fixtures import DaemonRig, http_status, wait_for
+from helpers import free_port
 from wcache.vllm_served import DEV_MODE
 
 SERVER_START_S = 240.0
@@ -28,12 +28,6 @@ def healthy(url: str) -> bool:
         return http_status(url, timeout=2)[0] == 200
     except OSError:  # not listening yet
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -94,6 +94,25 @@ _SMALL_MOE = _qwen3_config(
     tie_word_embeddings=False,
 )
 
+# The smallest checkpoint vLLM's CPU attention runs: see the "small" preset.
+_SMALL = _qwen3_config(
+    hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+    torch_dtype="bfloat16", **_BYTE_VOCAB_MIXED_WINDOWS,
+)
+
+
+def _prequantized(config: Mapping[str, Any], quantization_config: Mapping[str, Any], quantized: str) -> Preset:
+    """A small checkpoint written pre-quantized: two shards and a tokenizer, matrices of std 0.09 (about
+    1/sqrt(hidden), so every projection moves the tokens)."""
+    return Preset(config={**config, "quantization_config": quantization_config}, num_shards=2, write_lm_head=True,
+                  tokenizer=True, quantized=quantized, matrix_std=0.09)
+
+
+def _bfloat16_qwen3(num_shards: int, **sizes: Any) -> Preset:
+    """A bfloat16 Qwen3 of these sizes, lm_head.weight written even when tied (as published checkpoints do)."""
+    return Preset(config=_qwen3_config(torch_dtype="bfloat16", **sizes), num_shards=num_shards, write_lm_head=True)
+
+
 PRESETS: dict[str, Preset] = {
     # Mixed full and sliding-window layers so the engine's SWA paths have something to chew on; float32
     # so outputs can be compared with transformers to 1e-4. Written as two shards to exercise the index.
@@ -108,86 +127,41 @@ PRESETS: dict[str, Preset] = {
     # The smallest checkpoint vLLM's CPU attention runs (head_dim 64; it refuses 16), with the same mixed
     # sliding/full layers and byte vocabulary as "tiny", and a byte-level tokenizer.json so that vLLM and
     # transformers can tokenize text for it. bfloat16, the dtype vLLM's "auto" picks on CPU.
-    "small": Preset(
-        config=_qwen3_config(
-            hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-            torch_dtype="bfloat16", **_BYTE_VOCAB_MIXED_WINDOWS,
-        ),
-        num_shards=2,
-        write_lm_head=True,
-        tokenizer=True,
-    ),
+    "small": Preset(config=_SMALL, num_shards=2, write_lm_head=True, tokenizer=True),
     # "small" as compressed-tensors W8A8 int8 (what llm-compressor writes): every projection per-channel int8
     # with a float32 weight_scale [rows, 1], activations quantized per token at run time; lm_head unquantized.
-    "small-w8a8": Preset(
-        config=_qwen3_config(
-            hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-            torch_dtype="bfloat16", quantization_config=_compressed_tensors("int"),
-            **_BYTE_VOCAB_MIXED_WINDOWS,
-        ),
-        num_shards=2, write_lm_head=True, tokenizer=True, quantized="int8", matrix_std=0.09,
-    ),
+    "small-w8a8": _prequantized(_SMALL, _compressed_tensors("int"), "int8"),
     # The same as compressed-tensors W8A8 fp8 (float8_e4m3fn codes, per-channel scales, dynamic per-token
     # activations).
-    "small-fp8": Preset(
-        config=_qwen3_config(
-            hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-            torch_dtype="bfloat16", quantization_config=_compressed_tensors("float"),
-            **_BYTE_VOCAB_MIXED_WINDOWS,
-        ),
-        num_shards=2, write_lm_head=True, tokenizer=True, quantized="fp8", matrix_std=0.09,
-    ),
+    "small-fp8": _prequantized(_SMALL, _compressed_tensors("float"), "fp8"),
     # The same in vLLM's own fp8 format: float8_e4m3fn codes with one float32 weight_scale per tensor.
-    "small-fp8-tensor": Preset(
-        config=_qwen3_config(
-            hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-            torch_dtype="bfloat16", quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"},
-            **_BYTE_VOCAB_MIXED_WINDOWS,
-        ),
-        num_shards=2, write_lm_head=True, tokenizer=True, quantized="fp8-tensor", matrix_std=0.09,
-    ),
+    "small-fp8-tensor": _prequantized(_SMALL, {"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8-tensor"),
     "small-moe": Preset(
         config=_SMALL_MOE,
         num_shards=2, write_lm_head=True, tokenizer=True, matrix_std=0.09,
     ),
     # The same pre-quantized as compressed-tensors W8A8 int8: every projection, each expert's too, as int8 codes
     # with a float32 weight_scale [rows, 1]; the router and lm_head unquantized.
-    "small-moe-w8a8": Preset(
-        config={**_SMALL_MOE, "quantization_config": _compressed_tensors("int")},
-        num_shards=2, write_lm_head=True, tokenizer=True, quantized="int8", matrix_std=0.09,
-    ),
+    "small-moe-w8a8": _prequantized(_SMALL_MOE, _compressed_tensors("int"), "int8"),
     # Qwen/Qwen3-0.6B's exact tensor names, shapes and dtype. Its published file also stores lm_head.weight
     # although the embeddings are tied: 311 tensors, 1,503,264,768 data bytes.
-    "qwen3-0.6b": Preset(
-        config=_qwen3_config(
-            hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-            num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-            bos_token_id=151643, eos_token_id=151645, tie_word_embeddings=True, torch_dtype="bfloat16",
-        ),
-        num_shards=1,
-        write_lm_head=True,
+    "qwen3-0.6b": _bfloat16_qwen3(
+        1, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        bos_token_id=151643, eos_token_id=151645, tie_word_embeddings=True,
     ),
     # The shard count of the #60944 report (66 shards) with small tensors: the cost is per file, not per byte.
-    "many-shards": Preset(
-        config=_qwen3_config(
-            hidden_size=128, intermediate_size=384, num_hidden_layers=16, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, vocab_size=1024, max_position_embeddings=4096,
-            bos_token_id=1000, eos_token_id=1001, tie_word_embeddings=False, torch_dtype="bfloat16",
-        ),
-        num_shards=66,
-        write_lm_head=True,
+    "many-shards": _bfloat16_qwen3(
+        66, hidden_size=128, intermediate_size=384, num_hidden_layers=16, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=1024, max_position_embeddings=4096,
+        bos_token_id=1000, eos_token_id=1001, tie_word_embeddings=False,
     ),
     # 2,000 shards of a few KB each (182 layers, 2,005 tensors, ~13 MB): whether a warm key's cost grows with
     # the shard count behind a remote filesystem, with almost no bytes to hash.
-    "many-shards-2000": Preset(
-        config=_qwen3_config(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=182, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=32, vocab_size=256, max_position_embeddings=4096,
-            bos_token_id=250, eos_token_id=251, tie_word_embeddings=False, torch_dtype="bfloat16",
-            max_window_layers=182,
-        ),
-        num_shards=2000,
-        write_lm_head=True,
+    "many-shards-2000": _bfloat16_qwen3(
+        2000, hidden_size=64, intermediate_size=128, num_hidden_layers=182, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, vocab_size=256, max_position_embeddings=4096,
+        bos_token_id=250, eos_token_id=251, tie_word_embeddings=False, max_window_layers=182,
     ),
 }
 

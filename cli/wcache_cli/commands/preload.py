@@ -6,7 +6,7 @@ import contextlib
 import os
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, TypedDict
 
 import typer
 from wcache.errors import EXIT_INTERRUPTED, BadInputError, UnavailableError
@@ -46,10 +46,22 @@ if TYPE_CHECKING:
     from wcache.ipc.wire.status_pipe import GroupReady
 
 
+class DaemonRunOptions(TypedDict):
+    """How every daemon a preload starts runs, whether from a checkpoint or --from: built once from the
+    command line, and passed to `start_daemons` and `start_next_version` as their keyword arguments."""
+
+    run_dir: Path
+    health_host: str
+    health_port: int
+    log_level: str
+    log_format: str
+    share_stderr: bool
+    scrub_interval: float
+
+
 def _launch(
-    model: Path, device: str, tp: int, dtype: Dtype, quantization: Quantization, plan: Layout, run_dir: Path,
-    health_host: str, health_port: int, log_level: str, log_format: str, share_stderr: bool, scrub_interval: float,
-    require_provenance: str, expected: Path | None,
+    model: Path, device: str, tp: int, dtype: Dtype, quantization: Quantization, plan: Layout,
+    running: DaemonRunOptions, require_provenance: str, expected: Path | None,
 ) -> DaemonGroup:
     """Start the daemons with a progress bar on a terminal; raise with the failing rank's reason otherwise."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
@@ -62,10 +74,8 @@ def _launch(
         task = bar.add_task("load", total=None)
         return start_daemons(
             model, device=device, tp=tp, dtype=dtype.value, quantization=quantization.value, layout=plan.value,
-            run_dir=run_dir, health_host=health_host, health_port=health_port, log_level=log_level,
-            log_format=log_format, share_stderr=share_stderr, scrub_interval=scrub_interval,
             require_provenance=require_provenance, expected=expected,
-            on_progress=lambda done, total: bar.update(task, completed=done, total=total or None),
+            on_progress=lambda done, total: bar.update(task, completed=done, total=total or None), **running,
         )
 
 
@@ -184,6 +194,9 @@ def preload(
 
     where = ensure_daemon_run_dir(run_dir_or_default(run_dir))
     warn_if_exposed(health_host, "--health-host", "/health, /metrics and /stats")
+    running = DaemonRunOptions(run_dir=where, health_host=health_host, health_port=health_port,
+                               log_level=log_level.value, log_format=log_format.value,
+                               share_stderr=not detach and not out.stderr.is_terminal, scrub_interval=scrub)
     if delta is not None:
         model = delta  # what the new version is made from, in its READY line
     else:
@@ -209,18 +222,13 @@ def preload(
     group: DaemonGroup | None = None  # once set (ready), a stop must reach its supervisor
     try:
         try:
-            share = not detach and not out.stderr.is_terminal
             if parent is not None and delta is not None:
                 from wcache.daemon.launch import start_next_version
 
-                group = start_next_version(parent, delta, run_dir=where, health_host=health_host,
-                                           health_port=health_port, log_level=log_level.value,
-                                           log_format=log_format.value, share_stderr=share,
-                                           scrub_interval=scrub)
+                group = start_next_version(parent, delta, **running)
                 device = group.descriptors()[0].device if group.descriptors() else device
             else:
-                group = _launch(model, device, tp, dtype, quantization, plan, where, health_host, health_port,
-                                log_level.value, log_format.value, share_stderr=share, scrub_interval=scrub,
+                group = _launch(model, device, tp, dtype, quantization, plan, running,
                                 require_provenance=requirement, expected=expected)
         except DaemonExistsError as exc:
             if json_output:

@@ -384,27 +384,33 @@ class TopApp(App[None]):
         prompt.display = True
         prompt.focus()
 
+    def _take_filter(self, text: str) -> FilterError | None:
+        """Filter the rows by `text`; when it does not parse, the last valid filter stays and the error is
+        returned."""
+        try:
+            self.row_filter = RowFilter.parse(text)
+        except FilterError as exc:
+            return exc
+        self.filter_error = None
+        return None
+
     @on(Input.Changed, "#filter")
     def _filter_changed(self, event: Input.Changed) -> None:
-        try:
-            self.row_filter = RowFilter.parse(event.value)
-        except FilterError as exc:
-            # Keep the last valid filter while the user is still typing; the status line says why.
-            self.filter_error = str(exc)
+        error = self._take_filter(event.value)
+        if error is not None:
+            # The user may still be typing: the status line says why the filter is not applied yet.
+            self.filter_error = str(error)
             self.render_status()
             return
-        self.filter_error = None
         self.render_all()
 
     @on(Input.Submitted, "#filter")
     def _filter_submitted(self, event: Input.Submitted) -> None:
-        try:
-            self.row_filter = RowFilter.parse(event.value)
-        except FilterError as exc:
-            self.notify(f"{exc}; still showing the last valid filter.", title="Filter not applied",
+        error = self._take_filter(event.value)
+        if error is not None:
+            self.notify(f"{error}; still showing the last valid filter.", title="Filter not applied",
                         severity="error", timeout=6)
             return
-        self.filter_error = None
         self._close_filter_prompt()
         self.render_all()
 

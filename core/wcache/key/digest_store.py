@@ -42,24 +42,22 @@ LOOKUP_BATCH = 500
 MAX_ROOTS = 4096
 _HEX = frozenset("0123456789abcdef")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS shards (
-    file_id TEXT PRIMARY KEY,
+# What every receipt row starts with: the file, its stat identity when read, and when hashing began
+# (`_rows_by_id` reads them back in this order).
+_RECEIPT_COLUMNS = """file_id TEXT PRIMARY KEY,
     size INTEGER NOT NULL,
     mtime_ns INTEGER NOT NULL,
     ctime_ns INTEGER NOT NULL,
     hashed_at_ns INTEGER NOT NULL,
-    path TEXT NOT NULL,
+    path TEXT NOT NULL"""
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS shards (
+    {_RECEIPT_COLUMNS},
     record BLOB NOT NULL
 );
 CREATE TABLE IF NOT EXISTS files (
-    file_id TEXT PRIMARY KEY,
-    size INTEGER NOT NULL,
-    mtime_ns INTEGER NOT NULL,
-    ctime_ns INTEGER NOT NULL,
-    hashed_at_ns INTEGER NOT NULL,
-    path TEXT NOT NULL,
+    {_RECEIPT_COLUMNS},
     sha256 TEXT NOT NULL,
     git_sha1 TEXT NOT NULL
 );
@@ -371,10 +369,18 @@ class DigestStore:
             )
             for r in records
         ]
+        with self._writing() as conn:
+            conn.executemany("INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (the caller holds the lock and has checked the connection); a failure
+        disables or rebuilds the store and is swallowed, so a write is never an error."""
+        assert self._conn is not None
         try:
             with self._conn:
                 self._conn.execute("BEGIN IMMEDIATE")
-                self._conn.executemany("INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+                yield self._conn
         except sqlite3.OperationalError as exc:
             # "database or disk is full", "readonly database", a writer holding the lock past the timeout:
             # the key is still right, only the next run pays for hashing again.
@@ -398,28 +404,23 @@ class DigestStore:
             except sqlite3.DatabaseError as exc:
                 self._rebuild(str(exc))
                 return None
-            if row is None or not isinstance(row[0], str) or len(row[0]) != 64 or not _HEX.issuperset(row[0]):
-                return None  # anything but a root's 64 hex digits is treated as absent, like a malformed record
-            return row[0]
+            if row is None or not _is_hex(row[0], 64):
+                return None
+            root: str = row[0]
+            return root
 
     def put_root(self, state: str, root: str) -> None:
         """Store the root of a checkpoint state whose every receipt is trusted; failures are warnings."""
         with self._lock:
             if self._conn is None:
                 return
-            try:
-                with self._conn:
-                    self._conn.execute("BEGIN IMMEDIATE")
-                    self._conn.execute("INSERT OR REPLACE INTO roots VALUES (?, ?, ?)", (state, root, time.time_ns()))
-                    self._conn.execute(
-                        "DELETE FROM roots WHERE state NOT IN "
-                        "(SELECT state FROM roots ORDER BY stored_at_ns DESC LIMIT ?)",
-                        (MAX_ROOTS,),
-                    )
-            except sqlite3.OperationalError as exc:
-                self._disable(f"writing failed ({exc})")
-            except sqlite3.DatabaseError as exc:
-                self._rebuild(str(exc))
+            with self._writing() as conn:
+                conn.execute("INSERT OR REPLACE INTO roots VALUES (?, ?, ?)", (state, root, time.time_ns()))
+                conn.execute(
+                    "DELETE FROM roots WHERE state NOT IN "
+                    "(SELECT state FROM roots ORDER BY stored_at_ns DESC LIMIT ?)",
+                    (MAX_ROOTS,),
+                )
 
     # -- small files' receipts (the tokenizer's files and the generation config) ----------------------
 
@@ -450,14 +451,8 @@ class DigestStore:
                 return
             rows = [(_file_id(i), i.size, i.mtime_ns, i.ctime_ns, at, str(path), d.sha256, d.git_sha1)
                     for path, i, at, d in receipts]
-            try:
-                with self._conn:
-                    self._conn.execute("BEGIN IMMEDIATE")
-                    self._conn.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
-            except sqlite3.OperationalError as exc:
-                self._disable(f"writing failed ({exc})")
-            except sqlite3.DatabaseError as exc:
-                self._rebuild(str(exc))
+            with self._writing() as conn:
+                conn.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
 
 def _is_hex(value: object, length: int) -> bool:

@@ -213,11 +213,9 @@ class Launcher:
 
     def _wait_ready(self, process: ServerProcess, began: float) -> str:
         while True:
-            event = self._event()
+            event = self._event_or_death(process)
             if event is not None:
                 return event
-            if process.poll() is not None:
-                return DIED
             if _health_ok(self.spec.url):
                 return READY
             if time.monotonic() - began > self.spec.ready_timeout_s:
@@ -229,12 +227,17 @@ class Launcher:
 
     def _watch(self, process: ServerProcess) -> str:
         while True:
-            event = self._event()
+            event = self._event_or_death(process)
             if event is not None:
                 return event
-            if process.poll() is not None:
-                return DIED
             self.flags.wake.wait(POLL_S)
+
+    def _event_or_death(self, process: ServerProcess) -> str | None:
+        """A signalled event, else DIED once the server has exited, else None (keep waiting)."""
+        event = self._event()
+        if event is not None:
+            return event
+        return DIED if process.poll() is not None else None
 
     def _stop_group(self, process: ServerProcess) -> None:
         """Stop the server's whole process group: SIGTERM, the grace period, SIGKILL; wait until it is gone."""
