@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from daemon_fixtures import daemon_rig
-from helpers import cli_env, wcache_in_process
+from helpers import cli_env, serving_in_thread, wcache_in_process
 from wcache.engine.tokenizer import load_tokenizer
 from wcache.ipc.http.client import NoAnswerError, http_call
 from wcache.key.compute import compute_key
@@ -70,14 +70,8 @@ class Handler(BaseHTTPRequestHandler):
 def stand_in() -> Iterator[StandIn]:
     server = StandIn(("127.0.0.1", 0), Handler)
     server.routes, server.requests = {}, []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving_in_thread(server):
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 @pytest.fixture
@@ -269,19 +263,27 @@ def test_verify_against_a_lying_tokenizer_route_is_one_sentence(lying: StandIn, 
 # -- a served vLLM whose /pause fails -----------------------------------------------------------------------
 
 
+def _dev_mode_vllm_routes(model: Path, run_dir: Path) -> dict[str, tuple[int, bytes]]:
+    """What a dev-mode vLLM 0.32 on `--load-format wcache` answers for `model` before a switch pauses it."""
+    config = {"model_config": {"model": str(model), "tokenizer": str(model), "dtype": "torch.float32",
+                               "max_model_len": 128},
+              "load_config": {"load_format": "wcache", "model_loader_extra_config": {"run_dir": str(run_dir)}},
+              "parallel_config": {"tensor_parallel_size": 1}, "device_config": {"device": "cpu"}}
+    return {
+        "GET /version": (200, b'{"version": "0.32.0"}'),
+        "GET /server_info": (200, json.dumps({"vllm_config": config}).encode()),
+        "GET /v1/models": (200, b'{"data": [{"id": "tiny"}]}'),
+        "GET /weight_info": (200, b'{"weight_version": null}'),
+    }
+
+
 def test_a_vllm_pause_answered_with_500_is_still_followed_by_resume(lying: StandIn) -> None:
     """The pause may have taken effect before the server failed: a switch that stops there must resume it."""
     with daemon_rig() as rig:
         model = write_checkpoint("tiny", rig.base / "tiny")
         rig.publish_stand_in()  # a live daemon of the engine's device and TP size, so the switch gets to /pause
-        config = {"model_config": {"model": str(model), "dtype": "torch.float32", "max_model_len": 128},
-                  "load_config": {"load_format": "wcache", "model_loader_extra_config": {"run_dir": str(rig.run_dir)}},
-                  "parallel_config": {"tensor_parallel_size": 1}, "device_config": {"device": "cpu"}}
         lying.routes.update({
-            "GET /version": (200, b'{"version": "0.32.0"}'),
-            "GET /server_info": (200, json.dumps({"vllm_config": config}).encode()),
-            "GET /v1/models": (200, b'{"data": [{"id": "tiny"}]}'),
-            "GET /weight_info": (200, b'{"weight_version": null}'),
+            **_dev_mode_vllm_routes(model, rig.run_dir),
             "POST /pause": (500, b'{"error": "the engine core died while pausing"}'),
             "POST /resume": (200, b"{}"),
         })
@@ -302,16 +304,7 @@ def test_a_vllm_switch_to_another_tokenizer_is_refused_by_name(lying: StandIn) -
         shutil.copytree(model, retokenized)
         write_byte_tokenizer(retokenized, PRESETS["tiny"].config)
         rig.publish_stand_in()  # a live daemon of the engine's device and TP size, so the switch gets to its checks
-        config = {"model_config": {"model": str(model), "tokenizer": str(model), "dtype": "torch.float32",
-                                   "max_model_len": 128},
-                  "load_config": {"load_format": "wcache", "model_loader_extra_config": {"run_dir": str(rig.run_dir)}},
-                  "parallel_config": {"tensor_parallel_size": 1}, "device_config": {"device": "cpu"}}
-        lying.routes.update({
-            "GET /version": (200, b'{"version": "0.32.0"}'),
-            "GET /server_info": (200, json.dumps({"vllm_config": config}).encode()),
-            "GET /v1/models": (200, b'{"data": [{"id": "tiny"}]}'),
-            "GET /weight_info": (200, b'{"weight_version": null}'),
-        })
+        lying.routes.update(_dev_mode_vllm_routes(model, rig.run_dir))
         result = wcache_in_process("switch", _url(lying), str(retokenized), env={**cli_env(), **rig.env})
         _one_sentence(result, "tokenizer.json, tokenizer_config.json differ", "start a new engine")
         assert not [r for r in lying.requests if r in ("POST /pause", "POST /collective_rpc")], lying.requests

@@ -7,14 +7,13 @@ time: one sentence, exit 3, and nothing that would change weights is asked for.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import wcache_process
+from helpers import serving_in_thread, wcache_process
 from wcache.key.compute import compute_key
 from wcache.plan.spec import PlanSpec
 from wcache_dev.synth import write_checkpoint
@@ -54,14 +53,8 @@ class Handler(BaseHTTPRequestHandler):
 def stand_in() -> Iterator[StandIn]:
     server = StandIn(("127.0.0.1", 0), Handler)
     server.version, server.weights, server.requests = "0.32.0", None, []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving_in_thread(server):
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 def _url(server: StandIn) -> str:
