@@ -18,8 +18,8 @@ from wcache.engine.config import ModelConfig, UnsupportedModelError
 from wcache.key.fingerprint import fingerprint_checkpoint
 from wcache.plan import family
 from wcache.plan.family import ModelDims, UnsupportedPlanError
+from wcache.plan.load_time_quantization import quantized_at_load
 from wcache.plan.processing import ProcessingPlan, build_plan
-from wcache.plan.quantize import is_linear_weight
 from wcache.plan.spec import PlanSpec
 from wcache_dev.synth import PRESETS, read_tensors, tensor_shapes, write_checkpoint
 
@@ -151,24 +151,33 @@ def test_expert_companions_the_fused_layout_cannot_hold_are_refused(suffix: str,
 
 
 @pytest.mark.parametrize("layout", ["fused", "identity"])
-@pytest.mark.parametrize("preset", ["small", "small-moe"])
-def test_quantization_takes_the_projections_the_family_names(preset: str, layout: str) -> None:
-    config = PRESETS[preset].config
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_load_time_quantization_and_the_fused_layout_agree_on_projections_and_experts(preset: str,
+                                                                                       layout: str) -> None:
+    # Floating tensors of the preset's names and shapes: load-time quantization takes floating weights only.
+    config = {key: value for key, value in PRESETS[preset].config.items() if key != "quantization_config"}
     manifest = [TensorDigest(name, "F32", shape, 0, "0" * 64) for name, shape in tensor_shapes(config, True)]
     floating = build_plan(PlanSpec(dtype="float32", layout=layout), config, manifest)
     shapes = {**{e.name: e.shape for e in manifest}, **{o.name: o.shape for o in floating.outputs}}
     # Checkpoint and engine names alike: q_proj and qkv_proj, each expert's up_proj and the experts' w13_weight.
-    linear = {name for name, shape in shapes.items() if is_linear_weight(name, shape)}
+    taken = {name for name, shape in shapes.items() if quantized_at_load(name, shape)}
     projections = {name for name, shape in shapes.items() if family.is_projection(name) and len(shape) == 2}
-    assert linear <= projections
-    experts = {name for name in shapes if family.is_expert_projection(name)}
-    assert projections - linear == experts
-    assert bool(experts) == (preset == "small-moe")
+    experts = {e.name for e in manifest if family.is_expert_projection(e.name)}
+    assert taken <= projections and projections - taken == experts
+    assert bool(experts) == ModelDims.from_config(config).is_moe
+    # The layout's expert stacks are made of exactly the tensors the family calls experts' projections.
+    stacks = {o.name: o for o in floating.outputs if o.name.rpartition(".")[2] in family.EXPERT_STACKS}
+    assert {source for o in stacks.values() for source in o.sources} == (experts if layout == "fused" else set())
     quantized = build_plan(PlanSpec(dtype="float32", layout=layout, quantization="int8"), config, manifest)
-    codes = {o.name for o in quantized.outputs if o.dtype == "int8"}
-    assert codes == {o.name for o in floating.outputs if family.is_dense_projection(o.name)} != set()
+    codes = {o.name: o for o in quantized.outputs if o.dtype == "int8"}
+    # Every dense projection becomes codes and nothing else does; the experts stay floating, stacked or not.
+    assert set(codes) == {o.name for o in floating.outputs if family.is_dense_projection(o.name)} != set()
+    assert {source for o in codes.values() for source in o.sources} == {
+        e.name for e in manifest if family.is_dense_projection(e.name)}
+    assert not experts & {source for o in codes.values() for source in o.sources}
+    assert all(quantized.recipes[name].kind == "tensor" for name in stacks)
     # The layers may sit under another prefix (a multimodal checkpoint's language model) in the identity layout.
-    assert is_linear_weight("model.language_model.layers.0.self_attn.q_proj.weight", (8, 8))
+    assert quantized_at_load("model.language_model.layers.0.self_attn.q_proj.weight", (8, 8))
 
 
 def test_the_config_digest_covers_the_quantization_config() -> None:

@@ -21,6 +21,7 @@ from wcache.checkpoint.safetensors_header import read_header
 from wcache.errors import BadInputError, CheckpointError
 from wcache.ipc.arenas.engine_side import torch_dtype
 from wcache.key.fingerprint import fingerprint_checkpoint
+from wcache.plan.load_time_quantization import dequantize_rows
 from wcache.plan.processing import (
     OutputSpec,
     ProcessingPlan,
@@ -28,7 +29,6 @@ from wcache.plan.processing import (
     build_plan,
     process_all,
 )
-from wcache.plan.quantize import dequantize_rows
 from wcache.plan.spec import PlanSpec
 from wcache_dev.synth import PRESETS, Preset, make_tensors, read_tensors, tensor_shapes, write_tensors
 

@@ -184,8 +184,8 @@ def first_difference_from_checkpoint(plan: ProcessingPlan, manifest: Sequence[Te
     import torch
 
     from wcache.delta.make import read_tensor, tensor_locations
+    from wcache.load.byte_spans import byte_spans
     from wcache.load.loader import processed_digest
-    from wcache.load.single_pass import byte_spans
 
     output = next((o for o in plan.outputs if o.name == entry.name), None)
     spans = byte_spans(plan, output) if output is not None else None

@@ -50,8 +50,8 @@ from wcache.ipc.wire.client import DaemonConnection, DaemonError
 from wcache.ipc.wire.messages import Hello, Manifest, MapRequest, WantedKey
 from wcache.key.cache_key import KeyFile, WeightCacheKey
 from wcache.key.shard_hash import tensor_hasher
+from wcache.load.byte_spans import Span, byte_spans
 from wcache.load.loader import LoadedRank, arena_digest, plant_fault, processed_digest
-from wcache.load.single_pass import Span, byte_spans
 from wcache.plan.processing import Piece, ProcessingPlan, build_plan
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import manifest_of
 from wcache.key.shard_hash import CHUNK_BYTES, OpenShard, tensor_hasher
 from wcache.load.loader import CheckpointReader
-from wcache.load.single_pass import file_order
+from wcache.load.schedule import file_order
 
 # Bytes one changed element costs in a sparse entry beside its value: its int64 index.
 INDEX_BYTES = 8

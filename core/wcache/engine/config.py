@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from wcache.errors import BadInputError
-from wcache.plan.family import ModelDims, UnsupportedPlanError, quantization_method
+from wcache.plan.family import ModelDims, UnsupportedPlanError, prequantized_method
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -53,7 +53,7 @@ class ModelConfig:
                 f"the reference engine runs dense models only, and this {model_type} checkpoint is a mixture of "
                 f"{dims.experts} experts; serve it with vLLM (load_format wcache)."
             )
-        method = quantization_method(config)
+        method = prequantized_method(config)
         if method is not None:
             raise UnsupportedModelError(
                 f"the reference engine runs unquantized checkpoints only, and config.json quantizes this one "

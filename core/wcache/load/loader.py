@@ -33,8 +33,9 @@ from wcache.key.fingerprint import (
     store_root_if_trusted,
 )
 from wcache.key.shard_hash import CHUNK_BYTES, OpenShard, ShardRecord, tensor_hasher
+from wcache.load.disk_read import read_outputs
 from wcache.load.sha256_after import Sha256After
-from wcache.load.single_pass import fill_in_one_pass, read_outputs
+from wcache.load.single_pass import fill_in_one_pass
 from wcache.plan.processing import ProcessingPlan, build_plan
 from wcache.plan.spec import PlanSpec
 

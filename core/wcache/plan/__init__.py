@@ -1,2 +1,2 @@
 """The processing plan: what turns checkpoint tensors into one rank's engine tensors (spec, processing, the fused
-layout, quantization, the model family)."""
+layout, load-time quantization, the model family)."""

@@ -38,7 +38,7 @@ EXPERT_STACK_LEAVES = (*EXPERT_STACKS, *(f"{stack}_scale" for stack in EXPERT_ST
 # A pre-quantized linear module `x` stores `x.weight` as codes and, beside it, tensors that give them meaning.
 # Per output channel ones ([rows, 1] or [rows]) are stacked and sharded with the weight's rows; the others
 # (per-tensor scales) are held whole under their checkpoint names for the engine's own loader.
-QUANTIZED_SUFFIXES = ("weight_scale", "weight_zero_point", "input_scale", "input_zero_point")
+PREQUANTIZED_SUFFIXES = ("weight_scale", "weight_zero_point", "input_scale", "input_zero_point")
 # Engines hold scales in float32 (vLLM's compressed-tensors and fp8 parameters); a floating scale is upcast
 # to it exactly, so the engine's parameter can be the daemon's tensor.
 SCALE_DTYPE = "float32"
@@ -74,12 +74,14 @@ def expert_stack(i: int, stack: str) -> str:
 
 
 def companion(weight: str, suffix: str) -> str:
-    """`x.weight` and one of QUANTIZED_SUFFIXES → the name of that tensor of module `x` (`x.weight_scale`)."""
+    """`x.weight` and one of PREQUANTIZED_SUFFIXES → the name of that tensor of module `x` (`x.weight_scale`)."""
     return f"{weight.removesuffix('.weight')}.{suffix}"
 
 
-def quantization_method(config: Mapping[str, Any] | None) -> str | None:
-    """The `quant_method` config.json's quantization_config names ("compressed-tensors", "fp8", …), if any."""
+def prequantized_method(config: Mapping[str, Any] | None) -> str | None:
+    """How a pre-quantized checkpoint's codes were made: the `quant_method` config.json's quantization_config
+    names ("compressed-tensors", "fp8", …), or None for a floating checkpoint. Not load-time quantization (the
+    plan's `quantization` field, `load_time_quantization`)."""
     block = (config or {}).get("quantization_config")
     if not isinstance(block, Mapping):
         return None

@@ -92,7 +92,7 @@ class _Shards(Generic[P]):
         """
         pieces = tuple(self.rows(f"{part}.weight", start, length) for part, start, length in parts)
         self.b.add(f"{fused}.weight", pieces, (sum(length for _, _, length in parts), cols))
-        for suffix in family.QUANTIZED_SUFFIXES:
+        for suffix in family.PREQUANTIZED_SUFFIXES:
             names = [f"{part}.{suffix}" for part, _, _ in parts]
             present = [n for n in names if n in self.b.manifest]
             if not present:
@@ -114,7 +114,7 @@ class _Shards(Generic[P]):
     def row_parallel(self, module: str, start: int, length: int, rows: int) -> None:
         """`module.weight` from columns [start, start+length); its companions (per output row) whole."""
         self.b.add(f"{module}.weight", (self.cols(f"{module}.weight", start, length),), (rows, length))
-        for suffix in family.QUANTIZED_SUFFIXES:
+        for suffix in family.PREQUANTIZED_SUFFIXES:
             name = f"{module}.{suffix}"
             if name in self.b.manifest:
                 self._companion_whole(name)
@@ -153,7 +153,7 @@ class _Shards(Generic[P]):
         modules = [module for parts in stacks.values() for module in parts]
         for module in modules:
             rows = b.manifest[f"{module}.weight"].shape[0]
-            for suffix in family.QUANTIZED_SUFFIXES:
+            for suffix in family.PREQUANTIZED_SUFFIXES:
                 name = f"{module}.{suffix}"
                 shape = tuple(b.manifest[name].shape) if name in b.manifest else None
                 if shape is not None and (suffix != "weight_scale" or shape != (rows, 1)):
@@ -247,7 +247,7 @@ def _check_names_and_shapes(manifest: Mapping[str, TensorDigest], d: ModelDims, 
 def _is_companion(name: str, expected: Mapping[str, tuple[int, ...]]) -> bool:
     """Whether `name` is a pre-quantized projection's scale or zero point (`x.weight_scale` beside `x.weight`)."""
     module, _, suffix = name.rpartition(".")
-    return suffix in family.QUANTIZED_SUFFIXES and family.is_projection(f"{module}.weight") and (
+    return suffix in family.PREQUANTIZED_SUFFIXES and family.is_projection(f"{module}.weight") and (
         f"{module}.weight" in expected)
 
 

@@ -3,8 +3,9 @@
 `build_plan` turns a resolved `PlanSpec`, config.json and the checkpoint's manifest into a `ProcessingPlan`: a
 fixed, ordered list of `OutputSpec`s and, for each, a recipe of checkpoint slices. The layout says which slices
 make each output (the identity layout: every tensor whole, here; the fused one: `fused_layout`); the builder
-here chooses each output's dtype and adds quantization's scales. `ProcessingPlan.produce` runs one recipe. The
-daemon and the engine's disk path both call it, so their processed bytes are equal.
+here chooses each output's dtype and adds load-time quantization's codes and scales (`load_time_quantization`).
+`ProcessingPlan.produce` runs one recipe. The daemon and the engine's disk path both call it, so their processed
+bytes are equal.
 
 Building a plan needs no torch: only running a recipe imports it, so a daemon whose outputs are all checkpoint
 bytes unchanged never waits for `import torch`.
@@ -23,7 +24,13 @@ from wcache.checkpoint.manifest import TensorDigest
 from wcache.errors import CheckpointError, option
 from wcache.plan import family, fused_layout
 from wcache.plan.family import ModelDims, UnsupportedPlanError
-from wcache.plan.quantize import QUANTIZED_DTYPES, channel_scales, is_linear_weight, quantize_rows, scale_name
+from wcache.plan.load_time_quantization import (
+    CODE_DTYPES,
+    channel_scales,
+    quantize_rows,
+    quantized_at_load,
+    scale_name,
+)
 from wcache.plan.spec import PlanSpec
 
 if TYPE_CHECKING:
@@ -195,7 +202,8 @@ def _fetch(source: Source, piece: Piece) -> torch.Tensor:
 
 
 class _Builder:
-    """Collects outputs and recipes in order, choosing each output's dtype and adding quantization scales."""
+    """Collects outputs and recipes in order, choosing each output's dtype and adding load-time quantization's
+    scales."""
 
     def __init__(self, spec: PlanSpec, manifest: Mapping[str, TensorDigest], prequantized: bool = False) -> None:
         self.spec = spec
@@ -220,13 +228,13 @@ class _Builder:
         entries = [self.manifest[s] for s in sources]
         castable = all(e.dtype in CASTABLE for e in entries)
         method = self.spec.quantization
-        if method != "none" and is_linear_weight(name, shape):
+        if method != "none" and quantized_at_load(name, shape):
             if not castable:
                 raise UnsupportedPlanError(
                     f"tensor {sources[0]!r} is stored as {entries[0].dtype}; quantizing an already quantized "
                     "checkpoint is not supported."
                 )
-            self._emit(OutputSpec(name, QUANTIZED_DTYPES[method], shape, sources), Recipe("quantized", pieces, shape))
+            self._emit(OutputSpec(name, CODE_DTYPES[method], shape, sources), Recipe("quantized", pieces, shape))
             self._emit(OutputSpec(scale_name(name), "float32", shape[:1], sources), Recipe("scale", pieces, shape))
             return
         if castable:
@@ -268,7 +276,7 @@ def build_plan(spec: PlanSpec, config: Mapping[str, Any] | None, tensors: Sequen
             raise CheckpointError(f"tensor {entry.name!r} appears twice in the checkpoint.")
         _torch_name(entry)
         manifest[entry.name] = entry
-    builder = _Builder(spec, manifest, family.quantization_method(config) is not None)
+    builder = _Builder(spec, manifest, family.prequantized_method(config) is not None)
     if spec.layout == "identity":
         check_tp_split(spec, config)
         # Sorted, so the order does not depend on how the manifest was listed (by shard, by name).

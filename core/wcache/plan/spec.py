@@ -32,7 +32,9 @@ class PlanSpec(Schema, frozen=True):
     tp_size: int = 1
     tp_rank: int = 0
     dtype: str = "auto"
-    quantization: str = "none"
+    quantization: str = "none"  # load-time quantization (`load_time_quantization`), not a pre-quantized checkpoint
+    # Always {}: nothing sets or reads it (a pre-quantized checkpoint's quantization_config is read from its
+    # config.json); kept because renaming or dropping it would change every key's plan digest.
     quantization_config: dict[str, Any] = msgspec.field(default_factory=dict)
     layout: str = "fused"
 

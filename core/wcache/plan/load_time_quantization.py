@@ -1,6 +1,9 @@
-"""Weight-only quantization per output channel (int8 and fp8 e4m3) with float32 scales, bit-reproducible.
+"""Load-time quantization: wcache quantizes floating weights per output channel (int8 and fp8 e4m3, float32
+scales, bit-reproducible) while the plan makes its outputs, when the plan's `quantization` field asks for it.
 
-Its names and rules import no torch (a plan is built before torch is loaded); the arithmetic imports it.
+Not a pre-quantized checkpoint (config.json's quantization_config, `family.prequantized_method`), whose codes the
+plan keeps as stored; the two never combine. Its names and rules import no torch (a plan is built before torch
+is loaded); the arithmetic imports it.
 """
 
 from __future__ import annotations
@@ -12,18 +15,17 @@ from wcache.plan import family
 if TYPE_CHECKING:
     import torch
 
-# Quantization method → the torch dtype name of the quantized weight.
-QUANTIZED_DTYPES: dict[str, str] = {"int8": "int8", "fp8": "float8_e4m3fn"}
+# Load-time quantization method (the plan's `quantization`) → the torch dtype name of the weight's codes.
+CODE_DTYPES: dict[str, str] = {"int8": "int8", "fp8": "float8_e4m3fn"}
 
 # The largest magnitude each format represents: int8 is kept symmetric (±127, -128 unused) so that
 # negating a weight negates its code; 448 is the largest finite float8_e4m3fn value.
 _QMAX: dict[str, float] = {"int8": 127.0, "fp8": 448.0}
 
-SCALE_SUFFIX = ".weight_scale"
 
-def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether a tensor is a decoder layer's 2-D projection weight (the family's names, checkpoint or fused), the
-    only tensors that get quantized.
+def quantized_at_load(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether load-time quantization takes this tensor: a decoder layer's 2-D dense projection weight (the
+    family's names, checkpoint or fused), the only tensors it quantizes.
 
     Embeddings, lm_head, norms and biases are deliberately absent: weight-only schemes leave them in floating
     point. So are experts' projections, in both layouts: the fused layout holds them as 3-D stacks, which
@@ -33,8 +35,9 @@ def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def scale_name(weight_name: str) -> str:
-    """`x.weight` → `x.weight_scale`: the name of a quantized weight's per-channel scales."""
-    return weight_name.removesuffix(".weight") + SCALE_SUFFIX
+    """`x.weight` → `x.weight_scale`: the name of a quantized weight's per-channel scales, the name a
+    pre-quantized checkpoint gives them too."""
+    return family.companion(weight_name, "weight_scale")
 
 
 def channel_scales(weight: torch.Tensor, method: str) -> torch.Tensor:
