@@ -336,7 +336,10 @@ def test_publish_steps_leave_no_arena_behind(rig: DaemonRig, versions: dict[str,
                 if "memfd:wcache-arena" in os.readlink(f"/proc/{pid}/fd/{fd}"):
                     arenas.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
     assert len(arenas) == 1  # the newest version's, held by its one daemon
-    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    # vLLM servers other tests start meanwhile (the suite runs in parallel) name theirs psm_* and vllm_*;
+    # nothing this test starts imports vLLM
+    made = {n for n in set(os.listdir("/dev/shm")) - shm_before if not n.startswith(("psm_", "vllm_"))}
+    assert made == set()
 
 
 _PUBLISH_CHAIN = """
