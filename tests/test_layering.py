@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "delta": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc"},
     "daemon": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach_options", "delta"},
     "daemon_choice": FOUNDATION | {"plan", "key", "ipc"},
-    # doctor reads vLLM's supported range from its one owner, `integrations.vllm_version` (which imports errors).
+    # doctor reads vLLM's supported range from its one owner, `integrations.vllm.version` (which imports errors).
     "doctor": FOUNDATION | {"key", "ipc", "integrations"},
     "attach": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach_options", "daemon_choice"},
     # The engine's core never imports its serving side (`serving`) or the rank launcher (`tp_launch`).

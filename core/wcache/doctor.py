@@ -28,7 +28,7 @@ Status = Literal["ok", "warn", "fail"]
 # A run dir with less free space than this cannot take the next daemon's lock, socket and descriptor (or logs).
 MIN_RUN_DIR_FREE = 16 * 1024 * 1024
 # The vLLM releases wcache's load format is tested with (major.minor); older ones lack the loader interface.
-LOAD_FORMAT_ENTRY = "wcache.integrations.vllm_plugin:register"
+LOAD_FORMAT_ENTRY = "wcache.integrations.vllm.plugin:register"
 MEMINFO = Path("/proc/meminfo")
 # What benchmarks/preload_floor.py measured on the 2-vCPU development VM (README, "Preload against its floor").
 THP_COST = "on the development VM a 1.5 GB arena filled in 0.66 s without them, 0.11 s with them"
@@ -253,7 +253,7 @@ def _live(run_dir: Path) -> tuple[DaemonDescriptor, ...]:
 
 
 def _vllm_version() -> tuple[str, str] | None:
-    from wcache.integrations.vllm_version import DISTRIBUTIONS
+    from wcache.integrations.vllm.version import DISTRIBUTIONS
 
     for distribution in DISTRIBUTIONS:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
@@ -270,7 +270,7 @@ def check_vllm() -> Finding:
         return Finding(name, "ok", "vLLM is not installed (only needed for --load-format wcache); pip install "
                        f"'wcache[{extra}]' to add it")
     # The supported range has one owner, the check the plugin itself makes at start-up.
-    from wcache.integrations.vllm_version import TESTED_RANGE, version_problem
+    from wcache.integrations.vllm.version import TESTED_RANGE, version_problem
 
     distribution, version = found
     tested = TESTED_RANGE

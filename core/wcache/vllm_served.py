@@ -2,7 +2,7 @@
 
 vLLM 0.32's server has no endpoint that loads other weights; its development endpoints
 (VLLM_SERVER_DEV_MODE=1) reach every worker, and with them a switch is the offline one
-(`wcache.integrations.vllm_switch`) driven from outside:
+(`wcache.integrations.vllm.switch`) driven from outside:
 
 1. `POST /pause?mode=wait`: requests running finish on the old weights; new ones wait (no request sees two);
 2. `POST /collective_rpc` `update_config`: the workers' load format becomes `wcache`, pinned to the daemon named;
@@ -35,7 +35,7 @@ from wcache.checkpoint.files import locate
 from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import BadInputError, UnavailableError
 from wcache.integrations.registry import GreedyAttach
-from wcache.integrations.vllm_switch import LOAD_FORMAT, VllmSwitchError, worker_reason
+from wcache.integrations.vllm.switch import LOAD_FORMAT, VllmSwitchError, worker_reason
 from wcache.ipc.run_dir.directory import census, default_run_dir, matches
 from wcache.key.companion_digest import companion_files, tokenizer_digest
 from wcache.monitor import event_types as ev
@@ -285,7 +285,7 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
     """Greedy tokens of the served vLLM at `url`, through its completions API, against a fresh vLLM disk load
     (`load_format="auto"`) of the checkpoint it serves, with its dtype, TP size and context length; and the
     tokenizer it holds against that load's (each prompt through its POST /tokenize, each answer's text)."""
-    from wcache.integrations.vllm_runner import VllmRun, greedy_runs
+    from wcache.integrations.vllm.runner import VllmRun, greedy_runs
     from wcache.verify import GreedyReport, compare_prompts, decoding_difference, encoding_difference
 
     engine = describe(url, version, dev_mode=False)

@@ -112,12 +112,12 @@ class EngineEntry:
 
 # wcache's reference engine first: the default.
 REGISTRY = (
-    EngineEntry("reference", "wcache.integrations.greedy_reference:run_greedy", tensor_parallel=True,
+    EngineEntry("reference", "wcache.integrations.reference.greedy:run_greedy", tensor_parallel=True,
                 own_plan=False),
-    EngineEntry("vllm", "wcache.integrations.greedy_vllm:run_greedy", tensor_parallel=True, own_plan=True,
+    EngineEntry("vllm", "wcache.integrations.vllm.greedy:run_greedy", tensor_parallel=True, own_plan=True,
                 plan_refusal=f"{option('engine', 'vllm')} takes its plan from vLLM; drop {option('quantization')} and "
                 f"{option('layout')}."),
-    EngineEntry("transformers", "wcache.integrations.greedy_transformers:run_greedy", tensor_parallel=False,
+    EngineEntry("transformers", "wcache.integrations.transformers.greedy:run_greedy", tensor_parallel=False,
                 own_plan=True, plan_refusal=f"{option('engine', 'transformers')} runs TP 1 without quantization; drop "
                 f"{option('tp_size')}, {option('quantization')} and {option('layout')}."),
 )

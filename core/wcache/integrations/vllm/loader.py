@@ -3,7 +3,7 @@
 `--load-format wcache --model-loader-extra-config '{"mode": "copy"}'` (server) or `LLM(..., load_format="wcache",
 model_loader_extra_config={...})` (offline); the options are `wcache.attach_options.AttachOptions`. The plan
 comes from vLLM's own configuration (TP size and rank from its parallel state, dtype from the model config,
-the layout from the model class's fusions; see `vllm_formats`, which also says which pre-quantized formats
+the layout from the model class's fusions; see `formats`, which also says which pre-quantized formats
 are served), so the key is the one `wcache preload` computes for the same checkpoint and TP size.
 
 On a hit vLLM builds the model with its parameters on the meta device (its buffers, such as the rotary cache,
@@ -39,9 +39,9 @@ from wcache.attach.report import AttachReport
 from wcache.attach_options import AttachOptions
 from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import CheckpointError, UnavailableError, WcacheError, in_words, marked
-from wcache.integrations import vllm_formats
-from wcache.integrations.vllm_announce import announce
-from wcache.integrations.vllm_api import (
+from wcache.integrations.vllm import formats
+from wcache.integrations.vllm.announce import announce
+from wcache.integrations.vllm.api import (
     BaseModelLoader,
     DefaultModelLoader,
     LoadConfig,
@@ -56,8 +56,8 @@ from wcache.integrations.vllm_api import (
     process_weights_after_loading,
     set_default_torch_dtype,
 )
-from wcache.integrations.vllm_plan import plan_of
-from wcache.integrations.vllm_words import EXTRA_CONFIG, vllm_words
+from wcache.integrations.vllm.plan import plan_of
+from wcache.integrations.vllm.words import EXTRA_CONFIG, vllm_words
 from wcache.ipc.attach_summary import AttachSummary
 from wcache.ipc.run_dir.directory import default_run_dir, ensure_run_dir
 from wcache.key.digest_store import DigestStore
@@ -175,16 +175,16 @@ def attach_into(model: nn.Module, weights: AttachedWeights, device: torch.device
     params = dict(model.named_parameters())  # one name per parameter, tied ones under their first
     assigned: set[str] = set()
     for name, param in params.items():
-        tensor = weights.tensors.get(vllm_formats.daemon_name(name))
+        tensor = weights.tensors.get(formats.daemon_name(name))
         if (tensor is not None and tuple(tensor.shape) == tuple(param.shape) and tensor.dtype == param.dtype
                 and tensor.device.type == device.type):
             _replace(slots[id(param)], _same_kind(param, tensor))
             assigned.add(name)
     rest = [name for name in params if name not in assigned]
-    note = vllm_formats.expert_note(model, assigned)
+    note = formats.expert_note(model, assigned)
     if not rest:
         return Placement(len(assigned), (), note=note)
-    taken = {vllm_formats.daemon_name(name) for name in assigned}
+    taken = {formats.daemon_name(name) for name in assigned}
     unused = [name for name in weights.tensors if name not in taken]
     if not unused and quantized:
         # Every daemon tensor is placed; what is left the checkpoint does not hold (on any rank).
@@ -249,7 +249,7 @@ class WcacheModelLoader(BaseModelLoader):
         self._disk_loader().download_model(model_config)
 
     def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """vLLM's in-place reload (`reload_weights`, what `wcache.integrations.vllm_switch.switch` runs)."""
+        """vLLM's in-place reload (`reload_weights`, what `wcache.integrations.vllm.switch.switch` runs)."""
         return daemon_weights(self, model, model_config)
 
     def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
@@ -452,7 +452,7 @@ def daemon_weights(loader: WcacheModelLoader, model: nn.Module,
                    model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """What the loader gives vLLM's in-place reload: the daemon's tensors for `model_config.model` under
     checkpoint names. Attaches now, before vLLM touches a layer, and refuses (no fallback) on a miss."""
-    from wcache.integrations.vllm_api import get_current_vllm_config
+    from wcache.integrations.vllm.api import get_current_vllm_config
 
     previous = getattr(model, "_wcache_weights", None)
     try:
