@@ -34,7 +34,7 @@ from wcache.checkpoint.companions import is_companion
 from wcache.checkpoint.files import locate
 from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import BadInputError, UnavailableError
-from wcache.integrations.registry import GreedyAttach
+from wcache.integrations.registry import GreedyAttach, not_served
 from wcache.integrations.vllm.switch import LOAD_FORMAT, VllmSwitchError, worker_reason
 from wcache.ipc.run_dir.directory import census, default_run_dir, matches
 from wcache.key.companion_digest import companion_files, tokenizer_digest
@@ -87,17 +87,33 @@ class ServedVllm:
         return Path(configured) if configured else default_run_dir()
 
 
-def vllm_version(url: str) -> str:
-    """The vLLM version the server at `url` reports (GET /version); what a caller asks once the engine there
-    turned out to be no wcache reference engine (it has no /v1/weights)."""
+def served_version(url: str) -> str | None:
+    """The vLLM version the server at `url` reports (GET /version); None when it is no vLLM server."""
     try:
         version = call_engine(url, "GET", "/version", timeout=30).get("version")
     except EngineRequestError:
         version = None
-    if not isinstance(version, str):
-        raise UnavailableError(f"{engine_base_url(url)} is neither a wcache reference engine (no /v1/weights) nor "
-                               "a vLLM server (no /version).")
+    return version if isinstance(version, str) else None
+
+
+def vllm_version(url: str) -> str:
+    """`served_version`, for a caller that knows the engine at `url` is no other engine of the registry."""
+    version = served_version(url)
+    if version is None:
+        raise not_served(engine_base_url(url))
     return version
+
+
+def verify_if_vllm(url: str, prompts: list[str], max_new_tokens: int) -> GreedyReport | None:
+    """The registry's served verifier of vLLM: `verify_served_vllm`, or None when `url` is no vLLM server."""
+    version = served_version(url)
+    return None if version is None else verify_served_vllm(url, version, prompts, max_new_tokens)
+
+
+def switch_if_vllm(url: str, model: Path | None, daemon: str | None) -> dict[str, Any] | None:
+    """The registry's served switch of vLLM: `switch_served`, or None when `url` is no vLLM server."""
+    version = served_version(url)
+    return None if version is None else switch_served(url, version, model, daemon)
 
 
 def describe(url: str, version: str, *, dev_mode: bool = True) -> ServedVllm:
