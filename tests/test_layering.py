@@ -187,3 +187,9 @@ def test_ipc_sub_packages_import_one_way() -> None:
                    if module.startswith("wcache.ipc.")
                    and module.split(".")[2] not in {sub[path], *IPC_ALLOWED[sub[path]]})
     assert wrong == []
+
+
+def test_shared_placement_imports_no_engine() -> None:
+    """`integrations.placement` is torch only, so any engine's loader can borrow it without importing vLLM."""
+    placement = CORE / "integrations" / "placement.py"
+    assert {m.split(".")[0] for m in _imports(placement)} <= {"__future__", "contextlib", "collections", "torch"}

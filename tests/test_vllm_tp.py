@@ -232,7 +232,7 @@ def test_the_plans_vocab_padding_is_vllms() -> None:
 @VLLM_IN_PYTEST
 def test_parameters_go_to_meta_and_buffers_and_late_attributes_stay() -> None:
     import torch
-    from wcache.integrations.vllm.loader import _same_kind, parameters_on_meta
+    from wcache.integrations.placement import parameters_on_meta, same_kind
 
     class Layer(nn.Module):
         def __init__(self) -> None:
@@ -246,7 +246,7 @@ def test_parameters_go_to_meta_and_buffers_and_late_attributes_stay() -> None:
         layer = Layer()
     assert layer.weight.device.type == "meta" and torch.equal(layer.cache, torch.arange(4.0))
     assert layer.weight.weight_loader.startswith("set after registration")  # type: ignore[attr-defined]
-    attached = _same_kind(layer.weight, torch.ones(64, 32))
+    attached = same_kind(layer.weight, torch.ones(64, 32))
     assert attached.weight_loader.startswith("set after registration")  # type: ignore[attr-defined]
     assert nn.Linear(2, 2).weight.device.type == "cpu", "the patch ends with the build"
 
