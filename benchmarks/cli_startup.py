@@ -76,7 +76,7 @@ def _sample(args: argparse.Namespace, env: dict[str, str], python: str, wcache: 
         "wcache key (warm)": ([wcache, "key", str(model)], (0,)),
         "wcache attach --no-fallback (miss)": ([wcache, "attach", str(model), "--no-fallback"], (3,)),
     }
-    from wcache.integrations.vllm_version import version_problem
+    from wcache.integrations.vllm.version import version_problem
 
     if version_problem() is None:
         commands["wcache serve (typo)"] = ([wcache, "serve", str(model), "--", "--max-model-lenn", "5"], (2,))

@@ -241,7 +241,7 @@ def vllm_no_second_copy(rig: Rig, checks: Checks) -> None:
         checks.rows.append(Row(name, "INFO", "not run: vLLM is not importable with this interpreter "
                                              "(pip install 'wcache[vllm]')", 0.0))
         return
-    from wcache.integrations.vllm_runner import VllmRun, greedy_tokens
+    from wcache.integrations.vllm.runner import VllmRun, greedy_tokens
     from wcache_dev.synth import write_checkpoint
 
     model = write_checkpoint(VLLM_PRESET, rig.base / f"vllm-{VLLM_PRESET}")

@@ -26,7 +26,7 @@ from bench_common import benchmark_arguments, fmt_seconds, speed_ratio, workspac
 from rich.console import Console
 from rich.table import Table
 from wcache.daemon.launch import start_daemons
-from wcache.integrations.vllm_runner import IN_PROCESS_ENGINE_CORE, VllmRun, greedy_runs, greedy_tokens
+from wcache.integrations.vllm.runner import IN_PROCESS_ENGINE_CORE, VllmRun, greedy_runs, greedy_tokens
 from wcache_dev.synth import PRESETS, write_checkpoint
 
 PROMPTS = ["the weights cache keeps", "a daemon holds the shard and"]

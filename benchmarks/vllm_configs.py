@@ -41,7 +41,7 @@ from pathlib import Path
 from bench_common import fmt_seconds, workspace
 from rich.console import Console
 from rich.table import Table
-from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_tokens
+from wcache.integrations.vllm.runner import VllmRun, VllmRunError, greedy_tokens
 from wcache.verify import default_prompts
 from wcache_dev.synth import PRESETS, write_byte_tokenizer, write_checkpoint
 

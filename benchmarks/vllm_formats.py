@@ -27,7 +27,7 @@ from bench_common import fmt_seconds, speed_ratio, workspace
 from rich.console import Console
 from rich.table import Table
 from wcache.daemon.launch import start_daemons
-from wcache.integrations.vllm_runner import VllmRun, greedy_tokens
+from wcache.integrations.vllm.runner import VllmRun, greedy_tokens
 from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint
 
 CONFIGS = {"int8-w8a8": "small-w8a8", "fp8-w8a8": "small-fp8", "moe": "small-moe"}

@@ -8,7 +8,7 @@ server's first completion (greedy, 4 tokens; every row's tokens must equal `auto
 
 * auto: a plain server with vLLM's default loader (``--load-format auto``), started as users start it;
 * hit: the same with ``--load-format wcache`` (the daemon holds the weights);
-* warm: the hit's server started by ``wcache.integrations.vllm_warm.WarmStarter``: forked from a zygote
+* warm: the hit's server started by ``wcache.integrations.vllm.warm.WarmStarter``: forked from a zygote
   that imported vLLM, its engine core and CPU workers forked by a forkserver that imported what they import
   (its one-time ``prepare`` is timed apart).
 
@@ -46,7 +46,7 @@ from bench_common import benchmark_arguments, fmt_seconds, speed_ratio, workspac
 from rich.console import Console
 from rich.table import Table
 from wcache.daemon.launch import start_daemons
-from wcache.integrations.vllm_warm import WarmStarter
+from wcache.integrations.vllm.warm import WarmStarter
 from wcache_dev.synth import PRESETS, write_byte_tokenizer, write_checkpoint
 
 ROWS = ("auto", "hit", "warm")

@@ -30,7 +30,7 @@ from bench_common import benchmark_arguments, fmt_seconds, speed_ratio, workspac
 from rich.console import Console
 from rich.table import Table
 from wcache.daemon.launch import start_daemons
-from wcache.integrations.vllm_runner import VllmRun, greedy_tokens
+from wcache.integrations.vllm.runner import VllmRun, greedy_tokens
 from wcache_dev.synth import PRESETS, overwrite_tensor_bytes, write_byte_tokenizer, write_checkpoint
 
 _LOAD_MS = re.compile(r"wcache: .*(?:\(|; )([\d.]+) ms, post-processing included\)")

@@ -3,7 +3,7 @@
 Two versions of the preset (other random weights, same config) in two daemons. In one run:
 
 * switch: one offline `LLM(load_format="wcache")` process, started once; each repeat times
-  `wcache.integrations.vllm_switch.switch(llm, OTHER)` and a one-token generation on the other version;
+  `wcache.integrations.vllm.switch.switch(llm, OTHER)` and a one-token generation on the other version;
 * restart: each repeat times a fresh process from start to the same one token, `LLM(OTHER,
   load_format="wcache")` on a hit (process start, imports, engine core, weight attach, KV cache, warm-up).
 
@@ -42,7 +42,7 @@ from typing import Any
 import psutil
 from bench_common import fmt_seconds, workspace
 from wcache.daemon.launch import start_daemons
-from wcache.integrations.vllm_runner import DEFAULT_KV_CACHE_GIB, VllmRun, greedy_tokens
+from wcache.integrations.vllm.runner import DEFAULT_KV_CACHE_GIB, VllmRun, greedy_tokens
 from wcache.vllm_served import DEV_MODE, switch_served, vllm_version
 from wcache_dev.synth import PRESETS, write_byte_tokenizer, write_checkpoint
 
@@ -53,7 +53,7 @@ import json, sys, time
 def main():
     versions, run_dir, repeat, prompt = sys.argv[1:3], sys.argv[3], int(sys.argv[4]), sys.argv[5]
     from vllm import LLM, SamplingParams
-    from wcache.integrations.vllm_switch import switch
+    from wcache.integrations.vllm.switch import switch
 
     params = SamplingParams(temperature=0.0, max_tokens=1)
     llm = LLM(versions[0], load_format="wcache", model_loader_extra_config={"run_dir": run_dir, "fallback": False},

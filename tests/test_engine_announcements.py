@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import cli_env, wcache_in_process
 from wcache.checkpoint.display_name import display_name, display_names
-from wcache.integrations.vllm_announce import server_url_from_argv
+from wcache.integrations.vllm.announce import server_url_from_argv
 from wcache.ipc.attach_summary import AttachSummary
 from wcache.ipc.run_dir.engines import VLLM_ENGINE, EngineDescriptor, write_engine_descriptor
 

@@ -17,7 +17,7 @@ from wcache.errors import (
     marked,
     option,
 )
-from wcache.integrations.vllm_words import vllm_words
+from wcache.integrations.vllm.words import vllm_words
 from wcache.plan.processing import UnsupportedPlanError
 
 ROOT = Path(__file__).resolve().parents[1]

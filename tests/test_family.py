@@ -213,7 +213,7 @@ def test_one_strict_parser_reads_the_dimensions() -> None:
 
 @pytest.mark.vllm  # imports vLLM (10-20 s here): out of the inner loop
 def test_formats_vllm_cannot_be_served_are_named_in_one_sentence() -> None:
-    from wcache.integrations.vllm_formats import check_quantization
+    from wcache.integrations.vllm.formats import check_quantization
 
     for method in ("compressed-tensors", "fp8", None):
         check_quantization(SimpleNamespace(quantization=method))  # type: ignore[arg-type]

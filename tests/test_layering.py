@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "delta": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc"},
     "daemon": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach_options", "delta"},
     "daemon_choice": FOUNDATION | {"plan", "key", "ipc"},
-    # doctor reads vLLM's supported range from its one owner, `integrations.vllm_version` (which imports errors).
+    # doctor reads vLLM's supported range from its one owner, `integrations.vllm.version` (which imports errors).
     "doctor": FOUNDATION | {"key", "ipc", "integrations"},
     "attach": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach_options", "daemon_choice"},
     # The engine's core never imports its serving side (`serving`) or the rank launcher (`tp_launch`).
@@ -187,3 +187,9 @@ def test_ipc_sub_packages_import_one_way() -> None:
                    if module.startswith("wcache.ipc.")
                    and module.split(".")[2] not in {sub[path], *IPC_ALLOWED[sub[path]]})
     assert wrong == []
+
+
+def test_shared_placement_imports_no_engine() -> None:
+    """`integrations.placement` is torch only, so any engine's loader can borrow it without importing vLLM."""
+    placement = CORE / "integrations" / "placement.py"
+    assert {m.split(".")[0] for m in _imports(placement)} <= {"__future__", "contextlib", "collections", "torch"}

@@ -25,7 +25,7 @@ import psutil
 import pytest
 from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives, wait_for  # noqa: F401
 from helpers import assert_one_error_sentence, environment, free_port, loaded_of, modules_after_cli
-from wcache.integrations.vllm_warm import ZYGOTE_MODULE
+from wcache.integrations.vllm.warm import ZYGOTE_MODULE
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.ipc.run_dir.servers import ServerRecord, live_server_records
 from wcache_dev.synth import write_checkpoint

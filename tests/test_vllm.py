@@ -29,7 +29,7 @@ from daemon_fixtures import (
 from helpers import VLLM_IN_PYTEST, plant_wcache
 from vllm_serving import ServedVllm, serving_vllm
 from wcache.errors import BadInputError
-from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_runs
+from wcache.integrations.vllm.runner import VllmRun, VllmRunError, greedy_runs
 from wcache.ipc.run_dir.directory import DaemonDescriptor
 from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint
 
@@ -137,7 +137,7 @@ def test_fallback_false_refuses_to_start_and_names_the_tensor(vllm_rig: VllmRig)
 @VLLM_IN_PYTEST
 def test_unknown_extra_config_key_is_one_clear_error() -> None:
     from vllm.config.load import LoadConfig
-    from wcache.integrations.vllm_loader import WcacheModelLoader
+    from wcache.integrations.vllm.loader import WcacheModelLoader
 
     with pytest.raises(BadInputError, match=r"unknown wcache option 'fallbak'.*the options are fallback, mode"):
         WcacheModelLoader(LoadConfig(load_format="wcache", model_loader_extra_config={"fallbak": False}))

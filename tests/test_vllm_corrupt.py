@@ -84,7 +84,7 @@ def test_the_guard_follows_the_lease_the_model_holds_now(tmp_path: Path) -> None
     once a reload in place gives the model a lease on sound weights."""
     from wcache.attach import AttachedWeights
     from wcache.attach.report import AttachReport
-    from wcache.integrations.vllm_loader import WeightsCorruptError, _keep_lease
+    from wcache.integrations.vllm.loader import WeightsCorruptError, _keep_lease
 
     class Model(torch.nn.Module):
         def compute_logits(self, hidden: int) -> int:

@@ -18,7 +18,7 @@ import pytest
 from daemon_fixtures import DaemonRig, copy_checkpoint, daemon_rig, nothing_survives  # noqa: F401
 from helpers import VLLM_IN_PYTEST
 from wcache.checkpoint.files import locate
-from wcache.integrations.vllm_runner import VllmResult, VllmRun, greedy_runs
+from wcache.integrations.vllm.runner import VllmResult, VllmRun, greedy_runs
 from wcache.ipc.run_dir.directory import DaemonDescriptor
 from wcache.key.fingerprint import fingerprint_checkpoint
 from wcache.plan import family

@@ -1,7 +1,7 @@
 """A running vLLM engine (the CPU build, offline `LLM`) switches between daemons' checkpoints in place.
 
 One engine start: vLLM loads version 0 of `small` from disk with its own loader (`load_format="auto"`), so
-its tokens are a fresh disk load's; `wcache.integrations.vllm_switch.switch` then moves it to version 1's
+its tokens are a fresh disk load's; `wcache.integrations.vllm.switch.switch` then moves it to version 1's
 daemon, back to version 0's (whose tokens must equal the disk load's again, although the prompts' blocks
 were cached under version 1: the prefix cache must have been reset), refuses version 2 (no daemon) while
 it keeps serving version 0, and moves to version 1 again (the same tokens as the first time).
@@ -27,7 +27,7 @@ import json, sys
 def main():
     versions, run_dir = sys.argv[1:4], sys.argv[4]
     from vllm import LLM, SamplingParams
-    from wcache.integrations.vllm_switch import VllmSwitchError, switch
+    from wcache.integrations.vllm.switch import VllmSwitchError, switch
 
     shared = "the weights cache keeps processed tensors in a daemon so that "
     prompts = [shared + "one", shared + "two"]

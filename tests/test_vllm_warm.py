@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives, wait_for  # noqa: F401
-from wcache.integrations.vllm_warm import WarmServer, WarmStarter
+from wcache.integrations.vllm.warm import WarmServer, WarmStarter
 from wcache_dev.synth import write_checkpoint
 
 PROMPT = "the weights cache keeps"

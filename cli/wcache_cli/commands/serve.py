@@ -52,7 +52,7 @@ def _checked(argv: Sequence[str], table: OptionTable) -> ServerArgs:
 
 def _url(user_argv: Sequence[str]) -> str:
     """Where the server will answer, as its engines announce it (vLLM's defaults: every interface, port 8000)."""
-    from wcache.integrations.vllm_announce import server_url_from_argv
+    from wcache.integrations.vllm.announce import server_url_from_argv
     from wcache.serve.starter import SERVER_MODULE
 
     url = server_url_from_argv(["python", "-m", SERVER_MODULE, *user_argv])
@@ -155,7 +155,7 @@ def _daemons(model: Path, first: ServerArgs, device: str, where: Path) -> Served
 def _supervise(model: Path, user_argv: list[str], first: ServerArgs, table: OptionTable, daemons: ServedDaemons,
                where: Path, notifier: Notifier, ready_timeout: float, stop_grace: float, cold: bool) -> int:
     from wcache.checkpoint.model_path import resolve_model_path
-    from wcache.integrations.vllm_announce import URL_VARIABLE
+    from wcache.integrations.vllm.announce import URL_VARIABLE
     from wcache.ipc.run_dir.paths import RunPaths
     from wcache.serve.cache_roots import with_keyed_cache
     from wcache.serve.launcher import Launcher, LaunchSpec
@@ -189,7 +189,7 @@ def _starter(cold: bool, paths: RunPaths) -> ServerStarter:
         from wcache.serve.starter import ColdStarter
 
         return ColdStarter()
-    from wcache.integrations.vllm_warm import WarmStarter
+    from wcache.integrations.vllm.warm import WarmStarter
 
     return WarmStarter(zygote_log=paths.serve_starter_log(os.getpid()))
 

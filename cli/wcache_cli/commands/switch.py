@@ -34,26 +34,16 @@ def switch(
     is refused with the reason (exit 3) and the engine keeps serving its old weights.
     """
     from wcache.serving.api import SwitchAnswer
-    from wcache.serving.client import EngineRequestError, call_engine, read_answer
-    from wcache.serving.credentials import control_token
+    from wcache.serving.client import read_answer
 
     if model is None and daemon is None:
         raise BadInputError("name the weights to switch to: MODEL, --daemon, or both.")
-    body: dict[str, str] = {}
     if model is not None:
         from wcache.checkpoint.model_path import resolve_model_path
 
         # Absolute: the engine resolves paths in its own working directory, not this shell's.
         model = resolve_model_path(model).absolute()
-        body["model"] = str(model)
-    if daemon is not None:
-        body["daemon"] = daemon
-    try:
-        result = call_engine(url, "POST", "/v1/weights", body, token=control_token(url))
-    except EngineRequestError as exc:
-        if exc.status != 404:
-            raise
-        result = _switch_vllm(url, model, daemon)
+    result = _switch(url, model, daemon)
     answer = read_answer(SwitchAnswer, result, url)
     if json:
         out.json(result)
@@ -63,8 +53,13 @@ def switch(
               f"{answer.attach.daemon}) in {answer.switch_ms:.1f} ms")
 
 
-def _switch_vllm(url: str, model: Path | None, daemon: str | None) -> dict[str, Any]:
-    """The engine at `url` has no /v1/weights: a vLLM server, switched through its own endpoints."""
-    from wcache.vllm_served import switch_served, vllm_version
+def _switch(url: str, model: Path | None, daemon: str | None) -> dict[str, Any]:
+    """The answer of the first engine of the registry that recognizes the engine at `url` as its own."""
+    from wcache.integrations.registry import not_served, served_switchers
+    from wcache.serving.client import engine_base_url
 
-    return switch_served(url, vllm_version(url), model, daemon)
+    for switcher in served_switchers():
+        result = switcher(url, model, daemon)
+        if result is not None:
+            return result
+    raise not_served(engine_base_url(url))

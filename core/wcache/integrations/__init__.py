@@ -1,2 +1,2 @@
-"""The engines that attach to daemons: vLLM (a load format), Hugging Face transformers, and the registry of
-every engine `wcache verify --greedy` runs (`registry`, wcache's reference engine among them)."""
+"""The engines that attach to daemons, one sub-package each: vLLM (a load format), Hugging Face transformers,
+wcache's reference engine; and the registry of every engine (`registry`)."""

@@ -1,8 +1,10 @@
-"""The engines that attach, one entry each: what `wcache verify --greedy --engine NAME` needs to run one.
+"""The engines that attach, one entry each: everything the rest of wcache asks of an engine.
 
-An engine is added here (one line) and in the one module its `runner` names, which runs the same prompts
-greedily through the engine attached to a daemon and the engine loading from disk its own way. Importing this
-module imports no engine (the CLI builds its `--engine` choices from it): a runner loads when verify runs it.
+`wcache verify --greedy --engine NAME` runs its greedy runner; `wcache verify URL` and `wcache switch URL` ask
+each engine that can be served, in order, whether the engine at URL is one of its own; `wcache doctor` runs
+each engine's check. An engine is added here (one entry) and in its folder, `integrations/NAME/`, which holds
+the modules the entry names ("module:function", docs/layout.md, "Adding an engine"). Importing this module
+imports no engine (the CLI builds its `--engine` choices from it): what an entry names loads when it runs.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from wcache.errors import BadInputError, option
+from wcache.errors import BadInputError, UnavailableError, option
 from wcache.ipc.attach_summary import AttachSummary
 from wcache.schema import Schema
 
@@ -83,17 +85,28 @@ class GreedyTokens:
 # (model, plan, prompts, max_new_tokens, options, device) → both sides' tokens; the attached side never
 # falls back to disk (verify passes options with fallback off).
 GreedyRunner = Callable[[Path, "PlanSpec", list[str], int, "AttachOptions", str], GreedyTokens]
+# (url, prompts, max_new_tokens) → `wcache verify URL`'s report, or None when the engine at url is not this one.
+ServedVerifier = Callable[[str, list[str], int], Any]  # a wcache.verify.GreedyReport (a later layer) or None
+# (url, model, daemon) → the engine's switch answer (a SwitchAnswer's wire form), or None when it is not this one.
+ServedSwitcher = Callable[[str, Path | None, str | None], "dict[str, Any] | None"]
+# (whether the host has an NVIDIA GPU) → doctor's status and one line, reported under the engine's name.
+DoctorCheck = Callable[[bool], tuple[Literal["ok", "warn", "fail"], str]]
 
 
 @dataclass(frozen=True, slots=True)
 class EngineEntry:
-    """One engine: its `--engine` name, where its greedy runner lives, and which plans it runs."""
+    """One engine: its `--engine` name, its greedy runner and the plans it runs, how a served one is verified
+    and switched, and doctor's check of it. Every "module:function" is imported only when it runs."""
 
     name: str
-    runner: str  # "module:function", a GreedyRunner, imported only when it runs
+    runner: str  # a GreedyRunner
     tensor_parallel: bool  # runs TP > 1 plans (every rank attaches its own shard)
     own_plan: bool  # takes quantization and layout from the engine itself, never from --quantization/--plan
     plan_refusal: str | None = None  # the sentence for a plan it does not run
+    served_verify: str | None = None  # a ServedVerifier; None: wcache does not verify it served
+    served_switch: str | None = None  # a ServedSwitcher; None: wcache does not switch it served
+    served_as: str | None = None  # what a served one is and the endpoint that tells it, for "neither …" sentences
+    doctor_check: str | None = None  # a DoctorCheck; None: doctor has nothing to check for it
 
     def refusal(self, plan: PlanSpec) -> str | None:
         """Why this engine cannot run `plan`, or None when it can."""
@@ -105,19 +118,50 @@ class EngineEntry:
         return self.plan_refusal if wrong_tp or wrong_plan else None
 
     def load_runner(self) -> GreedyRunner:
-        module, _, function = self.runner.partition(":")
-        runner: GreedyRunner = getattr(import_module(module), function)
+        runner: GreedyRunner = _load(self.runner)
         return runner
+
+
+def _load(reference: str) -> Any:
+    """What a "module:function" names."""
+    module, _, function = reference.partition(":")
+    return getattr(import_module(module), function)
+
+
+def served_verifiers() -> list[ServedVerifier]:
+    """Each engine's verifier of a served engine, in the registry's order."""
+    return [_load(entry.served_verify) for entry in REGISTRY if entry.served_verify is not None]
+
+
+def served_switchers() -> list[ServedSwitcher]:
+    """Each engine's switch of a served engine, in the registry's order."""
+    return [_load(entry.served_switch) for entry in REGISTRY if entry.served_switch is not None]
+
+
+def doctor_checks() -> list[tuple[str, DoctorCheck]]:
+    """Each engine's doctor check under the engine's name, in the registry's order."""
+    return [(entry.name, _load(entry.doctor_check)) for entry in REGISTRY if entry.doctor_check is not None]
+
+
+def not_served(base_url: str) -> UnavailableError:
+    """The error for a URL no engine of the registry recognizes as its own."""
+    kinds = [entry.served_as for entry in REGISTRY if entry.served_as is not None]
+    return UnavailableError(f"{base_url} is neither {' nor '.join(kinds)}.")
 
 
 # wcache's reference engine first: the default.
 REGISTRY = (
-    EngineEntry("reference", "wcache.integrations.greedy_reference:run_greedy", tensor_parallel=True,
-                own_plan=False),
-    EngineEntry("vllm", "wcache.integrations.greedy_vllm:run_greedy", tensor_parallel=True, own_plan=True,
+    EngineEntry("reference", "wcache.integrations.reference.greedy:run_greedy", tensor_parallel=True,
+                own_plan=False, served_verify="wcache.verify_served:verify_served_reference",
+                served_switch="wcache.serving.remote_switch:switch_served_reference",
+                served_as="a wcache reference engine (no /v1/weights)"),
+    # A served vLLM is reached over HTTP only (`wcache.vllm_served`, which verifies through `wcache.verify`).
+    EngineEntry("vllm", "wcache.integrations.vllm.greedy:run_greedy", tensor_parallel=True, own_plan=True,
                 plan_refusal=f"{option('engine', 'vllm')} takes its plan from vLLM; drop {option('quantization')} and "
-                f"{option('layout')}."),
-    EngineEntry("transformers", "wcache.integrations.greedy_transformers:run_greedy", tensor_parallel=False,
+                f"{option('layout')}.", served_verify="wcache.vllm_served:verify_if_vllm",
+                served_switch="wcache.vllm_served:switch_if_vllm", served_as="a vLLM server (no /version)",
+                doctor_check="wcache.integrations.vllm.doctor:check"),
+    EngineEntry("transformers", "wcache.integrations.transformers.greedy:run_greedy", tensor_parallel=False,
                 own_plan=True, plan_refusal=f"{option('engine', 'transformers')} runs TP 1 without quantization; drop "
                 f"{option('tp_size')}, {option('quantization')} and {option('layout')}."),
 )

@@ -80,7 +80,7 @@ def table_of(parser: argparse.ArgumentParser, vllm_version: str) -> OptionTable:
 
 def installed_vllm() -> tuple[str, Path] | None:
     """The installed vLLM's version and package directory, found without importing it; None without one."""
-    from wcache.integrations.vllm_version import installed_version
+    from wcache.integrations.vllm.version import installed_version
 
     version = installed_version()
     spec = importlib.util.find_spec("vllm")
@@ -123,7 +123,7 @@ def _build(env: dict[str, str]) -> OptionTable:
 def load_table(cache_dir: Path, on_build: Callable[[], None] | None = None,
                env: dict[str, str] | None = None) -> OptionTable:
     """The saved table of the installed vLLM, built now (saying so through `on_build`) if there is none yet."""
-    from wcache.integrations.vllm_version import check_version
+    from wcache.integrations.vllm.version import check_version
 
     check_version()  # no vLLM, or one outside the tested range: its sentence
     found = installed_vllm()
@@ -150,8 +150,8 @@ def load_table(cache_dir: Path, on_build: Callable[[], None] | None = None,
 
 
 def _main() -> None:
-    from wcache.integrations.vllm_api import server_arg_parser
-    from wcache.integrations.vllm_version import installed_version
+    from wcache.integrations.vllm.api import server_arg_parser
+    from wcache.integrations.vllm.version import installed_version
 
     table = table_of(server_arg_parser(), installed_version() or "unknown")
     sys.stdout.write(json.dumps(msgspec.to_builtins(table)) + "\n")

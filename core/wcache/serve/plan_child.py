@@ -21,7 +21,7 @@ TIMEOUT_S = 600.0
 
 def resolved_plan(model: Path, tp: int, dtype: str, env: Mapping[str, str]) -> PlanSpec:
     """Rank 0's plan of a vLLM server of `model` with `--tensor-parallel-size tp --dtype dtype`, as vLLM resolves
-    it on this platform (`integrations.vllm_plan`); raises the child's sentence when vLLM or wcache refuses."""
+    it on this platform (`integrations.vllm.plan`); raises the child's sentence when vLLM or wcache refuses."""
     try:
         done = subprocess.run(python_module_argv(__name__, str(model), str(tp), dtype), capture_output=True,
                               text=True, env=safe_path_env(dict(env)), timeout=TIMEOUT_S, stdin=subprocess.DEVNULL,
@@ -41,7 +41,7 @@ def resolved_plan(model: Path, tp: int, dtype: str, env: Mapping[str, str]) -> P
 
 def _main(model: str, tp: str, dtype: str) -> int:
     try:
-        from wcache.integrations.vllm_plan import vllm_plan
+        from wcache.integrations.vllm.plan import vllm_plan
 
         plan = vllm_plan(model, tensor_parallel_size=int(tp), dtype=dtype)
     except WcacheError as exc:

@@ -3,7 +3,7 @@
 Much of what a model loader needs (the loader base class, `initialize_model`, the parallel state) is vLLM's
 private API, which changes between minor releases. Every import from vLLM in wcache comes from here, and
 importing this module first checks the installed vLLM against the range the tests ran
-(`wcache.integrations.vllm_version`; pyproject's extras say the same): outside it, one sentence
+(`wcache.integrations.vllm.version`; pyproject's extras say the same): outside it, one sentence
 (`UnsupportedVllmError`) instead of an ImportError or AttributeError halfway through a load.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from wcache.integrations.vllm_version import check_version
+from wcache.integrations.vllm.version import check_version
 
 check_version()  # before any import below: an untested vLLM is refused here, never halfway through a load
 

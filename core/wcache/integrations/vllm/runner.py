@@ -104,7 +104,7 @@ def _in_child(runs: Sequence[VllmRun], env: dict[str, str], timeout: float | Non
         with log_path.open("w") as log:
             # vLLM's engine core and workers inherit the log, not a pipe: nothing waits on their output.
             process = subprocess.Popen(
-                python_module_argv("wcache.integrations.vllm_runner", str(spec)), stdin=subprocess.DEVNULL,
+                python_module_argv("wcache.integrations.vllm.runner", str(spec)), stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, env=safe_path_env(env), start_new_session=True,
             )
             try:
@@ -153,7 +153,7 @@ def _reason(log: str, code: int) -> str:
 
 def _child(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    from wcache.integrations.vllm_api import LLM, SamplingParams, shutdown_engine
+    from wcache.integrations.vllm.api import LLM, SamplingParams, shutdown_engine
 
     for index, (fields, result) in enumerate(zip(spec["runs"], spec["results"], strict=True)):
         run = VllmRun(**fields)

@@ -3,7 +3,7 @@
 `--load-format wcache --model-loader-extra-config '{"mode": "copy"}'` (server) or `LLM(..., load_format="wcache",
 model_loader_extra_config={...})` (offline); the options are `wcache.attach_options.AttachOptions`. The plan
 comes from vLLM's own configuration (TP size and rank from its parallel state, dtype from the model config,
-the layout from the model class's fusions; see `vllm_formats`, which also says which pre-quantized formats
+the layout from the model class's fusions; see `formats`, which also says which pre-quantized formats
 are served), so the key is the one `wcache preload` computes for the same checkpoint and TP size.
 
 On a hit vLLM builds the model with its parameters on the meta device (its buffers, such as the rotary cache,
@@ -23,7 +23,6 @@ the error says why.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import time
@@ -39,9 +38,10 @@ from wcache.attach.report import AttachReport
 from wcache.attach_options import AttachOptions
 from wcache.checkpoint.model_path import resolve_model_path
 from wcache.errors import CheckpointError, UnavailableError, WcacheError, in_words, marked
-from wcache.integrations import vllm_formats
-from wcache.integrations.vllm_announce import announce
-from wcache.integrations.vllm_api import (
+from wcache.integrations.placement import parameter_slots, parameters_on_meta, replace_parameter, same_kind
+from wcache.integrations.vllm import formats
+from wcache.integrations.vllm.announce import announce
+from wcache.integrations.vllm.api import (
     BaseModelLoader,
     DefaultModelLoader,
     LoadConfig,
@@ -56,8 +56,8 @@ from wcache.integrations.vllm_api import (
     process_weights_after_loading,
     set_default_torch_dtype,
 )
-from wcache.integrations.vllm_plan import plan_of
-from wcache.integrations.vllm_words import EXTRA_CONFIG, vllm_words
+from wcache.integrations.vllm.plan import plan_of
+from wcache.integrations.vllm.words import EXTRA_CONFIG, vllm_words
 from wcache.ipc.attach_summary import AttachSummary
 from wcache.ipc.run_dir.directory import default_run_dir, ensure_run_dir
 from wcache.key.digest_store import DigestStore
@@ -109,51 +109,6 @@ def device_name(vllm_config: VllmConfig) -> str:
     return device.type
 
 
-KEEP_REAL_NUMEL = 64
-
-
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Every parameter a model registers meanwhile goes to the meta device; its buffers stay where they are made.
-
-    Buffers stay real because the daemon holds only parameters, and vLLM computes buffers such as the rotary
-    cos/sin cache at build time (and caches rotary modules across builds: one built on meta would poison a
-    later disk load in the same process). vLLM makes each parameter's data with `torch.empty` on the build
-    device before it registers it: that memory is freed at once, never touched, one parameter at a time.
-
-    Parameters of at most KEEP_REAL_NUMEL elements stay real too: vLLM gives some of them initial values that
-    its post-processing reads when a checkpoint leaves them out (a pre-quantized attention's k_scale and v_scale,
-    -1.0 for "not loaded"), and they cost a few bytes each.
-    """
-    register = nn.Module.register_parameter
-
-    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta" and param.numel() > KEEP_REAL_NUMEL:
-            meta = nn.Parameter(param.data.to("meta"), requires_grad=False)
-            meta.__class__ = param.__class__
-            # One attribute dict for both: vLLM often sets attributes (weight_loader, output_dim, ...) on the
-            # object it made after registering it, and they must reach the registered one (and vLLM's record of
-            # it for in-place reloads).
-            meta.__dict__ = param.__dict__
-            param.data = param.data.new_empty(0)
-            param = meta
-        register(self, name, param)
-
-    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
-
-
-def _same_kind(param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
-    """A parameter over `data` of `param`'s class, with its attributes (vLLM's weight loaders read them)."""
-    result = nn.Parameter(data, requires_grad=False)
-    result.__class__ = param.__class__
-    result.__dict__ = param.__dict__.copy()
-    return result
-
-
 def attach_into(model: nn.Module, weights: AttachedWeights, device: torch.device, *, quantized: bool = False
                 ) -> Placement:
     """Register the daemon's tensors as the model's parameters; load the rest through the model's load_weights.
@@ -167,24 +122,20 @@ def attach_into(model: nn.Module, weights: AttachedWeights, device: torch.device
     With `quantized`, parameters that neither the daemon nor load_weights fill (the attention's KV-cache
     scales a checkpoint may leave out) keep the values vLLM created them with, as vLLM's disk loader leaves them.
     """
-    slots: dict[int, list[tuple[nn.Module, str]]] = {}
-    for _, module in model.named_modules(remove_duplicate=False):
-        for leaf, param in module._parameters.items():
-            if param is not None:
-                slots.setdefault(id(param), []).append((module, leaf))
+    slots = parameter_slots(model)
     params = dict(model.named_parameters())  # one name per parameter, tied ones under their first
     assigned: set[str] = set()
     for name, param in params.items():
-        tensor = weights.tensors.get(vllm_formats.daemon_name(name))
+        tensor = weights.tensors.get(formats.daemon_name(name))
         if (tensor is not None and tuple(tensor.shape) == tuple(param.shape) and tensor.dtype == param.dtype
                 and tensor.device.type == device.type):
-            _replace(slots[id(param)], _same_kind(param, tensor))
+            replace_parameter(slots[id(param)], same_kind(param, tensor))
             assigned.add(name)
     rest = [name for name in params if name not in assigned]
-    note = vllm_formats.expert_note(model, assigned)
+    note = formats.expert_note(model, assigned)
     if not rest:
         return Placement(len(assigned), (), note=note)
-    taken = {vllm_formats.daemon_name(name) for name in assigned}
+    taken = {formats.daemon_name(name) for name in assigned}
     unused = [name for name in weights.tensors if name not in taken]
     if not unused and quantized:
         # Every daemon tensor is placed; what is left the checkpoint does not hold (on any rank).
@@ -199,7 +150,7 @@ def attach_into(model: nn.Module, weights: AttachedWeights, device: torch.device
         param = params[name]
         if param.device.type == "meta":
             empty = torch.empty_strided(tuple(param.shape), param.stride(), dtype=param.dtype, device=device)
-            _replace(slots[id(param)], _same_kind(param, empty))
+            replace_parameter(slots[id(param)], same_kind(param, empty))
     # Every vLLM model class has load_weights, but no vLLM type declares it: nn.Module's __getattr__ answers.
     loaded = model.load_weights(weights.checkpoint_tensors(unused).items())  # type: ignore[operator]
     missing = [name for name in rest if loaded is not None and name not in loaded]
@@ -223,13 +174,6 @@ def _kept_as_made(params: dict[str, nn.Parameter], assigned: set[str], copied: l
     return Placement(len(assigned), tuple(copied), note=note)
 
 
-def _replace(slots: list[tuple[nn.Module, str]], param: nn.Parameter) -> None:
-    # Straight into _parameters: register_parameter would refuse to replace an attribute, and .data cannot
-    # move a meta parameter onto a device.
-    for module, leaf in slots:
-        module._parameters[leaf] = param
-
-
 class WcacheModelLoader(BaseModelLoader):
     """`load_format="wcache"`: attach to a wcache daemon holding this checkpoint's key, else load from disk."""
 
@@ -249,7 +193,7 @@ class WcacheModelLoader(BaseModelLoader):
         self._disk_loader().download_model(model_config)
 
     def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """vLLM's in-place reload (`reload_weights`, what `wcache.integrations.vllm_switch.switch` runs)."""
+        """vLLM's in-place reload (`reload_weights`, what `wcache.integrations.vllm.switch.switch` runs)."""
         return daemon_weights(self, model, model_config)
 
     def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
@@ -452,7 +396,7 @@ def daemon_weights(loader: WcacheModelLoader, model: nn.Module,
                    model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """What the loader gives vLLM's in-place reload: the daemon's tensors for `model_config.model` under
     checkpoint names. Attaches now, before vLLM touches a layer, and refuses (no fallback) on a miss."""
-    from wcache.integrations.vllm_api import get_current_vllm_config
+    from wcache.integrations.vllm.api import get_current_vllm_config
 
     previous = getattr(model, "_wcache_weights", None)
     try:

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from wcache.integrations.vllm_api import ModelConfig, get_model_architecture
+from wcache.integrations.vllm.api import ModelConfig, get_model_architecture
 from wcache.plan import family
 from wcache.plan.family import ModelDims, UnsupportedPlanError
 

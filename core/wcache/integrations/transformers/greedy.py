@@ -18,7 +18,7 @@ def run_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: 
     from transformers import AutoModelForCausalLM
 
     from wcache.engine.tokenizer import load_tokenizer
-    from wcache.integrations.transformers import from_pretrained
+    from wcache.integrations.transformers.attach import from_pretrained
 
     dtype = {} if plan.dtype == "auto" else {"dtype": getattr(torch, plan.dtype)}
     cached_model = from_pretrained(model, **dtype, **options.to_mapping())

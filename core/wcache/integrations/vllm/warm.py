@@ -2,8 +2,8 @@
 
 `WarmStarter` is the warm implementation of `wcache serve`'s server starter (`prepare`, `start`, `close`; the
 launcher's `ServerStarter` protocol, met by duck typing so this module never imports the launcher). `prepare`
-starts a zygote (`vllm_warm_zygote`) that imports vLLM and starts a forkserver that imports what vLLM's engine
-core and CPU workers import (`vllm_warm_context`); `start` asks the zygote to fork a server front, whose engine
+starts a zygote (`warm_zygote`) that imports vLLM and starts a forkserver that imports what vLLM's engine
+core and CPU workers import (`warm_context`); `start` asks the zygote to fork a server front, whose engine
 core and TP workers are then forked by the forkserver instead of spawned. Neither the zygote nor the
 forkserver has initialised CUDA or runs a second thread when it forks; both refuse to fork otherwise.
 
@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from wcache.errors import UnavailableError
-from wcache.integrations.vllm_warm_context import SINGLE_THREAD_ENV
+from wcache.integrations.vllm.warm_context import SINGLE_THREAD_ENV
 from wcache.ipc.interpreter import python_module_argv
 
-ZYGOTE_MODULE = "wcache.integrations.vllm_warm_zygote"
+ZYGOTE_MODULE = "wcache.integrations.vllm.warm_zygote"
 PREPARE_TIMEOUT_S = 600.0  # the zygote's and the forkserver's imports on a busy machine
 REPLY_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 30.0

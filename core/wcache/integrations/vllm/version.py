@@ -1,6 +1,6 @@
 """Which vLLM versions wcache's vLLM integration runs on, answered without importing vLLM.
 
-`wcache.integrations.vllm_api` checks this before it imports anything of vLLM's; the plugin checks it before
+`wcache.integrations.vllm.api` checks this before it imports anything of vLLM's; the plugin checks it before
 it registers the load format, so an untested vLLM gets one sentence at start-up, never an AttributeError in
 the middle of a load.
 """
@@ -69,7 +69,7 @@ def register_refusal(load_format: str, problem: str) -> None:
     # Under "vllm." so that vLLM's logging configuration applies, as for the loader's own lines.
     logging.getLogger("vllm.wcache").warning("wcache: %s The load format %r refuses to start.", problem, load_format)
     try:
-        # vLLM's public plugin API (the one vLLM import outside vllm_api): if an untested vLLM moved it, the
+        # vLLM's public plugin API (the one vLLM import outside `api`): if an untested vLLM moved it, the
         # warning above is all there is.
         from vllm.model_executor.model_loader import register_model_loader
         from vllm.model_executor.model_loader.base_loader import BaseModelLoader

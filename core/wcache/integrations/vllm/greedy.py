@@ -1,5 +1,5 @@
 """`wcache verify --greedy --engine vllm`: vLLM's `wcache` load format against its default loader, the two
-engines one after the other in one child process (`vllm_runner`); the attached side's report is its hit in the
+engines one after the other in one child process (`runner`); the attached side's report is its hit in the
 run dir's events."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ VLLM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.mo
 def run_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int, options: AttachOptions,
                device: str) -> GreedyTokens:
     """Both sides' greedy tokens; vLLM picks its own device."""
-    from wcache.integrations.vllm_runner import VllmRun, VllmRunError, greedy_runs
+    from wcache.integrations.vllm.runner import VllmRun, VllmRunError, greedy_runs
     from wcache.ipc.run_dir.directory import default_run_dir
 
     if not any((model / name).exists() for name in VLLM_TOKENIZER_FILES):

@@ -1,9 +1,9 @@
 """The warm starter's zygote: a process that imported vLLM once and forks each vLLM OpenAI server from there.
 
-Run as `python -P -m wcache.integrations.vllm_warm_zygote SOCKET READY_FD` by `WarmStarter.prepare`, in a
+Run as `python -P -m wcache.integrations.vllm.warm_zygote SOCKET READY_FD` by `WarmStarter.prepare`, in a
 session of its own, with the write end of a pipe as READY_FD (one JSON line: ready, or the sentence why not)
 and a pipe as stdin (its lifeline: EOF, i.e. the starter closed it or died, stops the zygote). It starts the
-warm forkserver (`vllm_warm_context`), imports what a server imports, checks that both are single-threaded
+warm forkserver (`warm_context`), imports what a server imports, checks that both are single-threaded
 and have not initialised CUDA, then serves requests on the Unix socket SOCKET, one JSON line each:
 
 * `{"op": "start", "argv": [...], "env": {...}, "log_path": "...", "cwd": "..."}`: fork a server front that
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from wcache.errors import EXIT_UNAVAILABLE
-from wcache.integrations.vllm_warm_context import (
+from wcache.integrations.vllm.warm_context import (
     PROBE_FOUND_CUDA,
     WARM_CONTEXT,
     apply_openmp_environment,

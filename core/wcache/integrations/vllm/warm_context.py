@@ -31,7 +31,7 @@ from wcache.errors import EXIT_DIFFERENCE, EXIT_UNAVAILABLE
 # Everything the server's front, engine core and CPU workers import while they start, imported once by the
 # zygote and the forkserver (a module missing here is imported by each process that needs it, costing time).
 PRELOAD = (
-    "wcache.integrations.vllm_api",  # first: its version check refuses an untested vLLM in one sentence
+    "wcache.integrations.vllm.api",  # first: its version check refuses an untested vLLM in one sentence
     "torch",
     "vllm",
     "vllm.entrypoints.openai.api_server",
@@ -54,8 +54,8 @@ PRELOAD = (
     "vllm.model_executor.layers.quantization.compressed_tensors.utils",
     "vllm.model_executor.layers.quantization.online.fp8",
     "vllm.v1.pool.flash_maxsim.flash_maxsim_rerank",
-    "wcache.integrations.vllm_plugin",
-    "wcache.integrations.vllm_loader",
+    "wcache.integrations.vllm.plugin",
+    "wcache.integrations.vllm.loader",
 )
 # The probe child's exit code when it inherited CUDA (any other failure exits otherwise).
 PROBE_FOUND_CUDA = EXIT_DIFFERENCE
@@ -204,7 +204,7 @@ def share_forkserver() -> None:
 
 def route_vllm_to_warm_context() -> None:
     """vLLM's engine core and workers started from this process come from the warm forkserver."""
-    from wcache.integrations.vllm_api import route_mp_context
+    from wcache.integrations.vllm.api import route_mp_context
 
     route_mp_context(WARM_CONTEXT)
 
@@ -237,7 +237,7 @@ def start_forkserver() -> int:
         listener.listen()
         alive_r, alive_w = os.pipe()
         try:
-            command = ("from wcache.integrations.vllm_warm_context import forkserver_main; "
+            command = ("from wcache.integrations.vllm.warm_context import forkserver_main; "
                        f"forkserver_main({listener.fileno()}, {alive_r})")
             executable: Any = spawn.get_executable()  # bytes, as multiprocessing's own forkserver start uses it
             argv = [executable, *util._args_from_interpreter_flags(), "-c", command]  # type: ignore[attr-defined]

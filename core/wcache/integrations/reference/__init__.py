@@ -1,0 +1,1 @@
+"""wcache's reference engine as the registry runs it: `verify --greedy --engine reference` (`greedy`)."""
