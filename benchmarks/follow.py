@@ -143,13 +143,18 @@ def _stop(cli: list[str], name: str, env: dict[str, str]) -> None:
         raise SystemExit(f"`wcache stop {name}` (no --force) failed: {done.stderr.strip()}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def step_options(description: str, steps: int, steps_help: str) -> argparse.ArgumentParser:
+    """The options of a benchmark of publish steps: the checkpoint, the share changed, the steps, a work dir."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--fraction", type=float, default=0.015, help="share of every tensor's elements changed")
-    parser.add_argument("--steps", type=int, default=20, help="publish-follow-generate loop steps")
+    parser.add_argument("--steps", type=int, default=steps, help=steps_help)
     parser.add_argument("--workdir", type=Path, default=None)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = step_options(__doc__.splitlines()[0], 20, "publish-follow-generate loop steps").parse_args(argv)
     cli = wcache_command()
     began = time.perf_counter()
     with workspace(args.workdir) as work:

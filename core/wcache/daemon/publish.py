@@ -15,7 +15,8 @@ publishes step after step from the version it published last, whose only file is
 plan transforms the tensor, it comes from the parent's checkpoint on disk (checked likewise); a parent built from
 a delta has none, and a sparse change to such a tensor is one sentence (whole tensors still work).
 
-Not yet here (issue 29): builds inside the parent's daemon group, a pool of retired arenas, sparse changes to
+Not yet here (issue 29; where a publish's time goes is in docs/benchmarks.md): builds inside the parent's daemon
+group, a pool of retired arenas (a sealed memfd cannot be written again: docs/versions.md), sparse changes to
 tensors the parent's plan transforms once its checkpoint is gone (the build would need them too).
 """
 

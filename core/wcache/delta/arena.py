@@ -308,8 +308,13 @@ class _Build:
                     self.computed.append(entry.name)
                 patches = [(source, span, self.delta.changes[source]) for source, span in spans or ()
                            if source in self.delta.changes]
+                held_whole = [source for source, span, _ in patches
+                              if span.start == 0 and span.nbytes == self.manifest[source].nbytes]
+                # An output that is one changed tensor's bytes, all of them, hashes to that tensor's digest: its
+                # bytes are hashed once, not twice (half the arena under the fused plan at TP 1).
+                alone = next((source for source in held_whole if self.manifest[source].nbytes == entry.nbytes), None)
                 wholes = {source: (span, tensor_hasher(span.nbytes)) for source, span, _ in patches
-                          if span.start == 0 and span.nbytes == self.manifest[source].nbytes}
+                          if source in held_whole and source != alone}
                 changed += bool(patches)
                 hasher = tensor_hasher(entry.nbytes)
                 done = 0
@@ -331,6 +336,8 @@ class _Build:
                     done += n
                     turn ^= 1
                 self.processed[entry.name] = hasher.hexdigest()
+                if alone is not None:
+                    self.source_digests[alone] = self.processed[entry.name]
                 for source, (_, whole) in wholes.items():
                     self.source_digests[source] = whole.hexdigest()
             for pending in writing:

@@ -1,0 +1,109 @@
+"""Where one `publish` spends its time: each phase of publishing N+1, then each loop step, on the same change.
+
+In one run, on the ``--preset`` checkpoint (qwen3-0.6b: 1.5 GB bf16, fused plan, TP 1): N is started with
+`start_daemons`, N+1 is N after ``--fraction`` (1.5%) of every tensor's elements moved, handed to `publish` as
+(flat indices, values); each of publish's steps is timed in this process (the changes checked, the parent mapped
+and the changed tensors hashed, the delta written, `start_next_version`), and the new rank's own build time
+(``load_s`` of its ready event) splits `start_next_version` into the build and the processes' start. Each further
+step publishes the same elements moved again, from the version published last, and stops the one before.
+
+Run::
+
+    .venv/bin/python benchmarks/publish_phases.py --steps 3 --workdir DIR
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_common import workspace
+from follow import _sparse, step_options
+from wcache.daemon import publish as publishing
+from wcache.daemon.launch import start_daemons, stop_daemons
+from wcache.ipc.run_dir.directory import census
+from wcache.monitor.event_types import Ready
+from wcache.monitor.events import read_typed_events
+from wcache_dev.synth import read_tensors, training_step, write_checkpoint
+
+# publish's steps, in the order it takes them.
+PHASES = ("_change", "_new_digests", "write_delta", "start_next_version")
+
+
+def _timed(spent: dict[str, float], name: str) -> None:
+    """Wrap publish's step `name` so each call adds its seconds to `spent[name]`."""
+    inner: Callable[..., Any] = getattr(publishing, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - began
+
+    setattr(publishing, name, timed)
+
+
+def _build_seconds(run_dir: Path, daemon: str) -> float:
+    """The build time daemon `daemon` reported in its ready event."""
+    return next(float(e.load_s or 0.0) for e in read_typed_events(run_dir)
+                if isinstance(e, Ready) and e.daemon == daemon)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = step_options(__doc__.splitlines()[0], 2, "loop steps after N+1").parse_args(argv)
+    spent: dict[str, float] = {}
+    for name in PHASES:
+        _timed(spent, name)
+    with workspace(args.workdir) as work:
+        run_dir, store = work / "run", work / "store"
+        for owned in (run_dir, store):
+            shutil.rmtree(owned, ignore_errors=True)
+        os.environ.update({"WCACHE_RUN_DIR": str(run_dir), "WCACHE_CACHE_DIR": str(store)})
+        parent = work / "n"
+        if not parent.exists():
+            print(f"writing the {args.preset!r} checkpoint ...", file=sys.stderr)
+            write_checkpoint(args.preset, parent)
+        began = time.perf_counter()
+        group = start_daemons(parent, run_dir=run_dir)
+        group.detach()
+        print(f"preload of N: {time.perf_counter() - began:.3f} s")
+        current = group.names[0]
+        try:
+            tensors = read_tensors(parent)
+            stepped = training_step(tensors, args.fraction, seed=1)
+            changes = _sparse(tensors, stepped)
+            del tensors
+            step = changes
+            for i in range(args.steps + 1):
+                spent.clear()
+                began = time.perf_counter()
+                published = publishing.publish(current, step, run_dir=run_dir)
+                total = time.perf_counter() - began
+                build = _build_seconds(run_dir, published.daemons[0])
+                rest = spent["start_next_version"] - build
+                print(f"publish {i} (to READY): {total:.3f} s = " + ", ".join(
+                    f"{name.strip('_')} {spent[name]:.3f}" for name in PHASES)
+                    + f" (build {build:.3f}, processes' start and READY {rest:.3f})")
+                stop_daemons([d for d in census(run_dir).live if d.name == current])
+                current = published.daemons[0]
+                step = {}
+                for name, change in changes.items():
+                    assert isinstance(change, tuple)
+                    flat = stepped[name].reshape(-1)
+                    flat[change[0]] = (flat[change[0]].float() * (1 + 1 / 16)).to(flat.dtype)
+                    step[name] = (change[0], flat[change[0]].clone())
+        finally:
+            stop_daemons(census(run_dir).live, force=True)
+    print(f"{os.cpu_count()} CPUs, torch {torch.__version__}.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
