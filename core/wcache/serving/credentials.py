@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import os
 import socket
 import urllib.parse
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 from wcache.errors import WcacheError
 from wcache.ipc.run_dir.directory import check_run_dir, default_run_dir
 from wcache.ipc.run_dir.engine_token import operator_token, read_token_file
-from wcache.ipc.run_dir.engines import read_engine_descriptor
+from wcache.ipc.run_dir.engines import announcer_alive, read_engine_descriptor
 from wcache.ipc.run_dir.paths import RunPaths
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -52,19 +51,9 @@ def engine_pid_at(run_dir: Path, url: str) -> int | None:
             descriptor = read_engine_descriptor(path)
         except (OSError, ValueError):
             continue
-        if descriptor.url is not None and _alive(descriptor.pid) and serves_at(descriptor.url, url):
+        if descriptor.url is not None and announcer_alive(descriptor) and serves_at(descriptor.url, url):
             return descriptor.pid
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def serves_at(engine_url: str, url: str) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 from wcache.errors import UnavailableError
 from wcache.integrations.vllm.warm_context import SINGLE_THREAD_ENV
 from wcache.ipc.interpreter import python_module_argv
+from wcache.ipc.run_dir.directory import process_created
 
 ZYGOTE_MODULE = "wcache.integrations.vllm.warm_zygote"
 PREPARE_TIMEOUT_S = 600.0  # the zygote's and the forkserver's imports on a busy machine
@@ -55,7 +56,7 @@ class WarmServer:
 
     def _read(self, timeout: float | None) -> None:
         if self._conn.fileno() < 0:  # the zygote is gone: all that is left to know is whether the pid is
-            if not _exists(self.pid):
+            if process_created(self.pid) is None:
                 self.returncode = UNKNOWN_EXIT
             elif timeout:
                 time.sleep(min(timeout, 0.1))
@@ -93,16 +94,6 @@ class WarmServer:
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class WarmStarter:
