@@ -57,6 +57,7 @@ class DaemonRunOptions(TypedDict):
     log_format: str
     share_stderr: bool
     scrub_interval: float
+    version_pool: int
 
 
 def _launch(
@@ -144,6 +145,11 @@ def preload(
                                    help="Seconds between background re-hashes of each arena (at most 5% of one core "
                                    "while one runs), up to a year; 0 turns them off [default: the daemons' own, 600].")
     ] = None,
+    version_pool: Annotated[
+        str, typer.Option("--version-pool", metavar="SIZE",
+                          help="Memory each rank may keep of retired versions' arenas (e.g. 3GiB) to build the "
+                          "next versions a training loop publishes in, writing only what changed; 0 keeps none.")
+    ] = "0",
     engine: Annotated[
         str | None, typer.Option("--engine", help="Resolve the plan as this engine will ask for it: vllm (its "
                                  "dtype rule for this platform, e.g. bfloat16 for a float32 checkpoint on CPU, "
@@ -176,6 +182,8 @@ def preload(
     from wcache.daemon.argv import LoadArgs
     from wcache.daemon.scrub import checked_interval
 
+    from wcache_cli.byte_size import parse_byte_size
+
     scrub = checked_interval(LoadArgs.scrub_interval if scrub_interval is None else scrub_interval)
     if (parent is None) != (delta is None):
         raise BadInputError("--from and --delta go together: --from DAEMON --delta FILE.")
@@ -196,7 +204,8 @@ def preload(
     warn_if_exposed(health_host, "--health-host", "/health, /metrics and /stats")
     running = DaemonRunOptions(run_dir=where, health_host=health_host, health_port=health_port,
                                log_level=log_level.value, log_format=log_format.value,
-                               share_stderr=not detach and not out.stderr.is_terminal, scrub_interval=scrub)
+                               share_stderr=not detach and not out.stderr.is_terminal, scrub_interval=scrub,
+                               version_pool=parse_byte_size(version_pool, "--version-pool"))
     if delta is not None:
         model = delta  # what the new version is made from, in its READY line
     else:

@@ -10,7 +10,6 @@ import signal
 import sys
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
@@ -18,6 +17,7 @@ import msgspec
 from wcache.checkpoint.provenance import FileVerdict, counts, overall
 from wcache.daemon.argv import LoadArgs
 from wcache.daemon.server import DaemonServer
+from wcache.daemon.version_host import RankPlace, VersionHost, describe
 from wcache.delta.arena import build_next, find_parent
 from wcache.errors import EXIT_OK, EXIT_UNAVAILABLE, WcacheError, marked, option
 from wcache.ipc.run_dir.directory import (
@@ -27,7 +27,6 @@ from wcache.ipc.run_dir.directory import (
     ensure_run_dir,
     hold_daemon_lock,
     process_created,
-    socket_path,
     write_descriptor,
 )
 from wcache.ipc.run_dir.loading import LoadingBoard, LoadingRecord
@@ -118,24 +117,15 @@ def main(argv: list[str] | None = None) -> int:
             with DigestStore.open() as store:
                 loaded = load_rank(args.model, spec, args.device, store,
                                    _Both(ProgressReporter(status, rank=args.rank), board),
-                                   on_key=judge_and_own, sha256_after_ready=verdict_after_ready)
+                                   on_key=judge_and_own, sha256_after_ready=verdict_after_ready,
+                                   reusable_arena=load.version_pool > 0)
             bytes_read = sum(e.nbytes for e in loaded.key_file.manifest)
         board.update(phase="publishing")
-        key_file = loaded.key_file
-        name = daemon_name(args.device, key_file.key.short_id)
-        descriptor = DaemonDescriptor(
-            name=name, pid=os.getpid(), pid_created=process_created(os.getpid()) or 0.0, device=args.device,
-            tp_size=args.tp, tp_rank=args.rank, key_id=key_file.key.short_id,
-            key=key_file.key, plan=key_file.plan, config=key_file.config, source=key_file.source,
-            socket=str(socket_path(run_dir, name)), health_url=args.health_url,
-            supervisor_pid=args.supervisor_pid, started=datetime.now(UTC).isoformat(timespec="seconds"),
-            weights_bytes=loaded.arena.total_bytes, files=key_file.files,
-            provenance=overall(judged) if judged else None,
-            parent_key_id=parent.key_id if parent is not None else None,
-            parent=parent.name if parent is not None else None,
-            origin=parent.model_source if parent is not None else None,
-        )
-        server = stop.server = DaemonServer(loaded, descriptor, run_dir, args.scrub_interval)
+        host = stop.host = VersionHost(RankPlace(run_dir, args.device, args.tp, args.rank, args.health_url,
+                                                 args.supervisor_pid, args.scrub_interval), load.version_pool)
+        descriptor = describe(host.place, loaded, parent, overall(judged) if judged else None)
+        server = stop.server = DaemonServer(loaded, descriptor, run_dir, args.scrub_interval, host=host,
+                                            lock_fd=locks.pop() if locks else None)
         server.bind()
         write_descriptor(run_dir, descriptor)
     except (Exception, KeyboardInterrupt) as exc:
@@ -159,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     if loaded.sha256_after is not None:
         threading.Thread(target=_provenance_after_ready, args=(server, loaded, load.expected), daemon=True,
                          name="wcache-sha256").start()
-    server.serve_forever()  # returns at once, cleaning up, if a stop came during loading
-    log.info("stopped: daemon %s", descriptor.name)
+    host.serve(server)  # returns at once, cleaning up, if a stop came during loading
+    log.info("stopped: daemon %s and every version built in its process", descriptor.name)
     return EXIT_OK
 
 
@@ -189,9 +179,12 @@ class _Stop:
     def __init__(self) -> None:
         self.loading = True
         self.server: DaemonServer | None = None
+        self.host: VersionHost | None = None
 
     def __call__(self, signum: int, frame: object) -> None:
-        if self.server is not None:
+        if self.host is not None and self.server is not None:
+            self.host.request_stop_all()
+        elif self.server is not None:
             self.server.request_stop()
         elif self.loading:
             raise KeyboardInterrupt

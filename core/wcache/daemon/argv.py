@@ -38,6 +38,8 @@ class LoadArgs:
     # A next version: `model` is a delta file, applied to these daemons (one name per rank, comma-separated).
     parents: str = ""
     scrub_interval: float = DEFAULT_INTERVAL_S  # seconds between background re-hashes of the arena; 0: none
+    # Bytes of retired arenas a rank keeps to build its next versions in (`wcache.daemon.version_host`); 0: none.
+    version_pool: int = 0
 
     def __post_init__(self) -> None:
         checked_interval(self.scrub_interval)  # every caller's value, before any process starts with it
@@ -52,6 +54,7 @@ class LoadArgs:
             *(["--expected", str(self.expected)] if self.expected is not None else []),
             *(["--parents", self.parents] if self.parents else []),
             "--scrub-interval", str(self.scrub_interval),
+            *(["--version-pool", str(self.version_pool)] if self.version_pool else []),
         ]
 
     def for_rank(self, device: str, run_dir: Path, log_file: Path) -> LoadArgs:
@@ -83,6 +86,7 @@ class LoadArgs:
         parser.add_argument("--expected", type=Path, default=None)
         parser.add_argument("--parents", default=LoadArgs.parents)
         parser.add_argument("--scrub-interval", type=_interval, default=LoadArgs.scrub_interval)
+        parser.add_argument("--version-pool", type=int, default=LoadArgs.version_pool)
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> LoadArgs:

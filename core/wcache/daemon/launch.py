@@ -152,7 +152,7 @@ def start_daemons(
     on_progress: ProgressCallback | None = None, log_level: str = LoadArgs.log_level,
     log_format: str = LoadArgs.log_format, share_stderr: bool = False, env: Mapping[str, str] | None = None,
     require_provenance: str = LoadArgs.require_provenance, expected: Path | None = None,
-    scrub_interval: float = LoadArgs.scrub_interval,
+    scrub_interval: float = LoadArgs.scrub_interval, version_pool: int = LoadArgs.version_pool,
 ) -> DaemonGroup:
     """Start a supervisor with one daemon per TP rank and return once every rank is ready.
 
@@ -177,7 +177,7 @@ def start_daemons(
     where = ensure_daemon_run_dir(run_dir or default_run_dir())
     load = LoadArgs(model=path.absolute(), run_dir=where, device=device, tp=tp, dtype=dtype,
                     quantization=quantization, plan=layout, log_level=log_level, log_format=log_format,
-                    scrub_interval=scrub_interval, require_provenance=require_provenance,
+                    scrub_interval=scrub_interval, version_pool=version_pool, require_provenance=require_provenance,
                     expected=expected.absolute() if expected is not None else None)
     return _supervise(path, load, health_host, health_port, on_progress, share_stderr, env)
 
@@ -186,6 +186,7 @@ def start_next_version(
     parent: str, delta: Path, *, run_dir: Path | None = None, health_host: str = "127.0.0.1", health_port: int = 0,
     log_level: str = LoadArgs.log_level, log_format: str = LoadArgs.log_format, share_stderr: bool = False,
     env: Mapping[str, str] | None = None, scrub_interval: float = LoadArgs.scrub_interval,
+    version_pool: int = LoadArgs.version_pool,
 ) -> DaemonGroup:
     """Start a new daemon group holding the group of daemon `parent` (a name or key id prefix) with the delta
     file `delta` applied: same devices, TP size and plan, built from the parent's arena, reading nothing of the
@@ -202,7 +203,8 @@ def start_next_version(
     device = "cpu" if set(devices) == {"cpu"} else "cuda:" + ",".join(d.removeprefix("cuda:") for d in devices)
     load = LoadArgs(model=delta.absolute(), run_dir=where, device=device, tp=head.tp_size, dtype=head.plan.dtype,
                     quantization=head.plan.quantization, plan=head.plan.layout, log_level=log_level,
-                    log_format=log_format, parents=",".join(d.name for d in group), scrub_interval=scrub_interval)
+                    log_format=log_format, parents=",".join(d.name for d in group), scrub_interval=scrub_interval,
+                    version_pool=version_pool)
     return _supervise(delta, load, health_host, health_port, None, share_stderr, env)
 
 

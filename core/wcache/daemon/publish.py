@@ -38,7 +38,7 @@ from wcache.delta.format import BITS, Change, DeltaError, write_delta
 from wcache.errors import UnavailableError
 from wcache.ipc.run_dir.directory import DaemonDescriptor, default_run_dir, ensure_run_dir
 from wcache.ipc.wire.client import DaemonConnection, DaemonError
-from wcache.ipc.wire.messages import Hello, Manifest, WantedKey
+from wcache.ipc.wire.messages import BuildNext, Hello, Manifest, WantedKey
 from wcache.key.cache_key import WeightCacheKey
 from wcache.load.loader import processed_digest
 
@@ -50,10 +50,12 @@ _SPARSE_NEEDS = ("publish of sparse changes needs the parent's tensors as the ch
 
 @dataclass(frozen=True, slots=True)
 class Published:
-    """The new version: its key (rank 0's) and its daemons' names, by rank."""
+    """The new version: its key (rank 0's), its daemons' names by rank, and, for a version built in its parent's
+    process, the bytes written into its arena (None for one built by new processes)."""
 
     key: WeightCacheKey
     daemons: list[str]
+    bytes_written: int | None = None
 
 
 def _refuse(name: str, what: str) -> DeltaError:
@@ -92,10 +94,15 @@ def _change(name: str, value: object, target: TensorDigest) -> Change:
 
 def publish(parent: str, changes: Mapping[str, object], *, run_dir: Path | None = None) -> Published:
     """Start the next version of daemon `parent` with `changes` (name → whole tensor or (indices, values)) applied;
-    its daemons keep running on their own. Raises DeltaError (nothing started) for a change a delta file could not
-    hold, UnavailableError when the parent cannot be read."""
+    it keeps serving on its own. Raises DeltaError (nothing started) for a change a delta file could not hold,
+    UnavailableError when the parent cannot be read.
+
+    A parent at TP 1 whose plan holds the changed tensors as their checkpoint bytes builds the version in its own
+    process (`wcache.daemon.version_host`), which hashes it and names it: this process hashes nothing. Any other
+    is built by new processes, from a delta naming the checkpoint this process computed."""
     where = ensure_run_dir(run_dir or default_run_dir())
-    head = parent_group(where, parent)[0]
+    group = parent_group(where, parent)
+    head = group[0]
     if not changes:
         raise DeltaError("publish was given no changed tensor.")
     connection = DaemonConnection(head.socket)
@@ -112,19 +119,38 @@ def publish(parent: str, changes: Mapping[str, object], *, run_dir: Path | None 
             if name not in manifest:
                 raise _refuse(name, "the parent checkpoint holds no such tensor")
             made.append(_change(name, changes[name], manifest[name]))
-        digests = _new_digests(made, manifest, connection, head)
+        with tempfile.TemporaryDirectory(prefix="publish-", dir=where) as scratch:
+            delta = Path(scratch) / "step.safetensors"
+            if len(group) == 1:
+                write_delta(delta, head.key.checkpoint, None, iter(made))
+                built = _build_in_place(connection, head, delta)
+                if built is not None:
+                    return built
+            digests = _new_digests(made, manifest, connection, head)
+            new_manifest = tuple(msgspec.structs.replace(e, digest=digests.get(e.name, e.digest))
+                                 for e in manifest.values())
+            write_delta(delta, head.key.checkpoint, merkle_root(new_manifest), iter(made))
+            started = start_next_version(head.name, delta, run_dir=where)
+            started.detach()
     finally:
         connection.close()
-    new_manifest = tuple(msgspec.structs.replace(e, digest=digests.get(e.name, e.digest))
-                         for e in manifest.values())
-    checkpoint = merkle_root(tuple(sorted(new_manifest, key=lambda e: e.name)))
-    with tempfile.TemporaryDirectory(prefix="publish-", dir=where) as scratch:
-        delta = Path(scratch) / "step.safetensors"
-        write_delta(delta, head.key.checkpoint, checkpoint, iter(made))
-        group = start_next_version(head.name, delta, run_dir=where)
-        group.detach()
-    descriptors = group.descriptors()
+    descriptors = started.descriptors()
     return Published(descriptors[0].key, [d.name for d in descriptors])
+
+
+def _build_in_place(connection: DaemonConnection, head: DaemonDescriptor, delta: Path) -> Published | None:
+    """Ask the parent's process to build and serve the version; None when it says another process must."""
+    try:
+        reply = connection.request(BuildNext(delta=str(delta)))
+    except DaemonError as exc:
+        raise UnavailableError(f"daemon {head.name} could not build the next version "
+                               f"({str(exc).rstrip('.')}).") from None
+    if reply.elsewhere is not None:
+        return None
+    if reply.name is None or reply.checkpoint is None:
+        raise UnavailableError(f"daemon {head.name} built the next version but did not name it.")
+    key = msgspec.structs.replace(head.key, checkpoint=reply.checkpoint)
+    return Published(key, [reply.name], None if reply.already_served else reply.bytes_written)
 
 
 def _new_digests(made: list[Change], manifest: dict[str, TensorDigest], connection: DaemonConnection,

@@ -16,11 +16,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wcache.daemon import lease_rules
 from wcache.daemon.lease_rules import Holders
 from wcache.daemon.scrub import Corruption, Scrubber, first_difference_from_checkpoint
+from wcache.errors import WcacheError
 from wcache.ipc.arenas.daemon_side import ArenaClosedError, ArenaEntry, CpuArena
 from wcache.ipc.run_dir.directory import DaemonDescriptor, remove_daemon_files, write_descriptor
 from wcache.ipc.wire import counters as counter_names
@@ -38,6 +39,8 @@ from wcache.ipc.wire.framing import (
 from wcache.ipc.wire.messages import (
     ArenaReport,
     BadRequestError,
+    BuildNext,
+    BuiltNext,
     CheckArena,
     CorruptNotice,
     CudaHandle,
@@ -64,6 +67,9 @@ from wcache.ipc.wire.messages import (
 from wcache.load.loader import LoadedRank
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
+
+if TYPE_CHECKING:
+    from wcache.daemon.version_host import VersionHost
 
 log = logging.getLogger("wcache.daemon")
 
@@ -124,11 +130,15 @@ class DaemonState:
 
 
 class DaemonServer:
-    """Serves one loaded rank on a Unix socket."""
+    """Serves one loaded rank on a Unix socket: one version of the ones its process hosts (`host`), holding its
+    name's lock (`lock_fd`, released once its files are removed) until it stops."""
 
     def __init__(self, loaded: LoadedRank, descriptor: DaemonDescriptor, run_dir: Path,
-                 scrub_interval_s: float = 0.0) -> None:
+                 scrub_interval_s: float = 0.0, *, host: VersionHost | None = None,
+                 lock_fd: int | None = None) -> None:
         self.loaded = loaded
+        self.host = host
+        self._lock_fd = lock_fd
         # The map reply's entries never change: built once, not per attach (one list per tensor).
         self._wire_entries = [e.to_wire() for e in loaded.entries]
         self.descriptor = descriptor
@@ -247,9 +257,28 @@ class DaemonServer:
         with self.shared.lock:
             leases = len(self.shared.leases)
             self.shared.state = "stopped"
-        log.info("Stopping with %d lease(s) held.", leases)
+        log.info("Stopping %s with %d lease(s) held.", self.descriptor.name, leases)
         append_event(self.run_dir, ev.Stop(daemon=self.descriptor.name, key_id=self.descriptor.key_id, leases=leases))
-        self.loaded.arena.close()
+        self._retire(leases)
+
+    def _retire(self, leases: int) -> None:
+        """The arena to the host's pool (or closed), then the name's lock: only now is this version gone."""
+        if self.host is not None:
+            self.host.retire(self, leases)
+        else:
+            self.loaded.arena.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def discard(self) -> None:
+        """A version that never served (its socket or descriptor could not be published): undo what was."""
+        if self._listener is not None:
+            self._listener.close()
+        with self._publishing:
+            self._unpublished = True
+            remove_daemon_files(self.run_dir, self.descriptor.name)
+        self._retire(0)
 
     # -- one client ----------------------------------------------------------------------------------
 
@@ -532,6 +561,14 @@ class DaemonServer:
 
     def _handle_stats(self, client: _Client, request: Stats) -> Reply:
         return self.stats(), ()
+
+    def _handle_build_next(self, client: _Client, request: BuildNext) -> Reply:
+        if self.host is None:
+            return BuiltNext(elsewhere="this daemon hosts no other version"), ()
+        try:
+            return self.host.build(self, Path(request.delta)), ()
+        except WcacheError as exc:
+            return ErrorReply(str(exc)), ()
 
     def _handle_shutdown(self, client: _Client, request: Shutdown) -> Reply:
         with self.shared.lock:

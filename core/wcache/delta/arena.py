@@ -115,7 +115,7 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
         by_name = {e.name: e for e in manifest}
         delta = read_delta(delta_path, by_name)
         delta.check_parent(parent.key.checkpoint, f"daemon {parent.name}")
-        claimed = next_key(parent.key, delta.checkpoint)
+        claimed = next_key(parent.key, delta.claimed)
         plan, entries, total = parent_layout(parent, manifest)
         if on_key is not None:
             try:
@@ -151,6 +151,21 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
         raise
     finally:
         connection.close()  # the lease on the parent ends here, built or not
+
+
+def copy_with_changes(plan: ProcessingPlan, delta: Delta, manifest: dict[str, TensorDigest], arena: CpuArena,
+                      entries: tuple[ArenaEntry, ...], parent_fd: int) -> tuple[dict[str, str], dict[str, str]]:
+    """Stream the parent arena open on `parent_fd` (closed here) into `arena` with `delta`'s changes, where every
+    output holding a changed tensor is its bytes unchanged (`wcache.delta.hosted_build.not_in_place` says so):
+    (every output's processed digest, each changed checkpoint tensor's digest)."""
+    build = _Build(plan, delta, manifest, arena, entries, parent_fd, [], Path())
+    try:
+        build.stream()
+        if build.computed:
+            raise ValueError(f"output {build.computed[0]!r} is computed; it cannot be streamed")
+        return dict(build.processed), {name: build.new_digest(name) for name in delta.changes}
+    finally:
+        build.close()
 
 
 def parent_layout(parent: DaemonDescriptor, manifest: tuple[TensorDigest, ...]
@@ -208,9 +223,9 @@ def _check_root(delta: Delta, parent: DaemonDescriptor, manifest: tuple[TensorDi
     new_manifest = tuple(msgspec.structs.replace(e, digest=digests[e.name]) if e.name in digests else e
                          for e in manifest)
     root = merkle_root(new_manifest)
-    if root != delta.checkpoint:
+    if root != delta.claimed:
         raise DeltaError(f"applying {delta.path} to daemon {parent.name} gives checkpoint {root[:12]}, not the "
-                         f"{delta.checkpoint[:12]} the delta names; the delta is damaged.")
+                         f"{delta.claimed[:12]} the delta names; the delta is damaged.")
     return new_manifest
 
 

@@ -4,7 +4,9 @@ A delta names its parent, so it is only ever applied to the checkpoint it was ma
 
 - `__metadata__` holds `format` = "wcache.delta/1", `parent` = the parent's checkpoint digest (the `checkpoint`
   field of its key: the Merkle root over every tensor's bytes) and `checkpoint` = the digest of the checkpoint
-  the delta makes, which every application checks its result against.
+  the delta makes, which every application checks its result against. Only a delta `publish` hands the daemon
+  that builds it in its own process leaves `checkpoint` out: that daemon names the result from the bytes it
+  built (every reader of a delta file from a user requires it).
 - For each changed tensor (its Hugging Face checkpoint name N), either
   `N:indices` (int64, 1-D: flat element indices into N, sorted, unique, each in [0, numel)) and `N:values`
   (1-D, N's own dtype, one new value per index), or `N:tensor` (N's dtype and shape: a whole replacement).
@@ -109,7 +111,14 @@ class DeltaDigests:
 
     path: Path
     parent: str
-    checkpoint: str
+    checkpoint: str | None  # None only where the reader allowed an unnamed result (`read_delta(named=False)`)
+
+    @property
+    def claimed(self) -> str:
+        """The checkpoint digest the delta names (a reader that allowed none has no claim to check)."""
+        if self.checkpoint is None:
+            raise DeltaError(f"{self.path} names no checkpoint digest for what it makes.")
+        return self.checkpoint
 
     def check_parent(self, parent_checkpoint: str, what: str) -> None:
         """DeltaError unless this delta was made from the checkpoint whose digest is `parent_checkpoint`."""
@@ -139,26 +148,30 @@ def _open(path: Path) -> OpenShard:
         raise DeltaError(f"the delta {str(exc)[0].lower()}{str(exc)[1:]}") from None
 
 
-def _digests(path: Path, meta: Mapping[str, str]) -> DeltaDigests:
+def _digests(path: Path, meta: Mapping[str, str], named: bool = True) -> DeltaDigests:
     if meta.get("format") != FORMAT:
         raise _fail(path, f"its metadata names format {meta.get('format')!r}, not {FORMAT!r}")
     for field in ("parent", "checkpoint"):
+        if field == "checkpoint" and not named and field not in meta:
+            continue
         if not _DIGEST.fullmatch(meta.get(field, "")):
             raise _fail(path, f"its metadata has no {field} checkpoint digest (64 hex digits)")
-    return DeltaDigests(path, meta["parent"], meta["checkpoint"])
+    return DeltaDigests(path, meta["parent"], meta.get("checkpoint"))
 
 
 def read_digests(path: Path) -> DeltaDigests:
-    """The digests a delta names (its header only: for refusing the wrong parent before any work)."""
+    """The digests a delta names (its header only: for refusing the wrong parent before any work); both are
+    required."""
     with _open(path) as shard:
         return _digests(path, shard.header.metadata)
 
 
-def read_delta(path: Path, parent: Mapping[str, TensorDigest]) -> Delta:
-    """Read every entry of the delta at `path`, checked against the parent's manifest (name → entry)."""
+def read_delta(path: Path, parent: Mapping[str, TensorDigest], *, named: bool = True) -> Delta:
+    """Read every entry of the delta at `path`, checked against the parent's manifest (name → entry). `named`
+    False lets the delta leave out the checkpoint it makes (`Delta.checkpoint` is then None)."""
     with _open(path) as shard:
         header = shard.header
-        digests = _digests(path, header.metadata)
+        digests = _digests(path, header.metadata, named)
         parts: dict[str, dict[str, TensorInfo]] = {}
         for info in header.tensors:
             tensor, _, part = info.name.rpartition(":")
@@ -220,8 +233,9 @@ def _change(shard: OpenShard, path: Path, name: str, found: dict[str, TensorInfo
     return Change(name, target.dtype, tuple(target.shape), _read(shard, value_info), indices)
 
 
-def write_delta(path: Path, parent: str, checkpoint: str, changes: Iterator[Change]) -> int:
-    """Write a delta file (through a temporary name, so a reader never sees half of one); its size in bytes."""
+def write_delta(path: Path, parent: str, checkpoint: str | None, changes: Iterator[Change]) -> int:
+    """Write a delta file (through a temporary name, so a reader never sees half of one); its size in bytes.
+    `checkpoint` None leaves the result unnamed, for a daemon that names it from what it builds."""
     entries: list[Entry] = []
     for change in changes:
         if change.indices is None:
@@ -232,7 +246,8 @@ def write_delta(path: Path, parent: str, checkpoint: str, changes: Iterator[Chan
             entries.append(Entry(entry_name(change.name, VALUES), change.dtype, count, change.values))
     partial = path.with_name(f".{path.name}.partial")
     try:
-        write_safetensors(partial, entries, {"format": FORMAT, "parent": parent, "checkpoint": checkpoint})
+        named = {} if checkpoint is None else {"checkpoint": checkpoint}
+        write_safetensors(partial, entries, {"format": FORMAT, "parent": parent, **named})
         partial.replace(path)
     except OSError as exc:
         partial.unlink(missing_ok=True)

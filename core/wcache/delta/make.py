@@ -124,10 +124,10 @@ def apply_to_disk(old: Path, delta_path: Path, out: Path, store: DigestStore | N
             finally:
                 os.close(fd)
         result = compute_key(out if old.is_dir() else out / old.name, store=store)
-        if result.key.checkpoint != delta.checkpoint:
+        if result.key.checkpoint != delta.claimed:
             raise DeltaError(
                 f"applying {delta_path} to {old} gives checkpoint {result.key.checkpoint[:12]}, not the "
-                f"{delta.checkpoint[:12]} the delta names; the delta is damaged."
+                f"{delta.claimed[:12]} the delta names; the delta is damaged."
             )
         return result
     except BaseException:

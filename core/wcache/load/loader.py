@@ -197,6 +197,7 @@ class LoadedRank:
 def load_rank(
     path: Path, spec: PlanSpec, device: str, store: DigestStore | None, progress: HashProgress | None = None,
     on_key: Callable[[KeyFile], None] | None = None, file_sha256: bool = True, sha256_after_ready: bool = False,
+    reusable_arena: bool = False,
 ) -> LoadedRank:
     """Read and hash the checkpoint in one pass that also fills a fresh arena on `device` with the plan's outputs.
 
@@ -209,6 +210,7 @@ def load_rank(
     as they say, the file's bytes are the ones the SHA-256 was taken of: the pass does not stream it again. On a
     cold pass with `sha256_after_ready`, the key file's SHA-256s are None and the result's `sha256_after`
     computes them once the caller has published the rank (it owns the shards' descriptors until then).
+    `reusable_arena` seals the arena so this process may write it again once retired (a version pool's).
     """
     began = time.perf_counter()
     layout = locate(path)
@@ -252,7 +254,7 @@ def load_rank(
                 store_root_if_trusted(store, state, records, key_file.key.checkpoint)
             plant_fault(arena, entries, spec.tp_rank)
             if isinstance(arena, CpuArena):
-                arena.seal()
+                arena.seal(reusable=reusable_arena)
         except BaseException:
             arena.close()
             raise

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
     from wcache.ipc.wire.messages import WireEntry
 
+# Linux 5.1's F_SEAL_FUTURE_WRITE, which Python's fcntl module does not name.
+F_SEAL_FUTURE_WRITE = 0x0010
+# Linux 5.14's madvise(MADV_POPULATE_WRITE): page tables of a whole shared map filled in one call.
+MADV_POPULATE_WRITE = 23
 # 256 bytes covers every SIMD width and CUDA's allocation granularity for vectorised loads.
 ALIGNMENT = 256
 
@@ -99,6 +103,7 @@ class CpuArena:
         self.total_bytes = total_bytes
         directory = arena_dir()
         self.sealable = directory is None
+        self.reusable = False  # sealed with the future-write seal: rewritable through this process's map only
         if directory is None:
             self.fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         else:
@@ -128,6 +133,9 @@ class CpuArena:
         """
         live = self._live_map()  # a closed arena refuses writes as it refuses every other use
         view = data.cast("B")
+        if self.reusable:  # future-write sealed: only this process's own map writes it
+            live[offset : offset + len(view)] = view
+            return
         done = 0
         while done < len(view):
             try:
@@ -156,10 +164,19 @@ class CpuArena:
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             return view_tensors(live, entries)
 
-    def seal(self) -> None:
+    def seal(self, *, reusable: bool = False) -> None:
         """Once filled: no process can write the shared bytes again (write(), a writable shared map, an
         mprotect of a read-only one, or the memfd reopened through /proc all fail). Engines' copy-on-write
-        maps still work. Every view of the writable map must be gone first."""
+        maps still work. Every view of the writable map must be gone first.
+
+        `reusable` (a daemon with a version pool): the future-write seal instead, which refuses all of the above
+        to every process but leaves the daemon's own writable map working, so once no engine holds the arena
+        the daemon can rewrite it as a later version (`rewrite`) without a fresh arena's page allocation."""
+        if reusable and self.sealable:
+            self._live_map()
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+            self.reusable = True
+            return
         # F_SEAL_WRITE is refused while any writable shared map exists, our own included.
         self._live_map().close()
         self._map = None
@@ -175,6 +192,21 @@ class CpuArena:
         """A new descriptor to hand an engine: of the sealed memfd, or read-only of an unsealed arena file."""
         self._live_map()
         return os.dup(self.fd) if self.sealable else read_only_descriptor(self.fd)
+
+    def rewrite(self) -> None:
+        """Make a reusable arena's every page present in this process's writable map at once (what a rewrite
+        writes sparsely would otherwise fault in a page at a time, microseconds each on a VM)."""
+        live = self._live_map()
+        if not self.reusable:
+            raise ValueError("only an arena sealed reusable can be written again")
+        with contextlib.suppress(OSError, AttributeError):  # an older kernel faults the pages in as written
+            live.madvise(MADV_POPULATE_WRITE)
+
+    def writable(self) -> mmap.mmap:
+        """The daemon's writable map of a reusable arena (its only writer: every other process is sealed out)."""
+        if not self.reusable:
+            raise ValueError("only an arena sealed reusable can be written again")
+        return self._live_map()
 
     def _live_map(self) -> mmap.mmap:
         if self._map is None:

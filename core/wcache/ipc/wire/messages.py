@@ -184,6 +184,19 @@ class ShutdownReply(Message, frozen=True, tag="shutdown"):
     leases: int
 
 
+class BuiltNext(Message, frozen=True, tag="built_next"):
+    """A version built in the daemon's own process (`name`, serving `key_id`), or, with `elsewhere`, why it must
+    be built by a process of its own (nothing was read)."""
+
+    name: str | None = None
+    key_id: str | None = None
+    checkpoint: str | None = None  # the new key's checkpoint digest (its other fields are the parent's)
+    already_served: bool = False
+    elsewhere: str | None = None
+    bytes_written: int = 0  # into the new arena: the changed elements' when an ancestor was brought forward
+    forwarded: bool = False  # a pooled arena holding an ancestor was brought forward (else the parent was copied)
+
+
 class CorruptNotice(Message, frozen=True, tag="corrupt"):
     """The one frame a daemon sends unasked, on a zero-copy lease: its background re-check found `tensor` changed
     in memory (`reason` says where). An engine reads it as it reads a reply (`read_reply`)."""
@@ -266,10 +279,19 @@ class Shutdown(Request[ShutdownReply], frozen=True, tag="shutdown"):
     force: bool = False
 
 
-REQUEST_TYPES: tuple[type[Request[Any]], ...] = (Hello, Manifest, MapRequest, Release, CheckArena, Stats, Shutdown)
+class BuildNext(Request[BuiltNext], frozen=True, tag="build_next"):
+    """Build the next version from this daemon's arena and the delta file at `delta` (a path the daemon reads),
+    and serve it from this daemon's process (`wcache.daemon.version_host`)."""
+
+    REPLY: ClassVar[type[Message]] = BuiltNext
+    delta: str
+
+
+REQUEST_TYPES: tuple[type[Request[Any]], ...] = (Hello, Manifest, MapRequest, Release, CheckArena, Stats, Shutdown,
+                                                 BuildNext)
 REPLY_TYPES: tuple[type[Message], ...] = (
     ErrorReply, HelloReply, ManifestReply, MapReply, ReleaseReply, ArenaReport, StatsReply, ShutdownReply,
-    CorruptNotice)
+    CorruptNotice, BuiltNext)
 for _kind in (*REQUEST_TYPES, *REPLY_TYPES):
     _kind.TYPE = cast(str, _kind.__struct_config__.tag)
 REQUESTS: dict[str, type[Request[Any]]] = {cls.TYPE: cls for cls in REQUEST_TYPES}
@@ -278,10 +300,10 @@ REPLIES: dict[str, type[Message]] = {cls.TYPE: cls for cls in REPLY_TYPES}
 # One decoder per direction, built once: a frame is decoded in one pass into the message its tag names.
 _ENCODER = msgspec.msgpack.Encoder()
 _REQUEST_DECODER: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(
-    Hello | Manifest | MapRequest | Release | CheckArena | Stats | Shutdown)
+    Hello | Manifest | MapRequest | Release | CheckArena | Stats | Shutdown | BuildNext)
 _REPLY_DECODER: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(
     ErrorReply | HelloReply | ManifestReply | MapReply | ReleaseReply | ArenaReport | StatsReply | ShutdownReply
-    | CorruptNotice)
+    | CorruptNotice | BuiltNext)
 
 
 class RefusedError(Exception):

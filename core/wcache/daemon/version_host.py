@@ -1,0 +1,262 @@
+"""Several versions in one daemon process: the next version built where its parent is served, and a pool of
+retired arenas to build it in.
+
+A daemon process serves the version it loaded, and every version built from one it serves (`BuildNext`, what
+`wcache.daemon.publish` sends): each has its own name, socket, lock and descriptor, and stops on its own
+(`wcache stop NAME` retires that version only); the process exits once it serves none. SIGTERM stops them all.
+
+A retired version whose arena no engine holds goes to the pool when the daemon has a budget for one
+(`--version-pool`): arenas are then sealed reusable (the future-write seal: no process but this one can ever
+write them, and this one only through the map it already has), and the next build takes one instead of a fresh
+arena's pages. The host remembers what each version it built changed, so a pooled arena that holds an ancestor
+of the parent is brought forward by those elements alone (`wcache.delta.hosted_build`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from wcache.checkpoint.provenance import Verdict
+from wcache.delta.format import Delta, DeltaError, read_delta
+from wcache.delta.hosted_build import HostedBuild, StepChanges, build_hosted, not_in_place
+from wcache.ipc.arenas.daemon_side import CpuArena
+from wcache.ipc.run_dir.directory import (
+    DaemonDescriptor,
+    DaemonExistsError,
+    daemon_name,
+    hold_daemon_lock,
+    process_created,
+    socket_path,
+    write_descriptor,
+)
+from wcache.ipc.wire.messages import BuiltNext
+from wcache.load.loader import LoadedRank
+from wcache.monitor import event_types as ev
+from wcache.monitor.events import append_event
+
+if TYPE_CHECKING:
+    from wcache.daemon.server import DaemonServer
+
+log = logging.getLogger("wcache.daemon")
+
+# Steps remembered for bringing a pooled arena forward; an ancestor further back is copied whole instead.
+_STEPS_KEPT = 8
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlace:
+    """Where this process's versions serve: the same for every version it hosts."""
+
+    run_dir: Path
+    device: str
+    tp_size: int
+    tp_rank: int
+    health_url: str | None
+    supervisor_pid: int | None
+    scrub_interval: float
+
+
+def describe(place: RankPlace, loaded: LoadedRank, parent: DaemonDescriptor | None,
+             provenance: Verdict | None = None) -> DaemonDescriptor:
+    """The descriptor of a version this process serves (`parent`: the version it was built from)."""
+    key_file = loaded.key_file
+    name = daemon_name(place.device, key_file.key.short_id)
+    return DaemonDescriptor(
+        name=name, pid=os.getpid(), pid_created=process_created(os.getpid()) or 0.0, device=place.device,
+        tp_size=place.tp_size, tp_rank=place.tp_rank, key_id=key_file.key.short_id,
+        key=key_file.key, plan=key_file.plan, config=key_file.config, source=key_file.source,
+        socket=str(socket_path(place.run_dir, name)), health_url=place.health_url,
+        supervisor_pid=place.supervisor_pid, started=datetime.now(UTC).isoformat(timespec="seconds"),
+        weights_bytes=loaded.arena.total_bytes, files=key_file.files, provenance=provenance,
+        parent_key_id=parent.key_id if parent is not None else None,
+        parent=parent.name if parent is not None else None,
+        origin=parent.model_source if parent is not None else None,
+    )
+
+
+@dataclass
+class _Pooled:
+    arena: CpuArena
+    checkpoint: str | None  # what it holds; None once a failed build left it half written
+
+
+class ArenaPool:
+    """Retired arenas kept for the next build, within `budget` bytes; the oldest goes first."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._held: list[_Pooled] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    def offer(self, arena: CpuArena, checkpoint: str | None) -> bool:
+        """Keep `arena` (holding `checkpoint`) if it is reusable and fits the budget; False: the caller closes it."""
+        if not (arena.reusable and arena.total_bytes <= self.budget):
+            return False
+        self._held.append(_Pooled(arena, checkpoint))
+        while sum(p.arena.total_bytes for p in self._held) > self.budget:
+            self._held.pop(0).arena.close()
+        return True
+
+    def take(self, total_bytes: int, wanted: set[str]) -> _Pooled | None:
+        """An arena of `total_bytes`, one holding a checkpoint in `wanted` first; None when none fits."""
+        fits = [p for p in self._held if p.arena.total_bytes == total_bytes]
+        if not fits:
+            return None
+        chosen = next((p for p in reversed(fits) if p.checkpoint in wanted), fits[-1])
+        self._held.remove(chosen)
+        return chosen
+
+    def close(self) -> None:
+        for pooled in self._held:
+            pooled.arena.close()
+        self._held = []
+
+
+class VersionHost:
+    """The versions this process serves, the pool, and what each built version changed."""
+
+    def __init__(self, place: RankPlace, pool_bytes: int) -> None:
+        self.place = place
+        self.pool = ArenaPool(pool_bytes)
+        self._servers: list[DaemonServer] = []
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()  # builds one at a time; a retirement waits for a build reading its arena
+        self._steps: OrderedDict[str, StepChanges] = OrderedDict()  # by the checkpoint each step made
+
+    def serve(self, first: DaemonServer) -> None:
+        """Serve `first` on this thread, then wait until every version built meanwhile has stopped too."""
+        with self._lock:
+            self._servers.append(first)
+        first.serve_forever()
+        while True:
+            with self._lock:
+                threads = [t for t in self._threads if t.is_alive()]
+            if not threads:
+                break
+            threads[0].join(0.5)
+        with self._lock:
+            self.pool.close()
+
+    def request_stop_all(self) -> None:
+        with self._lock:
+            servers = list(self._servers)
+        for server in servers:
+            server.request_stop()
+
+    def retire(self, server: DaemonServer, leases: int) -> None:
+        """A stopped version's arena: to the pool when no engine holds it, else closed (engines' maps stay)."""
+        with self._lock:
+            if server in self._servers:
+                self._servers.remove(server)
+            arena = server.loaded.arena
+            if not (isinstance(arena, CpuArena) and leases == 0
+                    and self.pool.offer(arena, server.loaded.key_file.key.checkpoint)):
+                arena.close()
+
+    def build(self, parent: DaemonServer, delta_path: Path) -> BuiltNext:
+        """The next version of `parent`'s with the delta at `delta_path`, served from this process; `elsewhere`
+        says why it must be built by a process of its own instead (nothing else was done)."""
+        began = time.perf_counter()
+        loaded = parent.loaded
+        manifest = {e.name: e for e in loaded.key_file.manifest}
+        delta = read_delta(delta_path, manifest, named=False)
+        delta.check_parent(loaded.key_file.key.checkpoint, f"daemon {parent.descriptor.name}")
+        reason = not_in_place(loaded, set(delta.changes))
+        if reason is not None:
+            return BuiltNext(elsewhere=f"daemon {parent.descriptor.name} cannot build it in place: {reason}")
+        with self._lock:
+            if parent not in self._servers:
+                raise DeltaError(f"daemon {parent.descriptor.name} stopped; nothing was built from it.")
+            built, lock_fd, existing = self._build_locked(parent, delta, str(delta_path))
+        if existing is not None:
+            return BuiltNext(name=existing.name, key_id=existing.key_id, checkpoint=existing.key.checkpoint,
+                             already_served=True)
+        assert lock_fd is not None
+        return self._start(parent, built, lock_fd, delta.file_bytes, time.perf_counter() - began)
+
+    def _build_locked(self, parent: DaemonServer, delta: Delta, label: str
+                      ) -> tuple[HostedBuild, int | None, DaemonDescriptor | None]:
+        loaded = parent.loaded
+        total = loaded.arena.total_bytes
+        pooled = self.pool.take(total, set(self._steps) | {loaded.key_file.key.checkpoint})
+        path = None if pooled is None else self._path(pooled.checkpoint, loaded.key_file.key.checkpoint)
+        arena = pooled.arena if pooled is not None else CpuArena(total, "wcache-arena-next")
+        try:
+            built = build_hosted(loaded, delta, arena, path, label, reusable=self.pool.enabled)
+        except BaseException:
+            if not (pooled is not None and self.pool.offer(arena, None)):
+                arena.close()
+            raise
+        self._remember(built.step)
+        name = daemon_name(self.place.device, built.loaded.key_file.key.short_id)
+        try:
+            lock_fd = hold_daemon_lock(self.place.run_dir, name, self.place.device)
+        except DaemonExistsError:
+            # The key is served already (here or by another process): this arena holds it too, for the pool.
+            if not self.pool.offer(arena, built.step.checkpoint):
+                arena.close()
+            existing = describe(self.place, built.loaded, None)
+            return built, None, existing
+        except BaseException:
+            arena.close()
+            raise
+        return built, lock_fd, None
+
+    def _start(self, parent: DaemonServer, built: HostedBuild, lock_fd: int, bytes_read: int,
+               seconds: float) -> BuiltNext:
+        from wcache.daemon.server import DaemonServer
+
+        descriptor = describe(self.place, built.loaded, parent.descriptor)
+        server = DaemonServer(built.loaded, descriptor, self.place.run_dir, self.place.scrub_interval, host=self,
+                              lock_fd=lock_fd)
+        try:
+            server.bind()
+            write_descriptor(self.place.run_dir, descriptor)
+        except BaseException:
+            server.discard()
+            raise
+        thread = threading.Thread(target=server.serve_forever, name=f"wcache-{descriptor.name}", daemon=True)
+        with self._lock:
+            self._servers.append(server)
+            self._threads.append(thread)
+        thread.start()
+        append_event(self.place.run_dir, ev.Ready(
+            daemon=descriptor.name, key_id=descriptor.key_id, rank=self.place.tp_rank, device=self.place.device,
+            source=descriptor.source, weights_bytes=descriptor.weights_bytes, load_s=round(seconds, 3),
+            bytes_read=bytes_read, parent_key_id=parent.descriptor.key_id, parent=parent.descriptor.name))
+        log.info("ready: daemon %s serves key %s, built from daemon %s in this process in %.3f s, %d bytes written "
+                 "(%s)", descriptor.name, descriptor.key_id, parent.descriptor.name, seconds, built.bytes_written,
+                 "an ancestor's arena brought forward" if built.forwarded else "the parent's arena copied")
+        return BuiltNext(name=descriptor.name, key_id=descriptor.key_id, checkpoint=descriptor.key.checkpoint,
+                         bytes_written=built.bytes_written, forwarded=built.forwarded)
+
+    def _remember(self, step: StepChanges) -> None:
+        self._steps[step.checkpoint] = step
+        self._steps.move_to_end(step.checkpoint)
+        while len(self._steps) > _STEPS_KEPT:
+            self._steps.popitem(last=False)
+
+    def _path(self, held: str | None, parent: str) -> list[StepChanges] | None:
+        """The steps from checkpoint `held` to `parent`, oldest first, as far as this host remembers them."""
+        if held is None:
+            return None
+        steps: list[StepChanges] = []
+        at = parent
+        while at != held:
+            step = self._steps.get(at)
+            if step is None or len(steps) >= _STEPS_KEPT:
+                return None
+            steps.append(step)
+            at = step.parent
+        return steps[::-1]

@@ -1,0 +1,215 @@
+"""The next version built in the process of the daemon that serves its parent (`wcache.daemon.version_host`).
+
+No process starts and nothing is mapped that is not mapped already: the parent's arena is this process's own.
+The new arena is a fresh one, or a retired one from the version pool (sealed reusable: only this process's map
+can write it). Where that retired arena holds an ancestor of the parent, and the host remembers what each step
+since changed, it is brought forward by copying only those elements from the parent's arena, then the delta's
+elements are written: a step writes O(delta) bytes, not the arena. Otherwise the parent's arena is streamed into
+it with the changes applied (`wcache.delta.arena.copy_with_changes`).
+
+Either way every checkpoint tensor written is hashed again, from the new arena, on every core, and the new key's
+checkpoint digest is the Merkle root of what was hashed: a delta that names a checkpoint is checked against it,
+one that names none (what `publish` sends) is named by it. Only plans whose changed tensors are held whole as
+checkpoint bytes build here (TP 1, no cast or quantization of them): `not_in_place` says why another does not.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import blake3
+import msgspec
+import numpy as np
+
+from wcache._version import __version__
+from wcache.checkpoint.dtypes import TORCH_ITEMSIZE
+from wcache.checkpoint.manifest import TensorDigest, merkle_root
+from wcache.delta.arena import copy_with_changes, next_key
+from wcache.delta.format import BITS, Delta, DeltaError
+from wcache.ipc.arenas.daemon_side import ArenaEntry, CpuArena
+from wcache.key.cache_key import KeyFile
+from wcache.load.byte_spans import Span, byte_spans
+from wcache.load.loader import LoadedRank, plant_fault
+from wcache.plan.processing import ProcessingPlan
+
+# A step's elements, by checkpoint tensor: sorted flat indices, or None for all of them.
+Elements = dict[str, np.ndarray | None]
+
+
+@dataclass(frozen=True, slots=True)
+class StepChanges:
+    """What one version changed from its parent (checkpoint digests `parent` → `checkpoint`)."""
+
+    parent: str
+    checkpoint: str
+    elements: Elements
+
+
+@dataclass(frozen=True, slots=True)
+class HostedBuild:
+    """A built rank, the step it made, the bytes written into its arena, and whether an ancestor was brought
+    forward (else the parent's arena was copied whole)."""
+
+    loaded: LoadedRank
+    step: StepChanges
+    bytes_written: int
+    forwarded: bool
+
+
+# Where a checkpoint tensor's bytes are, all of them: (output entry, span) for each output holding them.
+Holdings = dict[str, list[tuple[ArenaEntry, Span]]]
+
+
+def holdings(plan: ProcessingPlan, entries: tuple[ArenaEntry, ...],
+             manifest: dict[str, TensorDigest]) -> tuple[Holdings, set[str]]:
+    """The checkpoint tensors every output holding them holds whole as bytes, and those some output computes or
+    holds in part (a cast, a TP slice, a quantization): the latter cannot be changed in place."""
+    held: Holdings = {}
+    elsewhere: set[str] = set()
+    for entry, output in zip(entries, plan.outputs, strict=True):
+        spans = byte_spans(plan, output)
+        if spans is None:
+            elsewhere.update(p.source for p in plan.recipes[output.name].pieces)
+            continue
+        for source, span in spans:
+            if span.start == 0 and span.nbytes == manifest[source].nbytes:
+                held.setdefault(source, []).append((entry, span))
+            else:
+                elsewhere.add(source)
+    return held, elsewhere
+
+
+def not_in_place(loaded: LoadedRank, names: set[str]) -> str | None:
+    """Why tensors `names` cannot be changed in this process's arenas, or None when they can."""
+    if not isinstance(loaded.arena, CpuArena):
+        return "its arena is on a GPU"
+    if loaded.key_file.plan.tp_size != 1:
+        return "it is one rank of a tensor-parallel group"
+    manifest = {e.name: e for e in loaded.key_file.manifest}
+    held, elsewhere = holdings(loaded.plan, loaded.entries, manifest)
+    computed = sorted(n for n in names if n in elsewhere or n not in held)
+    if computed:
+        return f"its plan casts, slices or quantizes {computed[0]!r}"
+    return None
+
+
+def build_hosted(parent: LoadedRank, delta: Delta, arena: CpuArena, path: list[StepChanges] | None,
+                 label: str, reusable: bool) -> HostedBuild:
+    """Build the next version of `parent` with `delta` into `arena` (fresh, or retired: then `path` lists the
+    steps from the version it holds to the parent's, or is None when it holds no ancestor). `reusable` seals a
+    fresh arena for the version pool. Raises DeltaError when the result is not the checkpoint the delta names."""
+    began = time.perf_counter()
+    manifest = {e.name: e for e in parent.key_file.manifest}
+    held, _ = holdings(parent.plan, parent.entries, manifest)
+    assert isinstance(parent.arena, CpuArena)
+    if path is not None:
+        arena.rewrite()
+        written = _bring_forward(parent.arena, arena, held, path) + _apply(arena, held, delta)
+        touched = set(delta.changes).union(*(step.elements for step in path))
+        digests, processed = _hash(arena, parent, held, touched)
+    else:
+        processed, digests = copy_with_changes(parent.plan, delta, manifest, arena, parent.entries,
+                                               os.dup(parent.arena.fd))
+        written = arena.total_bytes
+    new_manifest = tuple(msgspec.structs.replace(e, digest=digests[e.name]) if e.name in digests else e
+                         for e in parent.key_file.manifest)
+    root = merkle_root(new_manifest)
+    if delta.checkpoint is not None and root != delta.checkpoint:
+        raise DeltaError(f"applying {delta.path} to its parent gives checkpoint {root[:12]}, not the "
+                         f"{delta.checkpoint[:12]} the delta names; the delta is damaged.")
+    plant_fault(arena, parent.entries)
+    if not arena.reusable:
+        arena.seal(reusable=reusable)
+    key_file = KeyFile(key=next_key(parent.key_file.key, root), plan=parent.key_file.plan,
+                       config=parent.key_file.config, manifest_source=new_manifest, source=label,
+                       created=datetime.now(UTC).isoformat(timespec="seconds"), wcache_version=__version__)
+    loaded = LoadedRank(key_file, parent.plan, parent.entries, arena, processed, time.perf_counter() - began)
+    step = StepChanges(parent.key_file.key.checkpoint, root,
+                       {name: change.indices for name, change in delta.changes.items()})
+    return HostedBuild(loaded, step, written, path is not None)
+
+
+@contextmanager
+def _elements(buffer: memoryview, entry: ArenaEntry, span: Span, itemsize: int) -> Iterator[np.ndarray]:
+    """A checkpoint tensor's elements in an arena, as bit patterns of `itemsize` bytes; the view must not outlive
+    the block (the arena's map cannot close while viewed)."""
+    view = np.frombuffer(buffer, dtype=BITS[itemsize], count=span.nbytes // itemsize, offset=entry.offset + span.at)
+    try:
+        yield view
+    finally:
+        del view
+
+
+def _bring_forward(parent: CpuArena, arena: CpuArena, held: Holdings, path: list[StepChanges]) -> int:
+    """Copy, from the parent's arena, each element a step of `path` changed; the bytes written."""
+    written = 0
+    target = memoryview(arena.writable())
+    try:
+        with parent.bytes_at(0, parent.total_bytes) as source:
+            for step in path:
+                for name, indices in step.elements.items():
+                    for entry, span in held[name]:
+                        itemsize = TORCH_ITEMSIZE[entry.dtype]  # the tensor's own: no cast is held whole
+                        with _elements(source, entry, span, itemsize) as old, \
+                                _elements(target, entry, span, itemsize) as new:
+                            if indices is None:
+                                new[:] = old
+                                written += span.nbytes
+                            else:
+                                new[indices] = old[indices]
+                                written += indices.size * old.itemsize
+    finally:
+        target.release()
+    return written
+
+
+def _apply(arena: CpuArena, held: Holdings, delta: Delta) -> int:
+    """Write the delta's elements where the plan holds them; the bytes written."""
+    written = 0
+    target = memoryview(arena.writable())
+    try:
+        for name, change in delta.changes.items():
+            for entry, span in held[name]:
+                with _elements(target, entry, span, change.itemsize) as new:
+                    if change.indices is None:
+                        new[:] = change.values
+                    else:
+                        new[change.indices] = change.values
+                    written += change.values.nbytes
+    finally:
+        target.release()
+    return written
+
+
+def _hash(arena: CpuArena, parent: LoadedRank, held: Holdings, touched: set[str]) -> tuple[dict[str, str],
+                                                                                           dict[str, str]]:
+    """BLAKE3 of each touched checkpoint tensor and of each output holding one, from `arena`, on every core:
+    (digests by tensor, every output's processed digest)."""
+    jobs: dict[str, tuple[int, int]] = {}  # what to hash → (offset, nbytes) in the arena
+    for name in touched:
+        entry, span = held[name][0]
+        jobs[name] = (entry.offset + span.at, span.nbytes)
+    outputs = {entry.name: entry for name in touched for entry, _ in held[name]}
+    for entry in outputs.values():
+        if not any(jobs.get(n) == (entry.offset, entry.nbytes) for n in touched):
+            jobs[f"\0{entry.name}"] = (entry.offset, entry.nbytes)  # an output of several tensors
+    with arena.bytes_at(0, arena.total_bytes) as whole:
+        def digest(job: tuple[int, int]) -> str:
+            offset, nbytes = job
+            return blake3.blake3(whole[offset : offset + nbytes]).hexdigest()
+
+        order = sorted(jobs, key=lambda k: -jobs[k][1])  # the largest first, so no core idles at the end
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="wcache-hash") as pool:
+            found = dict(zip(order, pool.map(digest, (jobs[k] for k in order)), strict=True))
+    digests = {name: found[name] for name in touched}
+    processed = dict(parent.processed_digests)
+    for entry in outputs.values():
+        same = next((n for n in touched if jobs[n] == (entry.offset, entry.nbytes)), None)
+        processed[entry.name] = found[same] if same is not None else found[f"\0{entry.name}"]
+    return digests, processed

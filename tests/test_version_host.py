@@ -1,0 +1,114 @@
+"""Versions built in their parent's daemon process, and the version pool (wcache.daemon.version_host).
+
+A real daemon preloaded with `--version-pool`, real `publish` calls from a training loop's process, real `wcache
+stop`: every version must carry the cold key of its checkpoint, be served by the parent's process, and, once the
+pool holds a retired ancestor, be written with only the elements the steps changed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives  # noqa: F401
+from helpers import wcache_process
+from wcache.ipc.wire.client import request_once
+from wcache.ipc.wire.messages import CheckArena
+from wcache_dev.synth import write_training_step
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory, tiny_template: Path) -> list[Path]:
+    """N, N+1 and N+2 (each 2% of every tensor's elements moved from the one before)."""
+    base = tmp_path_factory.mktemp("hosted")
+    child = write_training_step(tiny_template, base / "n1", 0.02)
+    return [tiny_template, child, write_training_step(child, base / "n2", 0.02, seed=2)]
+
+
+@pytest.fixture
+def rig() -> Iterator[DaemonRig]:
+    with daemon_rig() as made:
+        yield made
+
+
+def _key_id(path: Path) -> str:
+    result = wcache_process("key", str(path), "--json")
+    assert result.returncode == 0, result.stderr
+    return str(json.loads(result.stdout)["id"])
+
+
+# Publishes N+1, N+2, then N+1 again (N+2's changes undone), stopping each parent once its child serves: the
+# second and third builds find the retired grandparent's arena in the pool.
+_LOOP = """
+import json
+import subprocess
+import sys
+from pathlib import Path
+import torch
+from wcache.daemon.publish import publish
+from wcache_dev.synth import read_tensors
+n, n1, n2 = (read_tensors(Path(p)) for p in sys.argv[2:5])
+current, run_dir = sys.argv[5], Path(sys.argv[6])
+
+def sparse(before, after):
+    changes, changed = {}, 0
+    for name, new in after.items():
+        bits = {2: torch.int16, 4: torch.int32}[new.element_size()]
+        where = (new.reshape(-1).view(bits) != before[name].reshape(-1).view(bits)).nonzero().reshape(-1)
+        if where.numel():
+            changes[name] = (where, new.reshape(-1)[where].clone())
+            changed += where.numel() * new.element_size()
+    return changes, changed
+
+steps = []
+for before, after in ((n, n1), (n1, n2), (n2, n1)):
+    changes, changed = sparse(before, after)
+    published = publish(current, changes, run_dir=run_dir)
+    subprocess.run([sys.executable, "-m", "wcache_cli.main", "stop", current, "--run-dir", str(run_dir)], check=True,
+                   capture_output=True)
+    current = published.daemons[0]
+    steps.append({"key_id": published.key.short_id, "name": current, "written": published.bytes_written,
+                  "changed": changed})
+print(json.dumps(steps))
+"""
+
+
+def test_a_training_loop_builds_each_version_in_the_parents_process_writing_only_what_changed(
+        rig: DaemonRig, chain: list[Path]) -> None:
+    [parent] = rig.preload(chain[0], "--version-pool", "64MiB")
+    done = rig.python(_LOOP, *map(str, chain), parent.name, str(rig.run_dir))
+    assert done.returncode == 0, done.stderr
+    steps = json.loads(done.stdout)
+    assert [s["key_id"] for s in steps] == [_key_id(chain[1]), _key_id(chain[2]), _key_id(chain[1])]
+    total = parent.weights_bytes
+    assert steps[0]["written"] == total  # no arena retired yet: the parent's copied whole
+    for step in steps[1:]:
+        # The pool's arena held the grandparent: the step before is undone and this one written, nothing else.
+        assert step["written"] <= 3 * step["changed"], step
+        assert step["written"] < total / 10, step
+    [last] = rig.descriptors()
+    assert last.name == steps[-1]["name"]
+    assert last.pid == parent.pid  # every version was built and is served by the process that loaded N
+    assert last.parent is not None
+    assert request_once(last.socket, CheckArena()).changed == ()  # its bytes are what its digests say
+    assert {d["state"] for d in rig.status()["daemons"]} == {"ready"}
+    stopped = rig.cli("stop", last.name, "--run-dir", str(rig.run_dir))
+    assert stopped.returncode == 0, stopped.stderr
+    assert _gone(parent.pid), "the daemon process outlived the last version it served"
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
