@@ -127,14 +127,18 @@ def _arenas(pids: list[int]) -> int:
 
 
 def _memory(engine: psutil.Process, run_dir: Path) -> dict[str, int]:
-    daemons = [d.pid for d in census(run_dir, clean=False).live]
+    daemons = sorted({d.pid for d in census(run_dir, clean=False).live})  # versions hosted by one process count once
     info = engine.memory_full_info()
-    daemon_rss = 0
+    daemon_rss = daemon_anon = 0
     for pid in daemons:
         with contextlib.suppress(psutil.Error):
             daemon_rss += psutil.Process(pid).memory_info().rss
-    return {"engine_rss": info.rss, "engine_uss": info.uss, "daemon_rss": daemon_rss, "daemons": len(daemons),
-            "arenas": _arenas([engine.pid, *daemons])}
+        with contextlib.suppress(OSError):
+            # The process's own memory, apart from the arenas' shared pages its maps have touched (RSS has both).
+            status = Path(f"/proc/{pid}/status").read_text()
+            daemon_anon += int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1)) * 1024  # type: ignore[union-attr]
+    return {"engine_rss": info.rss, "engine_uss": info.uss, "daemon_rss": daemon_rss, "daemon_anon": daemon_anon,
+            "daemons": len(daemons), "arenas": _arenas([engine.pid, *daemons])}
 
 
 def _stop(cli: list[str], name: str, env: dict[str, str]) -> None:
@@ -150,6 +154,7 @@ def step_options(description: str, steps: int, steps_help: str) -> argparse.Argu
     parser.add_argument("--fraction", type=float, default=0.015, help="share of every tensor's elements changed")
     parser.add_argument("--steps", type=int, default=steps, help=steps_help)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--version-pool", default="0", help="preload N with this --version-pool (e.g. 2GiB)")
     return parser
 
 
@@ -159,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     with workspace(args.workdir) as work:
         run_dir, store = work / "run", work / "store"
-        for owned in (run_dir, store, work / "n1"):
+        for owned in (run_dir, store, work / "n1", work / "run-full", work / "store-full"):
             shutil.rmtree(owned, ignore_errors=True)
         env = {**os.environ, "WCACHE_RUN_DIR": str(run_dir), "WCACHE_CACHE_DIR": str(store)}
         os.environ.update(env)  # publish, in this process, reads the same store
@@ -172,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         spawned: list[psutil.Process] = []
         engine_process: subprocess.Popen[str] | None = None
         try:
-            _, ready = timed_preload([*cli, "preload", str(parent), "--detach", "--json"], env, run_dir, spawned)
+            _, ready = timed_preload([*cli, "preload", str(parent), "--detach", "--json", "--version-pool",
+                                      args.version_pool], env, run_dir, spawned)
             current = ready["ranks"][0]["name"]
             arena_bytes = int(ready["ranks"][0]["weights_bytes"])
             engine_process, url = _serve(cli, parent, run_dir, env, work / "engine.err")
@@ -189,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
             current = published.daemons[0]
             write_tensors(stepped, config, work / "n1", 1)
             del tensors
+            # What a publish is weighed against: a full preload of N+1 in this run (cold: its files are new), in
+            # a run dir of its own, as N+1's key is served here already.
+            apart = {**env, "WCACHE_RUN_DIR": str(work / "run-full"), "WCACHE_CACHE_DIR": str(work / "store-full")}
+            full_preload_s, full = timed_preload([*cli, "preload", str(work / "n1"), "--detach", "--json"], apart,
+                                                 work / "run-full", spawned)
+            _stop(cli, full["ranks"][0]["name"], apart)
             from wcache.engine.engine import Engine
 
             disk = Engine.from_disk(work / "n1")
@@ -215,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 _stop(cli, current, env)
                 current = made.daemons[0]
                 steps.append({"publish_s": step_publish_s, "switch_s": step_switch_s, "answer_s": step_answer_s,
-                              **_memory(engine, run_dir)})
+                              "written": made.bytes_written, **_memory(engine, run_dir)})
         finally:
             if engine_process is not None:
                 engine_process.terminate()
@@ -243,16 +255,28 @@ def main(argv: list[str] | None = None) -> int:
               f"without --force): median publish {median('publish_s')}, switch seen {median('switch_s')}, "
               f"answered {median('answer_s')} after publish returned (max "
               f"{fmt_seconds(max(s['answer_s'] for s in steps))})")
+        warm = steps[1:] or steps  # the first step's pool holds no ancestor yet
+        publish_median = statistics.median(s["publish_s"] for s in warm)
+        print(f"  publish with the version pool ({args.version_pool}) warm: median {fmt_seconds(publish_median)} "
+              f"(target ≤ 0.6 s: {'met' if publish_median <= 0.6 else 'NOT met'}); a full preload of N+1 in this "
+              f"run {fmt_seconds(full_preload_s)}: {full_preload_s / publish_median:.1f}× (target ≥ 4×)")
+        written = [s["written"] for s in warm if s["written"] is not None]
+        if written:
+            print(f"  bytes written per step: median {statistics.median(written) / changed:.2f}× the changed bytes, "
+                  f"max {max(written) / changed:.2f}× (target ≤ 3× once the pool is warm)")
         for label, s in (("first step", first), ("last step", last)):
             print(f"  {label}: engine RSS {s['engine_rss'] / 1e6:,.0f} MB (USS {s['engine_uss'] / 1e6:,.0f} MB), "
-                  f"{s['daemons']} daemon(s) RSS {s['daemon_rss'] / 1e6:,.0f} MB, {s['arenas']} arena(s)")
+                  f"{s['daemons']} daemon process(es) RSS {s['daemon_rss'] / 1e6:,.0f} MB (anonymous "
+                  f"{s['daemon_anon'] / 1e6:,.0f} MB), {s['arenas']} arena(s)")
         marks = sorted({0, len(steps) // 4, len(steps) // 2, 3 * len(steps) // 4, len(steps) - 1})
         print("  engine USS by step: " + ", ".join(f"{i + 1}: {steps[i]['engine_uss'] / 1e6:,.0f} MB" for i in marks))
         growth = last["engine_uss"] - first["engine_uss"]
         print(f"  engine USS growth first → last: {growth / 1e6:+,.1f} MB; daemons' RSS "
-              f"{(last['daemon_rss'] - first['daemon_rss']) / 1e6:+,.1f} MB; arenas at the end: {last['arenas']}")
+              f"{(last['daemon_rss'] - first['daemon_rss']) / 1e6:+,.1f} MB, anonymous "
+              f"{(last['daemon_anon'] - first['daemon_anon']) / 1e6:+,.1f} MB; arenas at the end: {last['arenas']}")
     print(f"{os.cpu_count()} CPUs, torch {torch.__version__}, whole run {elapsed:.0f} s.")
-    leaked = bool(steps) and steps[-1]["arenas"] != 1
+    # The served version's arena, and a retired one the pool keeps when it has a budget.
+    leaked = bool(steps) and steps[-1]["arenas"] != (1 if args.version_pool in ("0", "") else 2)
     return 0 if equal and not leaked else 1
 
 

@@ -110,7 +110,7 @@ def build_hosted(parent: LoadedRank, delta: Delta, arena: CpuArena, path: list[S
     assert isinstance(parent.arena, CpuArena)
     if path is not None:
         arena.rewrite()
-        written = _bring_forward(parent.arena, arena, held, path) + _apply(arena, held, delta)
+        written = _write(parent.arena, arena, held, path, delta)
         touched = set(delta.changes).union(*(step.elements for step in path))
         digests, processed = _hash(arena, parent, held, touched)
     else:
@@ -146,45 +146,42 @@ def _elements(buffer: memoryview, entry: ArenaEntry, span: Span, itemsize: int) 
         del view
 
 
-def _bring_forward(parent: CpuArena, arena: CpuArena, held: Holdings, path: list[StepChanges]) -> int:
-    """Copy, from the parent's arena, each element a step of `path` changed; the bytes written."""
-    written = 0
+def _write(parent: CpuArena, arena: CpuArena, held: Holdings, path: list[StepChanges], delta: Delta) -> int:
+    """Each tensor a step of `path` changed, copied at those elements from the parent's arena, then the delta's
+    elements written: tensor by tensor on every core (numpy's indexing leaves the GIL). The bytes written."""
+    names = sorted(set(delta.changes).union(*(step.elements for step in path)))
     target = memoryview(arena.writable())
     try:
         with parent.bytes_at(0, parent.total_bytes) as source:
-            for step in path:
-                for name, indices in step.elements.items():
-                    for entry, span in held[name]:
-                        itemsize = TORCH_ITEMSIZE[entry.dtype]  # the tensor's own: no cast is held whole
-                        with _elements(source, entry, span, itemsize) as old, \
-                                _elements(target, entry, span, itemsize) as new:
+            def one(name: str) -> int:
+                written = 0
+                for entry, span in held[name]:
+                    itemsize = TORCH_ITEMSIZE[entry.dtype]  # the tensor's own: no cast is held whole
+                    with _elements(source, entry, span, itemsize) as old, \
+                            _elements(target, entry, span, itemsize) as new:
+                        for step in path:  # oldest first; the delta's own elements last, over them
+                            if name not in step.elements:
+                                continue
+                            indices = step.elements[name]
                             if indices is None:
                                 new[:] = old
                                 written += span.nbytes
                             else:
                                 new[indices] = old[indices]
-                                written += indices.size * old.itemsize
+                                written += indices.size * itemsize
+                        change = delta.changes.get(name)
+                        if change is not None:
+                            if change.indices is None:
+                                new[:] = change.values
+                            else:
+                                new[change.indices] = change.values
+                            written += change.values.nbytes
+                return written
+
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="wcache-write") as pool:
+                return sum(pool.map(one, names))
     finally:
         target.release()
-    return written
-
-
-def _apply(arena: CpuArena, held: Holdings, delta: Delta) -> int:
-    """Write the delta's elements where the plan holds them; the bytes written."""
-    written = 0
-    target = memoryview(arena.writable())
-    try:
-        for name, change in delta.changes.items():
-            for entry, span in held[name]:
-                with _elements(target, entry, span, change.itemsize) as new:
-                    if change.indices is None:
-                        new[:] = change.values
-                    else:
-                        new[change.indices] = change.values
-                    written += change.values.nbytes
-    finally:
-        target.release()
-    return written
 
 
 def _hash(arena: CpuArena, parent: LoadedRank, held: Holdings, touched: set[str]) -> tuple[dict[str, str],

@@ -104,6 +104,7 @@ class CpuArena:
         directory = arena_dir()
         self.sealable = directory is None
         self.reusable = False  # sealed with the future-write seal: rewritable through this process's map only
+        self._populated = False  # every page of the writable map present (`rewrite`): the map keeps them
         if directory is None:
             self.fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         else:
@@ -199,8 +200,11 @@ class CpuArena:
         live = self._live_map()
         if not self.reusable:
             raise ValueError("only an arena sealed reusable can be written again")
+        if self._populated:
+            return
         with contextlib.suppress(OSError, AttributeError):  # an older kernel faults the pages in as written
             live.madvise(MADV_POPULATE_WRITE)
+        self._populated = True
 
     def writable(self) -> mmap.mmap:
         """The daemon's writable map of a reusable arena (its only writer: every other process is sealed out)."""
