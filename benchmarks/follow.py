@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['daemon_anon'] / 1e6:,.0f} MB), {s['arenas']} arena(s)")
         marks = sorted({0, len(steps) // 4, len(steps) // 2, 3 * len(steps) // 4, len(steps) - 1})
         print("  engine USS by step: " + ", ".join(f"{i + 1}: {steps[i]['engine_uss'] / 1e6:,.0f} MB" for i in marks))
+        print("  daemons' anonymous memory by step: " + ", ".join(
+            f"{i + 1}: {steps[i]['daemon_anon'] / 1e6:,.0f} MB" for i in marks))
         growth = last["engine_uss"] - first["engine_uss"]
         print(f"  engine USS growth first → last: {growth / 1e6:+,.1f} MB; daemons' RSS "
               f"{(last['daemon_rss'] - first['daemon_rss']) / 1e6:+,.1f} MB, anonymous "

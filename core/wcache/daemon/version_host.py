@@ -18,7 +18,6 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("wcache.daemon")
 
-# Steps remembered for bringing a pooled arena forward; an ancestor further back is copied whole instead.
+# The longest path of steps a pooled arena is brought forward along; an ancestor further back is copied whole.
 _STEPS_KEPT = 8
 
 
@@ -108,6 +107,10 @@ class ArenaPool:
             self._held.pop(0).arena.close()
         return True
 
+    def checkpoints(self) -> list[str]:
+        """What the pooled arenas hold (those a failed build left half written hold nothing)."""
+        return [p.checkpoint for p in self._held if p.checkpoint is not None]
+
     def take(self, total_bytes: int, wanted: set[str]) -> _Pooled | None:
         """An arena of `total_bytes`, one holding a checkpoint in `wanted` first; None when none fits."""
         fits = [p for p in self._held if p.arena.total_bytes == total_bytes]
@@ -132,7 +135,7 @@ class VersionHost:
         self._servers: list[DaemonServer] = []
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()  # builds one at a time; a retirement waits for a build reading its arena
-        self._steps: OrderedDict[str, StepChanges] = OrderedDict()  # by the checkpoint each step made
+        self._steps: dict[str, StepChanges] = {}  # by the checkpoint each step made
 
     def serve(self, first: DaemonServer) -> None:
         """Serve `first` on this thread, then wait until every version built meanwhile has stopped too."""
@@ -163,6 +166,7 @@ class VersionHost:
             if not (isinstance(arena, CpuArena) and leases == 0
                     and self.pool.offer(arena, server.loaded.key_file.key.checkpoint)):
                 arena.close()
+            self._forget_unreachable()
 
     def build(self, parent: DaemonServer, delta_path: Path) -> BuiltNext:
         """The next version of `parent`'s with the delta at `delta_path`, served from this process; `elsewhere`
@@ -230,6 +234,7 @@ class VersionHost:
         with self._lock:
             self._servers.append(server)
             self._threads.append(thread)
+            self._forget_unreachable()
         thread.start()
         append_event(self.place.run_dir, ev.Ready(
             daemon=descriptor.name, key_id=descriptor.key_id, rank=self.place.tp_rank, device=self.place.device,
@@ -243,9 +248,19 @@ class VersionHost:
 
     def _remember(self, step: StepChanges) -> None:
         self._steps[step.checkpoint] = step
-        self._steps.move_to_end(step.checkpoint)
-        while len(self._steps) > _STEPS_KEPT:
-            self._steps.popitem(last=False)
+
+    def _forget_unreachable(self) -> None:
+        """Keep only the steps from a pooled or served version to a served one (a served one may be retired into
+        the pool next): each holds its delta's indices, tens of MB a step for a training loop, and no other step
+        can ever bring an arena forward. Called with the lock held."""
+        served = [s.loaded.key_file.key.checkpoint for s in self._servers]
+        needed: set[str] = set()
+        for held in [*self.pool.checkpoints(), *served]:
+            for checkpoint in served:
+                needed.update(step.checkpoint for step in self._path(held, checkpoint) or ())
+        for checkpoint in list(self._steps):
+            if checkpoint not in needed:
+                del self._steps[checkpoint]
 
     def _path(self, held: str | None, parent: str) -> list[StepChanges] | None:
         """The steps from checkpoint `held` to `parent`, oldest first, as far as this host remembers them."""
