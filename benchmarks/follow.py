@@ -129,16 +129,24 @@ def _arenas(pids: list[int]) -> int:
 def _memory(engine: psutil.Process, run_dir: Path) -> dict[str, int]:
     daemons = sorted({d.pid for d in census(run_dir, clean=False).live})  # versions hosted by one process count once
     info = engine.memory_full_info()
-    daemon_rss = daemon_anon = 0
+    daemon_rss = 0
     for pid in daemons:
         with contextlib.suppress(psutil.Error):
             daemon_rss += psutil.Process(pid).memory_info().rss
-        with contextlib.suppress(OSError):
-            # The process's own memory, apart from the arenas' shared pages its maps have touched (RSS has both).
+    return {"engine_rss": info.rss, "engine_uss": info.uss, "engine_anon": _anonymous([engine.pid]),
+            "daemon_rss": daemon_rss, "daemon_anon": _anonymous(daemons), "daemons": len(daemons),
+            "arenas": _arenas([engine.pid, *daemons])}
+
+
+def _anonymous(pids: list[int]) -> int:
+    """The processes' own memory (RssAnon), apart from the arenas' shared pages their maps have touched: RSS has
+    both, and USS counts an arena page as the engine's own while no other process maps it."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, AttributeError):
             status = Path(f"/proc/{pid}/status").read_text()
-            daemon_anon += int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1)) * 1024  # type: ignore[union-attr]
-    return {"engine_rss": info.rss, "engine_uss": info.uss, "daemon_rss": daemon_rss, "daemon_anon": daemon_anon,
-            "daemons": len(daemons), "arenas": _arenas([engine.pid, *daemons])}
+            total += int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1)) * 1024  # type: ignore[union-attr]
+    return total
 
 
 def _stop(cli: list[str], name: str, env: dict[str, str]) -> None:
@@ -270,10 +278,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['daemon_anon'] / 1e6:,.0f} MB), {s['arenas']} arena(s)")
         marks = sorted({0, len(steps) // 4, len(steps) // 2, 3 * len(steps) // 4, len(steps) - 1})
         print("  engine USS by step: " + ", ".join(f"{i + 1}: {steps[i]['engine_uss'] / 1e6:,.0f} MB" for i in marks))
+        print("  engine anonymous memory by step: " + ", ".join(
+            f"{i + 1}: {steps[i]['engine_anon'] / 1e6:,.0f} MB" for i in marks))
         print("  daemons' anonymous memory by step: " + ", ".join(
             f"{i + 1}: {steps[i]['daemon_anon'] / 1e6:,.0f} MB" for i in marks))
         growth = last["engine_uss"] - first["engine_uss"]
-        print(f"  engine USS growth first → last: {growth / 1e6:+,.1f} MB; daemons' RSS "
+        print(f"  engine USS growth first → last: {growth / 1e6:+,.1f} MB (anonymous "
+              f"{(last['engine_anon'] - first['engine_anon']) / 1e6:+,.1f} MB); daemons' RSS "
               f"{(last['daemon_rss'] - first['daemon_rss']) / 1e6:+,.1f} MB, anonymous "
               f"{(last['daemon_anon'] - first['daemon_anon']) / 1e6:+,.1f} MB; arenas at the end: {last['arenas']}")
     print(f"{os.cpu_count()} CPUs, torch {torch.__version__}, whole run {elapsed:.0f} s.")

@@ -242,3 +242,24 @@ def test_zero_blocks_is_full_at_once() -> None:
     assert m.num_free == 0 and m.match(chain_hashes([1, 2, 3, 4], BS)) == []
     with pytest.raises(KVCacheFullError):
         m.allocate()
+
+
+# -- weight switches ----------------------------------------------------------------------------------
+
+
+def test_blocks_of_weights_no_longer_served_are_reused_before_never_used_ones() -> None:
+    # A training loop's engine switches versions every step: it must reuse what older versions filled, not fault
+    # in its whole KV pool a never-used block at a time, and a switch back still finds what is left.
+    manager = BlockManager(num_blocks=8, block_size=BS)
+    manager.serve("a")
+    first = [manager.allocate() for _ in range(2)]
+    for block_id, block_hash in zip(first, chain_hashes(list(range(8)), BS), strict=True):
+        assert manager.register(block_id, block_hash, "a")
+    manager.release(first)
+    assert manager.allocate() not in first  # the weights served now keep their cached blocks while fresh ones last
+    manager.serve("b")
+    reused = manager.allocate()
+    assert reused == first[0]  # a's least recently released block, before any never-used one
+    manager.serve("a")
+    assert manager.match(chain_hashes(list(range(8)), BS)[1:], "a") == [first[1]]  # a's other block survived
+    assert manager.num_free == 8 - 2

@@ -2,22 +2,18 @@
 
 `publish(parent, changes)` takes the parent daemon (a name or key id) and, by Hugging Face checkpoint name, either
 a whole new tensor or (flat int64 indices, values). The changes are checked as a delta file's entries are (a
-tensor the parent holds, its dtype and shape, indices 1-D, sorted, unique and in range), each changed tensor is
-hashed as it will be to name the new checkpoint digest, and the delta is written beside the run dir and built by
-`start_next_version`, which computes that digest again from the built arena before publishing. A refusal raises
-one sentence and leaves every daemon serving.
+tensor the parent holds, its dtype and shape, indices 1-D, sorted, unique and in range) and written as a delta
+beside the run dir. A refusal raises one sentence and leaves every daemon serving.
 
-A whole new tensor is hashed as given. A sparse change needs the parent's tensor: it is read from the parent
-daemon's arena, mapped zero-copy as the build maps it (`wcache.delta.arena.mapped_parent`), wherever the arena
-holds it as the checkpoint did (no cast, not a TP shard, not quantized: every tensor of the default plan at TP 1),
-checked against the parent's manifest and hashed before and after the change in one pass. So a training loop
-publishes step after step from the version it published last, whose only file is a delta long deleted. Where the
-plan transforms the tensor, it comes from the parent's checkpoint on disk (checked likewise); a parent built from
-a delta has none, and a sparse change to such a tensor is one sentence (whole tensors still work).
-
-Not yet here (issue 29; where a publish's time goes is in docs/benchmarks.md): builds inside the parent's daemon
-group, a pool of retired arenas (a sealed memfd cannot be written again: docs/versions.md), sparse changes to
-tensors the parent's plan transforms once its checkpoint is gone (the build would need them too).
+Where the parent can build the version in its own process (TP 1, every changed tensor held whole as its checkpoint
+bytes: `wcache.daemon.version_host`), the delta names no result and the parent's process builds, hashes and names
+the version: nothing is hashed here. Otherwise each changed tensor is hashed here as it will be, to name the new
+checkpoint digest, and the delta is built by `start_next_version`, which computes that digest again from the built
+arena before publishing. A sparse change's parent tensor then comes from the parent daemon's arena, mapped zero-copy
+as the build maps it (`wcache.delta.arena.mapped_parent`), wherever the arena holds it as the checkpoint did,
+checked against the parent's manifest and hashed before and after the change in one pass; where the plan transforms
+the tensor, from the parent's checkpoint on disk (checked likewise); a parent built from a delta has none, and a
+sparse change to such a tensor is one sentence (whole tensors still work).
 """
 
 from __future__ import annotations

@@ -51,26 +51,46 @@ class Block:
 
 
 class BlockManager:
-    """Blocks are free (in LRU order, oldest first), in use (ref_count > 0), or both free and cached.
+    """Blocks are free, in use (ref_count > 0), or both free and cached.
 
-    A free block keeps its hash until it is reused, so a later request can still hit it; reuse evicts the
-    least recently released block first.
+    A free block keeps its hash until it is reused, so a later request can still hit it. A new block is, in this
+    order: a free block that holds nothing the weights served now can use (cached under other weights, or not
+    cached), the least recently released first; a block never used yet; the least recently released cached block
+    of the weights served now. So an engine that switches weights again and again (a training loop's versions)
+    reuses the blocks older versions filled instead of faulting in its whole KV pool, one never-used block at a
+    time, while a switch back to those weights still finds what is left of their blocks.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._fresh: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # never used
+        self._free: OrderedDict[int, None] = OrderedDict()  # used, free, cached under the weights served now
+        self._spare: OrderedDict[int, None] = OrderedDict()  # used, free, of no use to the weights served now
         self._cached: dict[bytes, int] = {}
+        self._serving: str | None = None  # the weights `serve` last named
         self.cross_version_refusals = 0  # cached blocks a lookup found under other weights (never adopted)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._fresh) + len(self._free) + len(self._spare)
 
     @property
     def num_cached(self) -> int:
         return len(self._cached)
+
+    def serve(self, weights: str | None) -> None:
+        """The engine serves `weights` from now on: free blocks cached under other weights go first."""
+        self._serving = weights
+        for block_id in list(self._free):
+            if self.blocks[block_id].weights != weights:
+                del self._free[block_id]
+                self._spare[block_id] = None
+        for block_id in list(self._spare):
+            block = self.blocks[block_id]
+            if block.hash is not None and block.weights == weights and self.is_cached(block_id):
+                del self._spare[block_id]
+                self._free[block_id] = None
 
     def match(self, hashes: Sequence[bytes], weights: str | None = None) -> list[int]:
         """Block ids of the longest cached prefix of `hashes` computed under `weights` (stops at the first miss)."""
@@ -90,14 +110,18 @@ class BlockManager:
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self._free[block_id]
+                self._free.pop(block_id, None)
+                self._spare.pop(block_id, None)
             block.ref_count += 1
 
     def allocate(self) -> int:
-        """A fresh block for new tokens, evicting the least recently used cached block if needed."""
-        if not self._free:
+        """A block for new tokens: a spare one, else a never-used one, else the least recently used cached one."""
+        for pool in (self._spare, self._fresh, self._free):
+            if pool:
+                block_id, _ = pool.popitem(last=False)
+                break
+        else:
             raise KVCacheFullError("the KV cache has no free block; raise num_blocks or shorten the request.")
-        block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:
             if self._cached.get(block.hash) == block_id:
@@ -126,7 +150,8 @@ class BlockManager:
                 raise AssertionError(f"block {block_id} released more often than acquired")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block_id] = None  # most recently used end
+                useful = self.is_cached(block_id) and block.weights == self._serving
+                (self._free if useful else self._spare)[block_id] = None  # most recently used end
 
     def is_cached(self, block_id: int) -> bool:
         block = self.blocks[block_id]

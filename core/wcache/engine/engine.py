@@ -128,6 +128,7 @@ class Engine:
         self._keepalive: Any = None  # e.g. the attach lease that backs zero-copy weights
         self.served = served or ServedWeights()
         self._root = weights_root(self.served.namespace)
+        self.blocks.serve(self.served.namespace)
         # What a switch attaches with: the plan, options and device this engine attached with (None: it did not).
         self.attach_plan: Any = None
         self.attach_options: AttachOptions | None = None
@@ -186,6 +187,7 @@ class Engine:
             previous = self._keepalive
             self.model, self.tokenizer, self.served, self._keepalive = model, tokenizer, served, keepalive
             self._root = weights_root(served.namespace)
+            self.blocks.serve(served.namespace)
             return previous
 
     @property
