@@ -112,3 +112,37 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_a_delta_that_does_not_make_what_it_names_builds_nothing_and_the_parent_serves_on(
+        rig: DaemonRig, chain: list[Path], tmp_path: Path) -> None:
+    from wcache.ipc.wire.client import DaemonError
+    from wcache.ipc.wire.messages import BuildNext
+
+    [parent] = rig.preload(chain[0], "--version-pool", "64MiB")
+    delta = tmp_path / "step.safetensors"
+    made = wcache_process("delta", str(chain[0]), str(chain[1]), "-o", str(delta))
+    assert made.returncode == 0, made.stderr
+    lying = tmp_path / "lying.safetensors"
+    _rename_claim(delta, lying, "0" * 64)
+    with pytest.raises(DaemonError, match=r"gives checkpoint [0-9a-f]{12}, not the 000000000000 the delta names"):
+        request_once(parent.socket, BuildNext(delta=str(lying)))
+    with pytest.raises(DaemonError, match=r"the delta .*config\.json declares a \d+-byte header"):
+        request_once(parent.socket, BuildNext(delta=str(chain[0] / "config.json")))
+    assert [d.name for d in rig.descriptors()] == [parent.name]
+    assert {d["state"] for d in rig.status()["daemons"]} == {"ready"}
+    # The arena the refused build wrote was kept for the pool (holding nothing): the next build still makes N+1.
+    built = request_once(parent.socket, BuildNext(delta=str(delta)))
+    assert built.key_id == _key_id(chain[1])
+    assert {d.key_id for d in rig.descriptors()} == {parent.key_id, built.key_id}
+
+
+def _rename_claim(delta: Path, out: Path, checkpoint: str) -> None:
+    """`delta` with its metadata claiming `checkpoint` as the one it makes."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(delta), "pt") as opened:
+        meta = dict(opened.metadata())
+        tensors = {name: opened.get_tensor(name) for name in opened.keys()}  # noqa: SIM118
+    save_file(tensors, str(out), {**meta, "checkpoint": checkpoint})

@@ -95,7 +95,8 @@ class DaemonConnection:
         try:
             return message.reply_from(reply)
         except RefusedError as refusal:
-            raise DaemonError(f"the daemon at {self.path} refused {message.TYPE}: {refusal}.") from None
+            reason = str(refusal).rstrip(".")
+            raise DaemonError(f"the daemon at {self.path} refused {message.TYPE}: {reason}.") from None
         except ProtocolError as exc:
             raise DaemonError(f"the daemon at {self.path} sent a malformed reply to {message.TYPE} ({exc}).") from None
 
