@@ -14,10 +14,13 @@ of the parent is brought forward by those elements alone (`wcache.delta.hosted_b
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -136,6 +139,7 @@ class VersionHost:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()  # builds one at a time; a retirement waits for a build reading its arena
         self._steps: dict[str, StepChanges] = {}  # by the checkpoint each step made
+        self._workers = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="wcache-build")
 
     def serve(self, first: DaemonServer) -> None:
         """Serve `first` on this thread, then wait until every version built meanwhile has stopped too."""
@@ -150,6 +154,7 @@ class VersionHost:
             threads[0].join(0.5)
         with self._lock:
             self.pool.close()
+        self._workers.shutdown()
 
     def request_stop_all(self) -> None:
         with self._lock:
@@ -183,11 +188,14 @@ class VersionHost:
             if parent not in self._servers:
                 raise DeltaError(f"daemon {parent.descriptor.name} stopped; nothing was built from it.")
             built, lock_fd, existing = self._build_locked(parent, delta, str(delta_path))
+        bytes_read = delta.file_bytes
+        del delta  # its values (its indices live on in the step remembered)
+        release_free_memory()  # a loop's every step would otherwise leave some of the delta's pages behind
         if existing is not None:
             return BuiltNext(name=existing.name, key_id=existing.key_id, checkpoint=existing.key.checkpoint,
                              already_served=True)
         assert lock_fd is not None
-        return self._start(parent, built, lock_fd, delta.file_bytes, time.perf_counter() - began)
+        return self._start(parent, built, lock_fd, bytes_read, time.perf_counter() - began)
 
     def _build_locked(self, parent: DaemonServer, delta: Delta, label: str
                       ) -> tuple[HostedBuild, int | None, DaemonDescriptor | None]:
@@ -197,7 +205,7 @@ class VersionHost:
         path = None if pooled is None else self._path(pooled.checkpoint, loaded.key_file.key.checkpoint)
         arena = pooled.arena if pooled is not None else CpuArena(total, "wcache-arena-next")
         try:
-            built = build_hosted(loaded, delta, arena, path, label, reusable=self.pool.enabled)
+            built = build_hosted(loaded, delta, arena, path, label, self.pool.enabled, self._workers)
         except BaseException:
             if not (pooled is not None and self.pool.offer(arena, None)):
                 arena.close()
@@ -275,3 +283,10 @@ class VersionHost:
             steps.append(step)
             at = step.parent
         return steps[::-1]
+
+
+def release_free_memory() -> None:
+    """Hand the allocator's free pages back to the system (glibc's malloc_trim): freed blocks inside its heaps
+    otherwise stay resident, and a build frees tens of MB of them."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim this way
+        ctypes.CDLL(None).malloc_trim(0)

@@ -100,19 +100,21 @@ def not_in_place(loaded: LoadedRank, names: set[str]) -> str | None:
 
 
 def build_hosted(parent: LoadedRank, delta: Delta, arena: CpuArena, path: list[StepChanges] | None,
-                 label: str, reusable: bool) -> HostedBuild:
+                 label: str, reusable: bool, workers: ThreadPoolExecutor) -> HostedBuild:
     """Build the next version of `parent` with `delta` into `arena` (fresh, or retired: then `path` lists the
     steps from the version it holds to the parent's, or is None when it holds no ancestor). `reusable` seals a
-    fresh arena for the version pool. Raises DeltaError when the result is not the checkpoint the delta names."""
+    fresh arena for the version pool; `workers` (one per core, the host's for its life: threads made per build
+    would each leave the allocator an arena of their own) write and hash. Raises DeltaError when the result is
+    not the checkpoint the delta names."""
     began = time.perf_counter()
     manifest = {e.name: e for e in parent.key_file.manifest}
     held, _ = holdings(parent.plan, parent.entries, manifest)
     assert isinstance(parent.arena, CpuArena)
     if path is not None:
         arena.rewrite()
-        written = _write(parent.arena, arena, held, path, delta)
+        written = _write(parent.arena, arena, held, path, delta, workers)
         touched = set(delta.changes).union(*(step.elements for step in path))
-        digests, processed = _hash(arena, parent, held, touched)
+        digests, processed = _hash(arena, parent, held, touched, workers)
     else:
         processed, digests = copy_with_changes(parent.plan, delta, manifest, arena, parent.entries,
                                                os.dup(parent.arena.fd))
@@ -146,7 +148,8 @@ def _elements(buffer: memoryview, entry: ArenaEntry, span: Span, itemsize: int) 
         del view
 
 
-def _write(parent: CpuArena, arena: CpuArena, held: Holdings, path: list[StepChanges], delta: Delta) -> int:
+def _write(parent: CpuArena, arena: CpuArena, held: Holdings, path: list[StepChanges], delta: Delta,
+           workers: ThreadPoolExecutor) -> int:
     """Each tensor a step of `path` changed, copied at those elements from the parent's arena, then the delta's
     elements written: tensor by tensor on every core (numpy's indexing leaves the GIL). The bytes written."""
     names = sorted(set(delta.changes).union(*(step.elements for step in path)))
@@ -178,14 +181,13 @@ def _write(parent: CpuArena, arena: CpuArena, held: Holdings, path: list[StepCha
                             written += change.values.nbytes
                 return written
 
-            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="wcache-write") as pool:
-                return sum(pool.map(one, names))
+            return sum(workers.map(one, names))
     finally:
         target.release()
 
 
-def _hash(arena: CpuArena, parent: LoadedRank, held: Holdings, touched: set[str]) -> tuple[dict[str, str],
-                                                                                           dict[str, str]]:
+def _hash(arena: CpuArena, parent: LoadedRank, held: Holdings, touched: set[str],
+          workers: ThreadPoolExecutor) -> tuple[dict[str, str], dict[str, str]]:
     """BLAKE3 of each touched checkpoint tensor and of each output holding one, from `arena`, on every core:
     (digests by tensor, every output's processed digest)."""
     jobs: dict[str, tuple[int, int]] = {}  # what to hash → (offset, nbytes) in the arena
@@ -202,8 +204,7 @@ def _hash(arena: CpuArena, parent: LoadedRank, held: Holdings, touched: set[str]
             return blake3.blake3(whole[offset : offset + nbytes]).hexdigest()
 
         order = sorted(jobs, key=lambda k: -jobs[k][1])  # the largest first, so no core idles at the end
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="wcache-hash") as pool:
-            found = dict(zip(order, pool.map(digest, (jobs[k] for k in order)), strict=True))
+        found = dict(zip(order, workers.map(digest, (jobs[k] for k in order)), strict=True))
     digests = {name: found[name] for name in touched}
     processed = dict(parent.processed_digests)
     for entry in outputs.values():
