@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -67,91 +68,128 @@ class _Both:
             target.advance(nbytes)
 
 
+@dataclass
+class _Loading:
+    """One rank while it loads: its arguments, run dir and loading record, the lock of the name its key gives
+    (taken as soon as the key is known), and each file's provenance verdict where it was judged before READY."""
+
+    args: argparse.Namespace
+    load: LoadArgs
+    run_dir: Path
+    board: LoadingBoard
+    status: StatusWriter
+    locks: list[int] = field(default_factory=list)  # the name's lock, held open until the server takes it
+    judged: list[FileVerdict] = field(default_factory=list)
+
+    @classmethod
+    def begin(cls, args: argparse.Namespace, status: StatusWriter) -> _Loading:
+        run_dir = ensure_run_dir(args.run_dir)
+        board = LoadingBoard(run_dir, LoadingRecord(
+            pid=os.getpid(), pid_created=process_created(os.getpid()) or 0.0, source=str(args.model.absolute()),
+            device=args.device, tp_size=args.tp, tp_rank=args.rank, supervisor_pid=args.supervisor_pid,
+            started=time.time(), phase="starting"))
+        return cls(args, LoadArgs.from_namespace(args), run_dir, board, status)
+
+    def own_key(self, key: WeightCacheKey) -> None:
+        """Take the name `key` gives on this device (DaemonExistsError when another daemon serves it)."""
+        name = daemon_name(self.args.device, key.short_id)
+        self.locks.append(hold_daemon_lock(self.run_dir, name, self.args.device))
+        log.info("key %s: this process is daemon %s", key.short_id, name)
+        self.board.update(name=name)
+
+    def judge_and_own(self, key_file: KeyFile) -> None:
+        """Judge the files' provenance where the key already holds every SHA-256 (else it follows READY), then
+        take the name: a refused checkpoint leaves nothing behind."""
+        if not (self.verdict_after_ready and any(f.sha256 is None for f in key_file.files)):
+            self.judged[:] = verdicts_of(key_file.source, key_file.files, self.load.expected)
+            require(tuple(self.judged), self.load.require_provenance, str(self.args.model))  # type: ignore[arg-type]
+        self.own_key(key_file.key)
+
+    @property
+    def verdict_after_ready(self) -> bool:
+        # Nothing refuses on the verdict: a cold pass leaves each file's SHA-256 for after READY.
+        return self.load.require_provenance == "warn"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _arguments(sys.argv[1:] if argv is None else argv)
     configure_logging(f"rank{args.rank}", args.log_level, args.log_format, args.log_file)
     log.info("loading %s for %s (tp %d, rank %d)", args.model, args.device, args.tp, args.rank)
     status = StatusWriter()
-
     stop = _Stop()
-    board: LoadingBoard | None = None
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    loading: _Loading | None = None
     try:
-        run_dir = ensure_run_dir(args.run_dir)
-        load = LoadArgs.from_namespace(args)
-        spec = load.plan_spec(args.rank)
-        board = LoadingBoard(run_dir, LoadingRecord(
-            pid=os.getpid(), pid_created=process_created(os.getpid()) or 0.0, source=str(args.model.absolute()),
-            device=args.device, tp_size=args.tp, tp_rank=args.rank, supervisor_pid=args.supervisor_pid,
-            started=time.time(), phase="starting"))
-        locks: list[int] = []  # held (open) for the life of the process
-        judged: list[FileVerdict] = []
-
-        def own_key(key: WeightCacheKey) -> None:
-            name = daemon_name(args.device, key.short_id)
-            locks.append(hold_daemon_lock(run_dir, name, args.device))
-            log.info("key %s: this process is daemon %s", key.short_id, name)
-            assert board is not None
-            board.update(name=name)
-
-        # Nothing refuses on the verdict: a cold pass leaves each file's SHA-256 for after READY.
-        verdict_after_ready = load.require_provenance == "warn"
-
-        def judge_and_own(key_file: KeyFile) -> None:
-            # Before the daemon claims its name: a refused checkpoint leaves nothing behind.
-            if not (verdict_after_ready and any(f.sha256 is None for f in key_file.files)):
-                judged[:] = verdicts_of(key_file.source, key_file.files, load.expected)
-                require(tuple(judged), load.require_provenance, str(args.model))  # type: ignore[arg-type]
-            own_key(key_file.key)
-
-        parent_name = load.parent_of(args.rank)
-        parent: DaemonDescriptor | None = None
-        if parent_name is not None:
-            parent = find_parent(run_dir, parent_name)
-            built = build_next(parent, args.model, str(args.model.absolute()), on_key=own_key)
-            loaded, bytes_read = built.loaded, built.bytes_read
-            log.info("built from daemon %s: %d tensor(s), %d output(s) changed, %d bytes read", parent.name,
-                     built.tensors_changed, built.outputs_changed, bytes_read)
-        else:
-            with DigestStore.open() as store:
-                loaded = load_rank(args.model, spec, args.device, store,
-                                   _Both(ProgressReporter(status, rank=args.rank), board),
-                                   on_key=judge_and_own, sha256_after_ready=verdict_after_ready,
-                                   reusable_arena=load.version_pool > 0)
-            bytes_read = sum(e.nbytes for e in loaded.key_file.manifest)
-        board.update(phase="publishing")
-        host = stop.host = VersionHost(RankPlace(run_dir, args.device, args.tp, args.rank, args.health_url,
-                                                 args.supervisor_pid, args.scrub_interval), load.version_pool)
-        descriptor = describe(host.place, loaded, parent, overall(judged) if judged else None)
-        server = stop.server = DaemonServer(loaded, descriptor, run_dir, args.scrub_interval, host=host,
-                                            lock_fd=locks.pop() if locks else None)
-        server.bind()
-        write_descriptor(run_dir, descriptor)
+        loading = _Loading.begin(args, status)
+        loaded, bytes_read, parent = _load(loading)
+        loading.board.update(phase="publishing")
+        server = _publish(loading, loaded, parent, stop)
     except (Exception, KeyboardInterrupt) as exc:
         stop.loading = False  # reporting from here on: see _Stop
         return _report_failure(exc, args, status)
     finally:
-        if board is not None:
-            board.remove()  # ready (the descriptor says the rest) or gone
-    _report_provenance(run_dir, descriptor, judged)
-    append_event(run_dir, ev.Ready(
+        if loading is not None:
+            loading.board.remove()  # ready (the descriptor says the rest) or gone
+    _announce_ready(loading, server, bytes_read, parent)
+    if loaded.sha256_after is not None:
+        threading.Thread(target=_provenance_after_ready, args=(server, loaded, loading.load.expected), daemon=True,
+                         name="wcache-sha256").start()
+    assert stop.host is not None
+    stop.host.serve(server)  # returns at once, cleaning up, if a stop came during loading
+    log.info("stopped: daemon %s and every version built in its process", server.descriptor.name)
+    return EXIT_OK
+
+
+def _load(loading: _Loading) -> tuple[LoadedRank, int, DaemonDescriptor | None]:
+    """The rank's weights: read from the checkpoint, or built from the parent daemon's arena and a delta. Also
+    the bytes read from files, and the parent."""
+    args, load = loading.args, loading.load
+    parent_name = load.parent_of(args.rank)
+    if parent_name is not None:
+        parent = find_parent(loading.run_dir, parent_name)
+        built = build_next(parent, args.model, str(args.model.absolute()), on_key=loading.own_key)
+        log.info("built from daemon %s: %d tensor(s), %d output(s) changed, %d bytes read", parent.name,
+                 built.tensors_changed, built.outputs_changed, built.bytes_read)
+        return built.loaded, built.bytes_read, parent
+    with DigestStore.open() as store:
+        loaded = load_rank(args.model, load.plan_spec(args.rank), args.device, store,
+                           _Both(ProgressReporter(loading.status, rank=args.rank), loading.board),
+                           on_key=loading.judge_and_own, sha256_after_ready=loading.verdict_after_ready,
+                           reusable_arena=load.version_pool > 0)
+    return loaded, sum(e.nbytes for e in loaded.key_file.manifest), None
+
+
+def _publish(loading: _Loading, loaded: LoadedRank, parent: DaemonDescriptor | None, stop: _Stop) -> DaemonServer:
+    """Bind the rank's socket and write its descriptor: from here on engines find it. The version host that will
+    serve it (and the versions built from it) is made here."""
+    args = loading.args
+    host = stop.host = VersionHost(RankPlace(loading.run_dir, args.device, args.tp, args.rank, args.health_url,
+                                             args.supervisor_pid, args.scrub_interval), loading.load.version_pool)
+    judged = loading.judged
+    descriptor = describe(host.place, loaded, parent, overall(judged) if judged else None)
+    server = stop.server = DaemonServer(loaded, descriptor, loading.run_dir, args.scrub_interval, host=host,
+                                        lock_fd=loading.locks.pop() if loading.locks else None)
+    server.bind()
+    write_descriptor(loading.run_dir, descriptor)
+    return server
+
+
+def _announce_ready(loading: _Loading, server: DaemonServer, bytes_read: int, parent: DaemonDescriptor | None) -> None:
+    """READY: the provenance verdict where it is known, the ready event, the supervisor's status line, the log."""
+    args, descriptor, loaded = loading.args, server.descriptor, server.loaded
+    _report_provenance(loading.run_dir, descriptor, loading.judged)
+    append_event(loading.run_dir, ev.Ready(
         daemon=descriptor.name, key_id=descriptor.key_id, rank=args.rank, device=args.device,
         source=descriptor.source, weights_bytes=descriptor.weights_bytes, load_s=round(loaded.load_seconds, 3),
         bytes_read=bytes_read, parent_key_id=None if parent is None else parent.key_id,
         parent=None if parent is None else parent.name))
-    status.emit(RankReady(rank=args.rank, name=descriptor.name, key_id=descriptor.key_id,
-                          socket=descriptor.socket, weights_bytes=descriptor.weights_bytes,
-                          load_s=round(loaded.load_seconds, 3)))
+    loading.status.emit(RankReady(rank=args.rank, name=descriptor.name, key_id=descriptor.key_id,
+                                  socket=descriptor.socket, weights_bytes=descriptor.weights_bytes,
+                                  load_s=round(loaded.load_seconds, 3)))
     log.info("ready: daemon %s serves key %s, %d bytes, loaded in %.2f s", descriptor.name, descriptor.key_id,
              descriptor.weights_bytes, loaded.load_seconds)
-    status.close()
-    if loaded.sha256_after is not None:
-        threading.Thread(target=_provenance_after_ready, args=(server, loaded, load.expected), daemon=True,
-                         name="wcache-sha256").start()
-    host.serve(server)  # returns at once, cleaning up, if a stop came during loading
-    log.info("stopped: daemon %s and every version built in its process", descriptor.name)
-    return EXIT_OK
+    loading.status.close()
 
 
 def _provenance_after_ready(server: DaemonServer, loaded: LoadedRank, expected: Path | None) -> None:
