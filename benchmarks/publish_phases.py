@@ -26,7 +26,8 @@ import torch
 from bench_common import workspace
 from follow import _sparse, step_options
 from wcache.daemon import publish as publishing
-from wcache.daemon.launch import start_daemons, stop_daemons
+from wcache.daemon.launch import start_daemons
+from wcache.daemon.stopping import stop_daemons
 from wcache.ipc.run_dir.directory import census
 from wcache.monitor.event_types import Ready
 from wcache.monitor.events import read_typed_events

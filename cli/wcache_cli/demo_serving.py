@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wcache.daemon.launch import start_daemons, stop_daemon, terminate_started
+from wcache.daemon.launch import start_daemons
+from wcache.daemon.stopping import stop_daemon, terminate_started
 from wcache.ipc.http.client import http_request
 from wcache.ipc.interpreter import python_module_argv
 from wcache.ipc.run_dir.directory import census, ensure_run_dir

@@ -35,7 +35,7 @@ _EXPORTS = {
     "KeyDiff": "wcache.key.diff",
     "PlanSpec": "wcache.plan.spec",
     "start_daemons": "wcache.daemon.launch",
-    "stop_daemon": "wcache.daemon.launch",
+    "stop_daemon": "wcache.daemon.stopping",
     "DaemonGroup": "wcache.daemon.launch",
     "PreloadFailedError": "wcache.daemon.launch",
     "DaemonDescriptor": "wcache.ipc.run_dir.directory",
@@ -59,7 +59,8 @@ if TYPE_CHECKING:
     from wcache.attach import AttachedWeights, AttachMissError, AttachReport, attach
     from wcache.attach_options import AttachOptions
     from wcache.checkpoint.model_path import resolve_model_path
-    from wcache.daemon.launch import DaemonGroup, PreloadFailedError, start_daemons, stop_daemon
+    from wcache.daemon.launch import DaemonGroup, PreloadFailedError, start_daemons
+    from wcache.daemon.stopping import stop_daemon
     from wcache.errors import BadInputError, UnavailableError, WcacheError
     from wcache.ipc.run_dir.directory import DaemonDescriptor, DaemonExistsError, census
     from wcache.key.cache_key import KeyFile, WeightCacheKey

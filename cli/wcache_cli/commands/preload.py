@@ -195,7 +195,7 @@ def preload(
         raise BadInputError("give a MODEL to preload, or --from DAEMON --delta FILE.")
     # Imported here so that building the help (every command's signature) loads no daemon machinery.
     from wcache.checkpoint.model_path import resolve_model_path
-    from wcache.daemon.launch import replace_daemons, replacing
+    from wcache.daemon.replace import replace_daemons, replacing
     from wcache.daemon.sd_notify import Notifier
     from wcache.daemon.supervisor import rank_devices
     from wcache.ipc.run_dir.directory import DaemonExistsError, ensure_daemon_run_dir

@@ -245,7 +245,8 @@ def stop(
     """
     if (ident is None) == (not all_daemons):
         raise BadInputError("name one daemon to stop, or pass --all (not both).")
-    from wcache.daemon.launch import stop_daemons, stop_loading, stop_targets
+    from wcache.daemon.groups import stop_targets
+    from wcache.daemon.stopping import stop_daemons, stop_loading
     from wcache.ipc.run_dir.loading import read_loading
 
     where = run_dir_or_default(run_dir)

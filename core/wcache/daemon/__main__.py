@@ -165,7 +165,8 @@ def _publish(loading: _Loading, loaded: LoadedRank, parent: DaemonDescriptor | N
     serve it (and the versions built from it) is made here."""
     args = loading.args
     host = stop.host = VersionHost(RankPlace(loading.run_dir, args.device, args.tp, args.rank, args.health_url,
-                                             args.supervisor_pid, args.scrub_interval), loading.load.version_pool)
+                                             args.supervisor_pid, args.scrub_interval), loading.load.version_pool,
+                                   DaemonServer)
     judged = loading.judged
     descriptor = describe(host.place, loaded, parent, overall(judged) if judged else None)
     server = stop.server = DaemonServer(loaded, descriptor, loading.run_dir, args.scrub_interval, host=host,

@@ -1,4 +1,4 @@
-"""Starting and stopping daemons from Python: what `wcache preload` and `wcache stop` do, for any caller.
+"""Starting daemons from Python: what `wcache preload` does, for any caller (stopping them: `stopping`).
 
     from wcache import start_daemons
     group = start_daemons("Qwen/Qwen3-0.6B", tp=2)   # returns once every rank is ready
@@ -8,52 +8,39 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import os
 import signal
 import subprocess
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-import psutil
-
 from wcache.daemon.argv import LoadArgs
+from wcache.daemon.groups import parent_group
+from wcache.daemon.stopping import STOP_TIMEOUT_S, stop_daemons
 from wcache.errors import (
     EXIT_BAD_INPUT,
     EXIT_DIFFERENCE,
     EXIT_UNAVAILABLE,
-    BadInputError,
     UnavailableError,
-    option,
 )
 from wcache.ipc.interpreter import python_module_argv
 from wcache.ipc.run_dir.directory import (
     DaemonDescriptor,
     DaemonExistsError,
-    census,
     default_run_dir,
     ensure_daemon_run_dir,
     lock_held,
     lock_path,
     lock_taken_if_free,
-    matches,
-    process_created,
     read_descriptors,
     remove_daemon_files,
 )
-from wcache.ipc.run_dir.loading import LoadingRecord, read_loading, record_lock_path
 from wcache.ipc.run_dir.paths import RunPaths
-from wcache.ipc.wire.client import DaemonError, request_once
 from wcache.ipc.wire.framing import ProtocolError
-from wcache.ipc.wire.messages import Shutdown, Stats
 from wcache.ipc.wire.status_pipe import FROM_SUPERVISOR, Exists, Failed, GroupReady, Progress, parse_line
-
-STOP_TIMEOUT_S = 15.0
 
 # done, total bytes read and hashed so far, as the ranks report them.
 ProgressCallback = Callable[[int, int], None]
@@ -208,23 +195,6 @@ def start_next_version(
     return _supervise(delta, load, health_host, health_port, None, share_stderr, env)
 
 
-def parent_group(run_dir: Path, ident: str) -> list[DaemonDescriptor]:
-    """The whole TP group of the one running daemon `ident` names, by rank, each holding its weights."""
-    live = census(run_dir).live if run_dir.exists() else ()
-    found = [d for d in live if matches(d, ident)]
-    if not found:
-        raise UnavailableError(f"no running daemon is named {ident!r}; `wcache status` lists them.")
-    groups = {tuple(d.name for d in group_of(d, live)) for d in found}
-    if len(groups) > 1:
-        raise BadInputError(f"{ident!r} names {len(found)} daemons ({', '.join(d.name for d in found)}); give more "
-                            "of the id.")
-    group = group_of(found[0], live)
-    if len(group) != group[0].tp_size:
-        raise UnavailableError(f"daemon {found[0].name}'s tensor-parallel group has {len(group)} of its "
-                               f"{group[0].tp_size} ranks running; it cannot be the parent of a new version.")
-    return group
-
-
 def _supervise(path: Path, load: LoadArgs, health_host: str, health_port: int,
                on_progress: ProgressCallback | None, share_stderr: bool, env: Mapping[str, str] | None) -> DaemonGroup:
     """Run the supervisor of `load` until every rank is ready (or one failed)."""
@@ -273,206 +243,3 @@ def _refuse_a_lost_rank(group: DaemonGroup) -> None:
     log = rank_log_path(group.run_dir, group.supervisor.pid, first.rank)
     raise PreloadFailedError(f"rank {first.rank} (daemon {first.name}) exited right after it became ready, so "
                              f"nothing was left running; its log is {log}.")
-
-
-def stop_daemon(descriptor: DaemonDescriptor, *, force: bool = False) -> int:
-    """Ask a daemon to stop and wait until it has; returns the lease count when it refused (else 0).
-
-    Through its socket and its lock, never its pid: the daemon may run in another pid namespace."""
-    try:
-        reply = request_once(descriptor.socket, Shutdown(force=force))
-    except DaemonError as exc:
-        # Already stopping (its socket goes first), asked by someone else or by its supervisor, or hung: one that
-        # runs in this pid namespace is also sent SIGTERM (which a stopping daemon takes as the same request);
-        # one in another is waited out.
-        if _same_process(descriptor.pid, descriptor.pid_created):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(descriptor.pid, signal.SIGTERM)
-        try:
-            wait_exit(daemon_lock(descriptor), descriptor.name)
-        except UnavailableError:
-            raise UnavailableError(f"daemon {descriptor.name} did not answer ({exc})") from None
-        return 0
-    if not reply.stopping:
-        return reply.leases or 1
-    wait_exit(daemon_lock(descriptor), descriptor.name)
-    return 0
-
-
-def daemon_lock(descriptor: DaemonDescriptor) -> Path:
-    """The lock the daemon holds while it runs, beside the socket it published (both in its run dir)."""
-    return lock_path(Path(descriptor.socket).parent, descriptor.name)
-
-
-def stop_loading(run_dir: Path, record: LoadingRecord) -> None:
-    """Stop a rank that is still loading and wait until it has; it removes its own files on the way out.
-
-    No socket yet, so the pid (checked against the start time it recorded) is the only handle: a rank whose
-    lock is held but whose pid is not that process here runs in another pid namespace, and UnavailableError
-    says so without signalling anyone."""
-    name = record.name or f"pid {record.pid}"
-    if not _same_process(record.pid, record.pid_created):
-        if not lock_held(record_lock_path(run_dir, record.pid)):
-            return  # it finished or died meanwhile
-        what = f"daemon {record.name}" if record.name else "a rank"
-        raise UnavailableError(f"{what} is loading in another pid namespace (pid {record.pid} there), so it cannot "
-                               "be signalled from here; stop it where it runs, or here once it is ready.")
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(record.pid, signal.SIGTERM)
-    wait_exit(record_lock_path(run_dir, record.pid), name)
-
-
-def _same_process(pid: int, pid_created: float) -> bool:
-    """Whether `pid` here is the process that recorded `pid_created`: only then may it be signalled (in another
-    pid namespace the number names no process, or another one)."""
-    created = process_created(pid)
-    return created is not None and abs(created - pid_created) < 0.01
-
-
-def wait_exit(lock: Path, name: str) -> None:
-    """Wait until the process holding `lock` (daemon or rank `name`) has exited; UnavailableError when it does
-    not in time. The lock is released by the kernel when the process is gone, in whatever pid namespace."""
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    while lock_held(lock):
-        if time.monotonic() >= deadline:
-            raise UnavailableError(f"daemon {name} did not exit within {STOP_TIMEOUT_S:g} s of being asked to stop.")
-        time.sleep(0.05)
-
-
-def lease_count(descriptor: DaemonDescriptor) -> int:
-    """Zero-copy engines holding a daemon's weights now; 0 when it cannot be asked (stopping it will say why)."""
-    try:
-        return request_once(descriptor.socket, Stats()).leases
-    except DaemonError:
-        return 0
-
-
-def checkpoint_identity(source: str | os.PathLike[str]) -> str:
-    """What --replace takes as one checkpoint: the real path (symlinks and `..` resolved), with every revision
-    of a repo in a Hugging Face cache (`models--Org--Name/snapshots/<revision>`) taken as the same one."""
-    path = Path(os.path.abspath(source))  # noqa: PTH100  (what a daemon records as its source)
-    # A file's directory is resolved, not the file: in a Hugging Face snapshot it is a link into blobs/.
-    real = Path(os.path.realpath(path.parent)) / path.name if path.is_file() else Path(os.path.realpath(path))
-    parts = real.parts
-    for i in range(1, len(parts) - 1):
-        if parts[i] == "snapshots" and parts[i - 1].startswith("models--"):
-            return str(Path(*parts[:i]))
-    return str(real)
-
-
-# Held by a `preload --replace` from before it stops the old daemons until the new ones are ready (or failed):
-# two replaces at once then run one after the other, so each stops a whole group and starts one.
-REPLACE_LOCK = "replace.lock"
-
-
-@contextlib.contextmanager
-def replacing(run_dir: Path) -> Iterator[None]:
-    """Serialize replaces in `run_dir`: blocks while another `preload --replace` there stops and starts."""
-    fd = os.open(run_dir / REPLACE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def replace_daemons(source: Path, devices: list[str], run_dir: Path, *, force: bool = False) -> list[str]:
-    """Stop every daemon of checkpoint `source` (as `checkpoint_identity` tells) on `devices`, ready or still
-    loading, each with its whole TP group; returns their names.
-
-    Refuses (nothing stopped) while engines hold zero-copy leases on any of them, unless `force`.
-    """
-    wanted = checkpoint_identity(source)
-    live = census(run_dir).live
-    matched = [d for d in live if checkpoint_identity(d.source) == wanted and d.device in devices]
-    ready: list[DaemonDescriptor] = []
-    for descriptor in matched:
-        ready += [d for d in group_of(descriptor, live) if d not in ready]
-    loading = [r for r in read_loading(run_dir) if checkpoint_identity(r.source) == wanted and r.device in devices]
-    if not force:
-        held = [f"{d.name} ({n} lease(s))" for d in ready if (n := lease_count(d))]
-        if held:
-            raise UnavailableError(f"engines hold leases on {', '.join(held)}; detach them first, or replace "
-                                   f"with {option('force', True)}.")
-    stop_daemons(ready, force=True)
-    for record in loading:
-        stop_loading(run_dir, record)
-    return [d.name for d in ready] + [r.name or f"pid {r.pid}" for r in loading]
-
-
-def group_of(descriptor: DaemonDescriptor, live: Sequence[DaemonDescriptor]) -> list[DaemonDescriptor]:
-    """The ranks one preload started together; a TP group only serves whole."""
-    if descriptor.tp_size == 1 or descriptor.supervisor_pid is None:
-        return [descriptor]
-    return sorted((d for d in live if d.supervisor_pid == descriptor.supervisor_pid), key=lambda d: d.tp_rank)
-
-
-def stop_targets(run_dir: Path, ident: str | None, *, group: bool = False) -> list[DaemonDescriptor]:
-    """The running daemons `ident` (a name or key id prefix; None: every one) names, with their whole TP groups.
-
-    One rank of a group is never stopped alone (the rest could not serve): unless `group`, naming part of a
-    group is a BadInputError. An empty list when nothing matches.
-    """
-    live = census(run_dir).live if run_dir.exists() else ()
-    if ident is None:
-        return list(live)
-    targets = [d for d in live if matches(d, ident)]
-    chosen = {d.name for d in targets}
-    for descriptor in list(targets):
-        members = group_of(descriptor, live)
-        missing = [d.name for d in members if d.name not in chosen]
-        if missing and not group:
-            raise BadInputError(
-                f"daemon {descriptor.name} is rank {descriptor.tp_rank} of a tensor-parallel group of "
-                f"{descriptor.tp_size} ({', '.join(d.name for d in members)}); stop the whole group with "
-                f"{option('group', True)}."
-            )
-        targets += [d for d in members if d.name not in chosen]
-        chosen.update(d.name for d in members)
-    return targets
-
-
-def stop_daemons(
-    targets: Sequence[DaemonDescriptor], *, force: bool = False, on_stopped: Callable[[str], None] | None = None
-) -> None:
-    """Stop `targets`, each waited for; `on_stopped(name)` after each.
-
-    Leases are checked on every target first, so a refusal (BadInputError, unless `force`) never leaves part
-    of a group stopped.
-    """
-    held = {} if force else {d.name: n for d in targets if (n := lease_count(d))}
-    if held:
-        busy = ", ".join(f"{name} ({n} lease(s))" for name, n in held.items())
-        raise BadInputError(f"engines still hold leases on {busy}; detach them first or use {option('force', True)}.")
-    refused = []
-    for descriptor in targets:
-        try:
-            leases = stop_daemon(descriptor, force=force)
-        except UnavailableError:
-            if descriptor.tp_size == 1:
-                raise
-            # Its supervisor is already stopping it with the rest of its group: that is what we asked for.
-            wait_exit(daemon_lock(descriptor), descriptor.name)
-            leases = 0
-        if leases:
-            refused.append(f"{descriptor.name} ({leases} lease(s))")
-        elif on_stopped is not None:
-            on_stopped(descriptor.name)
-    if refused:
-        raise BadInputError(f"engines still hold leases on {', '.join(refused)}; detach them first or use "
-                            f"{option('force', True)}.")
-
-
-def terminate_started(pid: int, marker: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM a process this program started (checked by `marker` in its command line, so a reused pid is
-    left alone), and SIGKILL it if it has not exited within `timeout_s`."""
-    try:
-        process = psutil.Process(pid)
-        if marker not in " ".join(process.cmdline()):
-            return
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout_s)
-    except psutil.TimeoutExpired:
-        process.kill()
-    except psutil.Error:
-        pass

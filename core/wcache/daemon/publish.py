@@ -28,7 +28,8 @@ import numpy as np
 
 from wcache.checkpoint.dtypes import TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest, merkle_root
-from wcache.daemon.launch import parent_group, start_next_version
+from wcache.daemon.groups import parent_group
+from wcache.daemon.launch import start_next_version
 from wcache.delta.arena import ParentTensors, mapped_parent, parent_layout, patched_digests
 from wcache.delta.format import BITS, Change, DeltaError, write_delta
 from wcache.errors import UnavailableError

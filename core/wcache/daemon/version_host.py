@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from wcache.checkpoint.provenance import Verdict
 from wcache.delta.format import Delta, DeltaError, read_delta
@@ -43,9 +43,6 @@ from wcache.ipc.wire.messages import BuiltNext
 from wcache.load.loader import LoadedRank
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import append_event
-
-if TYPE_CHECKING:
-    from wcache.daemon.server import DaemonServer
 
 log = logging.getLogger("wcache.daemon")
 
@@ -82,6 +79,28 @@ def describe(place: RankPlace, loaded: LoadedRank, parent: DaemonDescriptor | No
         parent=parent.name if parent is not None else None,
         origin=parent.model_source if parent is not None else None,
     )
+
+
+class Served(Protocol):
+    """What the host needs of a version's server (`wcache.daemon.server.DaemonServer`, which imports this module)."""
+
+    loaded: LoadedRank
+    descriptor: DaemonDescriptor
+
+    def bind(self) -> None: ...
+
+    def serve_forever(self) -> None: ...
+
+    def request_stop(self) -> None: ...
+
+    def discard(self) -> None: ...
+
+
+class ServerFactory(Protocol):
+    """How the host makes a new version's server: `DaemonServer` itself."""
+
+    def __call__(self, loaded: LoadedRank, descriptor: DaemonDescriptor, run_dir: Path, scrub_interval_s: float = 0.0,
+                 *, host: VersionHost | None = None, lock_fd: int | None = None) -> Served: ...
 
 
 @dataclass
@@ -132,16 +151,17 @@ class ArenaPool:
 class VersionHost:
     """The versions this process serves, the pool, and what each built version changed."""
 
-    def __init__(self, place: RankPlace, pool_bytes: int) -> None:
+    def __init__(self, place: RankPlace, pool_bytes: int, make_server: ServerFactory) -> None:
         self.place = place
+        self._make_server = make_server
         self.pool = ArenaPool(pool_bytes)
-        self._servers: list[DaemonServer] = []
+        self._servers: list[Served] = []
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()  # builds one at a time; a retirement waits for a build reading its arena
         self._steps: dict[str, StepChanges] = {}  # by the checkpoint each step made
         self._workers = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="wcache-build")
 
-    def serve(self, first: DaemonServer) -> None:
+    def serve(self, first: Served) -> None:
         """Serve `first` on this thread, then wait until every version built meanwhile has stopped too."""
         with self._lock:
             self._servers.append(first)
@@ -162,7 +182,7 @@ class VersionHost:
         for server in servers:
             server.request_stop()
 
-    def retire(self, server: DaemonServer, leases: int) -> None:
+    def retire(self, server: Served, leases: int) -> None:
         """A stopped version's arena: to the pool when no engine holds it, else closed (engines' maps stay)."""
         with self._lock:
             if server in self._servers:
@@ -173,7 +193,7 @@ class VersionHost:
                 arena.close()
             self._forget_unreachable()
 
-    def build(self, parent: DaemonServer, delta_path: Path) -> BuiltNext:
+    def build(self, parent: Served, delta_path: Path) -> BuiltNext:
         """The next version of `parent`'s with the delta at `delta_path`, served from this process; `elsewhere`
         says why it must be built by a process of its own instead (nothing else was done)."""
         began = time.perf_counter()
@@ -197,7 +217,7 @@ class VersionHost:
         assert lock_fd is not None
         return self._start(parent, built, lock_fd, bytes_read, time.perf_counter() - began)
 
-    def _build_locked(self, parent: DaemonServer, delta: Delta, label: str
+    def _build_locked(self, parent: Served, delta: Delta, label: str
                       ) -> tuple[HostedBuild, int | None, DaemonDescriptor | None]:
         loaded = parent.loaded
         total = loaded.arena.total_bytes
@@ -225,13 +245,11 @@ class VersionHost:
             raise
         return built, lock_fd, None
 
-    def _start(self, parent: DaemonServer, built: HostedBuild, lock_fd: int, bytes_read: int,
+    def _start(self, parent: Served, built: HostedBuild, lock_fd: int, bytes_read: int,
                seconds: float) -> BuiltNext:
-        from wcache.daemon.server import DaemonServer
-
         descriptor = describe(self.place, built.loaded, parent.descriptor)
-        server = DaemonServer(built.loaded, descriptor, self.place.run_dir, self.place.scrub_interval, host=self,
-                              lock_fd=lock_fd)
+        server = self._make_server(built.loaded, descriptor, self.place.run_dir, self.place.scrub_interval,
+                                   host=self, lock_fd=lock_fd)
         try:
             server.bind()
             write_descriptor(self.place.run_dir, descriptor)
