@@ -175,9 +175,13 @@ class CpuArena:
         the daemon can rewrite it as a later version (`rewrite`) without a fresh arena's page allocation."""
         if reusable and self.sealable:
             self._live_map()
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
-            self.reusable = True
-            return
+            try:
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+                self.reusable = True
+                return
+            except OSError as exc:  # a kernel before 5.1: the write seal, and the pool closes it when retired
+                if exc.errno != errno.EINVAL:
+                    raise
         # F_SEAL_WRITE is refused while any writable shared map exists, our own included.
         self._live_map().close()
         self._map = None
