@@ -1,5 +1,6 @@
 """Small hostile inputs, each one sentence and a non-zero exit, never a traceback: a scrub interval that is no
-interval, a Hub id the Hub refuses, a run dir no directory can be, and a plan flag given with `preload --from`."""
+interval, a version pool that is no size, a Hub id the Hub refuses, a run dir no directory can be, and a plan flag
+given with `preload --from`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,20 @@ def test_a_scrub_interval_that_is_no_interval_is_refused(value: str, tmp_path: P
                                "--run-dir", str(run_dir), env=cli_env(tmp_path / "cache"))
     assert "a year" in assert_one_error_sentence(result, "--scrub-interval")
     assert not run_dir.exists()  # refused before anything was made
+
+
+@pytest.mark.parametrize("value", ["-1", "3 apples", "1e9", "GiB", ""])
+def test_a_version_pool_that_is_no_size_is_refused(value: str, tmp_path: Path, tiny_template: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = wcache_in_process("preload", str(tiny_template), "--version-pool", value, "--detach",
+                               "--run-dir", str(run_dir), env=cli_env(tmp_path / "cache"))
+    assert "such as 3GiB" in assert_one_error_sentence(result, "--version-pool")
+    assert not run_dir.exists()  # refused before anything was made
+
+
+def test_the_python_api_refuses_a_negative_version_pool(tmp_path: Path) -> None:
+    with pytest.raises(BadInputError, match="version_pool"):
+        LoadArgs(model=tmp_path, run_dir=tmp_path, version_pool=-1)
 
 
 @pytest.mark.parametrize("value", [math.inf, 1e300, math.nan, -1.0])

@@ -185,6 +185,7 @@ def preload(
     from wcache_cli.byte_size import parse_byte_size
 
     scrub = checked_interval(LoadArgs.scrub_interval if scrub_interval is None else scrub_interval)
+    pool_bytes = parse_byte_size(version_pool, "--version-pool")
     if (parent is None) != (delta is None):
         raise BadInputError("--from and --delta go together: --from DAEMON --delta FILE.")
     if parent is not None and (model is not None or replace):
@@ -205,7 +206,7 @@ def preload(
     running = DaemonRunOptions(run_dir=where, health_host=health_host, health_port=health_port,
                                log_level=log_level.value, log_format=log_format.value,
                                share_stderr=not detach and not out.stderr.is_terminal, scrub_interval=scrub,
-                               version_pool=parse_byte_size(version_pool, "--version-pool"))
+                               version_pool=pool_bytes)
     if delta is not None:
         model = delta  # what the new version is made from, in its READY line
     else:

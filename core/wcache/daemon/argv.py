@@ -43,6 +43,8 @@ class LoadArgs:
 
     def __post_init__(self) -> None:
         checked_interval(self.scrub_interval)  # every caller's value, before any process starts with it
+        if type(self.version_pool) is not int or self.version_pool < 0:
+            raise BadInputError(f"version_pool is a number of bytes, 0 or more, not {self.version_pool!r}.")
 
     def to_argv(self) -> list[str]:
         return [
