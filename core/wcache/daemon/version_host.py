@@ -176,6 +176,26 @@ class VersionHost:
             self.pool.close()
         self._workers.shutdown()
 
+    def prepare_pool(self, total_bytes: int) -> None:
+        """Give the pool one arena of `total_bytes`, its pages allocated, on a thread of its own: the first version
+        a loop publishes then skips a fresh arena's page allocation too (the budget is the user's to spend)."""
+        if total_bytes > self.pool.budget:
+            return
+
+        def allocate() -> None:
+            try:
+                arena = CpuArena(total_bytes, "wcache-arena-spare")
+                arena.seal(reusable=True)
+                if arena.reusable:
+                    arena.rewrite()
+                with self._lock:
+                    if not self.pool.offer(arena, None):
+                        arena.close()
+            except Exception:  # the first build then takes a fresh arena, as without a pool
+                log.exception("the version pool's first arena could not be allocated")
+
+        threading.Thread(target=allocate, name="wcache-pool", daemon=True).start()
+
     def request_stop_all(self) -> None:
         with self._lock:
             servers = list(self._servers)
@@ -268,7 +288,7 @@ class VersionHost:
             bytes_read=bytes_read, parent_key_id=parent.descriptor.key_id, parent=parent.descriptor.name))
         log.info("ready: daemon %s serves key %s, built from daemon %s in this process in %.3f s, %d bytes written "
                  "(%s)", descriptor.name, descriptor.key_id, parent.descriptor.name, seconds, built.bytes_written,
-                 "an ancestor's arena brought forward" if built.forwarded else "the parent's arena copied")
+                 "a pooled arena brought forward" if built.forwarded else "the parent's arena copied")
         return BuiltNext(name=descriptor.name, key_id=descriptor.key_id, checkpoint=descriptor.key.checkpoint,
                          bytes_written=built.bytes_written, forwarded=built.forwarded)
 

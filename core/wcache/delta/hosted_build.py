@@ -4,8 +4,10 @@ No process starts and nothing is mapped that is not mapped already: the parent's
 The new arena is a fresh one, or a retired one from the version pool (sealed reusable: only this process's map
 can write it). Where that retired arena holds an ancestor of the parent, and the host remembers what each step
 since changed, it is brought forward by copying only those elements from the parent's arena, then the delta's
-elements are written: a step writes O(delta) bytes, not the arena. Otherwise the parent's arena is streamed into
-it with the changes applied (`wcache.delta.arena.copy_with_changes`).
+elements are written: a step writes O(delta) bytes, not the arena. Otherwise the parent's arena is copied whole
+first: into a pooled arena through the maps on every core (its pages are present in this process's map), into a
+fresh one streamed with `pwrite` and the changes applied on the way (`wcache.delta.arena.copy_with_changes`: a
+fresh map would fault in every page).
 
 Either way every checkpoint tensor written is hashed again, from the new arena, on every core, and the new key's
 checkpoint digest is the Merkle root of what was hashed: a delta that names a checkpoint is checked against it,
@@ -110,12 +112,14 @@ def build_hosted(parent: LoadedRank, delta: Delta, arena: CpuArena, path: list[S
     manifest = {e.name: e for e in parent.key_file.manifest}
     held, _ = holdings(parent.plan, parent.entries, manifest)
     assert isinstance(parent.arena, CpuArena)
-    if path is not None:
+    if arena.reusable:  # a pooled arena: written through this process's map, its pages present
         arena.rewrite()
-        written = _write(parent.arena, arena, held, path, delta, workers)
-        touched = set(delta.changes).union(*(step.elements for step in path))
+        copied = 0 if path is not None else _copy_whole(parent.arena, arena, workers)
+        steps = path or []
+        written = copied + _write(parent.arena, arena, held, steps, delta, workers)
+        touched = set(delta.changes).union(*(step.elements for step in steps))
         digests, processed = _hash(arena, parent, held, touched, workers)
-    else:
+    else:  # a fresh one: pwrite gives it its pages as it copies, where a map would fault each one in
         processed, digests = copy_with_changes(parent.plan, delta, manifest, arena, parent.entries,
                                                os.dup(parent.arena.fd))
         written = arena.total_bytes
@@ -146,6 +150,25 @@ def _elements(buffer: memoryview, entry: ArenaEntry, span: Span, itemsize: int) 
         yield view
     finally:
         del view
+
+
+# What one worker copies at a time when a pooled arena takes the parent's bytes whole.
+_COPY_CHUNK = 64 * 1024 * 1024
+
+
+def _copy_whole(parent: CpuArena, arena: CpuArena, workers: ThreadPoolExecutor) -> int:
+    """Every byte of the parent's arena into `arena`, in chunks on every core (numpy's copy leaves the GIL)."""
+    target = memoryview(arena.writable())
+    try:
+        with parent.bytes_at(0, parent.total_bytes) as source:
+            def one(at: int) -> None:
+                n = min(_COPY_CHUNK, parent.total_bytes - at)
+                np.copyto(np.frombuffer(target, np.uint8, n, at), np.frombuffer(source, np.uint8, n, at))
+
+            list(workers.map(one, range(0, parent.total_bytes, _COPY_CHUNK)))
+    finally:
+        target.release()
+    return parent.total_bytes
 
 
 def _write(parent: CpuArena, arena: CpuArena, held: Holdings, path: list[StepChanges], delta: Delta,
