@@ -122,8 +122,8 @@ class ArenaPool:
 
     def offer(self, arena: CpuArena, checkpoint: str | None) -> bool:
         """Keep `arena` (holding `checkpoint`) if it is reusable and fits the budget; False: the caller closes it."""
-        if not (arena.reusable and arena.total_bytes <= self.budget):
-            return False
+        if not (arena.reusable and arena.fd >= 0 and arena.total_bytes <= self.budget):
+            return False  # sealed for good, already closed (released to a copy-mode engine), or too large
         self._held.append(_Pooled(arena, checkpoint))
         while sum(p.arena.total_bytes for p in self._held) > self.budget:
             self._held.pop(0).arena.close()
