@@ -298,3 +298,27 @@ def is_running(process: psutil.Process) -> bool:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+# A version's tensors, rank by rank, against a disk load of checkpoint argv[2] under the same plan (a script for
+# `DaemonRig.python`: argv[2:7] are the checkpoint, the TP size, dtype, quantization and run dir); prints each
+# rank's daemon.
+SAME_AS_DISK = """
+import sys
+from pathlib import Path
+import torch
+from wcache.attach import attach
+from wcache.key.compute import compute_key
+from wcache.load.loader import load_from_disk
+from wcache.plan.spec import PlanSpec
+model, tp, dtype, quantization, run_dir = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
+for rank in range(tp):
+    spec = PlanSpec(tp_size=tp, tp_rank=rank, dtype=dtype, quantization=quantization)
+    with attach(model, spec, fallback=False, run_dir=Path(run_dir)) as weights:
+        disk = load_from_disk(compute_key(model, spec), model)
+        assert weights.report.outcome == "hit", weights.report
+        assert set(disk) == set(weights.tensors)
+        for name, tensor in disk.items():
+            assert torch.equal(tensor.view(torch.uint8), weights.tensors[name].view(torch.uint8)), name
+        print(weights.report.daemon)
+"""

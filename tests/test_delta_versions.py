@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives  # noqa: F401
-from helpers import assert_one_error_sentence, one_sentence, wcache_process
+from helpers import SAME_AS_DISK, assert_one_error_sentence, one_sentence, wcache_process
 from safetensors.torch import load_file, save_file
 from wcache.delta.format import FORMAT, read_delta
 from wcache.ipc.run_dir.directory import DaemonDescriptor
@@ -161,28 +161,6 @@ def _preload_from(rig: DaemonRig, parent: str, delta: Path) -> dict[str, object]
     return dict(json.loads(result.stdout))
 
 
-# The new version's tensors, rank by rank, against a disk load of the materialized checkpoint under the same plan.
-_SAME_AS_DISK = """
-import sys
-from pathlib import Path
-import torch
-from wcache.attach import attach
-from wcache.key.compute import compute_key
-from wcache.load.loader import load_from_disk
-from wcache.plan.spec import PlanSpec
-model, tp, dtype, quantization, run_dir = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
-for rank in range(tp):
-    spec = PlanSpec(tp_size=tp, tp_rank=rank, dtype=dtype, quantization=quantization)
-    with attach(model, spec, fallback=False, run_dir=Path(run_dir)) as weights:
-        disk = load_from_disk(compute_key(model, spec), model)
-        assert weights.report.outcome == "hit", weights.report
-        assert set(disk) == set(weights.tensors)
-        for name, tensor in disk.items():
-            assert torch.equal(tensor.view(torch.uint8), weights.tensors[name].view(torch.uint8)), name
-        print(weights.report.daemon)
-"""
-
-
 @pytest.mark.parametrize("options", [(), ("--dtype", "bfloat16"), ("--tp", "2"), ("--quantization", "int8")],
                          ids=["fused", "cast", "tp2", "int8"])
 def test_next_version_from_the_daemon_holding_the_parent(rig: DaemonRig, versions: dict[str, Path],
@@ -212,7 +190,7 @@ def test_next_version_from_the_daemon_holding_the_parent(rig: DaemonRig, version
         assert all(e["bytes_read"] == versions["delta"].stat().st_size for e in ready_events)
     dtype = dict(zip(options[::2], options[1::2], strict=True)).get("--dtype", "auto")
     quantization = dict(zip(options[::2], options[1::2], strict=True)).get("--quantization", "none")
-    checked = rig.python(_SAME_AS_DISK, str(versions["materialized"]), str(tp), dtype, quantization, str(rig.run_dir))
+    checked = rig.python(SAME_AS_DISK, str(versions["materialized"]), str(tp), dtype, quantization, str(rig.run_dir))
     assert checked.returncode == 0, checked.stderr
     assert set(checked.stdout.split()) == {d.name for d in children}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives  # noqa: F401
-from helpers import wcache_process
+from helpers import SAME_AS_DISK, wcache_process
 from wcache.ipc.wire.client import request_once
 from wcache.ipc.wire.messages import CheckArena
 from wcache_dev.synth import write_training_step
@@ -93,6 +93,9 @@ def test_a_training_loop_builds_each_version_in_the_parents_process_writing_only
     assert last.pid == parent.pid  # every version was built and is served by the process that loaded N
     assert last.parent is not None
     assert request_once(last.socket, CheckArena()).changed == ()  # its bytes are what its digests say
+    checked = rig.python(SAME_AS_DISK, str(chain[1]), "1", "auto", "none", str(rig.run_dir))
+    assert checked.returncode == 0, checked.stderr  # every engine tensor equals a disk load of N+1, byte for byte
+    assert checked.stdout.split() == [last.name]
     assert {d["state"] for d in rig.status()["daemons"]} == {"ready"}
     stopped = rig.cli("stop", last.name, "--run-dir", str(rig.run_dir))
     assert stopped.returncode == 0, stopped.stderr
