@@ -1,4 +1,5 @@
-"""Tensor parallelism on CPU: a TP=2 engine (two processes, gloo, through run_tensor_parallel) against TP=1,
+"""Tensor parallelism on CPU: a TP=2 engine (rank 0 in this process, rank 1 spawned, gloo, through
+run_tensor_parallel) against TP=1,
 TP=2 serving over HTTP against TP=1 with unpickling switched off in the ranks, and the launcher's failure
 handling (a raising, dying or hanging rank stops every rank and names the culprit; a rank's wcache error
 arrives as itself, so the CLI prints one sentence with the error's exit code).
@@ -104,7 +105,10 @@ def test_tp2_matches_tp1(tiny_template: Path) -> None:
     ranks = run_tensor_parallel(_tp_rank, 2, tiny_template, timeout=240)
 
     assert [r["rank"] for r in ranks] == [0, 1]
-    assert ranks[0]["pid"] != ranks[1]["pid"] and os.getpid() not in (ranks[0]["pid"], ranks[1]["pid"])
+    # Rank 0 ran here, rank 1 in a process of its own; the group rank 0 joined here is gone again.
+    assert ranks[0]["pid"] == os.getpid() != ranks[1]["pid"]
+    assert not torch.distributed.is_initialized()
+    assert torch.get_num_threads() == 1  # the thread count rank 0 set here is put back
     # Each rank really holds half the heads and half the (vocab-parallel) embedding rows.
     assert all(r["heads"] == (2, 1) for r in ranks)
     assert all(r["embed_rows"] == 160 for r in ranks)
@@ -265,7 +269,7 @@ def _serve_without_unpickling(tp: TensorParallel, checkpoint: Path, run_dir: Pat
     c10d._unpickler = _RefusedUnpickler  # what broadcast_object_list and the other *_object calls unpickle with
     pickle.Unpickler = _RefusedUnpickler  # type: ignore[misc]
     pickle.loads = pickle.load = _refused
-    plan = PlanSpec(tp_size=tp.size).to_json()
+    plan = PlanSpec(tp_size=tp.size)
     serve_rank(tp, checkpoint, plan, EngineConfig(), AttachOptions(), "cpu", "127.0.0.1", 0, run_dir,
                functools.partial(_announce, ready_file))
 
@@ -312,8 +316,10 @@ def test_tp2_serving_matches_tp1_without_unpickling(tiny_template: Path, tmp_pat
 
     def launch() -> None:
         try:
+            # Rank 0 spawned too: this test serves from a thread and stops rank 0 by its pid, as a service
+            # manager would, which must not stop the test's own process.
             outcome["result"] = run_tensor_parallel(_serve_without_unpickling, 2, tiny_template, tmp_path / "run",
-                                                    ready_file, timeout=240)
+                                                    ready_file, timeout=240, isolate_rank0=True)
         except BaseException as exc:  # handed to the test thread below
             outcome["error"] = exc
 
