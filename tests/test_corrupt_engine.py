@@ -173,7 +173,7 @@ def test_a_flip_under_rank_1_stops_a_tp2_engine(tmp_path_factory: pytest.TempPat
             assert weights is not None
             assert [(t["tensor"], t["rank"]) for t in weights["attach"]["corrupt"]] == [(FLIPPED, 1)]
             assert metrics(server.url)["wcache:weights_corrupt_tensors"] == 1
-            # Rank 0, a child of the command, announces the engine under its own pid.
+            # Rank 0, the command itself, announces the engine under its pid.
             (rank_0,) = [path for path in (rig.run_dir / "engines").glob("*.json")
                          if json.loads(path.read_text())["url"] == server.url]
             announced = wait_for(lambda: json.loads(rank_0.read_text())["attach"].get("corrupt"), timeout=5,

@@ -1,4 +1,5 @@
-"""Tensor parallelism on CPU: a TP=2 engine (two processes, gloo, through run_tensor_parallel) against TP=1,
+"""Tensor parallelism on CPU: a TP=2 engine (rank 0 in this process, rank 1 spawned, gloo, through
+run_tensor_parallel) against TP=1,
 TP=2 serving over HTTP against TP=1 with unpickling switched off in the ranks, and the launcher's failure
 handling (a raising, dying or hanging rank stops every rank and names the culprit; a rank's wcache error
 arrives as itself, so the CLI prints one sentence with the error's exit code).
@@ -15,6 +16,8 @@ import os
 import pickle
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -104,7 +107,10 @@ def test_tp2_matches_tp1(tiny_template: Path) -> None:
     ranks = run_tensor_parallel(_tp_rank, 2, tiny_template, timeout=240)
 
     assert [r["rank"] for r in ranks] == [0, 1]
-    assert ranks[0]["pid"] != ranks[1]["pid"] and os.getpid() not in (ranks[0]["pid"], ranks[1]["pid"])
+    # Rank 0 ran here, rank 1 in a process of its own; the group rank 0 joined here is gone again.
+    assert ranks[0]["pid"] == os.getpid() != ranks[1]["pid"]
+    assert not torch.distributed.is_initialized()
+    assert torch.get_num_threads() == 1  # the thread count rank 0 set here is put back
     # Each rank really holds half the heads and half the (vocab-parallel) embedding rows.
     assert all(r["heads"] == (2, 1) for r in ranks)
     assert all(r["embed_rows"] == 160 for r in ranks)
@@ -237,6 +243,35 @@ def test_timeout_stops_every_rank() -> None:
     _no_children_left(before)
 
 
+def _where(tp: TensorParallel) -> tuple[int, int, str]:
+    return tp.rank, os.getpid(), threading.current_thread().name
+
+
+def test_tp1_runs_here_and_spawns_nothing() -> None:
+    before = _live_children()
+    assert run_tensor_parallel(_where, 1) == [(0, os.getpid(), "MainThread")]
+    assert _live_children() == before
+
+
+def test_rank0_here_needs_the_main_thread() -> None:
+    """Only the main thread can be stopped by a signal; a caller on another thread isolates rank 0 instead."""
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            outcome["here"] = run_tensor_parallel(_where, 2)
+        except ValueError as exc:
+            outcome["refused"] = str(exc)
+        outcome["isolated"] = run_tensor_parallel(_where, 2, timeout=120, isolate_rank0=True)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    caller.join(180)
+    assert "isolate_rank0=True" in outcome["refused"] and "here" not in outcome
+    assert [rank for rank, _, _ in outcome["isolated"]] == [0, 1]
+    assert os.getpid() not in {pid for _, pid, _ in outcome["isolated"]}
+
+
 def test_bad_arguments_start_nothing() -> None:
     before = _live_children()
     with pytest.raises(ValueError, match="tp_size"):
@@ -265,7 +300,7 @@ def _serve_without_unpickling(tp: TensorParallel, checkpoint: Path, run_dir: Pat
     c10d._unpickler = _RefusedUnpickler  # what broadcast_object_list and the other *_object calls unpickle with
     pickle.Unpickler = _RefusedUnpickler  # type: ignore[misc]
     pickle.loads = pickle.load = _refused
-    plan = PlanSpec(tp_size=tp.size).to_json()
+    plan = PlanSpec(tp_size=tp.size)
     serve_rank(tp, checkpoint, plan, EngineConfig(), AttachOptions(), "cpu", "127.0.0.1", 0, run_dir,
                functools.partial(_announce, ready_file))
 
@@ -312,8 +347,10 @@ def test_tp2_serving_matches_tp1_without_unpickling(tiny_template: Path, tmp_pat
 
     def launch() -> None:
         try:
+            # Rank 0 spawned too: this test serves from a thread and stops rank 0 by its pid, as a service
+            # manager would, which must not stop the test's own process.
             outcome["result"] = run_tensor_parallel(_serve_without_unpickling, 2, tiny_template, tmp_path / "run",
-                                                    ready_file, timeout=240)
+                                                    ready_file, timeout=240, isolate_rank0=True)
         except BaseException as exc:  # handed to the test thread below
             outcome["error"] = exc
 
@@ -372,3 +409,62 @@ def test_a_request_failing_on_every_rank_leaves_them_in_step(tiny_template: Path
     before = _live_children()
     assert run_tensor_parallel(_drive, 2, tiny_template, too_long, timeout=240) == [expected, None]
     _no_children_left(before)
+
+
+def test_cli_tp2_server_is_the_command_and_stops_on_sigterm(tiny_template: Path) -> None:
+    """`wcache attach --serve --tp 2`: rank 0 serves in the command's own process (its pid names the engine and
+    its token), rank 1 is its only child; SIGTERM stops both gracefully, exit 0, as with --tp 1."""
+    from daemon_fixtures import daemon_rig
+    from engine_serving import serving
+
+    with daemon_rig() as rig, serving(rig, tiny_template, "--tp", "2") as server:
+        pid = server.process.pid
+        descriptor = rig.run_dir / "engines" / f"{pid}.json"
+        assert json.loads(descriptor.read_text())["url"] == server.url
+        assert server.token()  # written under the command's pid
+        ranks = [child for child in psutil.Process(pid).children()
+                 if not any("resource_tracker" in part for part in child.cmdline())]
+        assert len(ranks) == 1
+        assert _served(_complete(server.url, PROMPTS[0], 8))[0]
+        assert server.stop() == 0, server.stderr.read_text()
+        assert not descriptor.exists() and not (rig.run_dir / "engines" / f"{pid}.token").exists()
+        assert not any(rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE for rank in ranks)
+
+
+def _barrier_while_rank1_sleeps(tp: TensorParallel, started: str) -> int:
+    if tp.rank == 1:
+        Path(started).write_text("asleep")
+        time.sleep(600)
+    torch.distributed.barrier()  # rank 0 waits here, where no signal reaches it, for a rank that never comes
+    return tp.rank
+
+
+def test_ctrl_c_stops_every_rank_while_rank0_waits_in_a_collective(tmp_path: Path) -> None:
+    """SIGINT to the caller: rank 0 is in a barrier no signal interrupts, so the other ranks are stopped for it;
+    the caller sees KeyboardInterrupt (the CLI's "interrupted."), and no rank is left."""
+    started = tmp_path / "started"
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_engine_tp as t\n"
+              "from wcache.tp_launch import run_tensor_parallel\n"
+              "if __name__ == '__main__':\n"
+              "    try:\n"
+              "        run_tensor_parallel(t._barrier_while_rank1_sleeps, 2, sys.argv[2])\n"
+              "    except KeyboardInterrupt:\n"
+              "        print('interrupted', flush=True)\n")
+    caller = psutil.Popen([sys.executable, "-c", script, str(Path(__file__).parent), str(started)],
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert started.exists()
+        time.sleep(1)  # rank 0 into its barrier
+        ranks = [child for child in caller.children(recursive=True)
+                 if not any("resource_tracker" in part for part in child.cmdline())]
+        assert len(ranks) == 1
+        caller.send_signal(signal.SIGINT)
+        out, _ = caller.communicate(timeout=60)
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+    assert out.strip() == "interrupted"
+    assert not any(rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE for rank in ranks)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from wcache.attach_options import AttachOptions
@@ -34,6 +34,9 @@ from wcache_cli.params import (
     run_dir_or_default,
     warn_if_exposed,
 )
+
+if TYPE_CHECKING:
+    from wcache.plan.spec import PlanSpec
 
 
 def attach(
@@ -98,9 +101,9 @@ def attach(
         check_tp_fits(model, spec)
         if serve:
             warn_if_exposed(host, "--host", "completions, metrics and weight switches")
-            _serve(model, spec.to_json(), engine_config, options, device, host, port, where, follow)
+            _serve(model, spec, engine_config, options, device, host, port, where, follow)
         else:
-            _generate(model, spec.to_json(), engine_config, options, device, prompt or "", max_new_tokens, json)
+            _generate(model, spec, engine_config, options, device, prompt or "", max_new_tokens, json)
         return
     _report_only(model, plan_from_options(tp, rank, dtype, quantization, plan), options, device, json)
 
@@ -143,15 +146,14 @@ def _print_report(report: Any) -> None:
     out.print(timings)
 
 
-def generate_rank(tp: Any, model: Path, plan: dict[str, Any], engine_config: Any, options: AttachOptions,
+def generate_rank(tp: Any, model: Path, plan: PlanSpec, engine_config: Any, options: AttachOptions,
                   device: str, prompt: str, max_new_tokens: int) -> dict[str, Any]:
     """One rank of `--prompt`: attach, generate, and describe what happened (rank 0's answer is shown)."""
     import time
 
     from wcache.engine import Engine
-    from wcache.plan.spec import PlanSpec
 
-    spec = PlanSpec.from_json({**plan, "tp_rank": tp.rank})
+    spec = plan.for_rank(tp.rank)
     engine = Engine.from_attach(model, spec, engine_config, tp, options=options, device=device)
     try:
         began = time.perf_counter()
@@ -164,17 +166,13 @@ def generate_rank(tp: Any, model: Path, plan: dict[str, Any], engine_config: Any
         engine.close()
 
 
-def _generate(model: Path, plan: dict[str, Any], engine_config: Any, options: AttachOptions, device: str,
+def _generate(model: Path, plan: PlanSpec, engine_config: Any, options: AttachOptions, device: str,
               prompt: str, max_new_tokens: int, json: bool) -> None:
-    if plan["tp_size"] == 1:
-        from wcache.engine.parallel import TensorParallel
+    from wcache.tp_launch import run_tensor_parallel
 
-        result = generate_rank(TensorParallel(), model, plan, engine_config, options, device, prompt, max_new_tokens)
-    else:
-        from wcache.tp_launch import run_tensor_parallel
-
-        result = run_tensor_parallel(generate_rank, plan["tp_size"], model, plan, engine_config, options, device,
-                                     prompt, max_new_tokens)[0]
+    # No timeout, as for one rank: loading a large model on every rank may take long; Ctrl-C stops every rank.
+    result = run_tensor_parallel(generate_rank, plan.tp_size, model, plan, engine_config, options, device, prompt,
+                                 max_new_tokens)[0]
     if json:
         out.json(result)
         return
@@ -193,20 +191,16 @@ def announce(url: str, engine: Any) -> None:
     out.print(f"SERVING {url}/v1/completions (weights: {outcome}); /health and /metrics beside it. Ctrl-C stops.")
 
 
-def _serve(model: Path, plan: dict[str, Any], engine_config: Any, options: AttachOptions, device: str, host: str,
+def _serve(model: Path, plan: PlanSpec, engine_config: Any, options: AttachOptions, device: str, host: str,
            port: int, where: Path, follow: bool) -> None:
     from wcache.serving.follow import check_followable
     from wcache.serving.ranks import corrupt_channel, serve_rank
-
-    if follow:
-        check_followable(plan["tp_size"])
-    if plan["tp_size"] == 1:
-        from wcache.engine.parallel import TensorParallel
-
-        serve_rank(TensorParallel(), model, plan, engine_config, options, device, host, port, where, announce,
-                   follow=follow)
-        return
     from wcache.tp_launch import run_tensor_parallel
 
-    run_tensor_parallel(serve_rank, plan["tp_size"], model, plan, engine_config, options, device, host, port, where,
-                        announce, corrupt_channel(), timeout=None)
+    if follow:
+        check_followable(plan.tp_size)
+    # Rank 0 serves in this process (its pid announces the engine; SIGTERM stops it gracefully); the others
+    # follow it. Only they report corruption to it, over a channel made before they start.
+    corrupt = corrupt_channel() if plan.tp_size > 1 else None
+    run_tensor_parallel(serve_rank, plan.tp_size, model, plan, engine_config, options, device, host, port, where,
+                        announce, corrupt, follow)

@@ -60,6 +60,10 @@ class PlanSpec(Schema, frozen=True):
         return PlanSpec(self.tp_size, self.tp_rank, checkpoint_dtype, self.quantization,
                         dict(self.quantization_config), self.layout)
 
+    def for_rank(self, rank: int) -> PlanSpec:
+        """This plan as tensor-parallel rank `rank` holds it (checked against `tp_size` like any plan)."""
+        return msgspec.structs.replace(self, tp_rank=rank)
+
     def to_json(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
 

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import msgspec
 import torch
@@ -227,7 +227,7 @@ def _follower(served: ServedEngine, daemons: Path) -> Follower:
     return follower
 
 
-def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_config: EngineConfig,
+def serve_rank(tp: TensorParallel, model: Path, plan: PlanSpec, engine_config: EngineConfig,
                options: AttachOptions, device: str, host: str, port: int, run_dir: Path,
                on_ready: Callable[[str, Engine], None] | None = None,
                corrupt: tuple[Connection, Connection] | None = None, follow: bool = False) -> None:
@@ -239,7 +239,7 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
         check_followable(tp.size)
     # Read first: an operator's token file that cannot serve fails before the attach, not after it.
     token = engine_token() if tp.rank == 0 else None
-    spec = PlanSpec.from_json({**plan, "tp_rank": tp.rank})
+    spec = plan.for_rank(tp.rank)
     options = options if options.run_dir is not None else msgspec.structs.replace(options, run_dir=str(run_dir))
     engine = Engine.from_attach(model, spec, engine_config, tp, options=options, device=device)
     try:
@@ -265,9 +265,9 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
         counters.start()
         follower = _follower(served, Path(options.run_dir or run_dir)) if follow else None
         stop = threading.Event()
-        # SIGTERM and SIGINT end serve_forever from another thread (it cannot be interrupted in place).
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: stop.set())
+        # SIGTERM and SIGINT end serve_forever from another thread (it cannot be interrupted in place); the
+        # handlers they replace come back after, for a caller that goes on (rank 0 runs in it).
+        previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGTERM, signal.SIGINT)}
 
         def shut_down_on_signal() -> None:
             stop.wait()
@@ -279,13 +279,17 @@ def serve_rank(tp: TensorParallel, model: Path, plan: dict[str, Any], engine_con
         try:
             server.serve_forever(poll_interval=0.2)
         finally:
-            if follower is not None:
-                follower.stop()
-            counters.stop()
-            descriptor.unlink(missing_ok=True)
-            token_file.unlink(missing_ok=True)
-            server.server_close()
-            if driver is not None:
-                driver.stop_followers()
+            try:
+                if follower is not None:
+                    follower.stop()
+                counters.stop()
+                descriptor.unlink(missing_ok=True)
+                token_file.unlink(missing_ok=True)
+                server.server_close()
+                if driver is not None:
+                    driver.stop_followers()
+            finally:
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
     finally:
         engine.close()

@@ -4,35 +4,33 @@ engine loading the checkpoint from disk; a TP plan runs every rank (gloo), each 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from wcache.attach_options import AttachOptions
 from wcache.errors import BadInputError
 from wcache.integrations.registry import GreedyAttach, GreedyTokens
 from wcache.plan.spec import PlanSpec
 
+if TYPE_CHECKING:
+    from wcache.engine.parallel import TensorParallel
+
 
 def run_greedy(model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int, options: AttachOptions,
                device: str) -> GreedyTokens:
     """Both sides' greedy tokens; `device` is the attached engine's."""
-    if plan.tp_size == 1:
-        from wcache.engine.parallel import TensorParallel
-
-        return _run_prompts(TensorParallel(), model, plan.to_json(), prompts, max_new_tokens, options, device)
     from wcache.tp_launch import run_tensor_parallel
 
     # Every rank must attach its own shard; each runs the same prompts and rank 0's answer is the report.
     # No timeout: loading a large model on every rank may take long; Ctrl-C stops every rank.
-    reports = run_tensor_parallel(_run_prompts_rank, plan.tp_size, model, plan.to_json(), prompts,
-                                  max_new_tokens, options, device, timeout=None)
-    return reports[0]
+    return run_tensor_parallel(_run_prompts, plan.tp_size, model, plan, prompts, max_new_tokens, options,
+                               device)[0]
 
 
-def _run_prompts(tp: Any, model: Path, plan: dict[str, Any], prompts: list[str], max_new_tokens: int,
+def _run_prompts(tp: TensorParallel, model: Path, plan: PlanSpec, prompts: list[str], max_new_tokens: int,
                  options: AttachOptions, device: str) -> GreedyTokens:
     from wcache.engine import Engine, EngineConfig
 
-    spec = PlanSpec.from_json(plan)
+    spec = plan.for_rank(tp.rank)
     # No prefix caching: each prompt must exercise the weights, not a cache shared between prompts.
     engine_config = EngineConfig(enable_prefix_caching=False)
     cached = Engine.from_attach(model, spec, engine_config, tp, options=options, device=device)
@@ -49,9 +47,3 @@ def _run_prompts(tp: Any, model: Path, plan: dict[str, Any], prompts: list[str],
         return GreedyTokens(from_cache, from_disk, attach)
     finally:
         cached.close()
-
-
-def _run_prompts_rank(tp: Any, model: Path, plan: dict[str, Any], prompts: list[str], max_new_tokens: int,
-                      options: AttachOptions, device: str) -> GreedyTokens:
-    rank_plan = {**plan, "tp_rank": tp.rank}
-    return _run_prompts(tp, model, rank_plan, prompts, max_new_tokens, options, device)
