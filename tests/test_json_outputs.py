@@ -13,7 +13,7 @@ import msgspec
 from helpers import cli_env, wcache_in_process
 from wcache.doctor import DoctorOutput
 from wcache.monitor.snapshot import Snapshot
-from wcache.monitor.status_row import StatusOutput
+from wcache.monitor.status_output import StatusOutput
 from wcache.verify import VerifyOutput
 from wcache_dev.docgen import json_outputs
 from wcache_dev.synth import write_checkpoint

@@ -496,7 +496,7 @@ def json_outputs() -> tuple[tuple[str, type], ...]:
     """Each documented `--json` output and the schema that writes it."""
     from wcache.doctor import DoctorOutput
     from wcache.monitor.snapshot import Snapshot
-    from wcache.monitor.status_row import StatusOutput
+    from wcache.monitor.status_output import StatusOutput
     from wcache.verify import VerifyOutput
 
     return (("wcache verify --json", VerifyOutput), ("wcache top --json", Snapshot),
