@@ -73,7 +73,7 @@ class FileVerdict:
     expected: str | None
     origin: str
     why: str
-    algorithm: str = "sha256"  # or "git-sha1": what the Hub names a file stored outside LFS by
+    algorithm: str = "sha256"  # "sha256", or "git-sha1": what the Hub names a file stored outside LFS by
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "verdict": self.verdict, "sha256": self.sha256, "expected": self.expected,

@@ -40,5 +40,5 @@ class StatusOutput(Schema, frozen=True):
     daemons: list[StatusRow]
     stale_removed: list[StaleDaemon]
     ready: bool
-    engines: list[StatusEngine]  # type: ignore[valid-type]  # a struct made from EngineRow's fields
+    engines: list[StatusEngine]  # type: ignore[valid-type]  # top's engine rows (EngineRow) without the histories
     servers: list[ServerRow]

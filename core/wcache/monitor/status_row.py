@@ -28,7 +28,7 @@ class StatusRow(Schema, frozen=True, kw_only=True):
     tp_size: int
     tp_rank: int
     source: str
-    key_id: str | None  # None while loading: the key is not known before the checkpoint is read
+    key_id: str | None  # null while loading: the key is not known before the checkpoint is read
     state: str
     phase: str | UnsetType = UNSET
     done_bytes: int | UnsetType = UNSET
@@ -38,7 +38,7 @@ class StatusRow(Schema, frozen=True, kw_only=True):
     leases: int
     uptime_s: float | None
     health_url: str | None
-    health_status: int | None  # what the rank's health server answered, None without one or an answer
+    health_status: int | None  # what the rank's health server answered, null without one or an answer
     counters: dict[str, int]
     provenance: str | None
     parent_key_id: str | UnsetType | None = UNSET
