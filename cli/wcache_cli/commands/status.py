@@ -205,7 +205,7 @@ def _cells(r: StatusRow) -> list[str]:
     running as this user may forge: shown through `literal`."""
     from wcache.checkpoint.display_name import display_name
 
-    from wcache_cli.render import PROVENANCE_MARK, human_bytes
+    from wcache_cli.cells import PROVENANCE_MARK, human_bytes
 
     uptime = f"{r.uptime_s:.0f} s" if isinstance(r.uptime_s, int | float) else "?"
     health = str(r.health_status) if r.health_status is not None else "off"
