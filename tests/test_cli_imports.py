@@ -32,13 +32,15 @@ NOT_FOR_EMPTY_STATUS = (
     "wcache.ipc.wire.client", "wcache.ipc.wire.framing", "wcache.key.digest_store", "wcache.monitor.snapshot",
 )
 # With a daemon, status reads its descriptor, asks it over the wire and probes its health server, and needs no
-# more: not the checkpoint's file rules behind the descriptor's key type, not http.client (ssl, email) or the idna
-# codec for the probe, not the plan and attach options that other commands' choices are made of, nor a thread
-# pool for one daemon; its table (no --json) needs none of `top`'s rows, nor the key renderings, either.
+# more: not the checkpoint's file rules or provenance checks behind the descriptor's key type, not http.client
+# (ssl, email) or the idna codec for the probe, not the plan and attach options that other commands' choices are
+# made of, nor a thread pool for one daemon; its table (no --json) needs none of `top`'s rows, nor the key
+# renderings, either.
 NOT_FOR_STATUS_WITH_A_DAEMON = (
     *NOT_FOR_HELP_OR_STATUS, "wcache_cli.commands.attach", "wcache_cli.commands.preload", "wcache_cli.choices",
     "wcache.attach_options", "wcache.monitor.logs", "wcache.checkpoint.files", "wcache.checkpoint.companions",
-    "wcache.key.digest_store", "http.client", "ssl", "email", "encodings.idna", "concurrent.futures",
+    "wcache.checkpoint.provenance", "wcache.key.digest_store", "http.client", "ssl", "email", "encodings.idna",
+    "concurrent.futures",
 )
 NOT_FOR_KEY = ("torch", "wcache.daemon", "wcache.engine", "pydantic")
 # A shell completing a daemon id runs `wcache` on every TAB: the run dir census (psutil), nothing more.

@@ -18,7 +18,7 @@ import msgspec
 
 from wcache.bounded_read import read_bounded
 from wcache.canonical import INT64_BITS, loads_finite
-from wcache.checkpoint.provenance import FileDigest, Verdict
+from wcache.checkpoint.file_record import FileDigest, Verdict
 from wcache.errors import EXIT_OK, BadInputError, WcacheError, option
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.key.cache_key import SHORT_ID_HEX, WeightCacheKey
