@@ -43,20 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import bench_common as common
 import blake3
 import psutil
 import torch
-from bench_common import (
-    RACY_WINDOW_S,
-    fmt_rate,
-    fmt_seconds,
-    preload_arguments,
-    read_all,
-    stop_preloaded,
-    timed_preload,
-    wcache_command,
-    workspace,
-)
 from restart import our_leftovers, resident_fraction, try_drop_caches
 from rich.console import Console, JustifyMethod
 from rich.table import Table
@@ -180,7 +170,7 @@ def preload(bench: Bench, model: Path, store_dir: Path,
                "--plan", bench.spec.layout, *extra]
     env = {**os.environ, "WCACHE_CACHE_DIR": str(store_dir)}
     try:
-        seconds, ready = timed_preload(command, env, bench.run_dir, bench.spawned,
+        seconds, ready = common.timed_preload(command, env, bench.run_dir, bench.spawned,
                                        on_start=sampler.start if sampler is not None else None)
     finally:
         if sampler is not None:
@@ -190,7 +180,7 @@ def preload(bench: Bench, model: Path, store_dir: Path,
 
 def stop_daemons(bench: Bench) -> None:
     """`wcache stop --all --force`, then end whatever of ours is still running (by pid, never by name)."""
-    stop_preloaded(bench.cli, bench.run_dir, bench.spawned)
+    common.stop_preloaded(bench.cli, bench.run_dir, bench.spawned)
 
 
 class MemorySampler:
@@ -245,11 +235,11 @@ class MemorySampler:
 
 def measure_floor(bench: Bench, in_memory: torch.Tensor) -> None:
     drop_caches()
-    bench.record(RAW_READ, timed(lambda: read_all(bench.shards)))
+    bench.record(RAW_READ, timed(lambda: common.read_all(bench.shards)))
     bench.record(FALLOCATE, fallocate_arena(bench.arena_bytes))
     bench.record(BLAKE3, blake3_all(in_memory))
     bench.record(ARENA_FILL, fill_arena(in_memory, bench.arena_bytes))
-    read_all([p for p in bench.tiny.iterdir() if p.is_file()])
+    common.read_all([p for p in bench.tiny.iterdir() if p.is_file()])
     seconds, _ = preload(bench, bench.tiny, bench.stores / f"tiny-{bench.preloads}")
     bench.record(STARTUP, seconds)
     stop_daemons(bench)
@@ -267,13 +257,13 @@ def measure_preloads(bench: Bench, index: int) -> None:
     bench.record(COLD_REQUIRE, seconds)
     bench.record(COLD_REQUIRE_LOAD, load_s)
     stop_daemons(bench)
-    read_all(bench.shards)
+    common.read_all(bench.shards)
     warm_store = bench.stores / f"warm-{index}"
     seconds, load_s = preload(bench, bench.model, warm_store)
     bench.record(WARM, seconds)
     bench.record(WARM_LOAD, load_s)
     stop_daemons(bench)
-    read_all(bench.shards)
+    common.read_all(bench.shards)
     seconds, load_s = preload(bench, bench.model, warm_store)
     bench.record(WARM_STORE, seconds)
     bench.record(WARM_STORE_LOAD, load_s)
@@ -311,8 +301,8 @@ def results_table(bench: Bench, title: str, caption: str) -> Table:
         nbytes = sized.get(row, bench.checkpoint_bytes)
         floor, floor_text = floors.get(row, (0.0, ""))
         table.add_row(
-            row, fmt_seconds(m(row)), f"{fmt_seconds(min(seconds))}–{fmt_seconds(max(seconds))}",
-            fmt_rate(nbytes / m(row)) if nbytes else "", f"{m(row) / floor:.2f}×" if floor else "", floor_text,
+            row, common.fmt_seconds(m(row)), f"{common.fmt_seconds(min(seconds))}–{common.fmt_seconds(max(seconds))}",
+            common.fmt_rate(nbytes / m(row)) if nbytes else "", f"{m(row) / floor:.2f}×" if floor else "", floor_text,
             f"{m(row) / fill_or_hash:.2f}×" if row in loads else "",
             end_section=row in (ARENA_FILL, COLD_LOAD, COLD_REQUIRE_LOAD, WARM_LOAD),
         )
@@ -320,7 +310,7 @@ def results_table(bench: Bench, title: str, caption: str) -> Table:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = preload_arguments(__doc__.splitlines()[0])
+    parser = common.preload_arguments(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -328,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=200)
     err = Console(stderr=True, soft_wrap=True)
     began = time.perf_counter()
-    with workspace(args.workdir) as work:
+    with common.workspace(args.workdir) as work:
         model, tiny, run_dir, stores = work / "checkpoint", work / "tiny", work / "run", work / "digest-stores"
         for owned in (model, tiny, run_dir, stores):
             shutil.rmtree(owned, ignore_errors=True)
@@ -343,11 +333,11 @@ def main(argv: list[str] | None = None) -> int:
         plan = build_plan(key_file.plan, locate(model).config, key_file.manifest)
         _, arena_bytes = plan_layout([(o.name, o.dtype, o.shape, o.nbytes) for o in plan.outputs])
         shards = sorted(model.glob("*.safetensors"))
-        bench = Bench(model=model, tiny=tiny, spec=spec, run_dir=run_dir, stores=stores, cli=wcache_command(),
+        bench = Bench(model=model, tiny=tiny, spec=spec, run_dir=run_dir, stores=stores, cli=common.wcache_command(),
                       shards=shards, checkpoint_bytes=sum(p.stat().st_size for p in shards),
                       arena_bytes=arena_bytes)
         in_memory = checkpoint_in_memory(shards, bench.checkpoint_bytes)
-        time.sleep(RACY_WINDOW_S + 0.2)  # so that the stored receipts of the last row are trusted
+        time.sleep(common.RACY_WINDOW_S + 0.2)  # so that the stored receipts of the last row are trusted
         sampler = MemorySampler(bench)
         try:
             for i in range(args.repeat):

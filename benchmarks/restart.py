@@ -39,20 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import bench_common as common
 import psutil
 import torch
-from bench_common import (
-    RACY_WINDOW_S,
-    READ_CHUNK_BYTES,
-    fmt_rate,
-    fmt_seconds,
-    preload_arguments,
-    read_all,
-    stop_preloaded,
-    timed_preload,
-    wcache_command,
-    workspace,
-)
 from rich.console import Console, JustifyMethod
 from rich.table import Table
 from safetensors.torch import load_file
@@ -79,7 +68,7 @@ WC_LOAD = "wcache disk load (one read per tensor + plan)"
 ZERO_COPY = "zero-copy attach"
 ZERO_COPY_TOUCH = "zero-copy attach + 1 read/page"
 COPY = "copy attach"
-RAW_READ = f"raw read ({READ_CHUNK_BYTES >> 20} MiB reads)"
+RAW_READ = f"raw read ({common.READ_CHUNK_BYTES >> 20} MiB reads)"
 PRELOAD = "cold preload, start → READY"
 RANK_LOAD = "  rank load (read+hash+plan+fill)"
 
@@ -178,7 +167,7 @@ def resident_fraction(paths: list[Path]) -> float:
 def set_cache(bench: Bench, cache: str) -> None:
     """Put the checkpoint's pages in the page cache (warm) or drop the page cache (dropped)."""
     if cache == WARM:
-        read_all(bench.shards)
+        common.read_all(bench.shards)
         return
     reason = try_drop_caches()
     if reason is not None:
@@ -196,12 +185,13 @@ def preload(bench: Bench, store_dir: Path) -> tuple[float, dict[str, Any]]:
         *bench.wcache_cli, "preload", str(bench.model), "--detach", "--json", "--run-dir", str(bench.run_dir),
         "--tp", str(bench.spec.tp_size), "--plan", bench.spec.layout,
     ]
-    return timed_preload(command, {**os.environ, "WCACHE_CACHE_DIR": str(store_dir)}, bench.run_dir, bench.spawned)
+    return common.timed_preload(command, {**os.environ, "WCACHE_CACHE_DIR": str(store_dir)}, bench.run_dir,
+                                bench.spawned)
 
 
 def stop_daemons(bench: Bench) -> None:
     """`wcache stop --all --force`, then end whatever of ours is still running (by pid, never by name)."""
-    bench.problems += stop_preloaded(bench.wcache_cli, bench.run_dir, bench.spawned)
+    bench.problems += common.stop_preloaded(bench.wcache_cli, bench.run_dir, bench.spawned)
 
 
 def our_leftovers(run_dir: Path) -> list[psutil.Process]:
@@ -261,7 +251,7 @@ def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def measure_preload(bench: Bench, index: int, cache: str) -> None:
     """Raw read and a cold-store preload, both in the page-cache state `cache`; the daemon stays running."""
     set_cache(bench, cache)
-    seconds, nbytes = timed(lambda: read_all(bench.shards))
+    seconds, nbytes = timed(lambda: common.read_all(bench.shards))
     bench.record(RAW_READ, cache, seconds)
     if cache == DROPPED:
         set_cache(bench, cache)
@@ -416,7 +406,8 @@ def results_table(bench: Bench, title: str, baseline: tuple[str, str], caption: 
     for phase, rows in sections.items():
         for i, (row, cache) in enumerate(rows):
             s = bench.samples[(row, cache)]
-            rate = "" if row in (ZERO_COPY, ZERO_COPY_TOUCH, COPY) else fmt_rate(bench.checkpoint_bytes / s.median)
+            rate = ("" if row in (ZERO_COPY, ZERO_COPY_TOUCH, COPY)
+                    else common.fmt_rate(bench.checkpoint_bytes / s.median))
             if (row, cache) == baseline:
                 versus = "baseline"
             elif phase == "preload":
@@ -425,8 +416,8 @@ def results_table(bench: Bench, title: str, baseline: tuple[str, str], caption: 
             else:
                 versus = _faster(base, s.median)
             table.add_row(
-                phase if i == 0 else "", row, cache, fmt_seconds(s.median),
-                f"{fmt_seconds(min(s.seconds))}–{fmt_seconds(max(s.seconds))}", rate, versus,
+                phase if i == 0 else "", row, cache, common.fmt_seconds(s.median),
+                f"{common.fmt_seconds(min(s.seconds))}–{common.fmt_seconds(max(s.seconds))}", rate, versus,
                 notes_for(row, cache, s, bench), end_section=i == len(rows) - 1,
             )
     return table
@@ -437,7 +428,7 @@ def results_table(bench: Bench, title: str, baseline: tuple[str, str], caption: 
 
 def main(argv: list[str] | None = None) -> int:
     """Run every measurement and print the table; exit 1 when the tensors of the paths differ."""
-    parser = preload_arguments(__doc__.splitlines()[0])
+    parser = common.preload_arguments(__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size; rank 0 is measured (1)")
     parser.add_argument("--skip-drop", action="store_true",
                         help="measure with a warm page cache only (about half the run time)")
@@ -452,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=190)
     err = Console(stderr=True, soft_wrap=True)
     began = time.perf_counter()
-    with workspace(args.workdir) as work:
+    with common.workspace(args.workdir) as work:
         model_dir, run_dir, stores = work / "checkpoint", work / "run", work / "digest-stores"
         for owned in (model_dir, run_dir, stores):
             shutil.rmtree(owned, ignore_errors=True)
@@ -467,12 +458,12 @@ def main(argv: list[str] | None = None) -> int:
         drop_problem = "skipped (--skip-drop)" if args.skip_drop else try_drop_caches()
         bench = Bench(
             model=model_dir, spec=PlanSpec(tp_size=args.tp, tp_rank=0, layout=args.plan), run_dir=run_dir,
-            stores=stores, wcache_cli=wcache_command(), shards=shards,
+            stores=stores, wcache_cli=common.wcache_command(), shards=shards,
             checkpoint_bytes=sum(p.stat().st_size for p in shards), can_drop=drop_problem is None,
         )
         written = max(max(p.stat().st_mtime_ns, p.stat().st_ctime_ns) for p in model_dir.iterdir())
         # Receipts for files younger than the racy window are not trusted, so the warm key would miss.
-        wait_s = RACY_WINDOW_S + 0.2 - (time.time_ns() - written) / 1e9
+        wait_s = common.RACY_WINDOW_S + 0.2 - (time.time_ns() - written) / 1e9
         if wait_s > 0:
             err.print(f"waiting {wait_s:.1f} s so the digest store trusts receipts (racy-git rule) ...")
             time.sleep(wait_s)

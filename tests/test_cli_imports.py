@@ -29,15 +29,18 @@ NOT_FOR_HELP_OR_STATUS = (
 # run dir, status needs no wire client, no engine registry and no digest store.
 NOT_FOR_EMPTY_STATUS = (
     *NOT_FOR_HELP_OR_STATUS, "wcache_cli.commands.attach", "wcache_cli.commands.preload", "wcache.integrations",
-    "wcache.ipc.wire.client", "wcache.key.digest_store",
+    "wcache.ipc.wire.client", "wcache.ipc.wire.framing", "wcache.key.digest_store", "wcache.monitor.snapshot",
 )
 # With a daemon, status reads its descriptor, asks it over the wire and probes its health server, and needs no
-# more: not the checkpoint's file rules behind the descriptor's key type, not http.client (ssl, email) for the probe,
-# not the plan and attach options that other commands' choices are made of, nor a thread pool for one daemon.
+# more: not the checkpoint's file rules or provenance checks behind the descriptor's key type, not http.client
+# (ssl, email) or the idna codec for the probe, not the plan and attach options that other commands' choices are
+# made of, nor a thread pool for one daemon; its table (no --json) needs none of `top`'s rows, nor the key
+# renderings, either.
 NOT_FOR_STATUS_WITH_A_DAEMON = (
     *NOT_FOR_HELP_OR_STATUS, "wcache_cli.commands.attach", "wcache_cli.commands.preload", "wcache_cli.choices",
     "wcache.attach_options", "wcache.monitor.logs", "wcache.checkpoint.files", "wcache.checkpoint.companions",
-    "wcache.key.digest_store", "http.client", "ssl", "email", "concurrent.futures",
+    "wcache.checkpoint.provenance", "wcache.key.digest_store", "http.client", "ssl", "email", "encodings.idna",
+    "concurrent.futures",
 )
 NOT_FOR_KEY = ("torch", "wcache.daemon", "wcache.engine", "pydantic")
 # A shell completing a daemon id runs `wcache` on every TAB: the run dir census (psutil), nothing more.
@@ -65,10 +68,14 @@ def test_status_with_a_daemon_imports_only_what_it_shows(tmp_path: Path, tiny_te
 
     with preloaded_tiny(tiny_template) as (rig, _, daemon):
         result, modules = modules_after_cli(tmp_path, "status", "--json", env=rig.env)
+        table, table_modules = modules_after_cli(tmp_path, "status", env=rig.env)
     assert result.returncode == 0, result.stderr
     (row,) = json.loads(result.stdout)["daemons"]
     assert (row["name"], row["state"], row["health_status"]) == (daemon.name, "ready", 200)
     assert loaded_of(modules, NOT_FOR_STATUS_WITH_A_DAEMON) == []
+    assert table.returncode == 0 and daemon.name in table.stdout, table.stderr
+    table_only = ("wcache.monitor.snapshot", "wcache_cli.render")
+    assert loaded_of(table_modules, (*NOT_FOR_STATUS_WITH_A_DAEMON, *table_only)) == []
 
 
 def test_completing_a_daemon_id_imports_no_torch(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from helpers import WCACHE, environment, mounted_tmpfs, wcache_in_process, wcach
 from wcache.ipc.run_dir.directory import process_created, write_descriptor
 
 CHECKS = ["run dir", "memfd and seals", "shared memory", "huge pages", "arena backing", "cgroup memory",
-          "daemon owners", "vllm", "cuda", "digest store"]
+          "daemon owners", "vllm", "transformers", "cuda", "digest store"]
 
 
 def _doctor(run_dir: Path, env: dict[str, str | None] | None = None, *, process: bool = False

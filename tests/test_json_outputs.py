@@ -13,9 +13,9 @@ import msgspec
 from helpers import cli_env, wcache_in_process
 from wcache.doctor import DoctorOutput
 from wcache.monitor.snapshot import Snapshot
-from wcache.monitor.status_row import StatusOutput
+from wcache.monitor.status_output import StatusOutput
 from wcache.verify import VerifyOutput
-from wcache_dev.docgen import json_outputs
+from wcache_dev.docgen import json_outputs, json_outputs_page
 from wcache_dev.synth import write_checkpoint
 from wcache_dev.top_sample import sample_snapshot
 
@@ -32,6 +32,20 @@ def test_every_documented_output_has_its_schema() -> None:
     assert [command for command, _ in json_outputs()] == ["wcache verify --json", "wcache top --json",
                                                           "wcache status --json", "wcache doctor --json"]
     assert {schema for _, schema in json_outputs()} == {VerifyOutput, Snapshot, StatusOutput, DoctorOutput}
+
+
+def test_a_fields_words_are_its_schemas_comment() -> None:
+    # One owner: the comment beside (or above) a field in its schema is what the page says of it; pragmas for
+    # the type checker are left out, and a module's docstring restates none of it.
+    import wcache.monitor.snapshot
+
+    page = json_outputs_page()
+    assert "- `severity`: string: info | warning | error\n" in page
+    assert ('- `rates`: string: "interval": rates are deltas over the last interval; "cumulative": only one sample '
+            "yet, so rates are null and totals are since start\n") in page
+    assert "- `engines`: list of [StatusEngine](#statusengine): top's engine rows" in page
+    assert "type: ignore" not in page
+    assert "loaded_fraction" not in (wcache.monitor.snapshot.__doc__ or "")
 
 
 def test_doctor_json_is_written_by_its_schema(tmp_path: Path) -> None:

@@ -14,22 +14,21 @@ from wcache.daemon.argv import LoadArgs
 from wcache.daemon.scrub import MAX_INTERVAL_S
 from wcache.errors import BadInputError
 
+# Preload's numbers that are no number of their kind: each refused in one sentence before anything is made.
+PRELOAD_REFUSALS = [
+    *(("--scrub-interval", value, "a year")
+      for value in ["inf", "1e300", "nan", "-1", "-inf", str(MAX_INTERVAL_S * 2)]),
+    *(("--version-pool", value, "such as 3GiB") for value in ["-1", "3 apples", "1e9", "GiB", ""]),
+]
 
-@pytest.mark.parametrize("value", ["inf", "1e300", "nan", "-1", "-inf", str(MAX_INTERVAL_S * 2)])
-def test_a_scrub_interval_that_is_no_interval_is_refused(value: str, tmp_path: Path, tiny_template: Path) -> None:
+
+@pytest.mark.parametrize(("option", "value", "words"), PRELOAD_REFUSALS)
+def test_a_preload_number_that_is_none_is_refused(option: str, value: str, words: str, tmp_path: Path,
+                                                  tiny_template: Path) -> None:
     run_dir = tmp_path / "run"
-    result = wcache_in_process("preload", str(tiny_template), "--scrub-interval", value, "--detach",
+    result = wcache_in_process("preload", str(tiny_template), option, value, "--detach",
                                "--run-dir", str(run_dir), env=cli_env(tmp_path / "cache"))
-    assert "a year" in assert_one_error_sentence(result, "--scrub-interval")
-    assert not run_dir.exists()  # refused before anything was made
-
-
-@pytest.mark.parametrize("value", ["-1", "3 apples", "1e9", "GiB", ""])
-def test_a_version_pool_that_is_no_size_is_refused(value: str, tmp_path: Path, tiny_template: Path) -> None:
-    run_dir = tmp_path / "run"
-    result = wcache_in_process("preload", str(tiny_template), "--version-pool", value, "--detach",
-                               "--run-dir", str(run_dir), env=cli_env(tmp_path / "cache"))
-    assert "such as 3GiB" in assert_one_error_sentence(result, "--version-pool")
+    assert words in assert_one_error_sentence(result, option)
     assert not run_dir.exists()  # refused before anything was made
 
 

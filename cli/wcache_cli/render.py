@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from wcache_cli.cells import human_bytes
 from wcache_cli.output import printable
 
 if TYPE_CHECKING:  # renderings take what the key machinery made; they never need to import it
@@ -22,15 +23,6 @@ DIGEST_CHARS = 16
 
 def short(digest: str) -> str:
     return digest[:DIGEST_CHARS] if len(digest) > DIGEST_CHARS else digest
-
-
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def plan_summary(plan: dict[str, Any]) -> str:
@@ -69,8 +61,6 @@ def key_table(key_file: KeyFile) -> RenderableType:
     return Group(*parts)
 
 
-# A daemon's files against what the Hub published, as one short cell (status and top).
-PROVENANCE_MARK = {"matches": ("✓ hub", "green"), "differs": ("✗ DIFFERS", "bold red"), "unknown": ("?", "yellow")}
 VERDICT_STYLE = {"matches": "green", "differs": "red", "unknown": "yellow"}
 
 

@@ -496,7 +496,7 @@ def json_outputs() -> tuple[tuple[str, type], ...]:
     """Each documented `--json` output and the schema that writes it."""
     from wcache.doctor import DoctorOutput
     from wcache.monitor.snapshot import Snapshot
-    from wcache.monitor.status_row import StatusOutput
+    from wcache.monitor.status_output import StatusOutput
     from wcache.verify import VerifyOutput
 
     return (("wcache verify --json", VerifyOutput), ("wcache top --json", Snapshot),
@@ -533,16 +533,61 @@ def _type_text(info: Any, named: list[type]) -> str:
     return next(word for kind, word in words.items() if isinstance(info, kind))
 
 
+# Comments that speak to a tool, not a reader: left out of a field's words.
+_PRAGMAS = ("type:", "noqa", "pragma:")
+
+
+def _field_words(kind: type) -> dict[str, str]:
+    """Each field's words as its class states them, the one place a field is documented: the comment lines just
+    above the field and the comment after it. A class made at run time (no source) has none."""
+    import ast
+    import inspect
+    import io
+    import tokenize
+
+    try:
+        source = textwrap.dedent(inspect.getsource(kind))
+    except (OSError, TypeError):
+        return {}
+    comments: dict[int, tuple[bool, str]] = {}  # line → (the comment is the whole line, its words)
+    lines = source.splitlines()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            row = token.start[0]
+            said = " ".join(part.strip() for part in token.string.split("#")
+                            if part.strip() and not part.strip().startswith(_PRAGMAS))
+            comments[row] = (not lines[row - 1][:token.start[1]].strip(), said)
+    node = ast.parse(source).body[0]
+    assert isinstance(node, ast.ClassDef), kind
+    words: dict[str, str] = {}
+    for statement in node.body:
+        if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
+            continue
+        above: list[str] = []
+        row = statement.lineno - 1
+        while row in comments and comments[row][0]:
+            above.insert(0, comments[row][1])
+            row -= 1
+        end = statement.end_lineno or statement.lineno
+        after = comments[end][1] if end in comments and not comments[end][0] else ""
+        text = " ".join(part for part in (*above, after) if part).rstrip(".")
+        if text:  # a comment line is a sentence; in the list it follows the field's type as a clause
+            words[statement.target.id] = text[:1].lower() + text[1:] if text[1:2].islower() else text
+    return words
+
+
 def _fields_text(kind: type, named: list[type]) -> list[str]:
     import msgspec.inspect as mi
 
     info = mi.type_info(kind)
     assert isinstance(info, mi.StructType | mi.DataclassType), kind
     omits = isinstance(info, mi.StructType) and info.cls.__struct_config__.omit_defaults
+    words = _field_words(kind)
     lines = []
     for field in info.fields:
         note = " (left out at its default)" if omits and not field.required else ""
-        lines.append(f"- `{field.encode_name}`: {_type_text(field.type, named)}{note}")
+        said = f": {words[field.name]}" if field.name in words else ""
+        lines.append(f"- `{field.encode_name}`: {_type_text(field.type, named)}{note}{said}")
     return lines
 
 

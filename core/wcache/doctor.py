@@ -16,13 +16,16 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from wcache.errors import WcacheError, option
 from wcache.ipc.arenas.backing import ARENA_DIR_ENV, THP_SHMEM, arena_dir, backing_of, mount_of, shmem_huge_setting
 from wcache.ipc.run_dir.directory import DaemonDescriptor, census, default_run_dir, run_dir_unfit
 from wcache.key.digest_store import DB_NAME, default_store_dir, quick_check_read_only, untrusted_reason
 from wcache.schema import Schema
+
+if TYPE_CHECKING:
+    from wcache.integrations.registry import EngineEntry
 
 Status = Literal["ok", "warn", "fail"]
 # A run dir with less free space than this cannot take the next daemon's lock, socket and descriptor (or logs).
@@ -255,11 +258,33 @@ def _live(run_dir: Path) -> tuple[DaemonDescriptor, ...]:
 
 
 def engine_findings() -> list[Finding]:
-    """Each engine's check (the registry's), under the engine's name."""
-    from wcache.integrations.registry import doctor_checks
+    """Each engine's finding (its range and its check, the registry's), under the engine's name."""
+    from wcache.integrations.registry import REGISTRY
 
     gpu = has_nvidia_gpu()
-    return [Finding(name, *check(gpu)) for name, check in doctor_checks()]
+    return [finding for entry in REGISTRY if (finding := _engine_finding(entry, gpu)) is not None]
+
+
+def _engine_finding(entry: EngineEntry, gpu: bool) -> Finding | None:
+    """An installed version outside the engine's range fails; otherwise the engine's own check says, or, for an
+    engine without one, what is installed. None for an engine with neither a range nor a check."""
+    from wcache.integrations.registry import doctor_check
+
+    supported = entry.load_versions()
+    installed = None if supported is None else supported.installed()
+    if supported is not None and installed is not None and not supported.holds(installed[1]):
+        (distribution, version), tested = installed, supported.range
+        return Finding(entry.name, "fail", f"{distribution} {version} is outside the versions wcache is tested "
+                       f"with ({tested}); install one of those (pip install '{distribution}{tested}')")
+    check = doctor_check(entry)
+    if check is not None:
+        return Finding(entry.name, *check(gpu))
+    if supported is None:
+        return None
+    if installed is None:
+        return Finding(entry.name, "ok", f"{supported.distributions[0]} is not installed (only needed for "
+                       f"{option('engine', entry.name)})")
+    return Finding(entry.name, "ok", f"{installed[0]} {installed[1]} (tested: {supported.range})")
 
 
 def has_nvidia_gpu() -> bool:

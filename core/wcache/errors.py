@@ -7,8 +7,9 @@ a field of PlanSpec, AttachOptions or LoadArgs), never by a CLI flag: each front
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 EXIT_OK = 0
 EXIT_DIFFERENCE = 1  # a check found a difference (diff, verify, doctor, provenance)
@@ -84,3 +85,17 @@ class UnavailableError(WcacheError):
 
 class ListenError(BadInputError):
     """A server cannot listen where the user asked (a host that does not resolve or is not local, a busy port)."""
+
+
+@contextlib.contextmanager
+def closed_on_error(close: Callable[[], object], unreadable: Callable[[OSError], Exception]) -> Iterator[None]:
+    """Run the block; if it raises, `close` what it was opening first (nothing else will), and raise an OSError
+    as `unreadable(exc)`: one sentence instead of the system's words."""
+    try:
+        yield
+    except OSError as exc:
+        close()
+        raise unreadable(exc) from exc
+    except BaseException:
+        close()
+        raise

@@ -8,15 +8,7 @@ from typing import Annotated
 import typer
 from wcache.errors import EXIT_DIFFERENCE
 
-from wcache_cli.choices import (
-    DEFAULT_DTYPE,
-    DEFAULT_LAYOUT,
-    DEFAULT_QUANTIZATION,
-    DtypeOpt,
-    PlanOpt,
-    QuantizationOpt,
-    plan_from_options,
-)
+from wcache_cli import choices
 from wcache_cli.completers import daemon_ids_or_paths
 from wcache_cli.output import out
 from wcache_cli.params import JsonOpt, RankOpt, RunDirOpt, TpOpt
@@ -33,9 +25,9 @@ def diff(
     b: OperandArg,
     tp: TpOpt = 1,
     rank: RankOpt = 0,
-    dtype: DtypeOpt = DEFAULT_DTYPE,
-    quantization: QuantizationOpt = DEFAULT_QUANTIZATION,
-    plan: PlanOpt = DEFAULT_LAYOUT,
+    dtype: choices.DtypeOpt = choices.DEFAULT_DTYPE,
+    quantization: choices.QuantizationOpt = choices.DEFAULT_QUANTIZATION,
+    plan: choices.PlanOpt = choices.DEFAULT_LAYOUT,
     run_dir: RunDirOpt = None,
     json: JsonOpt = False,
 ) -> None:
@@ -49,7 +41,7 @@ def diff(
     from wcache_cli.operands import key_of_operand
     from wcache_cli.render import diff_json, diff_renderable
 
-    spec = plan_from_options(tp, rank, dtype, quantization, plan)
+    spec = choices.plan_from_options(tp, rank, dtype, quantization, plan)
     key_a, key_b = key_of_operand(a, spec, run_dir), key_of_operand(b, spec, run_dir)
     result = diff_keys(key_a, key_b)
     if json:

@@ -7,15 +7,7 @@ from typing import Annotated
 
 import typer
 
-from wcache_cli.choices import (
-    DEFAULT_DTYPE,
-    DEFAULT_LAYOUT,
-    DEFAULT_QUANTIZATION,
-    DtypeOpt,
-    PlanOpt,
-    QuantizationOpt,
-    plan_from_options,
-)
+from wcache_cli import choices
 from wcache_cli.completers import daemon_ids_or_paths
 from wcache_cli.output import out
 from wcache_cli.params import ExpectedOpt, JsonOpt, RankOpt, RunDirOpt, TpOpt
@@ -30,9 +22,9 @@ def key(
     ],
     tp: TpOpt = 1,
     rank: RankOpt = 0,
-    dtype: DtypeOpt = DEFAULT_DTYPE,
-    quantization: QuantizationOpt = DEFAULT_QUANTIZATION,
-    plan: PlanOpt = DEFAULT_LAYOUT,
+    dtype: choices.DtypeOpt = choices.DEFAULT_DTYPE,
+    quantization: choices.QuantizationOpt = choices.DEFAULT_QUANTIZATION,
+    plan: choices.PlanOpt = choices.DEFAULT_LAYOUT,
     tensors: Annotated[bool, typer.Option("--tensors", help="Also list every tensor and its digest.")] = False,
     rehash: Annotated[
         bool, typer.Option("--rehash", help="Hash every byte again instead of trusting the digest store.")
@@ -57,7 +49,7 @@ def key(
     from wcache_cli.operands import daemon_named, key_of_checkpoint, key_of_daemon
     from wcache_cli.render import key_table, provenance_table, tensors_table
 
-    spec = plan_from_options(tp, rank, dtype, quantization, plan)
+    spec = choices.plan_from_options(tp, rank, dtype, quantization, plan)
     daemon = daemon_named(path, run_dir)
     if daemon is not None:
         key_file, source = key_of_daemon(daemon), daemon.source

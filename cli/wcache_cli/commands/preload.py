@@ -316,7 +316,7 @@ def _warn_provenance(ready: GroupReady, run_dir: Path, expected: Path | None) ->
 def _print_ready(ready: GroupReady, model: Path, device: str, json_output: bool) -> None:
     from rich.markup import escape
 
-    from wcache_cli.render import human_bytes
+    from wcache_cli.cells import human_bytes
 
     ranks = ready.ranks
     if json_output:

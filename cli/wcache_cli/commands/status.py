@@ -80,7 +80,7 @@ def status(
     """
     from wcache.ipc.run_dir.directory import census
     from wcache.ipc.run_dir.loading import read_loading
-    from wcache.monitor.status_row import StaleDaemon, StatusOutput, StatusRow
+    from wcache.monitor.status_row import StaleDaemon, StatusRow
 
     where = run_dir_or_default(run_dir)
     found = census(where) if where.exists() else None
@@ -93,6 +93,8 @@ def status(
     engines = _engines(where) if where.exists() and not check else ()
     servers = _servers(where) if not check else ()
     if json:
+        from wcache.monitor.status_output import StatusOutput
+
         out.json(StatusOutput(run_dir=str(where), daemons=rows, stale_removed=stale,
                               ready=bool(rows) and not problems, engines=[_plain(e) for e in engines],
                               servers=list(servers)))
@@ -144,7 +146,7 @@ def _servers(where: Path) -> tuple[ServerRow, ...]:
 
 
 def _plain(row: EngineRow) -> msgspec.Struct:
-    from wcache.monitor.status_row import StatusEngine
+    from wcache.monitor.status_output import StatusEngine
 
     return StatusEngine(**{name: getattr(row, name) for name in StatusEngine.__struct_fields__})
 
@@ -203,7 +205,7 @@ def _cells(r: StatusRow) -> list[str]:
     running as this user may forge: shown through `literal`."""
     from wcache.checkpoint.display_name import display_name
 
-    from wcache_cli.render import PROVENANCE_MARK, human_bytes
+    from wcache_cli.cells import PROVENANCE_MARK, human_bytes
 
     uptime = f"{r.uptime_s:.0f} s" if isinstance(r.uptime_s, int | float) else "?"
     health = str(r.health_status) if r.health_status is not None else "off"

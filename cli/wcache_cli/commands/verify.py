@@ -10,17 +10,7 @@ import typer
 from wcache.errors import EXIT_DIFFERENCE, BadInputError
 from wcache.integrations.registry import ENGINES
 
-from wcache_cli.choices import (
-    DEFAULT_DTYPE,
-    DEFAULT_LAYOUT,
-    DEFAULT_MODE,
-    DEFAULT_QUANTIZATION,
-    DtypeOpt,
-    ModeOpt,
-    PlanOpt,
-    QuantizationOpt,
-    plan_from_options,
-)
+from wcache_cli import choices
 from wcache_cli.output import out
 from wcache_cli.params import (
     DaemonOpt,
@@ -81,11 +71,11 @@ def verify(
     max_new_tokens: MaxNewTokensOpt = 16,
     tp: TpOpt = 1,
     rank: RankOpt = 0,
-    dtype: DtypeOpt = DEFAULT_DTYPE,
-    quantization: QuantizationOpt = DEFAULT_QUANTIZATION,
-    plan: PlanOpt = DEFAULT_LAYOUT,
+    dtype: choices.DtypeOpt = choices.DEFAULT_DTYPE,
+    quantization: choices.QuantizationOpt = choices.DEFAULT_QUANTIZATION,
+    plan: choices.PlanOpt = choices.DEFAULT_LAYOUT,
     device: DeviceOpt = "cpu",
-    mode: ModeOpt = DEFAULT_MODE,
+    mode: choices.ModeOpt = choices.DEFAULT_MODE,
     trust_daemon: TrustDaemonOpt = False,
     daemon: DaemonOpt = None,
     run_dir: RunDirOpt = None,
@@ -128,7 +118,7 @@ def verify(
 
         from wcache_cli.operands import key_of_checkpoint
 
-        spec = plan_from_options(tp, rank, dtype, quantization, plan)
+        spec = choices.plan_from_options(tp, rank, dtype, quantization, plan)
         key_file = key_of_checkpoint(checkpoint, spec)
         if any(f.sha256 is None for f in key_file.files):  # receipts from before SHA-256 was recorded
             key_file = key_of_checkpoint(checkpoint, spec, rehash=True)
@@ -142,7 +132,7 @@ def verify(
     if content:
         from wcache.verify import verify_content
 
-        spec = plan_from_options(tp, rank, dtype, quantization, plan)
+        spec = choices.plan_from_options(tp, rank, dtype, quantization, plan)
         content_report = verify_content(checkpoint, spec, where, device, daemon, expected).to_json()
         document["content"] = content_report
         failed |= not content_report["ok"]
@@ -157,7 +147,7 @@ def verify(
         from wcache_cli.operands import check_tp_fits
 
         texts = _read_prompts(prompts) if prompts is not None else default_prompts(num_prompts)
-        spec = plan_from_options(tp, 0 if tp > 1 else rank, dtype, quantization, plan)
+        spec = choices.plan_from_options(tp, 0 if tp > 1 else rank, dtype, quantization, plan)
         check_tp_fits(checkpoint, spec)
         options = AttachOptions(mode=mode.value, trust_daemon=trust_daemon, daemon=daemon, run_dir=str(where))
         greedy_report = verify_greedy(checkpoint, spec, texts, max_new_tokens, engine.value, options=options,

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from rich.text import Text
 from wcache.monitor.snapshot import DaemonRow, EngineRow, EventRow, ServerRow, Snapshot
 
+from wcache_cli.cells import PROVENANCE_MARK, human_bytes
 from wcache_cli.fit import RICH_FIXED, RICH_PER_COLUMN, visible_columns
 from wcache_cli.output import printable
-from wcache_cli.render import PROVENANCE_MARK, human_bytes
 
 if TYPE_CHECKING:
     from rich.console import JustifyMethod

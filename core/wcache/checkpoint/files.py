@@ -15,8 +15,8 @@ import blake3
 
 from wcache.canonical import NonFiniteNumberError, loads_finite
 from wcache.checkpoint.companions import Companion, content_digests, find_companions
+from wcache.checkpoint.file_record import FileDigest
 from wcache.checkpoint.identity import FileIdentity
-from wcache.checkpoint.provenance import FileDigest
 from wcache.checkpoint.safetensors_header import ShardHeader
 from wcache.errors import CheckpointError
 

@@ -13,45 +13,27 @@ import errno
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
-
-import msgspec
+from typing import Any
 
 from wcache.bounded_read import read_named_text, unreadable_why
+from wcache.checkpoint.file_record import (  # the record's owner (the daemon's modules take these from here)
+    GIT_SHA1_PATTERN,
+    SHA256_PATTERN,
+    VERDICTS,
+    FileDigest,
+    Verdict,
+)
 from wcache.errors import BadInputError
 from wcache.schema import Schema
 
-Verdict = Literal["matches", "differs", "unknown"]
-VERDICTS: tuple[Verdict, ...] = ("matches", "differs", "unknown")
 REPO_DIR_PREFIXES = ("models--", "datasets--", "spaces--")
-SHA256_PATTERN = "^[0-9a-f]{64}$"
-GIT_SHA1_PATTERN = "^[0-9a-f]{40}$"
 _SHA256 = re.compile(SHA256_PATTERN)
 _GIT_SHA1 = re.compile(GIT_SHA1_PATTERN)
 # One line of `sha256sum` output: digest, a space, a space or "*" (binary mode), the name.
 _SUMS_LINE = re.compile(r"^\\?([0-9a-fA-F]{64}) [ *](.+)$")
-
-
-class FileDigest(Schema, frozen=True):
-    """One checkpoint file: its name under the checkpoint's directory, its size and its SHA-256 (None: not
-    computed, e.g. a receipt from before wcache recorded it); for a file beside the tensors (config.json, the
-    tokenizer's) also its git blob SHA-1, which the Hub names a file stored outside LFS by."""
-
-    name: str
-    size: int
-    sha256: Annotated[str, msgspec.Meta(pattern=SHA256_PATTERN)] | None
-    git_sha1: Annotated[str, msgspec.Meta(pattern=GIT_SHA1_PATTERN)] | None = None
-
-
-# The files' digests, or what reads them (a key whose root came from the digest store reads receipts only if asked).
-FilesSource = tuple[FileDigest, ...] | Callable[[], tuple[FileDigest, ...]]
-
-
-def build_files(source: FilesSource) -> tuple[FileDigest, ...]:
-    return source if isinstance(source, tuple) else source()
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +55,7 @@ class FileVerdict:
     expected: str | None
     origin: str
     why: str
-    algorithm: str = "sha256"  # or "git-sha1": what the Hub names a file stored outside LFS by
+    algorithm: str = "sha256"  # "sha256", or "git-sha1": what the Hub names a file stored outside LFS by
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "verdict": self.verdict, "sha256": self.sha256, "expected": self.expected,

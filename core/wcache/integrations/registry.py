@@ -1,16 +1,18 @@
 """The engines that attach, one entry each: everything the rest of wcache asks of an engine.
 
 `wcache verify --greedy --engine NAME` runs its greedy runner; `wcache verify URL` and `wcache switch URL` ask
-each engine that can be served, in order, whether the engine at URL is one of its own; `wcache doctor` runs
-each engine's check. An engine is added here (one entry) and in its folder, `integrations/NAME/`, which holds
-the modules the entry names ("module:function", docs/layout.md, "Adding an engine"). Importing this module
-imports no engine (the CLI builds its `--engine` choices from it): what an entry names loads when it runs.
+each engine that can be served, in order, whether the engine at URL is one of its own; `wcache doctor` checks
+each engine's installed version against its supported range, then runs its check. An engine is added here
+(one entry) and in its folder, `integrations/NAME/`, which holds the modules the entry names ("module:name",
+docs/layout.md, "Adding an engine"). Importing this module imports no engine (the CLI builds its `--engine`
+choices from it): what an entry names loads when it is asked for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import reduce
 from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,6 +25,7 @@ from wcache.schema import Schema
 
 if TYPE_CHECKING:
     from wcache.attach_options import AttachOptions
+    from wcache.integrations.versions import SupportedVersions
     from wcache.plan.spec import PlanSpec
 
 
@@ -95,13 +98,18 @@ DoctorCheck = Callable[[bool], tuple[Literal["ok", "warn", "fail"], str]]
 
 @dataclass(frozen=True, slots=True)
 class EngineEntry:
-    """One engine: its `--engine` name, its greedy runner and the plans it runs, how a served one is verified
-    and switched, and doctor's check of it. Every "module:function" is imported only when it runs."""
+    """One engine: its `--engine` name, its greedy runner and the plans it runs, how it places a daemon's tensors,
+    the versions it is supported in, how a served one is verified and switched, and doctor's check of it. Every
+    "module:name" is imported only when it is asked for."""
 
     name: str
     runner: str  # a GreedyRunner
     tensor_parallel: bool  # runs TP > 1 plans (every rank attaches its own shard)
     own_plan: bool  # takes quantization and layout from the engine itself, never from --quantization/--plan
+    # How the daemon's tensors become the engine's parameters (an engine that replaces parameters borrows
+    # `integrations/placement.py`, torch only).
+    placement: str
+    versions: str | None = None  # a SupportedVersions, the range's one owner; None: wcache's own engine
     plan_refusal: str | None = None  # the sentence for a plan it does not run
     served_verify: str | None = None  # a ServedVerifier; None: wcache does not verify it served
     served_switch: str | None = None  # a ServedSwitcher; None: wcache does not switch it served
@@ -121,11 +129,21 @@ class EngineEntry:
         runner: GreedyRunner = _load(self.runner)
         return runner
 
+    def load_placement(self) -> Callable[..., Any]:
+        """The function that places a daemon's tensors as this engine's parameters (its own signature)."""
+        placement: Callable[..., Any] = _load(self.placement)
+        return placement
+
+    def load_versions(self) -> SupportedVersions | None:
+        """The versions this engine is supported in, from their owner; None for an engine without a range."""
+        versions: SupportedVersions | None = None if self.versions is None else _load(self.versions)
+        return versions
+
 
 def _load(reference: str) -> Any:
-    """What a "module:function" names."""
-    module, _, function = reference.partition(":")
-    return getattr(import_module(module), function)
+    """What a "module:name" names (a dotted name reaches an attribute: "module:Class.method")."""
+    module, _, name = reference.partition(":")
+    return reduce(getattr, name.split("."), import_module(module))
 
 
 def served_verifiers() -> list[ServedVerifier]:
@@ -138,9 +156,10 @@ def served_switchers() -> list[ServedSwitcher]:
     return [_load(entry.served_switch) for entry in REGISTRY if entry.served_switch is not None]
 
 
-def doctor_checks() -> list[tuple[str, DoctorCheck]]:
-    """Each engine's doctor check under the engine's name, in the registry's order."""
-    return [(entry.name, _load(entry.doctor_check)) for entry in REGISTRY if entry.doctor_check is not None]
+def doctor_check(entry: EngineEntry) -> DoctorCheck | None:
+    """The engine's doctor check, or None where it has none."""
+    check: DoctorCheck | None = None if entry.doctor_check is None else _load(entry.doctor_check)
+    return check
 
 
 def not_served(base_url: str) -> UnavailableError:
@@ -152,17 +171,22 @@ def not_served(base_url: str) -> UnavailableError:
 # wcache's reference engine first: the default.
 REGISTRY = (
     EngineEntry("reference", "wcache.integrations.reference.greedy:run_greedy", tensor_parallel=True,
-                own_plan=False, served_verify="wcache.verify_served:verify_served_reference",
+                own_plan=False, placement="wcache.engine.engine:Engine.from_weights",
+                served_verify="wcache.verify_served:verify_served_reference",
                 served_switch="wcache.serving.remote_switch:switch_served_reference",
                 served_as="a wcache reference engine (no /v1/weights)"),
     # A served vLLM is reached over HTTP only (`wcache.vllm_served`, which verifies through `wcache.verify`).
     EngineEntry("vllm", "wcache.integrations.vllm.greedy:run_greedy", tensor_parallel=True, own_plan=True,
+                placement="wcache.integrations.vllm.loader:attach_into",
+                versions="wcache.integrations.vllm.version:SUPPORTED",
                 plan_refusal=f"{option('engine', 'vllm')} takes its plan from vLLM; drop {option('quantization')} and "
                 f"{option('layout')}.", served_verify="wcache.vllm_served:verify_if_vllm",
                 served_switch="wcache.vllm_served:switch_if_vllm", served_as="a vLLM server (no /version)",
                 doctor_check="wcache.integrations.vllm.doctor:check"),
     EngineEntry("transformers", "wcache.integrations.transformers.greedy:run_greedy", tensor_parallel=False,
-                own_plan=True, plan_refusal=f"{option('engine', 'transformers')} runs TP 1 without quantization; drop "
+                own_plan=True, placement="wcache.integrations.transformers.attach:place_into",
+                versions="wcache.integrations.transformers.version:SUPPORTED",
+                plan_refusal=f"{option('engine', 'transformers')} runs TP 1 without quantization; drop "
                 f"{option('tp_size')}, {option('quantization')} and {option('layout')}."),
 )
 ENGINES = tuple(entry.name for entry in REGISTRY)

@@ -14,9 +14,9 @@ import msgspec
 
 from wcache.bounded_read import read_named_text, unreadable_why
 from wcache.canonical import digest_of
+from wcache.checkpoint.file_record import FileDigest, FilesSource, build_files
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
 from wcache.checkpoint.model_config import config_digest
-from wcache.checkpoint.provenance import FileDigest, FilesSource, build_files
 from wcache.errors import BadInputError, KeyFileError
 from wcache.plan.spec import PlanSpec
 from wcache.schema import Schema

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from wcache.canonical import digest_of
 from wcache.checkpoint.companions import MAX_COMPANION_BYTES, ContentDigests, content_digests, is_companion
+from wcache.checkpoint.file_record import FileDigest
 from wcache.checkpoint.files import CheckpointLayout, read_small_file
 from wcache.checkpoint.identity import FileIdentity
-from wcache.checkpoint.provenance import FileDigest
 from wcache.errors import CheckpointError
 from wcache.key.digest_store import DigestStore
 

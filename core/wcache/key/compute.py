@@ -12,10 +12,10 @@ from typing import Any
 
 from wcache._version import __version__
 from wcache.checkpoint.dtypes import SAFETENSORS_TO_PLAN
+from wcache.checkpoint.file_record import FilesSource
 from wcache.checkpoint.files import CheckpointLayout, locate
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
 from wcache.checkpoint.model_config import canonical_config, config_digest, config_dtype
-from wcache.checkpoint.provenance import FilesSource
 from wcache.checkpoint.safetensors_header import TensorInfo
 from wcache.errors import CheckpointError
 from wcache.key.cache_key import FORMAT_VERSION, KeyFile, WeightCacheKey

@@ -18,7 +18,7 @@ import msgspec
 import platformdirs
 
 from wcache.checkpoint.companions import ContentDigests
-from wcache.checkpoint.provenance import SHA256_PATTERN
+from wcache.checkpoint.file_record import SHA256_PATTERN
 from wcache.checkpoint.safetensors_header import PREFIX_BYTES, ShardHeader, TensorInfo
 from wcache.key.shard_hash import FileIdentity, ShardRecord
 

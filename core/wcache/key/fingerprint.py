@@ -16,10 +16,10 @@ from typing import Protocol
 
 import blake3
 
+from wcache.checkpoint.file_record import FileDigest, FilesSource
 from wcache.checkpoint.files import INDEX_NAME, SINGLE_NAME, CheckpointLayout, check_index, why_missing
 from wcache.checkpoint.identity import FileIdentity
 from wcache.checkpoint.manifest import ManifestSource, TensorDigest, build_manifest, merkle_root
-from wcache.checkpoint.provenance import FileDigest, FilesSource
 from wcache.errors import CheckpointError
 from wcache.key.digest_store import DigestStore, is_trusted
 from wcache.key.shard_hash import ShardRecord, hash_shard

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from wcache.checkpoint.provenance import FileDigest, FileVerdict, judge, read_expected
+from wcache.checkpoint.file_record import FileDigest
+from wcache.checkpoint.provenance import FileVerdict, judge, read_expected
 from wcache.errors import EXIT_DIFFERENCE, CheckpointError, option
 
 # What a load refuses: nothing (a warning), a file that differs, or also a file whose provenance is unknown.

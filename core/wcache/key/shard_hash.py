@@ -24,7 +24,7 @@ import blake3
 from wcache.checkpoint.files import why_missing
 from wcache.checkpoint.identity import FileIdentity
 from wcache.checkpoint.safetensors_header import ShardHeader, TensorInfo, read_header
-from wcache.errors import CheckpointError
+from wcache.errors import CheckpointError, closed_on_error
 from wcache.key.file_digest import FileSha256
 
 # Reads are this size, and progress is reported per read, so a single multi-GB tensor still moves the bar; a
@@ -114,7 +114,7 @@ class OpenShard:
                 raise CheckpointError(f"{path} {why_missing(path)}.") from None
             raise CheckpointError(f"{path} cannot be opened ({exc.strerror}).") from None
         self._forgotten = 0  # forget_read() has dropped the file's pages before this offset
-        try:
+        with closed_on_error(self.close, lambda exc: CheckpointError(f"{path} cannot be read ({exc.strerror}).")):
             st = os.fstat(self._fd)
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointError(f"{path} is not a regular file.")
@@ -122,12 +122,6 @@ class OpenShard:
             fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
             self.identity = FileIdentity.of(st)
             self.header = read_header(self._fd, self.identity.size, path)
-        except OSError as exc:
-            self.close()
-            raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
-        except BaseException:
-            self.close()
-            raise
 
     def __enter__(self) -> OpenShard:
         return self

@@ -16,8 +16,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from wcache.checkpoint.file_record import FileDigest
 from wcache.checkpoint.files import CheckpointLayout
-from wcache.checkpoint.provenance import FileDigest
 from wcache.errors import CheckpointError
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import files_of

@@ -1,17 +1,14 @@
-"""A daemon's row in `wcache status` (and `status --json`): built once from its descriptor and stats reply, or
-from the record of a daemon still loading."""
+"""A daemon's row in `wcache status` (and `status --json`, `status_output`): built once from its descriptor and
+stats reply, or from the record of a daemon still loading."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import MISSING, fields
-from typing import TYPE_CHECKING, get_type_hints
+from typing import TYPE_CHECKING
 
-import msgspec
 from msgspec import UNSET, UnsetType
 
 from wcache.checkpoint.display_name import display_name
-from wcache.monitor.snapshot import EngineRow, ServerRow
 from wcache.plan.spec import plan_summary
 from wcache.schema import Schema
 
@@ -31,7 +28,7 @@ class StatusRow(Schema, frozen=True, kw_only=True):
     tp_size: int
     tp_rank: int
     source: str
-    key_id: str | None  # None while loading: the key is not known before the checkpoint is read
+    key_id: str | None  # null while loading: the key is not known before the checkpoint is read
     state: str
     phase: str | UnsetType = UNSET
     done_bytes: int | UnsetType = UNSET
@@ -41,7 +38,7 @@ class StatusRow(Schema, frozen=True, kw_only=True):
     leases: int
     uptime_s: float | None
     health_url: str | None
-    health_status: int | None  # what the rank's health server answered, None without one or an answer
+    health_status: int | None  # what the rank's health server answered, null without one or an answer
     counters: dict[str, int]
     provenance: str | None
     parent_key_id: str | UnsetType | None = UNSET
@@ -78,32 +75,3 @@ class StaleDaemon(Schema, frozen=True):
     name: str
     pid: int
     source: str
-
-
-def _status_engine() -> type[msgspec.Struct]:
-    """An engine as `status` lists it: `top`'s row (`EngineRow`) without the hit-rate histories a one-off read
-    has none of."""
-    hints = get_type_hints(EngineRow)
-    engine = msgspec.defstruct(
-        "StatusEngine",
-        [(f.name, hints[f.name]) if f.default is MISSING else (f.name, hints[f.name], f.default)
-         for f in fields(EngineRow) if f.name not in STATUS_ENGINE_OMITS],
-        frozen=True, forbid_unknown_fields=True, module=__name__)
-    engine.__doc__ = "An engine as `status` lists it: `top`'s engine row without the hit-rate histories."
-    return engine
-
-
-STATUS_ENGINE_OMITS = ("hit_rate_history", "hit_rate_by_weights")
-StatusEngine = _status_engine()
-
-
-class StatusOutput(Schema, frozen=True):
-    """`wcache status --json`: the run dir, each daemon's row, the stale descriptors removed, whether every
-    daemon is ready, the engines announced and the servers `wcache serve` supervises."""
-
-    run_dir: str
-    daemons: list[StatusRow]
-    stale_removed: list[StaleDaemon]
-    ready: bool
-    engines: list[StatusEngine]  # type: ignore[valid-type]  # a struct made from EngineRow's fields
-    servers: list[ServerRow]

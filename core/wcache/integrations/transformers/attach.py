@@ -88,6 +88,15 @@ def _build(auto_class: Any, config: Any, weights: AttachedWeights, kwargs: dict[
     # on memory that is freed right after; buffers (rotary frequencies) are still computed by the modules.
     with _no_init():
         model = auto_class.from_config(config, dtype=dtype, **model_kwargs)
+    place_into(model, weights)
+    model.wcache_report = weights.report
+    model._wcache_weights = weights  # the lease and the arena's map live as long as the model
+    return model.eval()
+
+
+def place_into(model: Any, weights: AttachedWeights) -> None:
+    """Make the daemon's tensors a built model's parameters, by checkpoint name (the registry's placement); one
+    sentence, and the lease closed, for a parameter the daemon holds no tensor for."""
     state = weights.checkpoint_tensors()
     # assign=True: the parameters become the views themselves instead of copies of them.
     result = model.load_state_dict(state, strict=False, assign=True)
@@ -101,7 +110,4 @@ def _build(auto_class: Any, config: Any, weights: AttachedWeights, kwargs: dict[
     if result.unexpected_keys:
         log.info("wcache: %d daemon tensor(s) unused by %s (e.g. %s).", len(result.unexpected_keys),
                  type(model).__name__, result.unexpected_keys[0])
-    model.wcache_report = weights.report
-    model._wcache_weights = weights  # the lease and the arena's map live as long as the model
-    return model.eval()
 

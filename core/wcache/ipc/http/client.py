@@ -111,7 +111,9 @@ def health_status(url: str, timeout: float) -> int | None:
         request = (f"GET {target} HTTP/1.1\r\nHost: {parts.netloc.rpartition('@')[2]}\r\nAccept: text/plain\r\n"
                    "Connection: close\r\n\r\n").encode("ascii")
         line = b""
-        with socket.create_connection((host, port), timeout=timeout) as sock:
+        # getaddrinfo encodes a str host with the idna codec, an import of its own; an ASCII host needs none.
+        address = (host.encode("ascii") if host.isascii() else host, port)
+        with socket.create_connection(address, timeout=timeout) as sock:  # type: ignore[arg-type]  # bytes too
             sock.sendall(request)
             while b"\n" not in line and len(line) < _STATUS_LINE_BYTES:
                 remaining = deadline - time.monotonic()

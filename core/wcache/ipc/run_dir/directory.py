@@ -18,10 +18,9 @@ import msgspec
 
 from wcache.bounded_read import read_bounded
 from wcache.canonical import INT64_BITS, loads_finite
-from wcache.checkpoint.provenance import FileDigest, Verdict
+from wcache.checkpoint.file_record import FileDigest, Verdict
 from wcache.errors import EXIT_OK, BadInputError, WcacheError, option
 from wcache.ipc.run_dir.paths import RunPaths
-from wcache.ipc.wire.framing import ProtocolError
 from wcache.key.cache_key import SHORT_ID_HEX, WeightCacheKey
 from wcache.plan.spec import PlanSpec
 from wcache.schema import Schema
@@ -346,7 +345,7 @@ def read_descriptors(run_dir: Path) -> list[DaemonDescriptor]:
             descriptor = DaemonDescriptor.from_wire(read_run_file(path, MAX_DESCRIPTOR_BYTES))
         except FileNotFoundError:
             continue  # removed by its daemon while we listed
-        except (OSError, ValueError, ProtocolError) as exc:
+        except (OSError, ValueError) as exc:  # unreadable, not JSON, or not a descriptor (SchemaError)
             log.warning("Ignoring unreadable daemon descriptor %s (%s).", path, getattr(exc, "strerror", None) or exc)
             continue
         # The name is what stale cleanup and `stop` turn back into paths: a descriptor must name its own file,
