@@ -4,7 +4,7 @@
 each engine that can be served, in order, whether the engine at URL is one of its own; `wcache doctor` checks
 each engine's installed version against its supported range, then runs its check. An engine is added here
 (one entry) and in its folder, `integrations/NAME/`, which holds the modules the entry names ("module:name",
-docs/layout.md, "Adding an engine"). Importing this module imports no engine (the CLI builds its `--engine`
+docs/layout.md, "Adding an engine"). Importing this module imports no engine (the CLI builds its engine
 choices from it): what an entry names loads when it is asked for.
 """
 
