@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from wcache.bounded_read import read_named_text, unreadable_why
-from wcache.checkpoint.file_record import (  # the record's owner (the daemon's modules take these from here)
+from wcache.checkpoint.file_record import (  # the record's owner
     GIT_SHA1_PATTERN,
     SHA256_PATTERN,
     VERDICTS,

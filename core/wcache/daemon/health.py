@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from wcache.attach_options import MODES
-from wcache.checkpoint.provenance import VERDICTS
+from wcache.checkpoint.file_record import VERDICTS
 from wcache.ipc.http.server import JSON_TYPE, HTTPRequestError, QuietHandler, make_http_server
 from wcache.ipc.wire import counters as counter_names
 from wcache.ipc.wire.messages import DaemonStats

@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
 
-from wcache.checkpoint.provenance import Verdict
+from wcache.checkpoint.file_record import Verdict
 from wcache.delta.format import Delta, DeltaError, read_delta
 from wcache.delta.hosted_build import HostedBuild, StepChanges, build_hosted, not_in_place
 from wcache.ipc.arenas.daemon_side import CpuArena
