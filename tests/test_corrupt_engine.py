@@ -158,7 +158,8 @@ def test_a_flip_under_rank_1_stops_a_tp2_engine(tmp_path_factory: pytest.TempPat
         rank_1 = next(r["name"] for r in json.loads(preloaded.stdout)["ranks"] if r["rank"] == 1)
         with serving(rig, bad, "--tp", "2") as server:
             assert not rig.events("scrub_failed"), "the engine must hold its leases before the first re-check"
-            assert len(rig.events("attach_hit")) == 2, "both ranks attach their daemons"
+            # Rank 1 appends its event once attached; rank 0 may say SERVING a moment before it lands.
+            wait_for(lambda: len(rig.events("attach_hit")) == 2, timeout=10, what="both ranks' attach_hit events")
             assert http_status(f"{server.url}/health")[0] == 200
             found = wait_for(lambda: rig.events("scrub_failed"), timeout=TP_SCRUB_INTERVAL_S + 40,
                              what="rank 1's daemon's scrub_failed event")
