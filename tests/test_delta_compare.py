@@ -1,10 +1,9 @@
-"""`wcache delta`'s comparison (word-wide, chunked, beside the reading) against the plain element-by-element one.
+"""`wcache delta`'s comparison (word-wide, block by block, on worker threads) against the plain element by element.
 
-Crafted checkpoints hold what a float comparison gets wrong and what chunking could get wrong: -0.0 against 0.0
+Crafted checkpoints hold what a float comparison gets wrong and what blocks could get wrong: -0.0 against 0.0
 and NaNs with different payloads (changed: bytes differ), equal NaNs (unchanged), sizes that are not a multiple
-of 8 bytes, a tensor crossing the reader's chunks and the comparer's blocks with changes on their edges, a tensor
-changed so densely that it is replaced whole, an empty one, and every element size (bf16, f16, f32, fp8, int8,
-int64, bool).
+of 8 bytes, a tensor across several of the workers' blocks with changes on their edges, a tensor changed so
+densely that it is replaced whole, an empty one, and every element size (bf16, f16, f32, fp8, int8, int64, bool).
 """
 
 from __future__ import annotations
@@ -20,13 +19,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from wcache.checkpoint.identity import FileIdentity
 from wcache.checkpoint.safetensors_write import Entry, write_safetensors
-from wcache.delta.compare import BLOCK_BYTES, compare_checkpoints
+from wcache.delta.compare import BLOCK_BYTES, THREAD_PREFIX, compare_checkpoints
 from wcache.delta.format import BITS, read_delta
 from wcache.delta.make import make_delta
 from wcache.delta.wide_compare import ChangedElements
 from wcache.key.compute import compute_key
 from wcache.key.digest_store import DigestStore
-from wcache.key.shard_hash import CHUNK_BYTES
 
 TORCH_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -80,10 +78,11 @@ def _crafted() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     pair("bf16.empty", torch.empty(0, 4, dtype=torch.bfloat16), torch.empty(0, 4, dtype=torch.bfloat16))
     dense = torch.randn(50, generator=generator).to(torch.bfloat16)
     pair("bf16.dense", dense, dense + 1)  # every element: a whole replacement is smaller than indices and values
-    # Past one chunk of the reader and several blocks of the comparer, with a 2-byte tail; changes on the edges.
-    big = torch.randn((CHUNK_BYTES + BLOCK_BYTES) // 2 + 3, generator=generator).to(torch.float16)
+    # Across several of the workers' blocks, with a 2-byte tail; changes on the blocks' edges.
+    big = torch.randn((5 * BLOCK_BYTES // 2) // 2 + 3, generator=generator).to(torch.float16)
     edges = big.clone()
-    for byte in (0, BLOCK_BYTES - 2, BLOCK_BYTES, CHUNK_BYTES - 2, CHUNK_BYTES, CHUNK_BYTES + 6, big.numel() * 2 - 2):
+    for byte in (0, BLOCK_BYTES - 2, BLOCK_BYTES, 2 * BLOCK_BYTES - 2, 2 * BLOCK_BYTES, 2 * BLOCK_BYTES + 6,
+                 big.numel() * 2 - 2):
         edges[byte // 2] = -edges[byte // 2] if edges[byte // 2] != 0 else 1
     pair("f16.big", big, edges)
     return old, new
@@ -211,13 +210,13 @@ def test_the_writer_lays_out_entries_aligned_for_the_safetensors_library(tmp_pat
         assert dict(f.metadata()) == {"format": "test"}
 
 
-def _reader_threads() -> list[str]:
+def _delta_threads() -> list[str]:
     import threading
 
-    return [t.name for t in threading.enumerate() if t.name.startswith("wcache-delta-read")]
+    return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
 
 
-def test_a_read_that_fails_midway_is_one_error_and_stops_the_reader(crafted: tuple[Path, Path],
+def test_a_read_that_fails_midway_is_one_error_and_stops_the_workers(crafted: tuple[Path, Path],
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from wcache.errors import CheckpointError
     from wcache.key.shard_hash import OpenShard
@@ -234,7 +233,7 @@ def test_a_read_that_fails_midway_is_one_error_and_stops_the_reader(crafted: tup
     monkeypatch.setattr(OpenShard, "read_into", failing_read)
     with pytest.raises(CheckpointError, match="shrank while it was being read"):
         compare_checkpoints(*crafted)
-    assert _reader_threads() == []
+    assert _delta_threads() == []
 
 
 def test_a_whole_replacement_whose_bytes_changed_since_the_pass_is_refused(crafted: tuple[Path, Path],
@@ -252,4 +251,4 @@ def test_a_whole_replacement_whose_bytes_changed_since_the_pass_is_refused(craft
     monkeypatch.setattr(compare, "tensor_hasher", lambda nbytes: Other())
     with pytest.raises(CheckpointError, match="changed while it was being read"):
         compare_checkpoints(*crafted)  # bf16.dense is replaced whole: read again, and its digest must match
-    assert _reader_threads() == []
+    assert _delta_threads() == []

@@ -1,21 +1,23 @@
 """Two checkpoints with the same tensors compared in one read of each: what changed, and both Merkle roots.
 
-A reader thread reads both checkpoints chunk by chunk (the new checkpoint's file order) into a few reused buffer
-pairs, hashing the new checkpoint's bytes as they arrive (BLAKE3: the keys' digests); the calling thread compares
-both eight bytes at a time (`wide_compare`) and hashes the old checkpoint's, block by block while a block is in
-its core's cache. Reading, hashing and comparing overlap on two cores, nothing larger than a chunk is held, and no
-torch is imported. Where the digest store trusts a receipt for every shard of the old checkpoint (the rule a
-preload follows), the old digests come from the receipts and its bytes are only compared. The receipts of what was
-hashed go to the store, so the next key of that checkpoint reads nothing. A tensor changed in so many elements that
-a whole replacement is the smaller entry is read once more (only it), and its digest checked against the pass's.
+Worker threads (one per core, at least two) take tensors in the new checkpoint's file order, each the next one
+not taken, and go through a tensor in blocks: a block of each checkpoint is read into the worker's own buffers,
+the new one hashed (BLAKE3: the keys' digests), the old one too where no receipt gives its digest, and the two
+compared eight bytes at a time (`wide_compare`), all while both blocks are in the core's cache: each byte comes
+from memory once, in the read's copy. blake3, numpy and the reads release the GIL, so the workers run side by
+side; nothing larger than a block per worker is held and no torch is imported. Where the digest store trusts a
+receipt for every shard of the old checkpoint (the rule a preload follows), the old digests come from the receipts
+and its bytes are only compared. The receipts of what was hashed go to the store, so the next key of that
+checkpoint reads nothing. A tensor changed in so many elements that a whole replacement is the smaller entry is
+read once more (only it), and its digest checked against the pass's.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-import queue
+import os
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,16 +34,18 @@ from wcache.delta.wide_compare import WORD_BYTES, ChangedElements
 from wcache.errors import BadInputError, CheckpointError
 from wcache.key.digest_store import DigestStore
 from wcache.key.fingerprint import manifest_of
-from wcache.key.shard_hash import CHUNK_BYTES, OpenShard, tensor_hasher
+from wcache.key.shard_hash import OpenShard, tensor_hasher
 from wcache.load.loader import CheckpointReader
 from wcache.load.schedule import file_order
 
 # Bytes one changed element costs in a sparse entry beside its value: its int64 index.
 INDEX_BYTES = 8
-# Buffer pairs between the reader and the comparer: enough that neither waits on the other's jitter.
-PAIRS = 4
-# The comparer hashes and compares a chunk in blocks this size, which stay in a core's L2 cache between the two.
-BLOCK_BYTES = 1024 * 1024
+# A worker reads, hashes and compares a tensor in blocks this size: a block of each checkpoint and the word
+# comparison's result stay in a core's L2 cache from the read's copy to the last gather (larger blocks measured
+# slower; smaller ones spend more on Python per byte).
+BLOCK_BYTES = 512 * 1024
+# Every thread of a comparison is named so (what a test looks for once a comparison has ended).
+THREAD_PREFIX = "wcache-delta"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,120 +84,91 @@ class _Pairing:
     info: TensorInfo
 
 
-class _Pair:
-    """One chunk's bytes of both checkpoints, reused chunk after chunk."""
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """One tensor as the pass found it: its new digest, its old one where hashed, and its changed elements
+    (indices and new values, block by block)."""
+
+    digest: str
+    old_digest: str | None
+    indices: list[np.ndarray]
+    values: list[np.ndarray]
+
+
+class _Worker:
+    """One worker thread's buffers, reused for every block of every tensor it takes."""
 
     def __init__(self) -> None:
-        self.before = np.empty(CHUNK_BYTES, dtype=np.uint8)
-        self.after = np.empty(CHUNK_BYTES, dtype=np.uint8)
+        self.before = np.empty(BLOCK_BYTES, dtype=np.uint8)
+        self.after = np.empty(BLOCK_BYTES, dtype=np.uint8)
+        self.scratch = np.empty(BLOCK_BYTES // WORD_BYTES, dtype=np.bool_)
+
+    def tensor(self, pairing: _Pairing, hash_old: bool) -> _Found:
+        """Read both checkpoints' bytes of one tensor once, block by block: digests and changed elements."""
+        info = pairing.info
+        # Single-threaded hashers: the other workers keep the other cores busy with their tensors.
+        new_hasher = blake3.blake3()
+        old_hasher = blake3.blake3() if hash_old else None
+        elements = ChangedElements(ITEMSIZE[info.dtype], self.scratch)
+        indices: list[np.ndarray] = []
+        values: list[np.ndarray] = []
+        for start in range(0, info.nbytes, BLOCK_BYTES):
+            size = min(BLOCK_BYTES, info.nbytes - start)
+            before, after = self.before[:size], self.after[:size]
+            pairing.old_shard.read_into(pairing.old_info, start, before.data)
+            pairing.shard.read_into(info, start, after.data)
+            new_hasher.update(after.data)
+            if old_hasher is not None:
+                old_hasher.update(before.data)
+            found_at, found = elements.find(before, after, start // elements.itemsize)
+            if found_at.size:
+                indices.append(found_at)
+                values.append(found)
+        return _Found(new_hasher.hexdigest(), None if old_hasher is None else old_hasher.hexdigest(), indices,
+                      values)
 
 
-@dataclass(frozen=True, slots=True)
-class _Piece:
-    """A chunk of tensor `index` read into `pair` (None for a tensor of no bytes), from its byte `start` on; the
-    last one carries the new tensor's digest."""
+def _read_both(work: list[_Pairing], hash_old: bool) -> list[_Found]:
+    """Every tensor of both checkpoints read once by the workers: what each found, in the order of `work`."""
+    found: list[_Found | None] = [None] * len(work)
+    claimed = itertools.count()  # the next tensor not taken (next() on it is atomic under the GIL)
+    stop = threading.Event()  # set when a worker failed or the caller stopped: the others end after their tensor
 
-    index: int
-    start: int
-    nbytes: int
-    pair: _Pair | None
-    last: bool
-    new_digest: str = ""
+    def run() -> None:
+        worker = _Worker()
+        while not stop.is_set() and (index := next(claimed)) < len(work):
+            try:
+                found[index] = worker.tensor(work[index], hash_old)
+            except BaseException:
+                stop.set()
+                raise
 
-
-def _read_pieces(work: list[_Pairing], free: queue.Queue[_Pair | None],
-                 ready: queue.Queue[_Piece | BaseException | None]) -> None:
-    """The reader thread: every chunk of every tensor of both checkpoints, in order, then None (or the error).
-
-    It also hashes the new checkpoint, a block at a time right after reading it (while the block is in its
-    core's cache): the comparer has the comparison and, where no receipt gives them, the old digests, so the two
-    threads' work is about even."""
-    old_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wcache-delta-read-old")
-    try:
-        for index, pairing in enumerate(work):
-            nbytes = pairing.info.nbytes
-            new_hasher = blake3.blake3()  # single-threaded: the other core is comparing
-            if nbytes == 0:
-                ready.put(_Piece(index, 0, 0, None, True, new_hasher.hexdigest()))
-            for start in range(0, nbytes, CHUNK_BYTES):
-                pair = free.get()
-                if pair is None:  # the comparer stopped
-                    return
-                size = min(CHUNK_BYTES, nbytes - start)
-                # Both files at once: storage then serves two streams side by side, not one and then a seek.
-                old_read = old_reader.submit(pairing.old_shard.read_into, pairing.old_info, start,
-                                             pair.before[:size].data)
-                for at in range(0, size, BLOCK_BYTES):
-                    block = pair.after[at : min(at + BLOCK_BYTES, size)].data
-                    pairing.shard.read_into(pairing.info, start + at, block)
-                    new_hasher.update(block)
-                old_read.result()
-                last = start + size == nbytes
-                ready.put(_Piece(index, start, size, pair, last, new_hasher.hexdigest() if last else ""))
-        ready.put(None)
-    except BaseException as exc:  # handed to the comparer, which raises it
-        ready.put(exc)
-    finally:
-        old_reader.shutdown()
+    workers = max(2, os.cpu_count() or 2)
+    with ThreadPoolExecutor(workers, thread_name_prefix=THREAD_PREFIX) as pool:
+        try:
+            for running in [pool.submit(run) for _ in range(workers)]:
+                running.result()
+        finally:
+            stop.set()
+    done = [f for f in found if f is not None]
+    assert len(done) == len(work)  # every worker returned, none with an error: each tensor was taken once
+    return done
 
 
-def _pieces(work: list[_Pairing]) -> Iterator[_Piece]:
-    """Every chunk of both checkpoints as the reader thread delivers it; a pair is reused once the next is asked
-    for, and the reader stops (within PAIRS chunks) when this generator is closed."""
-    free: queue.Queue[_Pair | None] = queue.Queue()
-    for _ in range(PAIRS):
-        free.put(_Pair())
-    ready: queue.Queue[_Piece | BaseException | None] = queue.Queue()
-    reader = threading.Thread(target=_read_pieces, args=(work, free, ready), name="wcache-delta-read",
-                              daemon=True)
-    reader.start()
-    try:
-        while (piece := ready.get()) is not None:
-            if isinstance(piece, BaseException):
-                raise piece
-            yield piece
-            if piece.pair is not None:
-                free.put(piece.pair)
-    finally:
-        free.put(None)
-        reader.join()
+def _change(pairing: _Pairing, found: _Found) -> Change | None:
+    """The tensor's change (None when no element changed): sparse, or whole where that is the smaller entry."""
+    info = pairing.info
+    count = sum(int(part.size) for part in found.indices)
+    if not count:
+        return None
+    itemsize, shape = ITEMSIZE[info.dtype], tuple(info.shape)
+    if count * (itemsize + INDEX_BYTES) >= math.prod(shape) * itemsize:
+        return Change(info.name, info.dtype, shape, _read_again(pairing, found.digest).view(BITS[itemsize]))
+    return Change(info.name, info.dtype, shape, _joined(found.values), _joined(found.indices))
 
 
-class _TensorComparison:
-    """One tensor's digests and changed elements, chunk by chunk."""
-
-    def __init__(self, pairing: _Pairing, hash_old: bool, scratch: np.ndarray) -> None:
-        self.pairing = pairing
-        self.old_hasher = blake3.blake3() if hash_old else None  # single-threaded: the other core is reading
-        self.elements = ChangedElements(ITEMSIZE[pairing.info.dtype], scratch)
-        self.indices: list[np.ndarray] = []
-        self.values: list[np.ndarray] = []
-        self.count = 0
-
-    def add(self, piece: _Piece) -> None:
-        if piece.pair is None:
-            return
-        itemsize = self.elements.itemsize
-        for at in range(0, piece.nbytes, BLOCK_BYTES):
-            end = min(at + BLOCK_BYTES, piece.nbytes)
-            before, after = piece.pair.before[at:end], piece.pair.after[at:end]
-            if self.old_hasher is not None:
-                self.old_hasher.update(before.data)
-            indices, values = self.elements.find(before, after, (piece.start + at) // itemsize)
-            if indices.size:
-                self.indices.append(indices)
-                self.values.append(values)
-                self.count += int(indices.size)
-
-    def change(self, digest: str) -> Change | None:
-        """The change (None when no element changed): sparse, or whole where that is the smaller entry."""
-        info = self.pairing.info
-        if not self.count:
-            return None
-        itemsize, shape = ITEMSIZE[info.dtype], tuple(info.shape)
-        if self.count * (itemsize + INDEX_BYTES) >= math.prod(shape) * itemsize:
-            return Change(info.name, info.dtype, shape, _read_again(self.pairing, digest).view(BITS[itemsize]))
-        return Change(info.name, info.dtype, shape, np.concatenate(self.values), np.concatenate(self.indices))
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _read_again(pairing: _Pairing, digest: str) -> np.ndarray:
@@ -219,27 +194,14 @@ def compare_checkpoints(old: Path, new: Path, store: DigestStore | None = None) 
         for shard in (*a.shards, *b.shards):
             shard.advise_sequential()
         receipts = a.trusted_receipts(store)
-        old_digests: dict[str, str] = {}
-        if receipts is not None:
+        found = _read_both(work, hash_old=receipts is None)
+        new_digests = {p.info.name: f.digest for p, f in zip(work, found, strict=True)}
+        if receipts is None:
+            old_digests = {p.info.name: f.old_digest for p, f in zip(work, found, strict=True) if f.old_digest}
+        else:
             old_digests = {t.name: d for r in receipts.values() for t, d in zip(r.header.tensors, r.digests,
-                                                                                  strict=True)}
-        new_digests: dict[str, str] = {}
-        changed: list[Change] = []
-        scratch = np.empty(BLOCK_BYTES // WORD_BYTES, dtype=np.bool_)
-        comparison: _TensorComparison | None = None
-        for piece in _pieces(work):
-            if comparison is None:
-                comparison = _TensorComparison(work[piece.index], receipts is None, scratch)
-            comparison.add(piece)
-            if piece.last:
-                name = comparison.pairing.info.name
-                new_digests[name] = piece.new_digest
-                if comparison.old_hasher is not None:
-                    old_digests[name] = comparison.old_hasher.hexdigest()
-                found = comparison.change(new_digests[name])
-                if found is not None:
-                    changed.append(found)
-                comparison = None
+                                                                                 strict=True)}
+        changed = [c for p, f in zip(work, found, strict=True) if (c := _change(p, f)) is not None]
         old_records, _ = a.records(old_digests)
         new_records, _ = b.records(new_digests)
     if store is not None:
