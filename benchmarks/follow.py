@@ -53,7 +53,7 @@ SERVING = re.compile(r"SERVING (http://127\.0\.0\.1:\d+)/v1/completions")
 POLL_S = 0.005
 
 
-def _sparse(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, object]:
+def sparse_changes(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, object]:
     """Each changed tensor as (flat int64 indices, values): what a trainer holding both would hand to publish."""
     changes: dict[str, object] = {}
     for name, new in after.items():
@@ -65,7 +65,7 @@ def _sparse(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> 
     return changes
 
 
-def _changed_bytes(changes: dict[str, object]) -> int:
+def changed_bytes(changes: dict[str, object]) -> int:
     total = 0
     for value in changes.values():
         assert isinstance(value, tuple)
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             engine = psutil.Process(engine_process.pid)
             tensors = read_tensors(parent)
             stepped = training_step(tensors, args.fraction, seed=1)
-            changes = _sparse(tensors, stepped)
+            changes = sparse_changes(tensors, stepped)
             t = time.perf_counter()
             published = publish(current, changes, run_dir=run_dir)
             publish_s = time.perf_counter() - t
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             spawned.extend(p for p in our_leftovers(run_dir) if p.pid != os.getpid())
             stop_preloaded(cli, run_dir, spawned)
     elapsed = time.perf_counter() - began
-    changed = _changed_bytes(changes)
+    changed = changed_bytes(changes)
     equal = served == on_disk
     print(f"N → N+1 on {args.preset} ({arena_bytes / 1e9:.2f} GB arena), {args.fraction:.1%} of every tensor's "
           f"elements ({len(changes)} tensors, {changed / 1e6:,.1f} MB of changed values), published from memory:")

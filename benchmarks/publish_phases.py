@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from bench_common import workspace
-from follow import _sparse, step_options
+from follow import sparse_changes, step_options
 from wcache.daemon import publish as publishing
 from wcache.daemon.launch import start_daemons
 from wcache.daemon.stopping import stop_daemons
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             tensors = read_tensors(parent)
             stepped = training_step(tensors, args.fraction, seed=1)
-            changes = _sparse(tensors, stepped)
+            changes = sparse_changes(tensors, stepped)
             del tensors
             step = changes
             for i in range(args.steps + 1):

@@ -58,7 +58,7 @@ _INIT_ENGINE_S = re.compile(r"init engine \(profile, create kv cache, warmup mod
 _LOAD_MS = re.compile(r"wcache: .*[(; ]([\d.]+) ms, post-processing included\)")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -189,7 +189,7 @@ def main() -> None:
             for i in range(args.repeat):
                 tokens: dict[str, list[int]] = {}
                 for row in ROWS:
-                    port = _free_port()
+                    port = free_port()
                     argv = server_argv(row, model, port, run_dir, args.tp)
                     seconds, tokens[row], log, completion = restart(row, argv, f"http://127.0.0.1:{port}", env,
                                                                     logs, starter)

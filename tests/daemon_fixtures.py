@@ -50,6 +50,28 @@ from wcache.plan.spec import PlanSpec
 # Every base directory a rig made in this interpreter, for the end-of-module survivor check.
 CREATED_BASES: list[Path] = []
 
+# Publish, from tensors in memory, every tensor of checkpoint argv[4] that differs from the parent daemon argv[2]'s
+# checkpoint argv[3] (argv[1]: the rig's base path, argv[5] its run dir); prints the new version's key id and daemon.
+_PUBLISH_STEP = """
+import sys
+from pathlib import Path
+import torch
+from wcache.checkpoint.files import locate
+from safetensors.torch import load_file
+from wcache.daemon.publish import publish
+
+def tensors(path):
+    found = {}
+    for shard in locate(Path(path)).shards:
+        found.update(load_file(str(shard)))
+    return found
+
+parent, child = tensors(sys.argv[3]), tensors(sys.argv[4])
+changes = {n: t for n, t in child.items() if not torch.equal(t, parent[n])}
+published = publish(sys.argv[2], changes, run_dir=Path(sys.argv[5]))
+print(published.key.short_id, published.daemons[0])
+"""
+
 
 def survivors() -> list[str]:
     """`pid cmdline` of every live process that mentions a rig directory made in this interpreter."""
@@ -148,6 +170,15 @@ class DaemonRig:
         found = [by_name[n] for n in names]
         self.supervisor_pids.update(d.supervisor_pid for d in found if d.supervisor_pid)
         return found
+
+    def publish_step(self, parent: str, parent_path: Path, child_path: Path) -> tuple[str, str]:
+        """Publish from daemon `parent` (holding `parent_path`) what a training step changed to reach `child_path`,
+        as a trainer does (`publish`, from tensors in memory, in a process of its own); the new key id and daemon."""
+        done = self.python(_PUBLISH_STEP, parent, str(parent_path), str(child_path), str(self.run_dir))
+        self._remember_supervisors()
+        assert done.returncode == 0, done.stderr
+        key_id, daemon = done.stdout.split()[-2:]
+        return key_id, daemon
 
     def publish_stand_in(self, device: str = "cpu", key_id: str = "3fa9c0de12ab") -> DaemonDescriptor:
         """A descriptor published as a ready daemon publishes it (`write_descriptor`), for a process that sleeps.

@@ -19,29 +19,6 @@ from wcache_dev.synth import write_training_step
 PROMPT = "The weights"
 MAX_TOKENS = 12
 
-# Publish, from tensors in memory, every tensor of checkpoint argv[4] that differs from the parent daemon argv[2]'s
-# checkpoint argv[3] (argv[1]: the rig's base path); prints the new version's key id and daemon.
-_PUBLISH = """
-import sys
-from pathlib import Path
-import torch
-from wcache.checkpoint.files import locate
-from safetensors.torch import load_file
-from wcache.daemon.publish import publish
-
-def tensors(path):
-    found = {}
-    for shard in locate(Path(path)).shards:
-        found.update(load_file(str(shard)))
-    return found
-
-parent, child = tensors(sys.argv[3]), tensors(sys.argv[4])
-changes = {n: t for n, t in child.items() if not torch.equal(t, parent[n])}
-published = publish(sys.argv[2], changes, run_dir=Path(sys.argv[5]))
-print(published.key.short_id, published.daemons[0])
-"""
-
-
 @pytest.fixture(scope="module")
 def rig() -> Iterator[DaemonRig]:
     with daemon_rig() as made:
@@ -56,14 +33,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tiny_template: Path) -
     n1 = write_training_step(tiny_template, base / "n1", 0.02)
     return {"n": tiny_template, "n1": n1, "n2": write_training_step(n1, base / "n2", 0.02, seed=5),
             "u": unrelated, "u1": write_training_step(unrelated, base / "u1", 0.02, seed=3)}
-
-
-def _publish(rig: DaemonRig, parent: str, parent_path: Path, child_path: Path) -> tuple[str, str]:
-    done = rig.python(_PUBLISH, parent, str(parent_path), str(child_path), str(rig.run_dir))
-    rig._remember_supervisors()
-    assert done.returncode == 0, done.stderr
-    key_id, daemon = done.stdout.split()[-2:]
-    return key_id, daemon
 
 
 def _served_key(server: Server) -> str:
@@ -102,8 +71,8 @@ def test_a_following_engine_moves_to_the_published_version_and_no_other(
         assert code == 200
         assert isinstance(document, dict) and document["follows"] is True
         # A version of another checkpoint first: nothing leads to it from N, so nobody moves.
-        u1_key, _ = _publish(rig, unrelated.name, checkpoints["u"], checkpoints["u1"])
-        n1_key, n1_daemon = _publish(rig, parent.name, checkpoints["n"], checkpoints["n1"])
+        u1_key, _ = rig.publish_step(unrelated.name, checkpoints["u"], checkpoints["u1"])
+        n1_key, n1_daemon = rig.publish_step(parent.name, checkpoints["n"], checkpoints["n1"])
         wait_for(lambda: _served_key(follower) == n1_key, timeout=30, what="the follower on N+1")
         tokens, key = _tokens(follower)
         assert key == n1_key  # the whole request ran on N+1
@@ -122,7 +91,7 @@ def test_a_following_engine_moves_to_the_published_version_and_no_other(
         assert engines[f"pid {still.process.pid}"]["key_id"] == parent.key_id
         assert engines[f"pid {still.process.pid}"]["follows"] is False
         # A second step follows from the version it followed.
-        n2_key, _ = _publish(rig, n1_daemon, checkpoints["n1"], checkpoints["n2"])
+        n2_key, _ = rig.publish_step(n1_daemon, checkpoints["n1"], checkpoints["n2"])
         wait_for(lambda: _served_key(follower) == n2_key, timeout=30, what="the follower on N+2")
         assert _served_key(still) == parent.key_id
         # Two versions later the follower maps one arena (N+2's): each one it left was unmapped.

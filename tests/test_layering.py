@@ -48,12 +48,14 @@ ALLOWED: dict[str, set[str]] = {
     "verify": FOUNDATION | {"checkpoint", "plan", "key", "load", "ipc", "monitor", "attach", "attach_options",
                             "daemon_choice", "engine", "tp_launch", "integrations"},
     # A served vLLM, over HTTP: switched through its endpoints and verified against a vLLM disk load.
-    "vllm_served": FOUNDATION | {"checkpoint", "plan", "key", "ipc", "monitor", "serving", "integrations",
-                                 "verify"},
+    "vllm_served": FOUNDATION | {"checkpoint", "plan", "key", "ipc", "monitor", "daemon_choice", "serving",
+                                 "integrations", "verify"},
     "verify_served": FOUNDATION | {"plan", "key", "load", "ipc", "engine", "serving", "integrations", "verify",
                                    "vllm_served"},
     # `wcache serve`: vLLM's options and plan (from children that import vLLM), the daemons, the supervision.
-    "serve": FOUNDATION | {"checkpoint", "plan", "key", "ipc", "daemon", "attach_options", "integrations"},
+    # `--follow` moves the server through the switch `wcache switch URL` runs.
+    "serve": FOUNDATION | {"checkpoint", "plan", "key", "ipc", "daemon", "attach_options", "integrations",
+                           "serving", "vllm_served"},
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from wcache.errors import BadInputError
 from wcache.serve.backoff import Backoff
 from wcache.serve.exit_reason import death_line, how_it_ended
+from wcache.serve.follow import check_follow
 from wcache.serve.option_table import OptionTable, table_of
 from wcache.serve.server_args import check_restart, check_server_args
 
@@ -140,3 +142,22 @@ def test_a_validation_error_brings_the_line_that_says_what_was_wrong(tmp_path: P
     assert death_line(5, 1, log, 0, log.stat().st_size) == (
         "the vLLM server (pid 5) exited with status 1: pydantic_core._pydantic_core.ValidationError: 1 validation "
         "error for ModelConfig Value error, max_model_len (99999) is greater than 512.")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"])
+def test_following_serves_on_a_loopback_host(host: str) -> None:
+    check_follow(host, 1)
+
+
+@pytest.mark.parametrize(("host", "tp", "said"), [
+    (None, 1, "any of its interfaces (vLLM's default --host)"),
+    ("0.0.0.0", 1, "its --host 0.0.0.0"),
+    ("::", 1, "its --host ::"),
+    ("10.1.2.3", 1, "its --host 10.1.2.3"),
+    ("example.com", 1, "its --host example.com"),
+    ("127.0.0.1", 2, "tensor-parallel engine (TP 2)"),
+])
+def test_following_is_refused_where_others_could_switch_the_server(host: str | None, tp: int, said: str) -> None:
+    """--follow runs vLLM's development endpoints (a reload of any weights, for whoever reaches them)."""
+    with pytest.raises(BadInputError, match=re.escape(said)):
+        check_follow(host, tp)

@@ -1,8 +1,9 @@
 """`wcache serve` end to end: real vLLM servers (the CPU build) supervised by the launcher over a real daemon.
 
-One launcher for the module (`served`): its server is killed with SIGKILL and comes back with the same greedy
-tokens, restarted by `wcache restart` with another --max-model-len, shown by `status` and `top`, and finally
-stopped with SIGTERM, leaving no process, socket, record or shared-memory segment behind. A second launcher
+One launcher for the module (`served`, following its weights' newest version): its server is killed with SIGKILL
+and comes back with the same greedy tokens, restarted by `wcache restart` with another --max-model-len, shown by
+`status` and `top`, reloaded in place with a version a trainer publishes, and finally stopped with SIGTERM,
+leaving no process, socket, record or shared-memory segment behind. A second launcher
 whose server fails at every start (a --max-model-len vLLM's parser accepts and its engine refuses) backs off
 and says why; a typo is refused before anything starts.
 """
@@ -23,12 +24,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives, wait_for  # noqa: F401
+from daemon_fixtures import DaemonRig, copy_checkpoint, daemon_rig, nothing_survives, wait_for  # noqa: F401
 from helpers import assert_one_error_sentence, environment, free_port, loaded_of, modules_after_cli
 from wcache.integrations.vllm.warm import ZYGOTE_MODULE
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.ipc.run_dir.servers import ServerRecord, live_server_records
-from wcache_dev.synth import write_checkpoint
+from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint
+from wcache_dev.vllm_disk_reload import reload_from_disk
 
 pytestmark = pytest.mark.vllm
 
@@ -36,6 +38,7 @@ PROMPT = "the weights cache keeps"
 MAX_NEW_TOKENS = 8
 START_S = 600.0  # a cold start imports vLLM in three processes; far more than a healthy start needs here
 SERVER_ARGS = ("--host", "127.0.0.1", "--enforce-eager", "--served-model-name", "small")
+LM_HEAD_BYTES = 320 * 128 * 2  # the small preset's vocab × hidden, bf16
 
 
 @dataclass
@@ -75,14 +78,15 @@ class Launcher:
             return int(json.load(response)["data"][0]["max_model_len"])
 
 
-def _start(rig: DaemonRig, model: Path, *vllm_args: str, name: str, cold: bool = False) -> Launcher:
+def _start(rig: DaemonRig, model: Path, *vllm_args: str, name: str, cold: bool = False,
+           follow: bool = False) -> Launcher:
     port = free_port()
     output = rig.base / f"{name}.out"
     env = environment({**rig.env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(rig.base / "vllm-cache")})
     with output.open("w") as out:
         process = subprocess.Popen(
             [*_wcache(), "serve", str(model), "--run-dir", str(rig.run_dir), "--stop-grace", "10",
-             *(["--cold"] if cold else []), "--",
+             *(["--cold"] if cold else []), *(["--follow"] if follow else []), "--",
              "--port", str(port), *SERVER_ARGS, *vllm_args],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, text=True)
     return Launcher(rig, process, output, f"http://127.0.0.1:{port}", port)
@@ -126,7 +130,7 @@ def rig() -> Iterator[DaemonRig]:
 
 @pytest.fixture(scope="module")
 def served(rig: DaemonRig) -> Iterator[Launcher]:
-    launcher = _start(rig, rig.base / "small", "--max-model-len", "512", name="served")
+    launcher = _start(rig, rig.base / "small", "--max-model-len", "512", name="served", follow=True)
     try:
         launcher.serving(restarts=0)
         yield launcher
@@ -237,6 +241,41 @@ def test_a_server_that_keeps_crashing_backs_off_and_says_why(rig: DaemonRig, ser
     finally:
         assert _stop(crashing) == -signal.SIGTERM
     assert served.record() is not None  # the other launcher and its group were left alone
+
+
+def test_a_following_server_serves_each_published_version(rig: DaemonRig, served: Launcher) -> None:
+    """A trainer publishes N+1 from tensors in memory (lm_head changed); the launcher reloads its server in place
+    from N+1's daemon: `top` shows the server on N+1 and following, and its tokens are then those of vLLM's own
+    loader reading N+1's checkpoint from disk."""
+    record = served.record()
+    assert record is not None
+    [parent] = [d for d in rig.descriptors() if d.name == record.daemons[0]]
+    before = served.complete()
+    step = copy_checkpoint(rig.base / "small", rig.base / "small-step")
+    overwrite_tensor_bytes(step, "lm_head.weight", 1024, bytes(LM_HEAD_BYTES - 1024))
+    key_id, daemon = rig.publish_step(parent.name, rig.base / "small", step)
+    wait_for(lambda: f"→ {key_id} (daemon {daemon}): vLLM reloaded in place in " in served.said(), timeout=120,
+             interval=0.5, what="the server to follow the published version")
+    followed = served.complete()
+    assert followed != before, "the zeroed lm_head must change the tokens"
+    top = rig.cli("top", "--once", "--json", "--interval", "0.5", "--run-dir", str(rig.run_dir), as_json=True)
+    [engine] = [e for e in top["engines"] if e["url"] == served.url]
+    assert (engine["key_id"], engine["daemon"], engine["follows"]) == (key_id, daemon, True), engine
+    reload_from_disk(served.url, step)
+    assert served.complete() == followed
+
+
+def test_follow_is_refused_where_the_server_cannot_switch_safely(rig: DaemonRig, served: Launcher,
+                                                                 tmp_path: Path) -> None:
+    """Following runs vLLM's development endpoints (which reload weights): only on a loopback address, and only at
+    TP 1; either refusal is one sentence before anything starts."""
+    untouched = tmp_path / "run"
+    for server_args, said in ((("--host", "0.0.0.0"), "serve on --host 127.0.0.1"),
+                              (("--host", "127.0.0.1", "--tensor-parallel-size", "2"), "tensor-parallel engine")):
+        result = rig.cli("serve", str(rig.base / "small"), "--follow", "--run-dir", str(untouched), "--",
+                         "--port", "8000", *server_args)
+        assert result.returncode == 2 and said in assert_one_error_sentence(result), result.stderr
+    assert not untouched.exists()
 
 
 def test_stopping_the_launcher_leaves_nothing_behind(rig: DaemonRig, served: Launcher) -> None:

@@ -33,10 +33,12 @@ import msgspec
 from wcache.checkpoint.companions import is_companion
 from wcache.checkpoint.files import locate
 from wcache.checkpoint.model_path import resolve_model_path
+from wcache.daemon_choice import lineage_checkpoint
 from wcache.errors import BadInputError, UnavailableError
 from wcache.integrations.registry import GreedyAttach, not_served
 from wcache.integrations.vllm.switch import LOAD_FORMAT, VllmSwitchError, worker_reason
 from wcache.ipc.run_dir.directory import census, default_run_dir, matches
+from wcache.ipc.run_dir.engines import announced_at
 from wcache.key.companion_digest import companion_files, tokenizer_digest
 from wcache.monitor import event_types as ev
 from wcache.monitor.events import engine_events
@@ -159,19 +161,34 @@ def _claim(weight_version: Any) -> dict[str, Any] | None:
     return None
 
 
-def _target(engine: ServedVllm, model: Path | None, daemon: str | None) -> tuple[Path, str | None]:
-    """The checkpoint to switch to and the key id to pin (a named daemon's), after every check that needs no
-    engine: the named daemon exists and fits the engine's device and TP size, some daemon could, and the
-    checkpoint's shapes are the engine's. The pin is a key, not a name: each TP rank attaches its own daemon."""
+@dataclass(frozen=True, slots=True)
+class SwitchTarget:
+    """What a served vLLM reloads: the checkpoint its reload reads config, tokenizer and headers from, the key
+    id it pins (a named daemon's), and whether the daemon is trusted for the checkpoint's digest (a version
+    built from a delta has no checkpoint on disk to compute its key from)."""
+
+    checkpoint: Path
+    pin: str | None
+    trusted: bool = False
+
+
+def _target(engine: ServedVllm, model: Path | None, daemon: str | None) -> SwitchTarget:
+    """The switch's target, after every check that needs no engine: the named daemon exists and fits the engine's
+    device and TP size, some daemon could, and the checkpoint's shapes and tokenizer are the engine's. The pin is a
+    key, not a name: each TP rank attaches its own daemon. A daemon named alone that was built from a delta is
+    reloaded through its lineage's checkpoint (else the engine's own), as a reference engine's switch does."""
     live = census(engine.run_dir).live if engine.run_dir.exists() else ()
     fitting = [d for d in live if d.device.split(":")[0] == engine.device]
+    trusted = False
     if daemon is not None:
         named = [d for d in fitting if matches(d, daemon)]
         if len({d.key_id for d in named}) != 1:
             raise UnavailableError(f"{len(named)} running daemons on {engine.device} match {daemon!r} in "
                                    f"{engine.run_dir}; name one daemon (or one key).")
         fitting = named
-        if model is None:
+        if model is None and named[0].parent is not None:
+            model, trusted = lineage_checkpoint(live, named[0]) or engine.model, True
+        elif model is None:
             model = Path(named[0].source)
     assert model is not None  # the command asks for MODEL or --daemon
     path = resolve_model_path(model).absolute()
@@ -187,7 +204,7 @@ def _target(engine: ServedVllm, model: Path | None, daemon: str | None) -> tuple
                                "its weights.")
     _same_architecture(engine.model, path)
     _same_tokenizer(Path(engine.tokenizer), path)
-    return path, fitting[0].key_id if daemon is not None else None
+    return SwitchTarget(path, fitting[0].key_id if daemon is not None else None, trusted)
 
 
 def _same_architecture(current: Path, new: Path) -> None:
@@ -220,10 +237,13 @@ def switch_served(url: str, version: str, model: Path | None, daemon: str | None
     VllmSwitchError when its ranks refused the attach.
     """
     engine = describe(url, version)
-    path, pin = _target(engine, model, daemon)
-    # No pin unpins what an earlier switch pinned; the rest (run dir, mode, …) stays as the server started.
-    extra = {**(engine.extra_config if engine.load_format == LOAD_FORMAT else {}), "daemon": pin}
-    pids = server_pids(url)
+    target = _target(engine, model, daemon)
+    path = target.checkpoint
+    # No pin unpins what an earlier switch pinned, and trust lasts one switch; the rest (run dir, mode, …) stays as
+    # the server started.
+    started = engine.extra_config if engine.load_format == LOAD_FORMAT else {}
+    extra = {**started, "daemon": target.pin, "trust_daemon": target.trusted or bool(started.get("trust_daemon"))}
+    pids = engine_pids(engine)
     last = _last_hit(engine.run_dir, pids)
     previous = {"model": str(engine.model), "key_id": (engine.claim or {}).get("key_id")
                 or (last.key_id if last is not None else None)}
@@ -242,7 +262,7 @@ def switch_served(url: str, version: str, model: Path | None, daemon: str | None
         reset = call_engine(url, "POST", "/reset_prefix_cache")
         hits = _hits(engine.run_dir, began_at, pids)
         current = {"model": str(path), "key_id": hits[-1].key_id if hits else None,
-                   "daemon": hits[-1].daemon if hits else pin}
+                   "daemon": hits[-1].daemon if hits else target.pin}
         call_engine(url, "POST", "/update_weight_version", {"new_version": json.dumps({CLAIM: current})})
     finally:
         call_engine(url, "POST", "/resume")
@@ -284,6 +304,17 @@ def server_pids(url: str) -> set[int] | None:
         return None
 
 
+def engine_pids(engine: ServedVllm) -> set[int] | None:
+    """The processes of the served engine: those below its listening process (`server_pids`) and the ranks
+    announced at its URL in its run dir (a warm start forks its engine core and workers from a forkserver, not
+    from the server); None when neither can be told."""
+    below = server_pids(engine.url)
+    announced = {d.pid for d in announced_at(engine.run_dir, engine.url)} if engine.run_dir.exists() else set()
+    if below is None:
+        return announced or None
+    return below | announced
+
+
 def _hits(run_dir: Path, since: float, pids: set[int] | None) -> list[ev.AttachHit]:
     """The vLLM loader's attach hits since `since`, of the server's processes when they are known."""
     if not run_dir.exists():
@@ -305,7 +336,7 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
     from wcache.verify import GreedyReport, compare_prompts, decoding_difference, encoding_difference
 
     engine = describe(url, version, dev_mode=False)
-    attach = _served_attach(engine, server_pids(url))
+    attach = _served_attach(engine, engine_pids(engine))
     # One request for all prompts: vLLM schedules them together, as the disk engine's one generate() does.
     answer = read_answer(CompletionAnswer, call_engine(url, "POST", "/v1/completions", {
         "model": engine.model_name, "prompt": prompts, "max_tokens": max_new_tokens, "temperature": 0,

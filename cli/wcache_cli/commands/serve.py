@@ -79,6 +79,11 @@ def serve(
                            "instead of forking it from processes that imported vLLM once (slower restarts, "
                            "nothing kept resident).")
     ] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", help="Reload the server in place with each new version built from the "
+                           "weights it serves (publish, preload --from) as soon as its daemon is ready; TP 1, "
+                           "on a loopback --host (it runs vLLM's development endpoints).")
+    ] = False,
 ) -> None:
     """Run vLLM's OpenAI server over wcache's daemons, restarting it when it dies.
 
@@ -92,7 +97,9 @@ def serve(
     engine core and workers, and the daemons this command started. Restarts are warm: the server, its engine
     core and workers are forked from processes that imported vLLM once, when this command started (--cold
     starts each in a fresh interpreter). Under systemd (Type=notify) it reports
-    READY=1 once /health answers 200.
+    READY=1 once /health answers 200. With --follow, a version published from the served weights is served from
+    the next request on: vLLM pauses, reloads in place from the new version's daemon, resets its prefix cache and
+    resumes, so no request sees two versions.
     """
     from wcache.daemon.sd_notify import Notifier
 
@@ -101,6 +108,11 @@ def serve(
     user_argv = list(vllm_args or [])
     first = _checked(user_argv, table)
     _url(user_argv)  # a server without a TCP address is refused before anything starts
+    if follow:
+        from wcache.serve.follow import check_follow
+
+        host = first.value("host")
+        check_follow(str(host) if host is not None else None, int(str(first.value("tensor_parallel_size", 1))))
     from wcache.ipc.run_dir.directory import ensure_daemon_run_dir
 
     where = ensure_daemon_run_dir(run_dir_or_default(run_dir))
@@ -110,7 +122,7 @@ def serve(
         try:
             daemons = _daemons(model, first, device, where)
             code = _supervise(model, user_argv, first, table, daemons, where, notifier, ready_timeout, stop_grace,
-                                 cold)
+                              cold, follow)
         finally:
             if daemons is not None:
                 for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -153,7 +165,8 @@ def _daemons(model: Path, first: ServerArgs, device: str, where: Path) -> Served
 
 
 def _supervise(model: Path, user_argv: list[str], first: ServerArgs, table: OptionTable, daemons: ServedDaemons,
-               where: Path, notifier: Notifier, ready_timeout: float, stop_grace: float, cold: bool) -> int:
+               where: Path, notifier: Notifier, ready_timeout: float, stop_grace: float, cold: bool,
+               follow: bool) -> int:
     from wcache.checkpoint.model_path import resolve_model_path
     from wcache.integrations.vllm.announce import URL_VARIABLE
     from wcache.ipc.run_dir.paths import RunPaths
@@ -171,12 +184,22 @@ def _supervise(model: Path, user_argv: list[str], first: ServerArgs, table: Opti
     paths = RunPaths(where)
     paths.logs.mkdir(mode=0o700, exist_ok=True)
     url = _url(user_argv)
+
+    def say(line: str) -> None:
+        out.hint(printable(line))
+
     # The run dir the load format attaches through, and the URL its engines announce for `status` and `top`.
     env = {**with_keyed_cache(os.environ, daemons.key_id), "WCACHE_RUN_DIR": str(where), URL_VARIABLE: url}
     spec = LaunchSpec(model=str(model), user_argv=user_argv, server_argv=server_argv, env=env, url=url,
                       run_dir=where, log=paths.serve_log(os.getpid()), daemons=daemons.names,
                       ready_timeout_s=ready_timeout, stop_grace_s=stop_grace)
-    launcher = Launcher(_starter(cold, paths), spec, notifier, say=lambda line: out.hint(printable(line)))
+    if follow:
+        from wcache.serve.follow import FOLLOW_ENV, server_follower
+
+        spec.env.update(FOLLOW_ENV)
+        device = daemons.descriptors[0].device
+        spec.watcher = lambda: server_follower(url, where, device, say)
+    launcher = Launcher(_starter(cold, paths), spec, notifier, say=say)
     how = "" if cold else " (importing vLLM once first, for warm restarts)"
     out.hint(f"Starting vLLM's server for {printable(str(model))} at {spec.url}{how}; its log is {spec.log}.")
     launcher.install_signals()

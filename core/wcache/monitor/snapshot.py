@@ -72,7 +72,7 @@ class EngineRow:
     requests_running: float | None = None  # a vLLM server's requests in flight
     requests_done: float | None = None  # a vLLM server's requests finished
     kv_usage: float | None = None  # a vLLM server's KV cache use (0..1)
-    follows: bool = False  # a reference engine that moves to its weights' newest version by itself (--follow)
+    follows: bool = False  # it moves to its weights' newest version by itself (`--follow`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from wcache.daemon.sd_notify import Notifier
 from wcache.errors import WcacheError, marked
@@ -39,6 +40,14 @@ GROUP_GONE_S = 10.0
 DIED, STOP, RESTART, READY = "died", "stop", "restart", "ready"
 
 
+class Watcher(Protocol):
+    """What runs beside a serving server and stops before it is stopped (`serve.follow`'s follower)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 @dataclass
 class LaunchSpec:
     """What the launcher runs: the vLLM arguments it builds from the user's, where the server answers, where
@@ -54,6 +63,7 @@ class LaunchSpec:
     daemons: tuple[str, ...] = ()
     ready_timeout_s: float = READY_TIMEOUT_S
     stop_grace_s: float = STOP_GRACE_S
+    watcher: Callable[[], Watcher] | None = None  # one made for each server once it serves (`--follow`)
 
 
 @dataclass
@@ -145,7 +155,14 @@ class Launcher:
                 self.last_ready_s = serving_since - began
                 self._record(servers.SERVING, process.pid)
                 self._announce_ready(process.pid)
-                outcome = self._watch(process)
+                watcher = self.spec.watcher() if self.spec.watcher is not None else None
+                if watcher is not None:
+                    watcher.start()
+                try:
+                    outcome = self._watch(process)
+                finally:
+                    if watcher is not None:
+                        watcher.stop()  # before the server goes: no switch reaches a stopping server
         except BaseException:
             self._stop_group(process)  # the run dir failing us (a full disk) must not orphan a server
             raise

@@ -26,6 +26,8 @@ from wcache.ipc.run_dir.engines import VLLM_ENGINE, EngineDescriptor, write_engi
 log = logging.getLogger("vllm.wcache")
 
 URL_VARIABLE = "WCACHE_ENGINE_URL"
+# Set to "1" by a launcher that moves its server to the weights' newest version (`wcache serve --follow`).
+FOLLOWS_VARIABLE = "WCACHE_ENGINE_FOLLOWS"
 # vLLM's OpenAI server's defaults: all interfaces, port 8000.
 DEFAULT_PORT = 8000
 # Hosts a server listens on that a client reaches on this machine as the loopback address.
@@ -84,7 +86,8 @@ def announce(run_dir: Path, *, model: str, source: str, attach: AttachSummary, k
     failed start: the engine serves either way."""
     descriptor = EngineDescriptor(
         pid=os.getpid(), url=served_url(), model=display_name(model), source=source, attach=attach,
-        key_id=key_id, started=time.time(), engine=VLLM_ENGINE, tp_rank=tp_rank, tp_size=tp_size)
+        key_id=key_id, started=time.time(), engine=VLLM_ENGINE, tp_rank=tp_rank, tp_size=tp_size,
+        follows=os.environ.get(FOLLOWS_VARIABLE) == "1")
     try:
         write_engine_descriptor(run_dir, descriptor)
     except OSError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from wcache.ipc.attach_summary import AttachSummary
@@ -41,7 +42,8 @@ class EngineDescriptor(Schema, frozen=True):
     engine: str = REFERENCE_ENGINE
     tp_rank: int = 0
     tp_size: int = 1
-    follows: bool = False  # a reference engine that moves to its weights' newest version by itself (--follow)
+    follows: bool = False  # it moves to its weights' newest version by itself (`attach --serve --follow`,
+    # `serve --follow`)
 
 
 def announcer_alive(descriptor: EngineDescriptor) -> bool:
@@ -67,6 +69,21 @@ def read_engine_descriptor(path: Path) -> EngineDescriptor:
     return EngineDescriptor.from_wire(read_run_file(path, MAX_ANNOUNCEMENT_BYTES))
 
 
+def _announcements(run_dir: Path) -> Iterator[tuple[Path, EngineDescriptor]]:
+    """Every readable announcement in the run dir, with its file."""
+    directory = run_subdir(run_dir, RunPaths.ENGINES)  # a symlink there is refused: never read or remove through it
+    for path in RunPaths.engine_files(directory) if directory is not None else []:
+        try:
+            yield path, read_engine_descriptor(path)
+        except (OSError, ValueError):
+            continue
+
+
+def announced_at(run_dir: Path, url: str) -> list[EngineDescriptor]:
+    """The live engines (each TP rank's) announced at `url`."""
+    return [d for _, d in _announcements(run_dir) if d.url == url and announcer_alive(d) and not _exited(d.pid)]
+
+
 def remove_gone_announcements(run_dir: Path, url: str) -> list[int]:
     """Remove the announcements (and tokens) of engines at `url` whose process is gone; their pids.
 
@@ -74,13 +91,8 @@ def remove_gone_announcements(run_dir: Path, url: str) -> list[int]:
     so a reader, which shows a gone announcer while its URL answers (it may live in another pid namespace),
     could not tell the dead ranks from their successors."""
     paths = RunPaths(run_dir)
-    directory = run_subdir(run_dir, RunPaths.ENGINES)  # a symlink there is refused: never remove through it
     removed = []
-    for path in RunPaths.engine_files(directory) if directory is not None else []:
-        try:
-            descriptor = read_engine_descriptor(path)
-        except (OSError, ValueError):
-            continue
+    for path, descriptor in _announcements(run_dir):
         if descriptor.url == url and (not announcer_alive(descriptor) or _exited(descriptor.pid)):
             path.unlink(missing_ok=True)
             paths.engine_token(descriptor.pid).unlink(missing_ok=True)

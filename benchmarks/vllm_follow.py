@@ -1,0 +1,171 @@
+"""A served vLLM following the versions a training loop publishes (``wcache serve --follow``): its in-place reload.
+
+In one run, on the ``--preset`` checkpoint (qwen3-0.6b: 1.5 GB bf16), TP 1, CPU:
+
+* ``wcache serve N --follow -- --host 127.0.0.1 ...`` serves N from the daemon it starts.
+* Each of ``--steps`` steps is a simulated training step (``--fraction``, 1.5%, of every tensor's elements moved)
+  published from memory as (flat indices, values) with ``publish(parent, changes)``. Timed: the publish call (to the
+  new version READY), then from its return until the server's rank 0 announces the new key (the launcher paused
+  vLLM, which reloaded in place), and until a one-token completion answered after that. vLLM's reload itself is the
+  launcher's ``switch_ms`` (pause, reload, prefix-cache reset, resume), read from its log line.
+* The last version's greedy tokens (16) against vLLM's own loader reading that version's tensors from disk, in the
+  same server (``wcache_dev.vllm_disk_reload``): equal, or the run fails.
+
+The reload is vLLM's: on CPU it re-runs its oneDNN repack of every linear layer, whatever the daemon gives it.
+
+Run (vLLM's CPU build; other vLLM runs wait on the lock)::
+
+    flock /tmp/wcache-vllm.lock .venv/bin/python benchmarks/vllm_follow.py                  # qwen3-0.6b, 3 steps
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_common import fmt_seconds, stop_preloaded, wcache_command, workspace
+from follow import POLL_S, changed_bytes, sparse_changes, step_options
+from restart import our_leftovers
+from vllm_restart import free_port
+from wcache.daemon.publish import publish
+from wcache.ipc.run_dir.directory import census
+from wcache.serve.follow import served_key
+from wcache_dev.synth import read_tensors, training_step, write_checkpoint, write_tensors
+from wcache_dev.vllm_disk_reload import reload_from_disk
+
+PROMPT = "the weights cache keeps processed tensors in a daemon so that"
+GREEDY_TOKENS = 16
+SERVED_NAME = "followed"
+READY_S = 900.0
+RELOADED = re.compile(r"→ (\w+) \(daemon \S+\): vLLM reloaded in place in ([\d.]+) s")
+
+
+def _complete(url: str, max_tokens: int) -> list[int]:
+    body = json.dumps({"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                       "return_token_ids": True}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return list(json.loads(response.read())["choices"][0]["token_ids"])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+def _serve(cli: list[str], model: Path, run_dir: Path, env: dict[str, str], log: Path) -> tuple[Any, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [*cli, "serve", str(model), "--follow", "--run-dir", str(run_dir), "--", "--host", "127.0.0.1", "--port",
+             str(port), "--enforce-eager", "--max-model-len", "512", "--served-model-name", SERVED_NAME],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    began = time.monotonic()
+    while not _healthy(url):
+        if process.poll() is not None or time.monotonic() - began > READY_S:
+            raise SystemExit(f"wcache serve did not serve: {log.read_text()[-2000:]}")
+        time.sleep(0.5)
+    print(f"served at {url} in {time.monotonic() - began:.1f} s", file=sys.stderr)
+    return process, url
+
+
+def _followed(run_dir: Path, url: str, key_id: str, log: Path, timeout: float = 300.0) -> tuple[float, float]:
+    """Seconds until the server's rank 0 announces `key_id`, and vLLM's reload time as the launcher logged it."""
+    began = time.perf_counter()
+    while served_key(run_dir, url) != key_id:
+        if time.perf_counter() - began > timeout:
+            raise SystemExit(f"the server did not follow to {key_id} in {timeout:.0f} s: {log.read_text()[-2000:]}")
+        time.sleep(POLL_S)
+    announced = time.perf_counter() - began
+    while not (reloads := {m.group(1): float(m.group(2)) for m in RELOADED.finditer(log.read_text())}).get(key_id):
+        time.sleep(POLL_S)
+    return announced, reloads[key_id]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = step_options(__doc__.splitlines()[0], 3, "publish steps the server follows").parse_args(argv)
+    cli = wcache_command()
+    began = time.perf_counter()
+    with workspace(args.workdir) as work:
+        run_dir, store = work / "run", work / "store"
+        for owned in (run_dir, store, work / "last"):
+            shutil.rmtree(owned, ignore_errors=True)
+        env = {**os.environ, "WCACHE_RUN_DIR": str(run_dir), "WCACHE_CACHE_DIR": str(store),
+               "VLLM_CPU_KVCACHE_SPACE": "1"}
+        os.environ.update(env)  # publish, in this process, reads the same store
+        parent = work / "n"
+        if not parent.exists():
+            print(f"writing the {args.preset!r} checkpoint ...", file=sys.stderr)
+            write_checkpoint(args.preset, parent)
+        config = json.loads((parent / "config.json").read_text())
+        log = work / "serve.log"
+        server: Any = None
+        steps: list[dict[str, float]] = []
+        try:
+            server, url = _serve(cli, parent, run_dir, env, log)
+            [current] = [d.name for d in census(run_dir).live]
+            before = _complete(url, GREEDY_TOKENS)
+            tensors = read_tensors(parent)
+            for step in range(args.steps):
+                stepped = training_step(tensors, args.fraction, seed=step + 1)
+                changes = sparse_changes(tensors, stepped)
+                t = time.perf_counter()
+                made = publish(current, changes, run_dir=run_dir)
+                publish_s = time.perf_counter() - t
+                announced_s, reload_s = _followed(run_dir, url, made.key.short_id, log)
+                _complete(url, 1)
+                answered_s = time.perf_counter() - t - publish_s
+                steps.append({"publish_s": publish_s, "announced_s": announced_s, "reload_s": reload_s,
+                              "answered_s": answered_s, "changed": changed_bytes(changes)})
+                current, tensors = made.daemons[0], stepped
+            followed = _complete(url, GREEDY_TOKENS)
+            write_tensors(tensors, config, work / "last", 1)
+            t = time.perf_counter()
+            reload_from_disk(url, work / "last")
+            disk_reload_s = time.perf_counter() - t
+            on_disk = _complete(url, GREEDY_TOKENS)
+        finally:
+            if server is not None:
+                server.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    server.wait(120)
+            leftovers = [p for p in our_leftovers(run_dir) if p.pid != os.getpid()]
+            for line in stop_preloaded(cli, run_dir, leftovers):
+                print(line, file=sys.stderr)
+    equal = followed == on_disk
+    print(f"A served vLLM ({args.preset}, TP 1, CPU) following {len(steps)} versions, each {args.fraction:.1%} of "
+          f"every tensor's elements ({statistics.median(s['changed'] for s in steps) / 1e6:,.1f} MB of changed "
+          "values), published from memory:")
+    for field, what in (("publish_s", "publish call (to the version READY)"),
+                        ("announced_s", "after it returned: the server's rank 0 on the new key"),
+                        ("answered_s", "after it returned: a one-token completion answered on it"),
+                        ("reload_s", "of which vLLM's in-place reload (pause, reload, reset, resume)")):
+        values = [s[field] for s in steps]
+        print(f"  {what}: median {fmt_seconds(statistics.median(values))} "
+              f"({', '.join(fmt_seconds(v) for v in values)})")
+    print(f"  the same server reloading the last version from disk with vLLM's own loader: "
+          f"{fmt_seconds(disk_reload_s)}")
+    print(f"  greedy tokens ({GREEDY_TOKENS}) equal to vLLM's disk load of the last version: "
+          f"{'yes' if equal else 'NO'}; they changed from N's: {'yes' if followed != before else 'no'}")
+    print(f"{os.cpu_count()} CPUs, torch {torch.__version__}, whole run {time.perf_counter() - began:.0f} s.")
+    return 0 if equal else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""`wcache serve --follow`: the launcher moves its vLLM server to its weights' newest version.
+
+A reference engine follows from inside its own process (`wcache.serving.follow`); a vLLM server is moved from the
+launcher, over HTTP, by the switch `wcache switch URL --daemon D` runs (`wcache.vllm_served.switch_served`: pause,
+reload in place, reset the prefix cache, resume), so one request never sees two versions. Which version is newest
+is `newest_descendant`'s rule, from the key the server's rank 0 announces it serves now (its loader announces
+again after every reload). A version whose switch is refused is not tried again by this server, which keeps the
+weights it had.
+
+Moving a vLLM server needs its development endpoints, and those reach every worker: whoever can reach the port
+could reload its weights. Following is therefore refused unless the server listens on a loopback address.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable
+from pathlib import Path
+
+from wcache.errors import BadInputError, option
+from wcache.integrations.vllm.announce import FOLLOWS_VARIABLE
+from wcache.ipc.run_dir.engines import VLLM_ENGINE, announced_at
+from wcache.serving.follow import Follower, check_followable
+from wcache.vllm_served import DEV_MODE, switch_served, vllm_version
+
+# What the server's environment gets when it follows: the endpoints a switch drives, and the flag its ranks
+# announce (`top` shows which engines follow).
+FOLLOW_ENV = {DEV_MODE: "1", FOLLOWS_VARIABLE: "1"}
+
+
+def check_follow(host: str | None, tp_size: int) -> None:
+    """Refuse to follow with a server that cannot switch (TP > 1) or whose switch endpoints others could reach:
+    `host` is the server's --host (None: vLLM's default, every interface)."""
+    check_followable(tp_size)
+    try:
+        loopback = host == "localhost" or (host is not None and ipaddress.ip_address(host.strip("[]")).is_loopback)
+    except ValueError:
+        loopback = False
+    if not loopback:
+        where = f"its --host {host}" if host else "any of its interfaces (vLLM's default --host)"
+        raise BadInputError(f"{option('follow')} reloads the server's weights through vLLM's development endpoints, "
+                            f"which anyone who can reach {where} could call too; serve on --host 127.0.0.1 "
+                            "(behind a proxy for other hosts) to follow.")
+
+
+def served_key(run_dir: Path, url: str) -> str | None:
+    """The key the server at `url` serves now, as its rank 0 last announced it (None: not attached, or not yet)."""
+    ranks = [d for d in announced_at(run_dir, url) if d.engine == VLLM_ENGINE and d.tp_rank == 0]
+    newest = max(ranks, key=lambda d: d.started, default=None)
+    return newest.key_id if newest is not None and newest.attach is not None else None
+
+
+def server_follower(url: str, run_dir: Path, device: str, say: Callable[[str], None]) -> Follower:
+    """The follower of the vLLM server at `url`, not started; `say` gets one line per version it moves to."""
+
+    def switch(daemon: str) -> None:
+        result = switch_served(url, vllm_version(url), None, daemon)
+        say(f"followed {result['previous']['key_id']} → {result['current']['key_id']} (daemon {daemon}): vLLM "
+            f"reloaded in place in {result['switch_ms'] / 1000:.2f} s.")
+
+    return Follower(run_dir, device, lambda: served_key(run_dir, url), lambda: False, switch)
