@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -166,21 +167,40 @@ def step_options(description: str, steps: int, steps_help: str) -> argparse.Argu
     return parser
 
 
+@dataclass(frozen=True)
+class StepWorkspace:
+    """Where a benchmark of publish steps runs: its run dir, digest store, checkpoint N (and N's config.json), and
+    the environment pointing at the first two."""
+
+    run_dir: Path
+    store: Path
+    parent: Path
+    config: dict[str, Any]
+    env: dict[str, str]
+
+
+def step_workspace(work: Path, preset: str, *scratch: str, **env: str) -> StepWorkspace:
+    """The workspace in `work`: the run dir, store and `scratch` paths cleared, this process's environment pointed at
+    them too (publish, called here, reads the same store), N written as the `preset` checkpoint unless it is there."""
+    run_dir, store = work / "run", work / "store"
+    for owned in (run_dir, store, *(work / name for name in scratch)):
+        shutil.rmtree(owned, ignore_errors=True)
+    environment = {**os.environ, "WCACHE_RUN_DIR": str(run_dir), "WCACHE_CACHE_DIR": str(store), **env}
+    os.environ.update(environment)
+    parent = work / "n"
+    if not parent.exists():
+        print(f"writing the {preset!r} checkpoint ...", file=sys.stderr)
+        write_checkpoint(preset, parent)
+    return StepWorkspace(run_dir, store, parent, json.loads((parent / "config.json").read_text()), environment)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = step_options(__doc__.splitlines()[0], 20, "publish-follow-generate loop steps").parse_args(argv)
     cli = wcache_command()
     began = time.perf_counter()
     with workspace(args.workdir) as work:
-        run_dir, store = work / "run", work / "store"
-        for owned in (run_dir, store, work / "n1", work / "run-full", work / "store-full"):
-            shutil.rmtree(owned, ignore_errors=True)
-        env = {**os.environ, "WCACHE_RUN_DIR": str(run_dir), "WCACHE_CACHE_DIR": str(store)}
-        os.environ.update(env)  # publish, in this process, reads the same store
-        parent = work / "n"
-        if not parent.exists():
-            print(f"writing the {args.preset!r} checkpoint ...", file=sys.stderr)
-            write_checkpoint(args.preset, parent)
-        config = json.loads((parent / "config.json").read_text())
+        place = step_workspace(work, args.preset, "n1", "run-full", "store-full")
+        run_dir, env, parent, config = place.run_dir, place.env, place.parent, place.config
         PROMPT[:] = [i % int(config["vocab_size"]) for i in PROMPT_IDS]
         spawned: list[psutil.Process] = []
         engine_process: subprocess.Popen[str] | None = None

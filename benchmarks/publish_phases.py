@@ -3,8 +3,10 @@
 In one run, on the ``--preset`` checkpoint (qwen3-0.6b: 1.5 GB bf16, fused plan, TP 1): N is started with
 `start_daemons`, N+1 is N after ``--fraction`` (1.5%) of every tensor's elements moved, handed to `publish` as
 (flat indices, values); each of publish's steps is timed in this process (the changes checked, the parent mapped
-and the changed tensors hashed, the delta written, `start_next_version`), and the new rank's own build time
-(``load_s`` of its ready event) splits `start_next_version` into the build and the processes' start. Each further
+and the changed tensors hashed, the delta written, `start_next_version` where new processes build it), and the new
+rank's own build time (``load_s`` of its ready event): where new processes build the version, it splits
+`start_next_version` into the build and the processes' start; where the parent's process builds it, it is most of
+the publish. Each further
 step publishes the same elements moved again, from the version published last, and stops the one before.
 
 Run::
@@ -15,7 +17,6 @@ Run::
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -24,14 +25,14 @@ from typing import Any
 
 import torch
 from bench_common import workspace
-from follow import sparse_changes, step_options
+from follow import sparse_changes, step_options, step_workspace
 from wcache.daemon import publish as publishing
 from wcache.daemon.launch import start_daemons
 from wcache.daemon.stopping import stop_daemons
 from wcache.ipc.run_dir.directory import census
 from wcache.monitor.event_types import Ready
 from wcache.monitor.events import read_typed_events
-from wcache_dev.synth import read_tensors, training_step, write_checkpoint
+from wcache_dev.synth import read_tensors, training_step
 
 # publish's steps, in the order it takes them.
 PHASES = ("_change", "_new_digests", "write_delta", "start_next_version")
@@ -63,14 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in PHASES:
         _timed(spent, name)
     with workspace(args.workdir) as work:
-        run_dir, store = work / "run", work / "store"
-        for owned in (run_dir, store):
-            shutil.rmtree(owned, ignore_errors=True)
-        os.environ.update({"WCACHE_RUN_DIR": str(run_dir), "WCACHE_CACHE_DIR": str(store)})
-        parent = work / "n"
-        if not parent.exists():
-            print(f"writing the {args.preset!r} checkpoint ...", file=sys.stderr)
-            write_checkpoint(args.preset, parent)
+        place = step_workspace(work, args.preset)
+        run_dir, parent = place.run_dir, place.parent
         began = time.perf_counter()
         group = start_daemons(parent, run_dir=run_dir)
         group.detach()
@@ -88,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
                 published = publishing.publish(current, step, run_dir=run_dir)
                 total = time.perf_counter() - began
                 build = _build_seconds(run_dir, published.daemons[0])
-                rest = spent["start_next_version"] - build
+                # A version the parent's process builds (`version_host`) starts no process: no start_next_version.
+                how = (f"processes' start and READY {spent['start_next_version'] - build:.3f}"
+                       if "start_next_version" in spent else "in the parent's process")
                 print(f"publish {i} (to READY): {total:.3f} s = " + ", ".join(
-                    f"{name.strip('_')} {spent[name]:.3f}" for name in PHASES)
-                    + f" (build {build:.3f}, processes' start and READY {rest:.3f})")
+                    f"{name.strip('_')} {spent.get(name, 0.0):.3f}" for name in PHASES)
+                    + f" (build {build:.3f}, {how})")
                 stop_daemons([d for d in census(run_dir).live if d.name == current])
                 current = published.daemons[0]
                 step = {}

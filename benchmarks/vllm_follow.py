@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -36,13 +35,13 @@ from typing import Any
 
 import torch
 from bench_common import fmt_seconds, stop_preloaded, wcache_command, workspace
-from follow import POLL_S, changed_bytes, sparse_changes, step_options
+from follow import POLL_S, changed_bytes, sparse_changes, step_options, step_workspace
 from restart import our_leftovers
 from vllm_restart import free_port
 from wcache.daemon.publish import publish
 from wcache.ipc.run_dir.directory import census
 from wcache.serve.follow import served_key
-from wcache_dev.synth import read_tensors, training_step, write_checkpoint, write_tensors
+from wcache_dev.synth import read_tensors, training_step, write_tensors
 from wcache_dev.vllm_disk_reload import reload_from_disk
 
 PROMPT = "the weights cache keeps processed tensors in a daemon so that"
@@ -103,17 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     cli = wcache_command()
     began = time.perf_counter()
     with workspace(args.workdir) as work:
-        run_dir, store = work / "run", work / "store"
-        for owned in (run_dir, store, work / "last"):
-            shutil.rmtree(owned, ignore_errors=True)
-        env = {**os.environ, "WCACHE_RUN_DIR": str(run_dir), "WCACHE_CACHE_DIR": str(store),
-               "VLLM_CPU_KVCACHE_SPACE": "1"}
-        os.environ.update(env)  # publish, in this process, reads the same store
-        parent = work / "n"
-        if not parent.exists():
-            print(f"writing the {args.preset!r} checkpoint ...", file=sys.stderr)
-            write_checkpoint(args.preset, parent)
-        config = json.loads((parent / "config.json").read_text())
+        place = step_workspace(work, args.preset, "last", VLLM_CPU_KVCACHE_SPACE="1")
+        run_dir, env, parent, config = place.run_dir, place.env, place.parent, place.config
         log = work / "serve.log"
         server: Any = None
         steps: list[dict[str, float]] = []
