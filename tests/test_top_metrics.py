@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,57 +21,49 @@ from wcache.ipc.http.server import PROMETHEUS_TEXT, QuietHandler, make_http_serv
 from wcache.monitor.collector import Collector
 from wcache.monitor.snapshot import SCHEMA
 
-# Per DP engine: prefix-cache queries and hits (tokens). Everything else in the text is scenery.
-VLLM_METRICS = """\
-# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{{engine="0",model_name="m"}} 3.0
-vllm:num_requests_running{{engine="1",model_name="m"}} 1.0
-# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{{engine="0",model_name="m"}} 0.0
-vllm:num_requests_waiting{{engine="1",model_name="m"}} 0.0
-# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
-# TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} 0.4125
-vllm:kv_cache_usage_perc{{engine="1",model_name="m"}} 0.0871
-# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
-# TYPE vllm:prefix_cache_queries_total counter
-vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {q0}
-vllm:prefix_cache_queries_total{{engine="1",model_name="m"}} {q1}
-# HELP vllm:prefix_cache_queries_created Prefix cache queries, in terms of number of queried tokens.
-# TYPE vllm:prefix_cache_queries_created gauge
-vllm:prefix_cache_queries_created{{engine="0",model_name="m"}} 1.7949504001234567e+09
-vllm:prefix_cache_queries_created{{engine="1",model_name="m"}} 1.7949504001234567e+09
-# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
-# TYPE vllm:prefix_cache_hits_total counter
-vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {h0}
-vllm:prefix_cache_hits_total{{engine="1",model_name="m"}} {h1}
-# HELP vllm:prefix_cache_hits_created Prefix cache hits, in terms of number of cached tokens.
-# TYPE vllm:prefix_cache_hits_created gauge
-vllm:prefix_cache_hits_created{{engine="0",model_name="m"}} 1.7949504001234567e+09
-vllm:prefix_cache_hits_created{{engine="1",model_name="m"}} 1.7949504001234567e+09
-# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
-# TYPE vllm:num_preemptions_total counter
-vllm:num_preemptions_total{{engine="0",model_name="m"}} 0.0
-vllm:num_preemptions_total{{engine="1",model_name="m"}} 0.0
-# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
-# TYPE vllm:prompt_tokens_total counter
-vllm:prompt_tokens_total{{engine="0",model_name="m"}} {q0}
-vllm:prompt_tokens_total{{engine="1",model_name="m"}} {q1}
-# HELP vllm:prompt_tokens_created Number of prefill tokens processed.
-# TYPE vllm:prompt_tokens_created gauge
-vllm:prompt_tokens_created{{engine="0",model_name="m"}} 1.7949504001234567e+09
-vllm:prompt_tokens_created{{engine="1",model_name="m"}} 1.7949504001234567e+09
+# prometheus-client's creation time of a counter, as it writes it: scenery, the same for every counter here.
+CREATED = "1.7949504001234567e+09"
+
+
+def _family(name: str, kind: str, help_text: str, values: Sequence[float | str]) -> str:
+    """One metric as prometheus-client writes it: HELP, TYPE, then a series per DP engine (`engine` label)."""
+    series = [f'{name}{{engine="{engine}",model_name="m"}} {value}' for engine, value in enumerate(values)]
+    return "\n".join([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *series]) + "\n"
+
+
+def _counter(name: str, help_text: str, values: Sequence[float]) -> str:
+    """A counter: its `_total` series, and the `_created` gauge prometheus-client writes beside it."""
+    return (_family(f"{name}_total", "counter", help_text, values)
+            + _family(f"{name}_created", "gauge", help_text, [CREATED] * len(values)))
+
+
+TTFT_HISTOGRAM = """\
 # HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram
-vllm:time_to_first_token_seconds_bucket{{engine="0",le="0.001",model_name="m"}} 0.0
-vllm:time_to_first_token_seconds_bucket{{engine="0",le="0.1",model_name="m"}} 12.0
-vllm:time_to_first_token_seconds_bucket{{engine="0",le="+Inf",model_name="m"}} 20.0
-vllm:time_to_first_token_seconds_count{{engine="0",model_name="m"}} 20.0
-vllm:time_to_first_token_seconds_sum{{engine="0",model_name="m"}} 1.5
-vllm:time_to_first_token_seconds_created{{engine="0",model_name="m"}} 1.7949504001234567e+09
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="m"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 12.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 20.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 20.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 1.5
+vllm:time_to_first_token_seconds_created{engine="0",model_name="m"} 1.7949504001234567e+09
 """
+
+
+def vllm_text(q0: float, h0: float, q1: float, h1: float) -> str:
+    """Two DP engines' /metrics. Per engine: prefix-cache queries and hits (tokens); everything else is scenery."""
+    queries, hits = (float(q0), float(q1)), (float(h0), float(h1))
+    return "".join([
+        _family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", (3.0, 1.0)),
+        _family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", (0.0, 0.0)),
+        _family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", (0.4125, 0.0871)),
+        _counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", queries),
+        _counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", hits),
+        _family("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.",
+                (0.0, 0.0)),
+        _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", queries),
+        TTFT_HISTOGRAM,
+    ])
+
 
 DEPRECATED_METRICS = """\
 # HELP vllm:gpu_prefix_cache_queries_total GPU prefix cache queries, in terms of number of queried tokens.
@@ -87,10 +79,6 @@ NO_PREFIX_METRICS = """\
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m"} 0.0
 """
-
-
-def vllm_text(q0: float, h0: float, q1: float, h1: float) -> str:
-    return VLLM_METRICS.format(q0=float(q0), h0=float(h0), q1=float(q1), h1=float(h1))
 
 
 class MetricsServer:

@@ -18,7 +18,7 @@ import msgspec
 from wcache.checkpoint.provenance import FileVerdict, counts, overall
 from wcache.daemon.argv import LoadArgs
 from wcache.daemon.server import DaemonServer
-from wcache.daemon.version_host import RankPlace, VersionHost, describe
+from wcache.daemon.version_host import VersionHost, describe
 from wcache.delta.arena import build_next, find_parent
 from wcache.errors import EXIT_OK, EXIT_UNAVAILABLE, WcacheError, marked, option
 from wcache.ipc.arenas.daemon_side import CpuArena
@@ -167,11 +167,11 @@ def _publish(loading: _Loading, loaded: LoadedRank, parent: DaemonDescriptor | N
     """Bind the rank's socket and write its descriptor: from here on engines find it. The version host that will
     serve it (and the versions built from it) is made here."""
     args = loading.args
-    host = stop.host = VersionHost(RankPlace(loading.run_dir, args.device, args.tp, args.rank, args.health_url,
-                                             args.supervisor_pid, args.scrub_interval), loading.load.version_pool,
-                                   DaemonServer)
+    host = stop.host = VersionHost(loading.run_dir, args.scrub_interval, loading.load.version_pool, DaemonServer)
     judged = loading.judged
-    descriptor = describe(host.place, loaded, parent, overall(judged) if judged else None)
+    descriptor = describe(loading.run_dir, loaded, parent, overall(judged) if judged else None, device=args.device,
+                          tp_size=args.tp, tp_rank=args.rank, health_url=args.health_url,
+                          supervisor_pid=args.supervisor_pid)
     server = stop.server = DaemonServer(loaded, descriptor, loading.run_dir, args.scrub_interval, host=host,
                                         lock_fd=loading.locks.pop() if loading.locks else None)
     server.bind()

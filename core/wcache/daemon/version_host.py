@@ -50,35 +50,31 @@ log = logging.getLogger("wcache.daemon")
 _STEPS_KEPT = 8
 
 
-@dataclass(frozen=True, slots=True)
-class RankPlace:
-    """Where this process's versions serve: the same for every version it hosts."""
-
-    run_dir: Path
-    device: str
-    tp_size: int
-    tp_rank: int
-    health_url: str | None
-    supervisor_pid: int | None
-    scrub_interval: float
-
-
-def describe(place: RankPlace, loaded: LoadedRank, parent: DaemonDescriptor | None,
-             provenance: Verdict | None = None) -> DaemonDescriptor:
-    """The descriptor of a version this process serves (`parent`: the version it was built from)."""
+def describe(run_dir: Path, loaded: LoadedRank, parent: DaemonDescriptor | None, provenance: Verdict | None = None,
+             *, device: str, tp_size: int, tp_rank: int, health_url: str | None,
+             supervisor_pid: int | None) -> DaemonDescriptor:
+    """The descriptor of a version this process serves (`parent`: the version it was built from), on `device` as
+    rank `tp_rank` of `tp_size`, its health at `health_url`, started by the supervisor `supervisor_pid`."""
     key_file = loaded.key_file
-    name = daemon_name(place.device, key_file.key.short_id)
+    name = daemon_name(device, key_file.key.short_id)
     return DaemonDescriptor(
-        name=name, pid=os.getpid(), pid_created=process_created(os.getpid()) or 0.0, device=place.device,
-        tp_size=place.tp_size, tp_rank=place.tp_rank, key_id=key_file.key.short_id,
+        name=name, pid=os.getpid(), pid_created=process_created(os.getpid()) or 0.0, device=device,
+        tp_size=tp_size, tp_rank=tp_rank, key_id=key_file.key.short_id,
         key=key_file.key, plan=key_file.plan, config=key_file.config, source=key_file.source,
-        socket=str(socket_path(place.run_dir, name)), health_url=place.health_url,
-        supervisor_pid=place.supervisor_pid, started=datetime.now(UTC).isoformat(timespec="seconds"),
+        socket=str(socket_path(run_dir, name)), health_url=health_url,
+        supervisor_pid=supervisor_pid, started=datetime.now(UTC).isoformat(timespec="seconds"),
         weights_bytes=loaded.arena.total_bytes, files=key_file.files, provenance=provenance,
         parent_key_id=parent.key_id if parent is not None else None,
         parent=parent.name if parent is not None else None,
         origin=parent.model_source if parent is not None else None,
     )
+
+
+def describe_hosted(run_dir: Path, loaded: LoadedRank, parent: DaemonDescriptor) -> DaemonDescriptor:
+    """The descriptor of a version built in this process from `parent`, a version it serves: the device, rank,
+    health server and supervisor are the process's, so the parent's descriptor names them."""
+    return describe(run_dir, loaded, parent, device=parent.device, tp_size=parent.tp_size, tp_rank=parent.tp_rank,
+                    health_url=parent.health_url, supervisor_pid=parent.supervisor_pid)
 
 
 class Served(Protocol):
@@ -151,8 +147,9 @@ class ArenaPool:
 class VersionHost:
     """The versions this process serves, the pool, and what each built version changed."""
 
-    def __init__(self, place: RankPlace, pool_bytes: int, make_server: ServerFactory) -> None:
-        self.place = place
+    def __init__(self, run_dir: Path, scrub_interval: float, pool_bytes: int, make_server: ServerFactory) -> None:
+        self.run_dir = run_dir
+        self.scrub_interval = scrub_interval  # each version's, as the first one's
         self._make_server = make_server
         self.pool = ArenaPool(pool_bytes)
         self._servers: list[Served] = []
@@ -227,18 +224,17 @@ class VersionHost:
         with self._lock:
             if parent not in self._servers:
                 raise DeltaError(f"daemon {parent.descriptor.name} stopped; nothing was built from it.")
-            built, lock_fd, existing = self._build_locked(parent, delta, str(delta_path))
+            built, name, lock_fd = self._build_locked(parent, delta, str(delta_path))
         bytes_read = delta.file_bytes
         del delta  # its values (its indices live on in the step remembered)
         release_free_memory()  # a loop's every step would otherwise leave some of the delta's pages behind
-        if existing is not None:
-            return BuiltNext(name=existing.name, key_id=existing.key_id, checkpoint=existing.key.checkpoint,
-                             already_served=True)
-        assert lock_fd is not None
+        if lock_fd is None:
+            key = built.loaded.key_file.key
+            return BuiltNext(name=name, key_id=key.short_id, checkpoint=key.checkpoint, already_served=True)
         return self._start(parent, built, lock_fd, bytes_read, time.perf_counter() - began)
 
-    def _build_locked(self, parent: Served, delta: Delta, label: str
-                      ) -> tuple[HostedBuild, int | None, DaemonDescriptor | None]:
+    def _build_locked(self, parent: Served, delta: Delta, label: str) -> tuple[HostedBuild, str, int | None]:
+        """The version built, its daemon name, and the lock on that name (None: the key is served already)."""
         loaded = parent.loaded
         total = loaded.arena.total_bytes
         pooled = self.pool.take(total, set(self._steps) | {loaded.key_file.key.checkpoint})
@@ -251,28 +247,28 @@ class VersionHost:
                 arena.close()
             raise
         self._remember(built.step)
-        name = daemon_name(self.place.device, built.loaded.key_file.key.short_id)
+        device = parent.descriptor.device  # a version built here serves where its parent does
+        name = daemon_name(device, built.loaded.key_file.key.short_id)
         try:
-            lock_fd = hold_daemon_lock(self.place.run_dir, name, self.place.device)
+            lock_fd = hold_daemon_lock(self.run_dir, name, device)
         except DaemonExistsError:
             # The key is served already (here or by another process): this arena holds it too, for the pool.
             if not self.pool.offer(arena, built.step.checkpoint):
                 arena.close()
-            existing = describe(self.place, built.loaded, None)
-            return built, None, existing
+            return built, name, None
         except BaseException:
             arena.close()
             raise
-        return built, lock_fd, None
+        return built, name, lock_fd
 
     def _start(self, parent: Served, built: HostedBuild, lock_fd: int, bytes_read: int,
                seconds: float) -> BuiltNext:
-        descriptor = describe(self.place, built.loaded, parent.descriptor)
-        server = self._make_server(built.loaded, descriptor, self.place.run_dir, self.place.scrub_interval,
+        descriptor = describe_hosted(self.run_dir, built.loaded, parent.descriptor)
+        server = self._make_server(built.loaded, descriptor, self.run_dir, self.scrub_interval,
                                    host=self, lock_fd=lock_fd)
         try:
             server.bind()
-            write_descriptor(self.place.run_dir, descriptor)
+            write_descriptor(self.run_dir, descriptor)
         except BaseException:
             server.discard()
             raise
@@ -282,8 +278,8 @@ class VersionHost:
             self._threads.append(thread)
             self._forget_unreachable()
         thread.start()
-        append_event(self.place.run_dir, ev.Ready(
-            daemon=descriptor.name, key_id=descriptor.key_id, rank=self.place.tp_rank, device=self.place.device,
+        append_event(self.run_dir, ev.Ready(
+            daemon=descriptor.name, key_id=descriptor.key_id, rank=descriptor.tp_rank, device=descriptor.device,
             source=descriptor.source, weights_bytes=descriptor.weights_bytes, load_s=round(seconds, 3),
             bytes_read=bytes_read, parent_key_id=parent.descriptor.key_id, parent=parent.descriptor.name))
         log.info("ready: daemon %s serves key %s, built from daemon %s in this process in %.3f s, %d bytes written "

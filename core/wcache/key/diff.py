@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -13,26 +13,29 @@ from wcache.key.cache_key import KeyFile
 from wcache.schema import Record
 
 _MISSING = object()
+Side = TypeVar("Side")
 # How many tensor names of each kind (changed, added, removed) a compact diff keeps; the counts stay whole.
 MAX_DIFF_TENSORS_IN_EVENT = 50
 
 
 @dataclass(frozen=True, slots=True)
-class ValueChange:
-    """One named value that differs; `None` on a side means the value is absent there."""
+class Change(Generic[Side]):
+    """One named thing that differs, as key `a` and key `b` have it."""
 
     name: str
-    a: Any
-    b: Any
+    a: Side
+    b: Side
 
 
-@dataclass(frozen=True, slots=True)
-class TensorChange:
+# A named value (a key field, a plan or config entry, a tokenizer file's SHA-256); `None` on a side means the value
+# is absent there.
+ValueChange = Change[Any]
+
+
+class TensorChange(Change[TensorDigest]):
     """A tensor present on both sides whose dtype, shape or data differ."""
 
-    name: str
-    a: TensorDigest
-    b: TensorDigest
+    __slots__ = ()
 
     @property
     def what(self) -> str:
@@ -67,7 +70,7 @@ def _dict_changes(a: dict[str, Any] | None, b: dict[str, Any] | None) -> tuple[V
     for name in sorted(set(a) | set(b)):
         left, right = a.get(name, _MISSING), b.get(name, _MISSING)
         if left != right:
-            changes.append(ValueChange(name, None if left is _MISSING else left,
+            changes.append(Change(name, None if left is _MISSING else left,
                                        None if right is _MISSING else right))
     return tuple(changes)
 
@@ -79,7 +82,7 @@ def _tokenizer_files(key_file: KeyFile) -> dict[str, Any]:
 def diff_keys(a: KeyFile, b: KeyFile) -> KeyDiff:
     """Field-level differences, then the plan entries, config entries and tensors behind them."""
     field_changes = tuple(
-        ValueChange(name, getattr(a.key, name), getattr(b.key, name)) for name in a.key.mismatched_fields(b.key)
+        Change(name, getattr(a.key, name), getattr(b.key, name)) for name in a.key.mismatched_fields(b.key)
     )
     left = {e.name: e for e in a.manifest}
     right = {e.name: e for e in b.manifest}
