@@ -150,7 +150,7 @@ def _anonymous(pids: list[int]) -> int:
     return total
 
 
-def _stop(cli: list[str], name: str, env: dict[str, str]) -> None:
+def stop_version(cli: list[str], name: str, env: dict[str, str]) -> None:
     done = subprocess.run([*cli, "stop", name], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"`wcache stop {name}` (no --force) failed: {done.stderr.strip()}")
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             publish_s = time.perf_counter() - t
             switched_s, answered_s = _follow(url, published.key.short_id)
             served = _complete(url, GREEDY_TOKENS)["choices"][0]["token_ids"]
-            _stop(cli, current, env)
+            stop_version(cli, current, env)
             current = published.daemons[0]
             write_tensors(stepped, config, work / "n1", 1)
             del tensors
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             apart = {**env, "WCACHE_RUN_DIR": str(work / "run-full"), "WCACHE_CACHE_DIR": str(work / "store-full")}
             full_preload_s, full = timed_preload([*cli, "preload", str(work / "n1"), "--detach", "--json"], apart,
                                                  work / "run-full", spawned)
-            _stop(cli, full["ranks"][0]["name"], apart)
+            stop_version(cli, full["ranks"][0]["name"], apart)
             from wcache.engine.engine import Engine
 
             disk = Engine.from_disk(work / "n1")
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                 step_switch_s, step_answer_s = _follow(url, made.key.short_id)
                 generated = _complete(url, 4)
                 assert generated["wcache"]["weights_key"] == made.key.short_id
-                _stop(cli, current, env)
+                stop_version(cli, current, env)
                 current = made.daemons[0]
                 steps.append({"publish_s": step_publish_s, "switch_s": step_switch_s, "answer_s": step_answer_s,
                               "written": made.bytes_written, **_memory(engine, run_dir)})

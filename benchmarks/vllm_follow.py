@@ -2,7 +2,7 @@
 
 In one run, on the ``--preset`` checkpoint (qwen3-0.6b: 1.5 GB bf16), TP 1, CPU:
 
-* ``wcache serve N --follow -- --host 127.0.0.1 ...`` serves N from the daemon it starts.
+* ``wcache serve N --follow --version-pool SIZE -- --host 127.0.0.1 ...`` serves N from the daemon it starts.
 * Each of ``--steps`` steps is a simulated training step (``--fraction``, 1.5%, of every tensor's elements moved)
   published from memory as (flat indices, values) with ``publish(parent, changes)``. Timed: the publish call (to the
   new version READY), then from its return until the server's rank 0 announces the new key (the launcher paused
@@ -15,7 +15,7 @@ The reload is vLLM's: on CPU it re-runs its oneDNN repack of every linear layer,
 
 Run (vLLM's CPU build; other vLLM runs wait on the lock)::
 
-    flock /tmp/wcache-vllm.lock .venv/bin/python benchmarks/vllm_follow.py                  # qwen3-0.6b, 3 steps
+    flock /tmp/wcache-vllm.lock .venv/bin/python benchmarks/vllm_follow.py --version-pool 2GiB --steps 4
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import torch
 from bench_common import fmt_seconds, stop_preloaded, wcache_command, workspace
-from follow import POLL_S, changed_bytes, sparse_changes, step_options, step_workspace
+from follow import POLL_S, PROMPT_IDS, changed_bytes, sparse_changes, step_options, step_workspace, stop_version
 from restart import our_leftovers
 from vllm_restart import free_port
 from wcache.daemon.publish import publish
@@ -44,7 +45,7 @@ from wcache.serve.follow import served_key
 from wcache_dev.synth import read_tensors, training_step, write_tensors
 from wcache_dev.vllm_disk_reload import reload_from_disk
 
-PROMPT = "the weights cache keeps processed tensors in a daemon so that"
+PROMPT: list[int] = []  # follow.py's prompt ids, modulo the vocabulary: the synthetic tokenizers encode few words
 GREEDY_TOKENS = 16
 SERVED_NAME = "followed"
 READY_S = 900.0
@@ -55,8 +56,12 @@ def _complete(url: str, max_tokens: int) -> list[int]:
     body = json.dumps({"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
                        "return_token_ids": True}).encode()
     request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as response:
-        return list(json.loads(response.read())["choices"][0]["token_ids"])
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return list(json.loads(response.read())["choices"][0]["token_ids"])
+    except urllib.error.HTTPError as exc:
+        said = exc.read().decode(errors="replace")
+        raise SystemExit(f"the server refused a completion ({exc.code}): {said}") from None
 
 
 def _healthy(url: str) -> bool:
@@ -67,12 +72,14 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _serve(cli: list[str], model: Path, run_dir: Path, env: dict[str, str], log: Path) -> tuple[Any, str]:
+def _serve(cli: list[str], model: Path, run_dir: Path, env: dict[str, str], log: Path,
+           version_pool: str) -> tuple[Any, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with log.open("w") as out:
         process = subprocess.Popen(
-            [*cli, "serve", str(model), "--follow", "--run-dir", str(run_dir), "--", "--host", "127.0.0.1", "--port",
+            [*cli, "serve", str(model), "--follow", "--version-pool", version_pool, "--run-dir", str(run_dir), "--",
+             "--host", "127.0.0.1", "--port",
              str(port), "--enforce-eager", "--max-model-len", "512", "--served-model-name", SERVED_NAME],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     began = time.monotonic()
@@ -104,12 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     with workspace(args.workdir) as work:
         place = step_workspace(work, args.preset, "last", VLLM_CPU_KVCACHE_SPACE="1")
         run_dir, env, parent, config = place.run_dir, place.env, place.parent, place.config
+        PROMPT[:] = [i % int(config["vocab_size"]) for i in PROMPT_IDS]
         log = work / "serve.log"
         server: Any = None
         steps: list[dict[str, float]] = []
         try:
-            server, url = _serve(cli, parent, run_dir, env, log)
+            server, url = _serve(cli, parent, run_dir, env, log, args.version_pool)
             [current] = [d.name for d in census(run_dir).live]
+            first = current
             before = _complete(url, GREEDY_TOKENS)
             tensors = read_tensors(parent)
             for step in range(args.steps):
@@ -123,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                 answered_s = time.perf_counter() - t - publish_s
                 steps.append({"publish_s": publish_s, "announced_s": announced_s, "reload_s": reload_s,
                               "answered_s": answered_s, "changed": changed_bytes(changes)})
+                if current != first:  # the launcher holds a lease on N; a version left behind goes, as a loop's does
+                    stop_version(cli, current, env)
                 current, tensors = made.daemons[0], stepped
             followed = _complete(url, GREEDY_TOKENS)
             write_tensors(tensors, config, work / "last", 1)

@@ -86,7 +86,7 @@ def _start(rig: DaemonRig, model: Path, *vllm_args: str, name: str, cold: bool =
     with output.open("w") as out:
         process = subprocess.Popen(
             [*_wcache(), "serve", str(model), "--run-dir", str(rig.run_dir), "--stop-grace", "10",
-             *(["--cold"] if cold else []), *(["--follow"] if follow else []), "--",
+             *(["--cold"] if cold else []), *(["--follow", "--version-pool", "16MiB"] if follow else []), "--",
              "--port", str(port), *SERVER_ARGS, *vllm_args],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, text=True)
     return Launcher(rig, process, output, f"http://127.0.0.1:{port}", port)
@@ -243,25 +243,36 @@ def test_a_server_that_keeps_crashing_backs_off_and_says_why(rig: DaemonRig, ser
     assert served.record() is not None  # the other launcher and its group were left alone
 
 
+def _followed(served: Launcher, key_id: str, daemon: str) -> None:
+    wait_for(lambda: f"→ {key_id} (daemon {daemon}): vLLM reloaded in place in " in served.said(), timeout=120,
+             interval=0.5, what=f"the server to follow {daemon}")
+
+
 def test_a_following_server_serves_each_published_version(rig: DaemonRig, served: Launcher) -> None:
-    """A trainer publishes N+1 from tensors in memory (lm_head changed); the launcher reloads its server in place
-    from N+1's daemon: `top` shows the server on N+1 and following, and its tokens are then those of vLLM's own
-    loader reading N+1's checkpoint from disk."""
+    """A trainer publishes N+1 from tensors in memory (lm_head changed), then N+2 from N+1; the launcher reloads its
+    server in place from each one's daemon: `top` shows the server on it and following, the version left behind
+    stops without --force (vLLM released its lease), and the server's tokens are then those of vLLM's own loader
+    reading N+2's checkpoint from disk."""
     record = served.record()
     assert record is not None
     [parent] = [d for d in rig.descriptors() if d.name == record.daemons[0]]
     before = served.complete()
-    step = copy_checkpoint(rig.base / "small", rig.base / "small-step")
-    overwrite_tensor_bytes(step, "lm_head.weight", 1024, bytes(LM_HEAD_BYTES - 1024))
-    key_id, daemon = rig.publish_step(parent.name, rig.base / "small", step)
-    wait_for(lambda: f"→ {key_id} (daemon {daemon}): vLLM reloaded in place in " in served.said(), timeout=120,
-             interval=0.5, what="the server to follow the published version")
-    followed = served.complete()
-    assert followed != before, "the zeroed lm_head must change the tokens"
+    steps = [copy_checkpoint(rig.base / "small", rig.base / "small-step-1")]
+    overwrite_tensor_bytes(steps[0], "lm_head.weight", 1024, bytes(LM_HEAD_BYTES - 1024))
+    key_id, daemon = rig.publish_step(parent.name, rig.base / "small", steps[0])
+    _followed(served, key_id, daemon)
+    assert served.complete() != before, "the zeroed lm_head must change the tokens"
     top = rig.cli("top", "--once", "--json", "--interval", "0.5", "--run-dir", str(rig.run_dir), as_json=True)
     [engine] = [e for e in top["engines"] if e["url"] == served.url]
     assert (engine["key_id"], engine["daemon"], engine["follows"]) == (key_id, daemon, True), engine
-    reload_from_disk(served.url, step)
+    steps.append(copy_checkpoint(steps[0], rig.base / "small-step-2"))
+    overwrite_tensor_bytes(steps[1], "lm_head.weight", 0, bytes(512))
+    next_key_id, next_daemon = rig.publish_step(daemon, steps[0], steps[1])
+    _followed(served, next_key_id, next_daemon)
+    stopped = rig.cli("stop", daemon, "--run-dir", str(rig.run_dir))
+    assert stopped.returncode == 0, stopped.stderr
+    followed = served.complete()
+    reload_from_disk(served.url, steps[1])
     assert served.complete() == followed
 
 

@@ -57,6 +57,11 @@ ExpectedOpt = Annotated[
                  "a SHA256SUMS-style file (sha256sum output) or a saved key file.", show_default=False,
                  readable=False),
 ]
+VersionPoolOpt = Annotated[
+    str, typer.Option("--version-pool", metavar="SIZE",
+                      help="Memory each rank may keep of retired versions' arenas (e.g. 3GiB) to build the "
+                      "next versions a training loop publishes in, writing only what changed; 0 keeps none.")
+]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Tokens to generate per prompt.", min=1)]
 
 

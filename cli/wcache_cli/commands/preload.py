@@ -35,6 +35,7 @@ from wcache_cli.params import (
     OptionalModelArg,
     RunDirOpt,
     TpOpt,
+    VersionPoolOpt,
     run_dir_or_default,
     warn_if_exposed,
 )
@@ -145,11 +146,7 @@ def preload(
                                    help="Seconds between background re-hashes of each arena (at most 5% of one core "
                                    "while one runs), up to a year; 0 turns them off [default: the daemons' own, 600].")
     ] = None,
-    version_pool: Annotated[
-        str, typer.Option("--version-pool", metavar="SIZE",
-                          help="Memory each rank may keep of retired versions' arenas (e.g. 3GiB) to build the "
-                          "next versions a training loop publishes in, writing only what changed; 0 keeps none.")
-    ] = "0",
+    version_pool: VersionPoolOpt = "0",
     engine: Annotated[
         str | None, typer.Option("--engine", help="Resolve the plan as this engine will ask for it: vllm (its "
                                  "dtype rule for this platform, e.g. bfloat16 for a float32 checkpoint on CPU, "

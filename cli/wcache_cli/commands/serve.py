@@ -13,7 +13,7 @@ import typer
 from wcache.errors import EXIT_INTERRUPTED, BadInputError, UnavailableError
 
 from wcache_cli.output import out, printable
-from wcache_cli.params import DeviceOpt, ModelArg, RunDirOpt, run_dir_or_default
+from wcache_cli.params import DeviceOpt, ModelArg, RunDirOpt, VersionPoolOpt, run_dir_or_default
 from wcache_cli.stop_signals import StopSignal, raise_stop
 
 if TYPE_CHECKING:
@@ -84,6 +84,7 @@ def serve(
                            "weights it serves (publish, preload --from) as soon as its daemon is ready; TP 1, "
                            "on a loopback --host (it runs vLLM's development endpoints).")
     ] = False,
+    version_pool: VersionPoolOpt = "0",
 ) -> None:
     """Run vLLM's OpenAI server over wcache's daemons, restarting it when it dies.
 
@@ -99,11 +100,15 @@ def serve(
     starts each in a fresh interpreter). Under systemd (Type=notify) it reports
     READY=1 once /health answers 200. With --follow, a version published from the served weights is served from
     the next request on: vLLM pauses, reloads in place from the new version's daemon, resets its prefix cache and
-    resumes, so no request sees two versions.
+    resumes, so no request sees two versions; --version-pool lets the daemons it starts build those versions in
+    retired versions' arenas.
     """
     from wcache.daemon.sd_notify import Notifier
 
     notifier = Notifier.take_from_environment()  # before any child inherits it: only we are the service
+    from wcache_cli.byte_size import parse_byte_size
+
+    pool_bytes = parse_byte_size(version_pool, "--version-pool")
     table = _option_table()
     user_argv = list(vllm_args or [])
     first = _checked(user_argv, table)
@@ -120,7 +125,7 @@ def serve(
     daemons = None
     try:
         try:
-            daemons = _daemons(model, first, device, where)
+            daemons = _daemons(model, first, device, where, pool_bytes)
             code = _supervise(model, user_argv, first, table, daemons, where, notifier, ready_timeout, stop_grace,
                               cold, follow)
         finally:
@@ -141,7 +146,7 @@ def serve(
     os.kill(os.getpid(), code)
 
 
-def _daemons(model: Path, first: ServerArgs, device: str, where: Path) -> ServedDaemons:
+def _daemons(model: Path, first: ServerArgs, device: str, where: Path, pool_bytes: int) -> ServedDaemons:
     from wcache.checkpoint.model_path import resolve_model_path
     from wcache.serve.daemons import ensure_daemons
     from wcache.serve.plan_child import resolved_plan
@@ -153,7 +158,7 @@ def _daemons(model: Path, first: ServerArgs, device: str, where: Path) -> Served
     plan = resolved_plan(path, int(str(tp)), str(dtype), os.environ)
     out.hint(f"vLLM asks for {plan.dtype}, TP {plan.tp_size}, layout {plan.layout} "
              f"(resolved in {time.monotonic() - began:.1f} s).")
-    daemons = ensure_daemons(path, plan, device, where)
+    daemons = ensure_daemons(path, plan, device, where, version_pool=pool_bytes)
     try:
         daemons.hold_leases()
     except BaseException:

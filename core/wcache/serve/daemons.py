@@ -89,14 +89,15 @@ def find_group(run_dir: Path, model: Path, plan: PlanSpec, device: str,
 
 
 def ensure_daemons(model: Path, plan: PlanSpec, device: str, run_dir: Path,
-                   env: Mapping[str, str] | None = None) -> ServedDaemons:
-    """The group serving `model` with `plan` in `run_dir`: a running one, else one started now (and ready)."""
+                   env: Mapping[str, str] | None = None, version_pool: int = 0) -> ServedDaemons:
+    """The group serving `model` with `plan` in `run_dir`: a running one (with the version pool it has), else one
+    started now (and ready) with a pool of `version_pool` bytes per rank."""
     found = find_group(run_dir, model, plan, device)
     if found is not None:
         return ServedDaemons(found, None)
     try:
         group = start_daemons(model, device=device, tp=plan.tp_size, dtype=plan.dtype,
-                              layout=plan.layout, run_dir=run_dir, env=env)
+                              layout=plan.layout, run_dir=run_dir, env=env, version_pool=version_pool)
     except DaemonExistsError as exc:
         # The same weights under another path already serve this key: the refusal names that daemon.
         found = find_group(run_dir, model, plan, device, named_in=str(exc))
