@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 DEV_MODE = "VLLM_SERVER_DEV_MODE"
 CLAIM = "wcache"  # the key of wcache's claim in the weight version it sets
+FROM_DELTA = "from_delta"  # in a claim: the weights are a version built from a delta, not `model`'s files
 # config.json fields that say nothing about the tensors' shapes: a switch may change them.
 NOT_ARCHITECTURE = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype"})
 
@@ -263,6 +264,8 @@ def switch_served(url: str, version: str, model: Path | None, daemon: str | None
         hits = _hits(engine.run_dir, began_at, pids)
         current = {"model": str(path), "key_id": hits[-1].key_id if hits else None,
                    "daemon": hits[-1].daemon if hits else target.pin}
+        if target.trusted:  # `model` gave config, tokenizer and headers only: no file holds these weights
+            current[FROM_DELTA] = True
         call_engine(url, "POST", "/update_weight_version", {"new_version": json.dumps({CLAIM: current})})
     finally:
         call_engine(url, "POST", "/resume")
@@ -336,6 +339,11 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
     from wcache.verify import GreedyReport, compare_prompts, decoding_difference, encoding_difference
 
     engine = describe(url, version, dev_mode=False)
+    if engine.claim is not None and engine.claim.get(FROM_DELTA):
+        raise UnavailableError(f"the vLLM server at {engine.url} serves key {engine.claim.get('key_id')}, a version "
+                               f"built from a delta (daemon {engine.claim.get('daemon')}): no checkpoint on disk holds "
+                               "those weights to compare with; write one with `wcache delta --apply` and serve that "
+                               "to verify it.")
     attach = _served_attach(engine, engine_pids(engine))
     # One request for all prompts: vLLM schedules them together, as the disk engine's one generate() does.
     answer = read_answer(CompletionAnswer, call_engine(url, "POST", "/v1/completions", {
