@@ -262,8 +262,9 @@ def switch_served(url: str, version: str, model: Path | None, daemon: str | None
             raise _refusal(engine, path, worker_reason(exc), hits) from None
         reset = call_engine(url, "POST", "/reset_prefix_cache")
         hits = _hits(engine.run_dir, began_at, pids)
-        current = {"model": str(path), "key_id": hits[-1].key_id if hits else None,
-                   "daemon": hits[-1].daemon if hits else target.pin}
+        current: dict[str, str | bool | None] = {
+            "model": str(path), "key_id": hits[-1].key_id if hits else None,
+            "daemon": hits[-1].daemon if hits else target.pin}
         if target.trusted:  # `model` gave config, tokenizer and headers only: no file holds these weights
             current[FROM_DELTA] = True
         call_engine(url, "POST", "/update_weight_version", {"new_version": json.dumps({CLAIM: current})})
