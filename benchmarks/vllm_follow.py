@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 from bench_common import fmt_seconds, stop_preloaded, wcache_command, workspace
-from follow import POLL_S, PROMPT_IDS, changed_bytes, sparse_changes, step_options, step_workspace, stop_version
+from follow import PROMPT_IDS, changed_bytes, sparse_changes, step_options, step_workspace, stop_version
 from restart import our_leftovers
 from vllm_restart import free_port
 from wcache.daemon.publish import publish
@@ -49,6 +49,9 @@ PROMPT: list[int] = []  # follow.py's prompt ids, modulo the vocabulary: the syn
 GREEDY_TOKENS = 16
 SERVED_NAME = "followed"
 READY_S = 900.0
+# Each look reads every engine announcement and checks its process: at follow.py's 5 ms it would take a core from
+# the reload it times. The launcher itself looks every 50 ms.
+POLL_S = 0.05
 RELOADED = re.compile(r"→ (\w+) \(daemon \S+\): vLLM reloaded in place in ([\d.]+) s")
 
 

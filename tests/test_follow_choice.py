@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
 from wcache.errors import BadInputError
+from wcache.ipc.attach_summary import AttachSummary
 from wcache.ipc.run_dir.directory import DaemonDescriptor
+from wcache.ipc.run_dir.engines import VLLM_ENGINE, EngineDescriptor, write_engine_descriptor
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
+from wcache.serve.follow import AnnouncedKey, served_key
 from wcache.serving.follow import Follower, check_followable, newest_descendant
 
 
@@ -58,3 +63,31 @@ def test_a_tensor_parallel_engine_cannot_follow() -> None:
     with pytest.raises(BadInputError, match="TP 2"):
         check_followable(2)
     check_followable(1)
+
+
+def test_a_following_launcher_reads_the_key_its_server_announces_again_after_each_announcement(
+        tmp_path: Path) -> None:
+    """`wcache serve --follow` asks 20 times a second which key its server's rank 0 serves; it reads the
+    announcements again whenever one is rewritten (a reload), and keeps the last answer otherwise."""
+    url = "http://127.0.0.1:8000"
+
+    def announce(key_id: str | None, tp_rank: int = 0) -> None:
+        attach = None if key_id is None else AttachSummary(
+            outcome="hit", mode="zero_copy", device="cpu", key_id=key_id, daemon=f"cpu-{key_id}",
+            daemon_key_id=key_id, reason=None, mismatched=(), diff=None, timings_ms={}, bytes_mapped=0,
+            num_tensors=0, daemon_lost=False)
+        write_engine_descriptor(tmp_path, EngineDescriptor(
+            pid=os.getpid(), url=url, model="m", source="/m", attach=attach, key_id=key_id, started=time.time(),
+            engine=VLLM_ENGINE, tp_rank=tp_rank))
+
+    announced = AnnouncedKey(tmp_path, url)
+    assert announced() is None  # nothing announced yet
+    announce("aaaa")
+    assert announced() == "aaaa"
+    time.sleep(0.2)  # past the timestamp tick: the answer is kept until the directory changes
+    assert announced() == "aaaa"
+    announce("bbbb")
+    assert announced() == "bbbb"
+    announce(None)  # a rank that fell back to disk serves no daemon's key
+    assert announced() is None
+    assert served_key(tmp_path, "http://127.0.0.1:9000") is None  # another server's announcements are not its

@@ -14,13 +14,16 @@ could reload its weights. Following is therefore refused unless the server liste
 from __future__ import annotations
 
 import ipaddress
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from wcache.errors import BadInputError, option
 from wcache.integrations.vllm.announce import FOLLOWS_VARIABLE
 from wcache.ipc.run_dir.engines import VLLM_ENGINE, announced_at
-from wcache.serving.follow import Follower, check_followable
+from wcache.ipc.run_dir.paths import RunPaths
+from wcache.serving.follow import TIMESTAMP_TICK_NS, Follower, check_followable
 from wcache.vllm_served import DEV_MODE, switch_served, vllm_version
 
 # What the server's environment gets when it follows: the endpoints a switch drives, and the flag its ranks
@@ -50,6 +53,28 @@ def served_key(run_dir: Path, url: str) -> str | None:
     return newest.key_id if newest is not None and newest.attach is not None else None
 
 
+class AnnouncedKey:
+    """`served_key`, read again only when an announcement came, went or was rewritten (each is a rename into the
+    engines directory, which changes its mtime): the follower asks 20 times a second, and reading every
+    announcement and checking its process each time would cost a share of a core the reload needs."""
+
+    def __init__(self, run_dir: Path, url: str) -> None:
+        self.run_dir, self.url = run_dir, url
+        self._seen: tuple[int, str | None] | None = None  # (engines dir mtime, key) when last read
+
+    def __call__(self) -> str | None:
+        try:
+            mtime = os.stat(RunPaths(self.run_dir).engines).st_mtime_ns
+        except OSError:
+            return None
+        if self._seen is not None and self._seen[0] == mtime:
+            return self._seen[1]
+        key = served_key(self.run_dir, self.url)
+        # A rename within the filesystem's timestamp tick leaves the mtime as it was: a fresh one is read again.
+        self._seen = (mtime, key) if time.time_ns() - mtime > TIMESTAMP_TICK_NS else None
+        return key
+
+
 def server_follower(url: str, run_dir: Path, device: str, say: Callable[[str], None]) -> Follower:
     """The follower of the vLLM server at `url`, not started; `say` gets one line per version it moves to."""
 
@@ -58,4 +83,4 @@ def server_follower(url: str, run_dir: Path, device: str, say: Callable[[str], N
         say(f"followed {result['previous']['key_id']} → {result['current']['key_id']} (daemon {daemon}): vLLM "
             f"reloaded in place in {result['switch_ms'] / 1000:.2f} s.")
 
-    return Follower(run_dir, device, lambda: served_key(run_dir, url), lambda: False, switch)
+    return Follower(run_dir, device, AnnouncedKey(run_dir, url), lambda: False, switch)

@@ -26,7 +26,7 @@ from wcache.ipc.run_dir.directory import DaemonDescriptor, census
 log = logging.getLogger("wcache.engine")
 
 FOLLOW_INTERVAL_S = 0.05  # a stat of the run dir, 20 times a second: the follow latency's floor
-_TIMESTAMP_TICK_NS = 100_000_000  # well above a coarse mtime's granularity (a jiffy)
+TIMESTAMP_TICK_NS = 100_000_000  # well above a coarse mtime's granularity (a jiffy)
 
 
 def check_followable(tp_size: int) -> None:
@@ -87,7 +87,7 @@ class Follower:
             return None
         # A change within the filesystem's timestamp tick would leave the mtime as it was: a fresh mtime is not
         # taken as looked at.
-        self._looked = (mtime, key_id) if time.time_ns() - mtime > _TIMESTAMP_TICK_NS else None
+        self._looked = (mtime, key_id) if time.time_ns() - mtime > TIMESTAMP_TICK_NS else None
         tip = newest_descendant(census(self.run_dir, clean=False).live, key_id, self.device)
         if tip is None or tip.name in self._refused:
             return None
