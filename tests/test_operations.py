@@ -92,7 +92,9 @@ def test_stop_all_stops_a_daemon_that_is_still_loading(rig: DaemonRig, tiny: Pat
     os.kill(pid, signal.SIGCONT)  # SIGTERM must reach a running process
     stopped = rig.cli("stop", "--all", "--run-dir", str(rig.run_dir))
     assert stopped.returncode == 0, stopped.stderr
-    assert preload.wait(timeout=60) != 0 or not psutil.pid_exists(pid)
+    # The rank may reach READY between SIGCONT and the stop (the preload then succeeds) and stay a zombie until its
+    # supervisor reaps it; either way it has exited.
+    preload.wait(timeout=60)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert rig.status()["daemons"] == []
 

@@ -150,11 +150,11 @@ def test_following_serves_on_a_loopback_host(host: str) -> None:
 
 
 @pytest.mark.parametrize(("host", "tp", "said"), [
-    (None, 1, "any of its interfaces (vLLM's default --host)"),
-    ("0.0.0.0", 1, "its --host 0.0.0.0"),
-    ("::", 1, "its --host ::"),
-    ("10.1.2.3", 1, "its --host 10.1.2.3"),
-    ("example.com", 1, "its --host example.com"),
+    (None, 1, "any of its interfaces (without vLLM's --host)"),
+    ("0.0.0.0", 1, "vLLM's --host 0.0.0.0"),
+    ("::", 1, "vLLM's --host ::"),
+    ("10.1.2.3", 1, "vLLM's --host 10.1.2.3"),
+    ("example.com", 1, "vLLM's --host example.com"),
     ("127.0.0.1", 2, "tensor-parallel engine (TP 2)"),
 ])
 def test_following_is_refused_where_others_could_switch_the_server(host: str | None, tp: int, said: str) -> None:

@@ -285,7 +285,7 @@ def test_follow_is_refused_where_the_server_cannot_switch_safely(rig: DaemonRig,
     """Following runs vLLM's development endpoints (which reload weights): only on a loopback address, and only at
     TP 1; either refusal is one sentence before anything starts."""
     untouched = tmp_path / "run"
-    for server_args, said in ((("--host", "0.0.0.0"), "serve on --host 127.0.0.1"),
+    for server_args, said in ((("--host", "0.0.0.0"), "give the server vLLM's --host 127.0.0.1"),
                               (("--host", "127.0.0.1", "--tensor-parallel-size", "2"), "tensor-parallel engine")):
         result = rig.cli("serve", str(rig.base / "small"), "--follow", "--run-dir", str(untouched), "--",
                          "--port", "8000", *server_args)

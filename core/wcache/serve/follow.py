@@ -40,10 +40,10 @@ def check_follow(host: str | None, tp_size: int) -> None:
     except ValueError:
         loopback = False
     if not loopback:
-        where = f"its --host {host}" if host else "any of its interfaces (vLLM's default --host)"
+        where = f"vLLM's --host {host}" if host else "any of its interfaces (without vLLM's --host)"
         raise BadInputError(f"{option('follow')} reloads the server's weights through vLLM's development endpoints, "
-                            f"which anyone who can reach {where} could call too; serve on --host 127.0.0.1 "
-                            "(behind a proxy for other hosts) to follow.")
+                            f"which anyone who can reach {where} could call too; give the server vLLM's --host "
+                            "127.0.0.1 (behind a proxy for other hosts) to follow.")
 
 
 def served_key(run_dir: Path, url: str) -> str | None:
