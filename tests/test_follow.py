@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives, wait_for  # noqa: F401
 from engine_serving import Server, http_status, post, serving
-from helpers import wcache_process
+from helpers import one_sentence, wcache_process
 from wcache_dev.synth import write_training_step
 
 PROMPT = "The weights"
@@ -94,6 +94,10 @@ def test_a_following_engine_moves_to_the_published_version_and_no_other(
         n2_key, _ = rig.publish_step(n1_daemon, checkpoints["n1"], checkpoints["n2"])
         wait_for(lambda: _served_key(follower) == n2_key, timeout=30, what="the follower on N+2")
         assert _served_key(still) == parent.key_id
+        # No file holds a published version's weights (its delta is gone once built): verify says so.
+        unverifiable = rig.cli("verify", follower.url, "--greedy")
+        assert unverifiable.returncode == 3, unverifiable.stdout + unverifiable.stderr
+        assert f"serves key {n2_key}, a version built from a delta" in one_sentence(unverifiable.stderr)
         # Two versions later the follower maps one arena (N+2's): each one it left was unmapped.
         assert len(_mapped_arenas(follower.process.pid)) == 1
         assert len(_mapped_arenas(still.process.pid)) == 1

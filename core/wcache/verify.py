@@ -80,6 +80,14 @@ class GreedyOutput(Schema, frozen=True, omit_defaults=False):
     prompts: list[PromptResult]
 
 
+def built_from_delta(url: str, key_id: str | None, daemon: str | None) -> UnavailableError:
+    """Why a served engine on a version built from a delta cannot be verified: no file holds those weights (a delta
+    file names only what changed, and a published one is gone once built)."""
+    return UnavailableError(f"the engine at {url} serves key {key_id}, a version built from a delta (daemon "
+                            f"{daemon}): no checkpoint on disk holds those weights to compare with; write one with "
+                            "`wcache delta --apply` and serve that to verify it.")
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """The first position where `a` and `b` differ (the shorter one's length when one extends the other), or None."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):

@@ -33,7 +33,14 @@ from wcache.serving.client import (
     engine_tokens,
     read_answer,
 )
-from wcache.verify import GreedyReport, PromptResult, compare_prompts, decoding_difference, encoding_difference
+from wcache.verify import (
+    GreedyReport,
+    PromptResult,
+    built_from_delta,
+    compare_prompts,
+    decoding_difference,
+    encoding_difference,
+)
 
 if TYPE_CHECKING:
     from wcache.engine import EngineConfig
@@ -55,6 +62,8 @@ def _claim(url: str) -> tuple[Path, WeightCacheKey, PlanSpec, EngineConfig, Atta
                                 "tensor-parallel engine is not implemented.")
         if claim.model is None or claim.key is None or claim.plan is None:
             raise BadInputError(f"the engine at {url} does not say which keyed checkpoint it serves.")
+        if claim.from_delta:
+            raise built_from_delta(url, claim.key_id, claim.attach.daemon if claim.attach else None)
         return (Path(claim.model), claim.key, PlanSpec.from_json(claim.plan),
                 EngineConfig(**claim.engine_config.to_wire()), claim.attach)
     except (TypeError, ValueError) as exc:

@@ -337,14 +337,17 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
     (`load_format="auto"`) of the checkpoint it serves, with its dtype, TP size and context length; and the
     tokenizer it holds against that load's (each prompt through its POST /tokenize, each answer's text)."""
     from wcache.integrations.vllm.runner import VllmRun, greedy_runs
-    from wcache.verify import GreedyReport, compare_prompts, decoding_difference, encoding_difference
+    from wcache.verify import (
+        GreedyReport,
+        built_from_delta,
+        compare_prompts,
+        decoding_difference,
+        encoding_difference,
+    )
 
     engine = describe(url, version, dev_mode=False)
     if engine.claim is not None and engine.claim.get(FROM_DELTA):
-        raise UnavailableError(f"the vLLM server at {engine.url} serves key {engine.claim.get('key_id')}, a version "
-                               f"built from a delta (daemon {engine.claim.get('daemon')}): no checkpoint on disk holds "
-                               "those weights to compare with; write one with `wcache delta --apply` and serve that "
-                               "to verify it.")
+        raise built_from_delta(engine.url, engine.claim.get("key_id"), engine.claim.get("daemon"))
     attach = _served_attach(engine, engine_pids(engine))
     # One request for all prompts: vLLM schedules them together, as the disk engine's one generate() does.
     answer = read_answer(CompletionAnswer, call_engine(url, "POST", "/v1/completions", {

@@ -118,6 +118,7 @@ class WeightsAnswer(Reply, frozen=True):
     key: WeightCacheKey | None = None
     key_id: str | None = None
     follows: bool = False
+    from_delta: bool = False  # the weights are a version built from a delta: `model` is that delta, no checkpoint
     corrupt: str | None = None
     plan: dict[str, Any] | None = None
     tp_size: int | None = None

@@ -269,7 +269,8 @@ def weights_document(served: ServedEngine) -> WeightsAnswer:
     plan = engine.attach_plan
     claim = served_claim(engine.served)
     return WeightsAnswer(model=claim.model, key=claim.key, key_id=claim.key_id, follows=served.follows,
-                         corrupt=corrupt_weights(engine), plan=plan.to_json() if plan is not None else None,
+                         from_delta=engine.served.lineage is not None, corrupt=corrupt_weights(engine),
+                         plan=plan.to_json() if plan is not None else None,
                          tp_size=engine.tp.size, device=engine.device,
                          engine_config=ServedCacheConfig(**asdict(engine.config)),
                          attach=report.summary() if report else None)
