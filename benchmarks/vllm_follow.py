@@ -41,6 +41,8 @@ from restart import our_leftovers
 from vllm_restart import free_port
 from wcache.daemon.publish import publish
 from wcache.ipc.run_dir.directory import census
+from wcache.ipc.run_dir.engine_token import read_token_file
+from wcache.ipc.run_dir.paths import RunPaths
 from wcache.serve.follow import served_key
 from wcache_dev.synth import read_tensors, training_step, write_tensors
 from wcache_dev.vllm_disk_reload import reload_from_disk
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             followed = _complete(url, GREEDY_TOKENS)
             write_tensors(tensors, config, work / "last", 1)
             t = time.perf_counter()
-            reload_from_disk(url, work / "last")
+            reload_from_disk(url, work / "last", read_token_file(RunPaths(run_dir).engine_token(server.pid)))
             disk_reload_s = time.perf_counter() - t
             on_disk = _complete(url, GREEDY_TOKENS)
         finally:

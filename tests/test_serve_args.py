@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from wcache.errors import BadInputError
+from wcache.integrations.vllm.dev_guard import guarded
 from wcache.serve.backoff import Backoff
 from wcache.serve.exit_reason import death_line, how_it_ended
 from wcache.serve.follow import check_follow
@@ -161,3 +162,14 @@ def test_following_is_refused_where_others_could_switch_the_server(host: str | N
     """--follow runs vLLM's development endpoints (a reload of any weights, for whoever reaches them)."""
     with pytest.raises(BadInputError, match=re.escape(said)):
         check_follow(host, tp)
+
+
+@pytest.mark.parametrize(("method", "path", "needs_token"), [
+    ("POST", "/pause", True), ("POST", "/collective_rpc", True), ("POST", "/update_weight_version", True),
+    ("POST", "/reset_prefix_cache", True), ("POST", "/some_route_a_later_vllm_adds", True), ("PUT", "/sleep", True),
+    ("GET", "/health", False), ("GET", "/metrics", False), ("POST", "/v1/completions", False),
+    ("POST", "/tokenize", False), ("POST", "/detokenize", False), ("HEAD", "/pause", False),
+])
+def test_a_following_servers_routes_that_change_its_weights_take_the_control_token(
+        method: str, path: str, needs_token: bool) -> None:
+    assert guarded(method, path) is needs_token

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import pytest
 from daemon_fixtures import DaemonRig, copy_checkpoint, daemon_rig, nothing_survives, wait_for  # noqa: F401
 from helpers import assert_one_error_sentence, environment, free_port, loaded_of, modules_after_cli, one_sentence
 from wcache.integrations.vllm.warm import ZYGOTE_MODULE
+from wcache.ipc.run_dir.engine_token import read_token_file
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.ipc.run_dir.servers import ServerRecord, live_server_records
 from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint
@@ -275,8 +277,16 @@ def test_a_following_server_serves_each_published_version(rig: DaemonRig, served
     unverifiable = rig.cli("verify", served.url, "--greedy")
     assert unverifiable.returncode == 3, unverifiable.stdout + unverifiable.stderr
     assert "a version built from a delta" in one_sentence(unverifiable.stderr)
+    # Its development routes take the launcher's control token (0600 in the run dir): not any local user's request.
+    refused = urllib.request.Request(f"{served.url}/collective_rpc", method="POST", data=json.dumps(
+        {"method": "reload_weights", "kwargs": {"weights_path": str(rig.base / "small")}}).encode(),
+        headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as unauthorized:
+        urllib.request.urlopen(refused, timeout=30)
+    assert unauthorized.value.code == 401
     followed = served.complete()
-    reload_from_disk(served.url, steps[1])
+    token = read_token_file(RunPaths(rig.run_dir).engine_token(served.process.pid))
+    reload_from_disk(served.url, steps[1], token)
     assert served.complete() == followed
 
 
@@ -309,6 +319,7 @@ def test_stopping_the_launcher_leaves_nothing_behind(rig: DaemonRig, served: Lau
     assert alive == [], alive
     assert not any(s.exists() for s in sockets)
     assert not RunPaths(rig.run_dir).server(served.process.pid).exists()
+    assert not RunPaths(rig.run_dir).engine_token(served.process.pid).exists()
     assert [d.name for d in rig.descriptors()] == []
     assert sorted(path for path in shm if path.exists()) == []
     assert not zygote_socket.parent.exists()  # the warm starter's private directory

@@ -174,17 +174,20 @@ def _supervise(model: Path, user_argv: list[str], first: ServerArgs, table: Opti
                follow: bool) -> int:
     from wcache.checkpoint.model_path import resolve_model_path
     from wcache.integrations.vllm.announce import URL_VARIABLE
+    from wcache.integrations.vllm.dev_guard import MIDDLEWARE
     from wcache.ipc.run_dir.paths import RunPaths
     from wcache.serve.cache_roots import with_keyed_cache
     from wcache.serve.launcher import Launcher, LaunchSpec
     from wcache.serve.server_args import LOAD_FORMAT, check_restart
+
     path = resolve_model_path(model)
+    guard = ["--middleware", MIDDLEWARE] if follow else []
 
     def server_argv(argv: Sequence[str]) -> list[str]:
         args = _checked(argv, table)
         check_restart(first, args)
         named = [] if args.flags_of("served_model_name") else ["--served-model-name", str(model)]
-        return ["--model", str(path), "--load-format", LOAD_FORMAT, *named, *argv]
+        return ["--model", str(path), "--load-format", LOAD_FORMAT, *named, *guard, *argv]
 
     paths = RunPaths(where)
     paths.logs.mkdir(mode=0o700, exist_ok=True)
@@ -198,17 +201,27 @@ def _supervise(model: Path, user_argv: list[str], first: ServerArgs, table: Opti
     spec = LaunchSpec(model=str(model), user_argv=user_argv, server_argv=server_argv, env=env, url=url,
                       run_dir=where, log=paths.serve_log(os.getpid()), daemons=daemons.names,
                       ready_timeout_s=ready_timeout, stop_grace_s=stop_grace)
+    made_token: Path | None = None
     if follow:
+        from wcache.ipc.run_dir.engine_token import TOKEN_FILE_ENV, new_token, write_engine_token
         from wcache.serve.follow import FOLLOW_ENV, server_follower
 
-        spec.env.update(FOLLOW_ENV)
+        if not os.environ.get(TOKEN_FILE_ENV):
+            # The development routes take this launcher's token (its switches carry it): not other local users.
+            made_token = write_engine_token(where, os.getpid(), new_token())
+            os.environ[TOKEN_FILE_ENV] = str(made_token)
+        spec.env.update({**FOLLOW_ENV, TOKEN_FILE_ENV: os.environ[TOKEN_FILE_ENV]})
         device = daemons.descriptors[0].device
         spec.watcher = lambda: server_follower(url, where, device, say)
     launcher = Launcher(_starter(cold, paths), spec, notifier, say=say)
     how = "" if cold else " (importing vLLM once first, for warm restarts)"
     out.hint(f"Starting vLLM's server for {printable(str(model))} at {spec.url}{how}; its log is {spec.log}.")
     launcher.install_signals()
-    return launcher.run()
+    try:
+        return launcher.run()
+    finally:
+        if made_token is not None:
+            made_token.unlink(missing_ok=True)
 
 
 def _starter(cold: bool, paths: RunPaths) -> ServerStarter:
