@@ -8,7 +8,9 @@ again after every reload). A version whose switch is refused is not tried again 
 weights it had.
 
 Moving a vLLM server needs its development endpoints, and those reach every worker: whoever can reach the port
-could reload its weights. Following is therefore refused unless the server listens on a loopback address.
+could reload its weights. Following is therefore refused unless the server listens on a loopback address, and the
+launcher puts those routes behind its control token (`wcache.integrations.vllm.dev_guard`) against other users of
+this host.
 """
 
 from __future__ import annotations
