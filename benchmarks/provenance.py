@@ -147,9 +147,10 @@ def main() -> None:
         without = statistics.median(a[0] for a in afters)
         after_ready = statistics.median(a[1] for a in afters)
         later = statistics.median(a[2] for a in afters)
+        after_ratio = after_ready / without
         table.add_row("cold preload, SHA-256 after READY (to READY)", str(used),
                       f"{fmt_seconds(without)} ({fmt_rate(total / without)})",
-                      f"{fmt_seconds(after_ready)} (+{fmt_seconds(later)} after)", f"{after_ready / without:.3f}×")
+                      f"{fmt_seconds(after_ready)} (+{fmt_seconds(later)} after)", f"{after_ratio:.3f}×")
         with _cores(None) as used:
             without, with_check = _pair(args.repeat, lambda check: _cold_key_hashing(shards, check))
         table.add_row("cold key hashing (page cache warm)", str(used),
@@ -162,9 +163,10 @@ def main() -> None:
         console.print(f"target: cold preload with the check ≤ {TARGET_RATIO}× without it: {ratios[every]:.3f}× "
                       f"({verdict}); on one core {ratios[one]:.3f}×, so the second core buys "
                       f"{(ratios[one] - ratios[every]) * 100:.1f} points of overhead.")
-        verdict = "met" if after_ready / without <= AFTER_READY_TARGET else "NOT met"
+        # `without` is the cold key's by now: the verdict takes the ratio of its own row.
+        verdict = "met" if after_ratio <= AFTER_READY_TARGET else "NOT met"
         console.print(f"target: cold preload to READY with the SHA-256 after READY ≤ {AFTER_READY_TARGET}× without "
-                      f"it: {after_ready / without:.3f}× ({verdict}).")
+                      f"it: {after_ratio:.3f}× ({verdict}).")
 
 
 if __name__ == "__main__":

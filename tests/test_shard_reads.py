@@ -337,6 +337,32 @@ def test_a_pass_without_read_back_computes_what_it_cannot_hash_back(tmp_path: Pa
     assert results[0].processed == {name: processed_digest(t) for name, t in expected.items()}
 
 
+def test_outputs_stacked_from_several_tensors_are_hashed_once_the_arena_is_sealed(tmp_path: Path) -> None:
+    # A preload leaves the stacked outputs (qkv, gate_up) unhashed in its pass and hashes them from the sealed
+    # arena after READY; the digests it then gives are those of the bytes the arena holds.
+    model = write_checkpoint("tiny", tmp_path / "ckpt")
+    key_file = compute_key(model, PlanSpec())
+    layout = locate(model)
+    plan = build_plan(key_file.plan, layout.config, key_file.manifest)
+    entries, total = plan_layout([(o.name, o.dtype, o.shape, o.nbytes) for o in plan.outputs])
+    arena = CpuArena(total)
+    try:
+        with CheckpointReader(layout) as reader:
+            result = fill_in_one_pass(plan, reader.shards, arena.write_at, {e.name: e.offset for e in entries},
+                                      None, arena.bytes_at, hash_stacked=False)
+    finally:
+        arena.close()
+    stacked = {o.name for o in plan.outputs if len(o.sources) > 1}
+    assert stacked and set(result.unhashed) == stacked
+    assert set(result.processed) == {o.name for o in plan.outputs} - stacked
+    loaded = load_rank(model, PlanSpec(), "cpu", None)
+    try:
+        expected = process_all(plan, read_tensors(model).__getitem__)
+        assert loaded.processed_digests == {name: processed_digest(t) for name, t in expected.items()}
+    finally:
+        loaded.arena.close()
+
+
 def _resident_fraction(path: Path) -> float:
     """Fraction of a file's pages in the page cache (a map and mincore; nothing is read)."""
     libc = ctypes.CDLL(None, use_errno=True)

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -82,7 +82,7 @@ class ScrubStats:
 class Scrubber:
     """The background pass of one daemon; `on_corrupt` runs once per corrupted tensor."""
 
-    def __init__(self, arena: CpuArena, entries: tuple[ArenaEntry, ...], digests: dict[str, str],
+    def __init__(self, arena: CpuArena, entries: tuple[ArenaEntry, ...], digests: Callable[[], Mapping[str, str]],
                  interval_s: float, on_corrupt: Callable[[Corruption], None], share: float = SHARE,
                  locate: Callable[[ArenaEntry], int | None] | None = None) -> None:
         self.arena = arena
@@ -117,6 +117,10 @@ class Scrubber:
     def scrub_once(self) -> bool:
         """One pass over every tensor not yet found corrupt; False when the arena went away during it."""
         began = time.monotonic()
+        try:
+            digests = self.digests()  # as built: some may still be being hashed (`OutputDigests`)
+        except ArenaClosedError:
+            return False
         for entry in self.entries:
             if entry.name in self.found:
                 continue
@@ -126,7 +130,7 @@ class Scrubber:
                 digest, blocks = self._hash(entry)
             except _Gone:
                 return False
-            if digest == self.digests[entry.name]:
+            if digest == digests[entry.name]:
                 self._blocks.setdefault(entry.name, blocks)
                 continue
             block = self._locate(entry.name, blocks)

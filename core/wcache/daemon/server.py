@@ -160,7 +160,7 @@ class DaemonServer:
             def locate(entry: ArenaEntry) -> int | None:
                 return first_difference_from_checkpoint(loaded.plan, loaded.key_file.manifest, source, arena, entry)
 
-            self.scrubber = Scrubber(arena, loaded.entries, loaded.processed_digests, scrub_interval_s,
+            self.scrubber = Scrubber(arena, loaded.entries, loaded.outputs.result, scrub_interval_s,
                                      self._corrupted, locate=locate)
 
     # -- lifecycle -----------------------------------------------------------------------------------

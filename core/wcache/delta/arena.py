@@ -51,7 +51,7 @@ from wcache.ipc.wire.messages import Hello, Manifest, MapRequest, WantedKey
 from wcache.key.cache_key import KeyFile, WeightCacheKey
 from wcache.key.shard_hash import tensor_hasher
 from wcache.load.byte_spans import Span, byte_spans
-from wcache.load.loader import LoadedRank, arena_digest, plant_fault, processed_digest
+from wcache.load.loader import LoadedRank, OutputDigests, arena_digest, plant_fault, processed_digest
 from wcache.plan.processing import Piece, ProcessingPlan, build_plan
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
         key_file = KeyFile(key=claimed, plan=parent.plan, config=parent.config, manifest_source=new_manifest,
                            source=source_label, created=datetime.now(UTC).isoformat(timespec="seconds"),
                            wcache_version=__version__)
-        loaded = LoadedRank(key_file, plan, entries, arena, processed, time.perf_counter() - began)
+        loaded = LoadedRank(key_file, plan, entries, arena, OutputDigests(processed), time.perf_counter() - began)
         return NextVersion(loaded, parent, bytes_read, len(delta.changes), outputs)
     except BaseException:
         if arena is not None:

@@ -37,7 +37,7 @@ from wcache.delta.format import BITS, Delta, DeltaError
 from wcache.ipc.arenas.daemon_side import ArenaEntry, CpuArena
 from wcache.key.cache_key import KeyFile
 from wcache.load.byte_spans import Span, byte_spans
-from wcache.load.loader import LoadedRank, plant_fault
+from wcache.load.loader import LoadedRank, OutputDigests, plant_fault
 from wcache.plan.processing import ProcessingPlan
 
 # A step's elements, by checkpoint tensor: sorted flat indices, or None for all of them.
@@ -135,7 +135,8 @@ def build_hosted(parent: LoadedRank, delta: Delta, arena: CpuArena, path: list[S
     key_file = KeyFile(key=next_key(parent.key_file.key, root), plan=parent.key_file.plan,
                        config=parent.key_file.config, manifest_source=new_manifest, source=label,
                        created=datetime.now(UTC).isoformat(timespec="seconds"), wcache_version=__version__)
-    loaded = LoadedRank(key_file, parent.plan, parent.entries, arena, processed, time.perf_counter() - began)
+    loaded = LoadedRank(key_file, parent.plan, parent.entries, arena, OutputDigests(processed),
+                        time.perf_counter() - began)
     step = StepChanges(parent.key_file.key.checkpoint, root,
                        {name: change.indices for name, change in delta.changes.items()})
     return HostedBuild(loaded, step, written, path is not None)

@@ -8,8 +8,9 @@ tensors. Shards are read with pread, never mapped (see shard_hash).
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -180,6 +181,45 @@ def plant_fault(arena: CpuArena | CudaArena, entries: tuple[ArenaEntry, ...], ra
     arena.write_at(entry.offset + int(at), memoryview(flipped))
 
 
+class OutputDigests:
+    """Every output's BLAKE3 as the arena holds it, for later checks of the arena (the background re-check,
+    `CheckArena`, a version built from this one).
+
+    A pass knows most of them from the buffers it wrote; an output stacked from several tensors (qkv, gate_up: a
+    third of a fused arena's bytes) has to be hashed back from the arena, which on two cores lengthens the pass
+    by about a seventh. Nothing before READY needs those digests (the key is the checkpoint's), so they are hashed
+    from the sealed arena on a thread of their own, and `result` waits for them.
+    """
+
+    def __init__(self, known: Mapping[str, str], arena: CpuArena | None = None,
+                 stacked: Mapping[str, tuple[int, int]] | None = None) -> None:
+        self._digests = dict(known)
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        if arena is None or not stacked:
+            self._done.set()
+        else:
+            threading.Thread(target=self._hash, args=(arena, dict(stacked)), daemon=True,
+                             name="wcache-stacked-digests").start()
+
+    def _hash(self, arena: CpuArena, stacked: dict[str, tuple[int, int]]) -> None:
+        try:
+            # BLAKE3 releases the GIL: the daemon's serve threads answer meanwhile.
+            self._digests.update({name: arena_digest(arena, offset, nbytes)
+                                  for name, (offset, nbytes) in stacked.items()})
+        except BaseException as exc:  # ArenaClosedError: released or stopping before it was hashed
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def result(self) -> dict[str, str]:
+        """Every output's digest, once hashed; what hashing raised (ArenaClosedError) otherwise."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._digests
+
+
 @dataclass
 class LoadedRank:
     """What a daemon holds for one rank."""
@@ -188,10 +228,15 @@ class LoadedRank:
     plan: ProcessingPlan
     entries: tuple[ArenaEntry, ...]
     arena: CpuArena | CudaArena
-    processed_digests: dict[str, str]
+    outputs: OutputDigests
     load_seconds: float
     # A cold pass that left each file's SHA-256 for after READY (`sha256_after_ready`): what computes it.
     sha256_after: Sha256After | None = None
+
+    @property
+    def processed_digests(self) -> dict[str, str]:
+        """Every output's digest as built; waits for those still being hashed (`OutputDigests`)."""
+        return self.outputs.result()
 
 
 def load_rank(
@@ -236,8 +281,10 @@ def load_rank(
                 progress.start(sum(s.identity.size for s in reader.shards), num_shards)
             read_back = arena.bytes_at if isinstance(arena, CpuArena) else None
             in_pass = file_sha256 and receipts is None and not sha256_after_ready
+            # A planted fault stands for a memory error after every digest was taken: none may be taken after it.
+            hash_stacked = FAULT_ENV in os.environ
             result = fill_in_one_pass(plan, reader.shards, arena.write_at, {e.name: e.offset for e in entries},
-                                      progress, read_back, in_pass)
+                                      progress, read_back, in_pass, hash_stacked)
             records, state = reader.records(result.digests, result.sha256)
             if receipts is not None:
                 _check_receipts(records, receipts)
@@ -255,6 +302,10 @@ def load_rank(
             plant_fault(arena, entries, spec.tp_rank)
             if isinstance(arena, CpuArena):
                 arena.seal(reusable=reusable_arena)
+                stacked = {e.name: (e.offset, e.nbytes) for e in entries if e.name in result.unhashed}
+                outputs = OutputDigests(result.processed, arena, stacked)
+            else:
+                outputs = OutputDigests(result.processed)
         except BaseException:
             arena.close()
             raise
@@ -262,7 +313,7 @@ def load_rank(
         if file_sha256 and receipts is None and sha256_after_ready:
             after = Sha256After(layout, reader.shards, records)
             reader.shards = []  # the descriptors the pass read are the later SHA-256's now
-    return LoadedRank(key_file, plan, entries, arena, result.processed, time.perf_counter() - began, after)
+    return LoadedRank(key_file, plan, entries, arena, outputs, time.perf_counter() - began, after)
 
 
 def load_from_disk(key_file: KeyFile, path: Path) -> dict[str, torch.Tensor]:

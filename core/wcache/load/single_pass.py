@@ -4,9 +4,10 @@ plan's outputs written to the arena from those same buffers.
 So the bytes hashed are the bytes the arena holds, and no second pass re-reads the files to prove it. An output
 made of checkpoint bytes unchanged (`byte_spans`) streams through a few reused chunk buffers straight to its place
 in the arena, and needs no torch; an output that is one tensor whole shares its digest, and one stacked from
-several is hashed back from the arena once written. A tensor that other outputs are computed from (cast, sliced
-across rows, padded or quantized) stays in memory only until the last of them is made. The page cache behind the
-read is dropped, so the pass needs about the arena's memory and little more.
+several is hashed back from the arena once written (or, where the caller asks, left for it to hash later). A
+tensor that other outputs are computed from (cast, sliced across rows, padded or quantized) stays in memory only
+until the last of them is made. The page cache behind the read is dropped, so the pass needs about the arena's
+memory and little more.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class PassResult:
     digests: dict[str, str]  # checkpoint tensor name → BLAKE3 of its bytes
     processed: dict[str, str]  # output name → BLAKE3 of the bytes written for it
     sha256: dict[Path, str | None] = field(default_factory=dict)  # shard → SHA-256 of the whole file
+    unhashed: tuple[str, ...] = ()  # outputs stacked from several tensors, written but left unhashed (`hash_stacked`)
 
 
 class _Pass:
@@ -53,7 +55,7 @@ class _Pass:
 
     def __init__(self, plan: ProcessingPlan, shards: Sequence[OpenShard], write: ArenaWrite,
                  offsets: Mapping[str, int], progress: HashProgress | None, read_back: ArenaRead | None,
-                 file_sha256: bool = True) -> None:
+                 file_sha256: bool = True, hash_stacked: bool = True) -> None:
         self.plan = plan
         self.shards = shards
         self.write = write
@@ -62,7 +64,8 @@ class _Pass:
         self.progress = progress
         # Outputs stacked from several tensors are hashed back from the arena, so they need a readable one.
         self.schedule = Schedule(plan, spans=read_back is not None)
-        self.unwritten = dict(self.schedule.stacked)  # stacked output → bytes not yet written
+        # stacked output → bytes not yet written, where the pass hashes it back once they are
+        self.unwritten = dict(self.schedule.stacked) if hash_stacked else {}
         self.workers = Workers(HELD_BYTES)
         self.cond = self.workers.cond
         self.kept: dict[str, tuple[memoryview, TensorInfo]] = {}  # whole tensors while computed outputs need them
@@ -90,7 +93,7 @@ class _Pass:
                 self._read(shard, tensor)
             if current is not None:
                 self._finish_file(current)
-            for name, nbytes in self.schedule.stacked.items():
+            for name, nbytes in self.unwritten.items():
                 if nbytes == 0:  # an empty output: no write will start its hash
                     self.workers.submit(self._hash_back, name)
         except Aborted:
@@ -108,7 +111,8 @@ class _Pass:
             if source is not None:
                 self.processed[output.name] = self.digests[source]
         sha256 = self.shard_sha256.digests if self.shard_sha256 is not None else {}
-        return PassResult(self.digests, self.processed, sha256)
+        unhashed = tuple(name for name in self.schedule.stacked if name not in self.unwritten)
+        return PassResult(self.digests, self.processed, sha256, unhashed)
 
     def _finish_file(self, shard: OpenShard) -> None:
         if self.shard_sha256 is not None:
@@ -236,11 +240,14 @@ class _Pass:
 
 def fill_in_one_pass(plan: ProcessingPlan, shards: Sequence[OpenShard], write: ArenaWrite,
                      offsets: Mapping[str, int], progress: HashProgress | None = None,
-                     read_back: ArenaRead | None = None, file_sha256: bool = True) -> PassResult:
+                     read_back: ArenaRead | None = None, file_sha256: bool = True,
+                     hash_stacked: bool = True) -> PassResult:
     """Read every tensor of `shards` once, hash it, and write every output of `plan` at `offsets[output.name]`.
 
     With `read_back`, outputs made of checkpoint bytes unchanged are written straight from the read buffers and
     need no torch; without (a CUDA arena), only outputs that are one tensor whole are. With `file_sha256`, each
     shard's SHA-256 (what the Hub names an LFS file by) comes from the same buffers, on a thread of its own.
+    Without `hash_stacked`, outputs stacked from several tensors are written but not hashed back: the result
+    names them (`unhashed`) for the caller to hash once the arena is sealed.
     """
-    return _Pass(plan, shards, write, offsets, progress, read_back, file_sha256).run()
+    return _Pass(plan, shards, write, offsets, progress, read_back, file_sha256, hash_stacked).run()
