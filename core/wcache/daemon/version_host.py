@@ -29,7 +29,7 @@ from typing import Protocol
 from wcache.checkpoint.file_record import Verdict
 from wcache.delta.format import Delta, DeltaError, read_delta
 from wcache.delta.hosted_build import HostedBuild, StepChanges, build_hosted, not_in_place
-from wcache.ipc.arenas.daemon_side import CpuArena
+from wcache.ipc.arenas.daemon_side import ArenaClosedError, CpuArena
 from wcache.ipc.run_dir.directory import (
     DaemonDescriptor,
     DaemonExistsError,
@@ -205,6 +205,8 @@ class VersionHost:
             if server in self._servers:
                 self._servers.remove(server)
             arena = server.loaded.arena
+            with contextlib.suppress(ArenaClosedError):
+                server.loaded.outputs.result()  # its stacked outputs hashed: nothing reads the arena then
             if not (isinstance(arena, CpuArena) and leases == 0
                     and self.pool.offer(arena, server.loaded.key_file.key.checkpoint)):
                 arena.close()

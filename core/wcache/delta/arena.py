@@ -137,13 +137,13 @@ def build_next(parent: DaemonDescriptor, delta_path: Path, source_label: str,
         finally:
             build.close()  # every view of the writable map goes before seal() can close it
         new_manifest = _check_root(delta, parent, manifest, digests)
-        processed = {e.name: build.processed[e.name] for e in entries}
-        plant_fault(arena, entries)
+        processed = OutputDigests({e.name: build.processed[e.name] for e in entries})
+        plant_fault(arena, entries, processed)
         arena.seal()
         key_file = KeyFile(key=claimed, plan=parent.plan, config=parent.config, manifest_source=new_manifest,
                            source=source_label, created=datetime.now(UTC).isoformat(timespec="seconds"),
                            wcache_version=__version__)
-        loaded = LoadedRank(key_file, plan, entries, arena, OutputDigests(processed), time.perf_counter() - began)
+        loaded = LoadedRank(key_file, plan, entries, arena, processed, time.perf_counter() - began)
         return NextVersion(loaded, parent, bytes_read, len(delta.changes), outputs)
     except BaseException:
         if arena is not None:

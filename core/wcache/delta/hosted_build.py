@@ -118,10 +118,11 @@ def build_hosted(parent: LoadedRank, delta: Delta, arena: CpuArena, path: list[S
         steps = path or []
         written = copied + _write(parent.arena, arena, held, steps, delta, workers)
         touched = set(delta.changes).union(*(step.elements for step in steps))
-        digests, processed = _hash(arena, parent, held, touched, workers)
+        digests, outputs = _hash(arena, parent, held, touched, workers)
     else:  # a fresh one: pwrite gives it its pages as it copies, where a map would fault each one in
         processed, digests = copy_with_changes(parent.plan, delta, manifest, arena, parent.entries,
                                                os.dup(parent.arena.fd))
+        outputs = OutputDigests(processed)
         written = arena.total_bytes
     new_manifest = tuple(msgspec.structs.replace(e, digest=digests[e.name]) if e.name in digests else e
                          for e in parent.key_file.manifest)
@@ -129,14 +130,14 @@ def build_hosted(parent: LoadedRank, delta: Delta, arena: CpuArena, path: list[S
     if delta.checkpoint is not None and root != delta.checkpoint:
         raise DeltaError(f"applying {delta.path} to its parent gives checkpoint {root[:12]}, not the "
                          f"{delta.checkpoint[:12]} the delta names; the delta is damaged.")
-    plant_fault(arena, parent.entries)
+    plant_fault(arena, parent.entries, outputs)
     if not arena.reusable:
         arena.seal(reusable=reusable)
+    outputs.hash_later(arena)
     key_file = KeyFile(key=next_key(parent.key_file.key, root), plan=parent.key_file.plan,
                        config=parent.key_file.config, manifest_source=new_manifest, source=label,
                        created=datetime.now(UTC).isoformat(timespec="seconds"), wcache_version=__version__)
-    loaded = LoadedRank(key_file, parent.plan, parent.entries, arena, OutputDigests(processed),
-                        time.perf_counter() - began)
+    loaded = LoadedRank(key_file, parent.plan, parent.entries, arena, outputs, time.perf_counter() - began)
     step = StepChanges(parent.key_file.key.checkpoint, root,
                        {name: change.indices for name, change in delta.changes.items()})
     return HostedBuild(loaded, step, written, path is not None)
@@ -211,17 +212,15 @@ def _write(parent: CpuArena, arena: CpuArena, held: Holdings, path: list[StepCha
 
 
 def _hash(arena: CpuArena, parent: LoadedRank, held: Holdings, touched: set[str],
-          workers: ThreadPoolExecutor) -> tuple[dict[str, str], dict[str, str]]:
-    """BLAKE3 of each touched checkpoint tensor and of each output holding one, from `arena`, on every core:
-    (digests by tensor, every output's processed digest)."""
+          workers: ThreadPoolExecutor) -> tuple[dict[str, str], OutputDigests]:
+    """BLAKE3 of each touched checkpoint tensor, from `arena`, on every core: (digests by tensor, every output's
+    processed digest). An output holding one touched tensor whole shares its digest; one stacked from several is
+    left for `OutputDigests` to hash once the version is built."""
     jobs: dict[str, tuple[int, int]] = {}  # what to hash → (offset, nbytes) in the arena
     for name in touched:
         entry, span = held[name][0]
         jobs[name] = (entry.offset + span.at, span.nbytes)
     outputs = {entry.name: entry for name in touched for entry, _ in held[name]}
-    for entry in outputs.values():
-        if not any(jobs.get(n) == (entry.offset, entry.nbytes) for n in touched):
-            jobs[f"\0{entry.name}"] = (entry.offset, entry.nbytes)  # an output of several tensors
     with arena.bytes_at(0, arena.total_bytes) as whole:
         def digest(job: tuple[int, int]) -> str:
             offset, nbytes = job
@@ -229,9 +228,13 @@ def _hash(arena: CpuArena, parent: LoadedRank, held: Holdings, touched: set[str]
 
         order = sorted(jobs, key=lambda k: -jobs[k][1])  # the largest first, so no core idles at the end
         found = dict(zip(order, workers.map(digest, (jobs[k] for k in order)), strict=True))
-    digests = {name: found[name] for name in touched}
     processed = dict(parent.processed_digests)
+    stacked: dict[str, tuple[int, int]] = {}
     for entry in outputs.values():
         same = next((n for n in touched if jobs[n] == (entry.offset, entry.nbytes)), None)
-        processed[entry.name] = found[same] if same is not None else found[f"\0{entry.name}"]
-    return digests, processed
+        if same is not None:
+            processed[entry.name] = found[same]
+        else:
+            del processed[entry.name]
+            stacked[entry.name] = (entry.offset, entry.nbytes)
+    return found, OutputDigests(processed, stacked)

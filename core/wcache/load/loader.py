@@ -156,10 +156,58 @@ def arena_digest(arena: CpuArena, offset: int, nbytes: int, *,
     return hasher.hexdigest()
 
 
+class OutputDigests:
+    """Every output's BLAKE3 as the arena holds it, for later checks of the arena (the background re-check,
+    `CheckArena`, a version built from this one).
+
+    A build knows most of them from the bytes it wrote; an output stacked from several tensors (qkv, gate_up: a
+    third of a fused arena's bytes) has to be hashed back from the arena, which on two cores lengthens a preload's
+    pass by about a seventh. Nothing before READY needs those digests (the key is the checkpoint's), so they are
+    hashed from the sealed arena on a thread of their own (`hash_later`), and `result` waits for them.
+    """
+
+    def __init__(self, known: Mapping[str, str], stacked: Mapping[str, tuple[int, int]] | None = None) -> None:
+        self._digests = dict(known)
+        self._stacked = dict(stacked or {})  # output → (offset, nbytes) in the arena, not hashed yet
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        if not self._stacked:
+            self._done.set()
+
+    def hash_now(self, arena: CpuArena) -> None:
+        """Hash what is left in this thread (before a planted fault: it stands for a memory error after every
+        digest was taken)."""
+        if not self._done.is_set():
+            self._hash(arena)
+
+    def hash_later(self, arena: CpuArena) -> None:
+        """Hash what is left on a thread of its own; the arena is sealed (its map cannot close while viewed)."""
+        if not self._done.is_set():
+            threading.Thread(target=self._hash, args=(arena,), daemon=True, name="wcache-stacked-digests").start()
+
+    def _hash(self, arena: CpuArena) -> None:
+        try:
+            # BLAKE3 releases the GIL: the daemon's serve threads answer meanwhile.
+            self._digests.update({name: arena_digest(arena, offset, nbytes)
+                                  for name, (offset, nbytes) in self._stacked.items()})
+        except BaseException as exc:  # ArenaClosedError: released or stopping before it was hashed
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def result(self) -> dict[str, str]:
+        """Every output's digest, once hashed; what hashing raised (ArenaClosedError) otherwise."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._digests
+
+
 FAULT_ENV = "WCACHE_FAULT_FLIP"
 
 
-def plant_fault(arena: CpuArena | CudaArena, entries: tuple[ArenaEntry, ...], rank: int = 0) -> None:
+def plant_fault(arena: CpuArena | CudaArena, entries: tuple[ArenaEntry, ...], outputs: OutputDigests,
+                rank: int = 0) -> None:
     """Fault injection for tests and benchmarks: with WCACHE_FAULT_FLIP=TENSOR:BYTE, flip the low bit of byte BYTE
     of engine tensor TENSOR just before the arena is sealed, after its digests were taken: what a memory error
     does to a filled arena. TENSOR:BYTE@RANK flips it in tensor-parallel rank RANK's arena only (`rank` is this
@@ -176,48 +224,10 @@ def plant_fault(arena: CpuArena | CudaArena, entries: tuple[ArenaEntry, ...], ra
     entry = next((e for e in entries if e.name == name), None)
     if entry is None or not at.isdigit() or int(at) >= entry.nbytes:
         raise BadInputError(f"{FAULT_ENV}={wanted} does not name a byte of an engine tensor.")
+    outputs.hash_now(arena)  # the digests of what was built, not of the fault
     with arena.bytes_at(entry.offset + int(at), 1) as byte:
         flipped = bytes([byte[0] ^ 1])
     arena.write_at(entry.offset + int(at), memoryview(flipped))
-
-
-class OutputDigests:
-    """Every output's BLAKE3 as the arena holds it, for later checks of the arena (the background re-check,
-    `CheckArena`, a version built from this one).
-
-    A pass knows most of them from the buffers it wrote; an output stacked from several tensors (qkv, gate_up: a
-    third of a fused arena's bytes) has to be hashed back from the arena, which on two cores lengthens the pass
-    by about a seventh. Nothing before READY needs those digests (the key is the checkpoint's), so they are hashed
-    from the sealed arena on a thread of their own, and `result` waits for them.
-    """
-
-    def __init__(self, known: Mapping[str, str], arena: CpuArena | None = None,
-                 stacked: Mapping[str, tuple[int, int]] | None = None) -> None:
-        self._digests = dict(known)
-        self._error: BaseException | None = None
-        self._done = threading.Event()
-        if arena is None or not stacked:
-            self._done.set()
-        else:
-            threading.Thread(target=self._hash, args=(arena, dict(stacked)), daemon=True,
-                             name="wcache-stacked-digests").start()
-
-    def _hash(self, arena: CpuArena, stacked: dict[str, tuple[int, int]]) -> None:
-        try:
-            # BLAKE3 releases the GIL: the daemon's serve threads answer meanwhile.
-            self._digests.update({name: arena_digest(arena, offset, nbytes)
-                                  for name, (offset, nbytes) in stacked.items()})
-        except BaseException as exc:  # ArenaClosedError: released or stopping before it was hashed
-            self._error = exc
-        finally:
-            self._done.set()
-
-    def result(self) -> dict[str, str]:
-        """Every output's digest, once hashed; what hashing raised (ArenaClosedError) otherwise."""
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._digests
 
 
 @dataclass
@@ -281,10 +291,8 @@ def load_rank(
                 progress.start(sum(s.identity.size for s in reader.shards), num_shards)
             read_back = arena.bytes_at if isinstance(arena, CpuArena) else None
             in_pass = file_sha256 and receipts is None and not sha256_after_ready
-            # A planted fault stands for a memory error after every digest was taken: none may be taken after it.
-            hash_stacked = FAULT_ENV in os.environ
             result = fill_in_one_pass(plan, reader.shards, arena.write_at, {e.name: e.offset for e in entries},
-                                      progress, read_back, in_pass, hash_stacked)
+                                      progress, read_back, in_pass, hash_stacked=False)
             records, state = reader.records(result.digests, result.sha256)
             if receipts is not None:
                 _check_receipts(records, receipts)
@@ -299,13 +307,12 @@ def load_rank(
             if store is not None:
                 # The root too: an engine's first key after this preload then reads no receipt.
                 store_root_if_trusted(store, state, records, key_file.key.checkpoint)
-            plant_fault(arena, entries, spec.tp_rank)
+            outputs = OutputDigests(result.processed,
+                                    {e.name: (e.offset, e.nbytes) for e in entries if e.name in result.unhashed})
+            plant_fault(arena, entries, outputs, spec.tp_rank)
             if isinstance(arena, CpuArena):
                 arena.seal(reusable=reusable_arena)
-                stacked = {e.name: (e.offset, e.nbytes) for e in entries if e.name in result.unhashed}
-                outputs = OutputDigests(result.processed, arena, stacked)
-            else:
-                outputs = OutputDigests(result.processed)
+                outputs.hash_later(arena)
         except BaseException:
             arena.close()
             raise
