@@ -18,12 +18,13 @@ from wcache.serving.follow import Follower, check_followable, newest_descendant
 
 
 def _daemon(key_id: str, parent: str | None = None, *, started: str = "2026-01-01T00:00:00+00:00",
-            device: str = "cpu", tp_size: int = 1) -> DaemonDescriptor:
+            device: str = "cpu", tp_size: int = 1, tp_rank: int = 0, supervisor: int | None = None
+            ) -> DaemonDescriptor:
     name = f"{device}-{key_id}"
     return DaemonDescriptor(
-        name=name, pid=1, pid_created=0.0, device=device, tp_size=tp_size, tp_rank=0, key_id=key_id,
+        name=name, pid=1, pid_created=0.0, device=device, tp_size=tp_size, tp_rank=tp_rank, key_id=key_id,
         key=WeightCacheKey(checkpoint=key_id, config="c", tokenizer="t", plan="p", format=1), plan=PlanSpec(),
-        config=None, source=f"/{key_id}", socket=f"/{name}.sock", health_url=None, supervisor_pid=None,
+        config=None, source=f"/{key_id}", socket=f"/{name}.sock", health_url=None, supervisor_pid=supervisor,
         started=started, weights_bytes=0, parent_key_id=parent, parent=f"{device}-{parent}" if parent else None)
 
 
@@ -36,10 +37,21 @@ def test_the_newest_descendant_is_the_tip_of_the_chain_from_the_served_key() -> 
     assert newest_descendant(live, "zzzz", "cpu") is None  # an engine on a key no version descends from
 
 
-def test_unrelated_other_device_and_tensor_parallel_versions_are_not_followed() -> None:
+def test_unrelated_other_device_and_partial_group_versions_are_not_followed() -> None:
     live = [_daemon("aaaa"), _daemon("uuuu"), _daemon("vvvv", "uuuu"), _daemon("bbbb", "aaaa", device="cuda0"),
-            _daemon("dddd", "aaaa", tp_size=2)]
+            _daemon("dddd", "aaaa", tp_size=2, supervisor=7)]  # rank 1 of its group not live (yet)
     assert newest_descendant(live, "aaaa", "cpu") is None
+
+
+def test_a_tensor_parallel_version_is_followed_through_rank_0_once_its_whole_group_runs() -> None:
+    # Rank r of each version descends from rank r of the one before; an engine's rank 0 serves key a0.
+    n = [_daemon("a0", tp_size=2, supervisor=1), _daemon("a1", tp_size=2, tp_rank=1, supervisor=1)]
+    n1 = [_daemon("b0", "a0", tp_size=2, supervisor=2), _daemon("b1", "a1", tp_size=2, tp_rank=1, supervisor=2)]
+    n2_rank0 = _daemon("c0", "b0", tp_size=2, supervisor=3)
+    assert newest_descendant([*n, *n1, n2_rank0], "a0", "cpu") == n1[0]  # N+2 until its rank 1 runs
+    n2 = [n2_rank0, _daemon("c1", "b1", tp_size=2, tp_rank=1, supervisor=3)]
+    assert newest_descendant([*n, *n1, *n2], "a0", "cpu") == n2[0]
+    assert newest_descendant([*n, *n1, *n2], "a1", "cpu") is None  # rank 1's keys name no group
 
 
 def test_of_two_branches_the_one_started_last() -> None:

@@ -147,21 +147,20 @@ def test_a_validation_error_brings_the_line_that_says_what_was_wrong(tmp_path: P
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"])
 def test_following_serves_on_a_loopback_host(host: str) -> None:
-    check_follow(host, 1)
+    check_follow(host)
 
 
-@pytest.mark.parametrize(("host", "tp", "said"), [
-    (None, 1, "any of its interfaces (without vLLM's --host)"),
-    ("0.0.0.0", 1, "vLLM's --host 0.0.0.0"),
-    ("::", 1, "vLLM's --host ::"),
-    ("10.1.2.3", 1, "vLLM's --host 10.1.2.3"),
-    ("example.com", 1, "vLLM's --host example.com"),
-    ("127.0.0.1", 2, "tensor-parallel engine (TP 2)"),
+@pytest.mark.parametrize(("host", "said"), [
+    (None, "any of its interfaces (without vLLM's --host)"),
+    ("0.0.0.0", "vLLM's --host 0.0.0.0"),
+    ("::", "vLLM's --host ::"),
+    ("10.1.2.3", "vLLM's --host 10.1.2.3"),
+    ("example.com", "vLLM's --host example.com"),
 ])
-def test_following_is_refused_where_others_could_switch_the_server(host: str | None, tp: int, said: str) -> None:
+def test_following_is_refused_where_others_could_switch_the_server(host: str | None, said: str) -> None:
     """--follow runs vLLM's development endpoints (a reload of any weights, for whoever reaches them)."""
     with pytest.raises(BadInputError, match=re.escape(said)):
-        check_follow(host, tp)
+        check_follow(host)
 
 
 @pytest.mark.parametrize(("method", "path", "needs_token"), [

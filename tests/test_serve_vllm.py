@@ -81,10 +81,11 @@ class Launcher:
 
 
 def _start(rig: DaemonRig, model: Path, *vllm_args: str, name: str, cold: bool = False,
-           follow: bool = False) -> Launcher:
+           follow: bool = False, env_extra: dict[str, str] | None = None) -> Launcher:
     port = free_port()
     output = rig.base / f"{name}.out"
-    env = environment({**rig.env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(rig.base / "vllm-cache")})
+    env = environment({**rig.env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(rig.base / "vllm-cache"),
+                       **(env_extra or {})})
     with output.open("w") as out:
         process = subprocess.Popen(
             [*_wcache(), "serve", str(model), "--run-dir", str(rig.run_dir), "--stop-grace", "10",
@@ -290,16 +291,45 @@ def test_a_following_server_serves_each_published_version(rig: DaemonRig, served
     assert served.complete() == followed
 
 
+def test_a_tensor_parallel_server_follows_with_each_rank_on_its_own_daemon(rig: DaemonRig, served: Launcher) -> None:
+    """At TP 2 the launcher follows the version of its rank 0's daemon once the version's whole group runs; each rank
+    reloads from its own rank's daemon of that group, and the tokens are then those of vLLM's own loader reading
+    the version's checkpoint from disk."""
+    tp2 = _start(rig, rig.base / "small", "--max-model-len", "512", "--tensor-parallel-size", "2", name="tp2",
+                 follow=True, env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    try:
+        record = tp2.serving(restarts=0)
+        group = sorted((d for d in rig.descriptors() if d.name in record.daemons), key=lambda d: d.tp_rank)
+        assert [(d.tp_size, d.tp_rank) for d in group] == [(2, 0), (2, 1)], group
+        before = tp2.complete()
+        step = copy_checkpoint(rig.base / "small", rig.base / "small-tp2-step")
+        overwrite_tensor_bytes(step, "lm_head.weight", 2048, bytes(LM_HEAD_BYTES - 2048))
+        since = len(rig.events())
+        key_id, daemon = rig.publish_step(group[0].name, rig.base / "small", step)
+        _followed(tp2, key_id, daemon)
+        version = {d.tp_rank: d.name for d in rig.descriptors() if d.parent in {g.name for g in group}}
+        hits = {e["daemon"] for e in rig.events()[since:] if e["kind"] == "attach_hit" and e["engine"] == "vllm"}
+        assert hits == set(version.values()) and version[0] == daemon, (hits, version)
+        followed = tp2.complete()
+        assert followed != before, "the zeroed lm_head must change the tokens"
+        reload_from_disk(tp2.url, step, read_token_file(RunPaths(rig.run_dir).engine_token(tp2.process.pid)))
+        assert tp2.complete() == followed
+    finally:
+        _stop(tp2)
+    # The version's group was started by the trainer's publish, not by the launcher: the trainer stops it.
+    stopped = rig.cli("stop", daemon, "--group", "--run-dir", str(rig.run_dir))
+    assert stopped.returncode == 0, stopped.stderr
+
+
 def test_follow_is_refused_where_the_server_cannot_switch_safely(rig: DaemonRig, served: Launcher,
                                                                  tmp_path: Path) -> None:
-    """Following runs vLLM's development endpoints (which reload weights): only on a loopback address, and only at
-    TP 1; either refusal is one sentence before anything starts."""
+    """Following runs vLLM's development endpoints (which reload weights): only on a loopback address; the refusal
+    is one sentence before anything starts."""
     untouched = tmp_path / "run"
-    for server_args, said in ((("--host", "0.0.0.0"), "give the server vLLM's --host 127.0.0.1"),
-                              (("--host", "127.0.0.1", "--tensor-parallel-size", "2"), "tensor-parallel engine")):
-        result = rig.cli("serve", str(rig.base / "small"), "--follow", "--run-dir", str(untouched), "--",
-                         "--port", "8000", *server_args)
-        assert result.returncode == 2 and said in assert_one_error_sentence(result), result.stderr
+    result = rig.cli("serve", str(rig.base / "small"), "--follow", "--run-dir", str(untouched), "--",
+                     "--port", "8000", "--host", "0.0.0.0")
+    said = "give the server vLLM's --host 127.0.0.1"
+    assert result.returncode == 2 and said in assert_one_error_sentence(result), result.stderr
     assert not untouched.exists()
 
 

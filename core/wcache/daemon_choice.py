@@ -9,15 +9,19 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from wcache.errors import UnavailableError, option
-from wcache.ipc.run_dir.directory import DaemonDescriptor, census, matches
+from wcache.ipc.run_dir.directory import DaemonDescriptor, census, group_of, matches
 from wcache.ipc.wire.messages import WantedKey
 from wcache.plan.spec import PlanSpec
 
 
 def on_device(run_dir: Path, device: str, daemon: str | None) -> list[DaemonDescriptor]:
-    """Live daemons on `device`; only those `daemon` names (a name or key id prefix) when it is given."""
+    """Live daemons on `device`; only those `daemon` names (a name or key id prefix) when it is given. A daemon
+    of a tensor-parallel group names the whole group, so that each rank's engine finds its own rank's daemon."""
     live = census(run_dir).live if run_dir.exists() else ()
-    return [d for d in live if d.device == device and (daemon is None or matches(d, daemon))]
+    if daemon is None:
+        return [d for d in live if d.device == device]
+    named = {m.name for d in live if matches(d, daemon) for m in group_of(d, live)}
+    return [d for d in live if d.device == device and d.name in named]
 
 
 def holding(candidates: Iterable[DaemonDescriptor], wanted: WantedKey) -> list[DaemonDescriptor]:
@@ -46,7 +50,9 @@ def pick_daemon(model: Path, plan: PlanSpec, run_dir: Path, device: str, daemon:
         named = [d for d in live if matches(d, daemon)]
         if len(named) != 1:
             raise UnavailableError(f"{len(named)} running daemons match {daemon!r} in {run_dir}; name exactly one.")
-        return named[0]
+        # A daemon of a tensor-parallel group names the group: each rank takes the daemon of its own rank.
+        own = [d for d in group_of(named[0], live) if d.tp_rank == plan.tp_rank]
+        return own[0] if own else named[0]
     fitting = holding(on_device(run_dir, device, None), wanted)
     if not fitting:
         raise UnavailableError(f"no daemon on {device} in {run_dir} holds {model} under this plan.")

@@ -262,9 +262,10 @@ def switch_served(url: str, version: str, model: Path | None, daemon: str | None
             raise _refusal(engine, path, worker_reason(exc), hits) from None
         reset = call_engine(url, "POST", "/reset_prefix_cache")
         hits = _hits(engine.run_dir, began_at, pids)
+        first = _rank0(engine.run_dir, hits)
         current: dict[str, str | bool | None] = {
-            "model": str(path), "key_id": hits[-1].key_id if hits else None,
-            "daemon": hits[-1].daemon if hits else target.pin}
+            "model": str(path), "key_id": first.key_id if first else None,
+            "daemon": first.daemon if first else target.pin}
         if target.trusted:  # `model` gave config, tokenizer and headers only: no file holds these weights
             current[FROM_DELTA] = True
         call_engine(url, "POST", "/update_weight_version", {"new_version": json.dumps({CLAIM: current})})
@@ -328,8 +329,15 @@ def _hits(run_dir: Path, since: float, pids: set[int] | None) -> list[ev.AttachH
 
 def _last_hit(run_dir: Path, pids: set[int] | None) -> ev.AttachHit | None:
     """The server's latest attach: what it serves when no `wcache switch` moved it yet."""
-    hits = _hits(run_dir, 0.0, pids) if pids is not None else []
-    return hits[-1] if hits else None
+    return _rank0(run_dir, _hits(run_dir, 0.0, pids) if pids is not None else [])
+
+
+def _rank0(run_dir: Path, hits: list[ev.AttachHit]) -> ev.AttachHit | None:
+    """Of `hits`, the latest of tensor-parallel rank 0 (whose key stands for the server's, as it announces it);
+    the latest of all where no live daemon says which rank a hit's was."""
+    live = {d.name: d.tp_rank for d in census(run_dir).live} if hits and run_dir.exists() else {}
+    first = [h for h in hits if live.get(h.daemon or "") == 0] or hits
+    return first[-1] if first else None
 
 
 def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_tokens: int) -> GreedyReport:

@@ -81,8 +81,8 @@ def serve(
     ] = False,
     follow: Annotated[
         bool, typer.Option("--follow", help="Reload the server in place with each new version built from the "
-                           "weights it serves (publish, preload --from) as soon as its daemon is ready; TP 1, "
-                           "on a loopback --host (it runs vLLM's development endpoints).")
+                           "weights it serves (publish, preload --from) as soon as its daemon (every rank's, at "
+                           "TP > 1) is ready; on a loopback --host only (it runs vLLM's development endpoints).")
     ] = False,
     version_pool: VersionPoolOpt = "0",
 ) -> None:
@@ -117,7 +117,7 @@ def serve(
         from wcache.serve.follow import check_follow
 
         host = first.value("host")
-        check_follow(str(host) if host is not None else None, int(str(first.value("tensor_parallel_size", 1))))
+        check_follow(str(host) if host is not None else None)
     from wcache.ipc.run_dir.directory import ensure_daemon_run_dir
 
     where = ensure_daemon_run_dir(run_dir_or_default(run_dir))

@@ -4,7 +4,6 @@ which running daemons a name or key id prefix names.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 from wcache.errors import (
@@ -15,15 +14,9 @@ from wcache.errors import (
 from wcache.ipc.run_dir.directory import (
     DaemonDescriptor,
     census,
+    group_of,
     matches,
 )
-
-
-def group_of(descriptor: DaemonDescriptor, live: Sequence[DaemonDescriptor]) -> list[DaemonDescriptor]:
-    """The ranks one preload started together; a TP group only serves whole."""
-    if descriptor.tp_size == 1 or descriptor.supervisor_pid is None:
-        return [descriptor]
-    return sorted((d for d in live if d.supervisor_pid == descriptor.supervisor_pid), key=lambda d: d.tp_rank)
 
 
 def parent_group(run_dir: Path, ident: str) -> list[DaemonDescriptor]:

@@ -10,7 +10,6 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from wcache.daemon.groups import group_of
 from wcache.daemon.stopping import lease_count, stop_daemons, stop_loading
 from wcache.errors import (
     UnavailableError,
@@ -19,6 +18,7 @@ from wcache.errors import (
 from wcache.ipc.run_dir.directory import (
     DaemonDescriptor,
     census,
+    group_of,
 )
 from wcache.ipc.run_dir.loading import read_loading
 

@@ -16,11 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wcache.daemon.groups import group_of
 from wcache.daemon.launch import DaemonGroup, start_daemons
 from wcache.daemon.replace import checkpoint_identity
 from wcache.errors import UnavailableError
-from wcache.ipc.run_dir.directory import DaemonDescriptor, DaemonExistsError, census
+from wcache.ipc.run_dir.directory import DaemonDescriptor, DaemonExistsError, census, group_of
 from wcache.ipc.wire.client import DaemonConnection, DaemonError
 from wcache.ipc.wire.messages import Hello, MapRequest, WantedKey
 from wcache.plan.spec import PlanSpec

@@ -4,8 +4,9 @@ A reference engine follows from inside its own process (`wcache.serving.follow`)
 launcher, over HTTP, by the switch `wcache switch URL --daemon D` runs (`wcache.vllm_served.switch_served`: pause,
 reload in place, reset the prefix cache, resume), so one request never sees two versions. Which version is newest
 is `newest_descendant`'s rule, from the key the server's rank 0 announces it serves now (its loader announces
-again after every reload). A version whose switch is refused is not tried again by this server, which keeps the
-weights it had.
+again after every reload); at tensor parallel > 1, the version of rank 0's daemon once its whole group runs, and
+each rank reloads from its own rank's daemon of that group. A version whose switch is refused is not tried again
+by this server, which keeps the weights it had.
 
 Moving a vLLM server needs its development endpoints, and those reach every worker: whoever can reach the port
 could reload its weights. Following is therefore refused unless the server listens on a loopback address, and the
@@ -25,7 +26,7 @@ from wcache.errors import BadInputError, option
 from wcache.integrations.vllm.announce import FOLLOWS_VARIABLE
 from wcache.ipc.run_dir.engines import VLLM_ENGINE, announced_at
 from wcache.ipc.run_dir.paths import RunPaths
-from wcache.serving.follow import TIMESTAMP_TICK_NS, Follower, check_followable
+from wcache.serving.follow import TIMESTAMP_TICK_NS, Follower
 from wcache.vllm_served import DEV_MODE, switch_served, vllm_version
 
 # What the server's environment gets when it follows: the endpoints a switch drives, and the flag its ranks
@@ -33,10 +34,9 @@ from wcache.vllm_served import DEV_MODE, switch_served, vllm_version
 FOLLOW_ENV = {DEV_MODE: "1", FOLLOWS_VARIABLE: "1"}
 
 
-def check_follow(host: str | None, tp_size: int) -> None:
-    """Refuse to follow with a server that cannot switch (TP > 1) or whose switch endpoints others could reach:
-    `host` is the server's --host (None: vLLM's default, every interface)."""
-    check_followable(tp_size)
+def check_follow(host: str | None) -> None:
+    """Refuse to follow with a server whose switch endpoints others could reach: `host` is the server's --host
+    (None: vLLM's default, every interface)."""
     try:
         loopback = host == "localhost" or (host is not None and ipaddress.ip_address(host.strip("[]")).is_loopback)
     except ValueError:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from wcache.errors import BadInputError, WcacheError, option
-from wcache.ipc.run_dir.directory import DaemonDescriptor, census
+from wcache.ipc.run_dir.directory import DaemonDescriptor, census, group_of
 
 log = logging.getLogger("wcache.engine")
 
@@ -38,9 +38,12 @@ def check_followable(tp_size: int) -> None:
 
 def newest_descendant(live: Iterable[DaemonDescriptor], key_id: str, device: str) -> DaemonDescriptor | None:
     """The newest version built (one or more steps) from the daemon of `key_id` on `device`, or None: each step a
-    live TP-1 daemon whose `parent_key_id` is the key before it; of several children of one key, the one started
-    last (ISO start times, then the name, so the choice is the same on every look)."""
-    daemons = [d for d in live if d.device == device and d.tp_size == 1]
+    live daemon whose `parent_key_id` is the key before it; of several children of one key, the one started last
+    (ISO start times, then the name, so the choice is the same on every look). Of a tensor-parallel group, rank 0
+    stands for the group (its key is the one rank 0 of an engine serves), and only once every rank is live: an
+    engine switched to it attaches each rank to its own."""
+    live = list(live)
+    daemons = [d for d in live if d.device == device and d.tp_rank == 0 and len(group_of(d, live)) == d.tp_size]
     tip: DaemonDescriptor | None = None
     seen = {key_id}
     while True:

@@ -9,7 +9,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -170,6 +170,13 @@ class DaemonDescriptor(Schema, frozen=True):
 def matches(descriptor: DaemonDescriptor, ident: str) -> bool:
     """Whether a user-given id names this daemon: a prefix of its name or of its key id."""
     return bool(ident) and (descriptor.name.startswith(ident) or descriptor.key_id.startswith(ident))
+
+
+def group_of(descriptor: DaemonDescriptor, live: Sequence[DaemonDescriptor]) -> list[DaemonDescriptor]:
+    """The ranks one preload started together; a TP group only serves whole."""
+    if descriptor.tp_size == 1 or descriptor.supervisor_pid is None:
+        return [descriptor]
+    return sorted((d for d in live if d.supervisor_pid == descriptor.supervisor_pid), key=lambda d: d.tp_rank)
 
 
 def daemon_name(device: str, key_id: str) -> str:
