@@ -188,8 +188,18 @@ class DaemonRig:
         """
         name = daemon_name(device, key_id)
         lock = lock_path(self.run_dir, name)
-        hold = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
-                "fcntl.flock(fd, fcntl.LOCK_EX); time.sleep(600)")
+        # As a daemon takes its lock: a file its last holder removed meanwhile is let go and the new one locked.
+        hold = ("import fcntl, os, sys, time\n"
+                "while True:\n"
+                "    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)\n"
+                "    fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                "    try:\n"
+                "        if os.stat(sys.argv[1]).st_ino == os.fstat(fd).st_ino:\n"
+                "            break\n"
+                "    except FileNotFoundError:\n"
+                "        pass\n"
+                "    os.close(fd)\n"
+                "time.sleep(600)")
         process = subprocess.Popen([sys.executable, "-c", hold, str(lock), str(self.base)], stdin=subprocess.DEVNULL)
         created = wait_for(lambda: process_created(process.pid), what="the stand-in to start")
         wait_for(lambda: lock_held(lock), what="the stand-in to hold its lock")

@@ -13,6 +13,8 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,14 @@ import msgspec
 import psutil
 import pytest
 from helpers import cli_env, kill_and_wait, wcache_in_process
-from wcache.ipc.run_dir.directory import DaemonDescriptor, write_descriptor
+from wcache.ipc.run_dir.directory import (
+    DaemonDescriptor,
+    hold_daemon_lock,
+    lock_held,
+    lock_path,
+    release_daemon_lock,
+    write_descriptor,
+)
 from wcache.ipc.run_dir.loading import hold_record_lock, record_lock_path
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.monitor.event_types import Stop
@@ -211,3 +220,25 @@ def test_a_link_planted_where_a_descriptor_is_written_is_not_written_through(run
     with pytest.raises(OSError):
         write_descriptor(run_dir, descriptor)
     assert target.read_text() == "untouched\n" and not (run_dir / f"{descriptor.name}.json").exists()
+
+
+def test_a_daemon_lock_goes_with_its_holder_and_a_waiting_taker_locks_the_file_made_after(run_dir: Path) -> None:
+    """A training loop makes a daemon name per step: the holder removes its lock file when it lets go, and a
+    process that opened that file before it went takes the lock on the file at the path, never on the one removed
+    (two holders of one name would each think they own it)."""
+    path = lock_path(run_dir, "cpu-aaaa")
+    first = hold_daemon_lock(run_dir, "cpu-aaaa", "cpu")
+    taken: list[int] = []
+    taker = threading.Thread(target=lambda: taken.append(hold_daemon_lock(run_dir, "cpu-aaaa", "cpu")))
+    taker.start()
+    time.sleep(0.2)  # the taker has opened the file and waits for its lock
+    release_daemon_lock(run_dir, "cpu-aaaa", first)
+    taker.join(timeout=30)
+    [second] = taken
+    try:
+        assert os.fstat(second).st_ino == os.stat(path).st_ino and lock_held(path)
+    finally:
+        release_daemon_lock(run_dir, "cpu-aaaa", second)
+    assert not path.exists() and not lock_held(path)
+    # Asking whether a missing lock is held leaves no file behind either.
+    assert list(run_dir.iterdir()) == []

@@ -91,6 +91,8 @@ def test_a_training_loop_builds_each_version_in_the_parents_process_writing_only
     [last] = rig.descriptors()
     assert last.name == steps[-1]["name"]
     assert last.pid == parent.pid  # every version was built and is served by the process that loaded N
+    # A stopped version's lock file goes with it (a loop makes a name per step); N+1's name was taken again.
+    assert sorted(p.name for p in rig.run_dir.glob("cpu-*.lock")) == [f"{last.name}.lock"]
     assert last.parent is not None
     assert request_once(last.socket, CheckArena()).changed == ()  # its bytes are what its digests say
     checked = rig.python(SAME_AS_DISK, str(chain[1]), "1", "auto", "none", str(rig.run_dir))
@@ -100,6 +102,7 @@ def test_a_training_loop_builds_each_version_in_the_parents_process_writing_only
     stopped = rig.cli("stop", last.name, "--run-dir", str(rig.run_dir))
     assert stopped.returncode == 0, stopped.stderr
     assert _gone(parent.pid), "the daemon process outlived the last version it served"
+    assert list(rig.run_dir.glob("cpu-*.lock")) == []
 
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:

@@ -23,7 +23,7 @@ from wcache.daemon.lease_rules import Holders
 from wcache.daemon.scrub import Corruption, Scrubber, first_difference_from_checkpoint
 from wcache.errors import WcacheError
 from wcache.ipc.arenas.daemon_side import ArenaClosedError, ArenaEntry, CpuArena
-from wcache.ipc.run_dir.directory import DaemonDescriptor, remove_daemon_files, write_descriptor
+from wcache.ipc.run_dir.directory import DaemonDescriptor, release_daemon_lock, remove_daemon_files, write_descriptor
 from wcache.ipc.wire import counters as counter_names
 from wcache.ipc.wire.framing import (
     NOTICE_LIMITS,
@@ -268,7 +268,7 @@ class DaemonServer:
         else:
             self.loaded.arena.close()
         if self._lock_fd is not None:
-            os.close(self._lock_fd)
+            release_daemon_lock(self.run_dir, self.descriptor.name, self._lock_fd)
             self._lock_fd = None
 
     def discard(self) -> None:

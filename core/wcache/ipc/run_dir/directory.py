@@ -229,9 +229,10 @@ def hold_daemon_lock(run_dir: Path, name: str, device: str) -> int:
     lock, and this process takes it).
 
     One daemon per key and device: whoever holds the lock may replace a socket or descriptor of that name,
-    nobody else. The lock file is never removed, so two processes can never lock two different files of the
-    same name. The lock is also what says the daemon lives (`lock_held`): a lock is seen by every pid
-    namespace that shares the run dir, a pid is not.
+    nobody else. Whoever holds it may also remove the lock file (`release_daemon_lock`: a training loop makes a
+    name per step), so a lock taken on a file that is no longer the one at its path is let go and taken again on
+    the file there now: two processes never hold two files of the same name. The lock is also what says the
+    daemon lives (`lock_held`): a lock is seen by every pid namespace that shares the run dir, a pid is not.
     """
     path = lock_path(run_dir, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -241,7 +242,11 @@ def hold_daemon_lock(run_dir: Path, name: str, device: str) -> int:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                if _still_at(fd, path):
+                    break
+                os.close(fd)  # its holder removed it after we opened it: lock the file at the path now
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+                continue
             except BlockingIOError:
                 if time.monotonic() < deadline:
                     time.sleep(0.01)
@@ -266,24 +271,61 @@ def hold_daemon_lock(run_dir: Path, name: str, device: str) -> int:
     return fd
 
 
+def release_daemon_lock(run_dir: Path, name: str, fd: int) -> None:
+    """Let go of `hold_daemon_lock`'s lock and remove its file, which only its holder may do: a loop that
+    publishes a version per step would otherwise leave a lock file per step behind."""
+    try:
+        path = lock_path(run_dir, name)
+        if _still_at(fd, path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    finally:
+        os.close(fd)
+
+
+def _still_at(fd: int, path: Path) -> bool:
+    """Whether the file open at `fd` is the one at `path` (its holder may have removed it, and another taken
+    its place)."""
+    try:
+        here = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
+
+
 @contextlib.contextmanager
 def lock_taken_if_free(path: Path) -> Iterator[bool]:
-    """True, holding the lock for the block, when no process holds `path`'s lock (or the file is missing);
-    False when one does, in this pid namespace or any other sharing the file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:  # missing, or a link no daemon could have locked (they open with O_NOFOLLOW)
-        yield True
-        return
-    try:
+    """True, holding the lock for the block, when no process holds `path`'s lock; False when one does, in this
+    pid namespace or any other sharing the file.
+
+    A missing file is made and locked for the block, then removed again: otherwise a process taking the name
+    meanwhile (`hold_daemon_lock`) could make and lock its own, and find what it just published removed by a
+    caller that thought the name free."""
+    while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        except OSError:  # a link no daemon could have locked (they open with O_NOFOLLOW), or a directory we may
+            yield True   # not write: no daemon of ours holds it
             return
-        yield True
-    finally:
-        os.close(fd)  # releases the lock
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            if not _still_at(fd, path):
+                continue  # removed by its holder as we opened it: look at the file there now
+            try:
+                yield True
+            finally:
+                # Nobody held it: whoever comes next makes it again (as a daemon's own stop removes it).
+                if _still_at(fd, path):
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+            return
+        finally:
+            os.close(fd)  # releases the lock
 
 
 def remove_daemon_files(run_dir: Path, name: str) -> None:
