@@ -224,12 +224,11 @@ def _change(shard: OpenShard, path: Path, name: str, found: dict[str, TensorInfo
     if int(indices[0]) < 0 or int(indices[-1]) >= numel:
         bad = int(indices[0]) if int(indices[0]) < 0 else int(indices[-1])
         raise _fail(path, f"index {bad} of {name!r} is outside its {numel} elements")
-    if indices.size > 1:
-        steps = np.diff(indices)
-        if not bool((steps > 0).all()):
-            at = int(np.flatnonzero(steps <= 0)[0]) + 1
-            kind = "repeated" if int(steps[at - 1]) == 0 else "not sorted"
-            raise _fail(path, f"the indices of {name!r} are {kind} (at position {at})")
+    # Compared in place: a difference array would be as large as the indices (90 MB a step for a training loop).
+    if indices.size > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        at = int(np.flatnonzero(indices[1:] <= indices[:-1])[0]) + 1
+        kind = "repeated" if int(indices[at]) == int(indices[at - 1]) else "not sorted"
+        raise _fail(path, f"the indices of {name!r} are {kind} (at position {at})")
     return Change(name, target.dtype, tuple(target.shape), _read(shard, value_info), indices)
 
 
