@@ -10,6 +10,9 @@ In one run, on the ``--preset`` checkpoint (qwen3-0.6b: 1.5 GB bf16), TP 1, CPU:
   launcher's ``switch_ms`` (pause, reload, prefix-cache reset, resume), read from its log line.
 * The last version's greedy tokens (16) against vLLM's own loader reading that version's tensors from disk, in the
   same server (``wcache_dev.vllm_disk_reload``): equal, or the run fails.
+* Then ``--alternate`` rounds of a switch back to the last version's daemon (``wcache switch URL --daemon D``'s)
+  and that disk reload, one after the other: the steps' reloads are the server's first and the disk reload above
+  its last, and an engine's first reloads run slower.
 
 The reload is vLLM's: on CPU it re-runs its oneDNN repack of every linear layer, whatever the daemon gives it.
 
@@ -41,9 +44,10 @@ from restart import our_leftovers
 from vllm_restart import free_port
 from wcache.daemon.publish import publish
 from wcache.ipc.run_dir.directory import census
-from wcache.ipc.run_dir.engine_token import read_token_file
+from wcache.ipc.run_dir.engine_token import TOKEN_FILE_ENV, read_token_file
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.serve.follow import served_key
+from wcache.vllm_served import switch_served, vllm_version
 from wcache_dev.synth import read_tensors, training_step, write_tensors
 from wcache_dev.vllm_disk_reload import reload_from_disk
 
@@ -110,7 +114,10 @@ def _followed(run_dir: Path, url: str, key_id: str, log: Path, timeout: float = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = step_options(__doc__.splitlines()[0], 3, "publish steps the server follows").parse_args(argv)
+    parser = step_options(__doc__.splitlines()[0], 3, "publish steps the server follows")
+    parser.add_argument("--alternate", type=int, default=3,
+                        help="rounds of a switch back to the last version's daemon and a disk reload, alternately")
+    args = parser.parse_args(argv)
     cli = wcache_command()
     began = time.perf_counter()
     with workspace(args.workdir) as work:
@@ -120,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         log = work / "serve.log"
         server: Any = None
         steps: list[dict[str, float]] = []
+        alternate: dict[str, list[float]] = {"daemon": [], "disk": []}
         try:
             server, url = _serve(cli, parent, run_dir, env, log, args.version_pool)
             [current] = [d.name for d in census(run_dir).live]
@@ -142,10 +150,20 @@ def main(argv: list[str] | None = None) -> int:
                 current, tensors = made.daemons[0], stepped
             followed = _complete(url, GREEDY_TOKENS)
             write_tensors(tensors, config, work / "last", 1)
+            token_file = RunPaths(run_dir).engine_token(server.pid)
             t = time.perf_counter()
-            reload_from_disk(url, work / "last", read_token_file(RunPaths(run_dir).engine_token(server.pid)))
+            reload_from_disk(url, work / "last", read_token_file(token_file))
             disk_reload_s = time.perf_counter() - t
             on_disk = _complete(url, GREEDY_TOKENS)
+            # The steps' reloads were the server's first ones, the disk reload above its last: alternately now,
+            # each side after the other, so neither pays for an engine that has not reloaded yet.
+            os.environ[TOKEN_FILE_ENV] = str(token_file)  # the switch's development routes take the token
+            for _ in range(args.alternate):
+                switched = switch_served(url, vllm_version(url), None, current)
+                alternate["daemon"].append(switched["switch_ms"] / 1000)
+                t = time.perf_counter()
+                reload_from_disk(url, work / "last", read_token_file(token_file))
+                alternate["disk"].append(time.perf_counter() - t)
         finally:
             if server is not None:
                 server.send_signal(signal.SIGTERM)
@@ -167,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
               f"({', '.join(fmt_seconds(v) for v in values)})")
     print(f"  the same server reloading the last version from disk with vLLM's own loader: "
           f"{fmt_seconds(disk_reload_s)}")
+    if alternate["daemon"]:
+        daemon_s, disk_s = statistics.median(alternate["daemon"]), statistics.median(alternate["disk"])
+        print(f"  then alternately, {args.alternate} rounds: the switch back to the last version's daemon median "
+              f"{fmt_seconds(daemon_s)} ({', '.join(fmt_seconds(v) for v in alternate['daemon'])}), the disk "
+              f"reload median {fmt_seconds(disk_s)} ({', '.join(fmt_seconds(v) for v in alternate['disk'])}): "
+              f"{daemon_s / disk_s:.2f}×")
     print(f"  greedy tokens ({GREEDY_TOKENS}) equal to vLLM's disk load of the last version: "
           f"{'yes' if equal else 'NO'}; they changed from N's: {'yes' if followed != before else 'no'}")
     print(f"{os.cpu_count()} CPUs, torch {torch.__version__}, whole run {time.perf_counter() - began:.0f} s.")
