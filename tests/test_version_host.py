@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives  # noqa: F401
 from helpers import SAME_AS_DISK, wcache_process
+from wcache.daemon.version_host import ArenaPool
+from wcache.ipc.arenas.daemon_side import CpuArena
 from wcache.ipc.wire.client import request_once
 from wcache.ipc.wire.messages import CheckArena
 from wcache_dev.synth import write_training_step
@@ -152,3 +154,22 @@ def _rename_claim(delta: Path, out: Path, checkpoint: str) -> None:
         meta = dict(opened.metadata())
         tensors = {name: opened.get_tensor(name) for name in opened.keys()}  # noqa: SIM118
     save_file(tensors, str(out), {**meta, "checkpoint": checkpoint})
+
+
+def test_past_its_budget_the_pool_lets_a_blank_arena_go_before_a_version() -> None:
+    """A retired version's arena can be brought forward by writing what changed since; a blank spare cannot."""
+    def reusable() -> CpuArena:
+        arena = CpuArena(4096)
+        arena.seal(reusable=True)
+        return arena
+
+    pool = ArenaPool(2 * 4096)
+    blank, older, newer = reusable(), reusable(), reusable()
+    try:
+        assert pool.offer(blank, None) and pool.offer(older, "aaaa")
+        assert pool.offer(newer, "bbbb")
+        assert blank.fd == -1 and sorted(pool.checkpoints()) == ["aaaa", "bbbb"]
+        assert not pool.offer(reusable(), None)  # a blank offered to a pool of versions goes itself
+        assert sorted(pool.checkpoints()) == ["aaaa", "bbbb"]
+    finally:
+        pool.close()

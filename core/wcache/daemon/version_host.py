@@ -117,13 +117,17 @@ class ArenaPool:
         return self.budget > 0
 
     def offer(self, arena: CpuArena, checkpoint: str | None) -> bool:
-        """Keep `arena` (holding `checkpoint`) if it is reusable and fits the budget; False: the caller closes it."""
+        """Keep `arena` (holding `checkpoint`) if it is reusable and fits the budget; False: the caller closes it.
+        Past the budget, arenas holding nothing go first (a version's can be brought forward by writing only what
+        changed since; a blank one must take the parent's bytes whole), then the oldest."""
         if not (arena.reusable and arena.fd >= 0 and arena.total_bytes <= self.budget):
             return False  # sealed for good, already closed (released to a copy-mode engine), or too large
         self._held.append(_Pooled(arena, checkpoint))
         while sum(p.arena.total_bytes for p in self._held) > self.budget:
-            self._held.pop(0).arena.close()
-        return True
+            victim = next((p for p in self._held if p.checkpoint is None), self._held[0])
+            self._held.remove(victim)
+            victim.arena.close()
+        return any(p.arena is arena for p in self._held)  # False: it went itself (the caller's close is a no-op)
 
     def checkpoints(self) -> list[str]:
         """What the pooled arenas hold (those a failed build left half written hold nothing)."""
@@ -242,6 +246,11 @@ class VersionHost:
         pooled = self.pool.take(total, set(self._steps) | {loaded.key_file.key.checkpoint})
         path = None if pooled is None else self._path(pooled.checkpoint, loaded.key_file.key.checkpoint)
         arena = pooled.arena if pooled is not None else CpuArena(total, "wcache-arena-next")
+        if pooled is not None and path is None and not self.pool.checkpoints():
+            # A loop's second step: its parent and the first version are both served still, so no version has
+            # retired yet and the next build would find the pool empty (a fresh arena: every page faulted in).
+            # Another spare, while the budget allows; once versions retire, theirs are kept before it.
+            self.prepare_pool(total)
         try:
             built = build_hosted(loaded, delta, arena, path, label, self.pool.enabled, self._workers)
         except BaseException:
