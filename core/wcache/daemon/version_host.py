@@ -160,6 +160,7 @@ class VersionHost:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()  # builds one at a time; a retirement waits for a build reading its arena
         self._steps: dict[str, StepChanges] = {}  # by the checkpoint each step made
+        self._spare_wanted = False  # the last build took the pool's blank spare and no version had retired
         self._workers = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="wcache-build")
 
     def serve(self, first: Served) -> None:
@@ -231,13 +232,17 @@ class VersionHost:
             if parent not in self._servers:
                 raise DeltaError(f"daemon {parent.descriptor.name} stopped; nothing was built from it.")
             built, name, lock_fd = self._build_locked(parent, delta, str(delta_path))
+            spare_wanted = self._spare_wanted
         bytes_read = delta.file_bytes
         del delta  # its values (its indices live on in the step remembered)
         release_free_memory()  # a loop's every step would otherwise leave some of the delta's pages behind
         if lock_fd is None:
             key = built.loaded.key_file.key
             return BuiltNext(name=name, key_id=key.short_id, checkpoint=key.checkpoint, already_served=True)
-        return self._start(parent, built, lock_fd, bytes_read, time.perf_counter() - began)
+        started = self._start(parent, built, lock_fd, bytes_read, time.perf_counter() - began)
+        if spare_wanted:
+            self.prepare_pool(loaded.arena.total_bytes)
+        return started
 
     def _build_locked(self, parent: Served, delta: Delta, label: str) -> tuple[HostedBuild, str, int | None]:
         """The version built, its daemon name, and the lock on that name (None: the key is served already)."""
@@ -246,11 +251,10 @@ class VersionHost:
         pooled = self.pool.take(total, set(self._steps) | {loaded.key_file.key.checkpoint})
         path = None if pooled is None else self._path(pooled.checkpoint, loaded.key_file.key.checkpoint)
         arena = pooled.arena if pooled is not None else CpuArena(total, "wcache-arena-next")
-        if pooled is not None and path is None and not self.pool.checkpoints():
-            # A loop's second step: its parent and the first version are both served still, so no version has
-            # retired yet and the next build would find the pool empty (a fresh arena: every page faulted in).
-            # Another spare, while the budget allows; once versions retire, theirs are kept before it.
-            self.prepare_pool(total)
+        # A blank spare taken while no version has retired yet (a loop's first step, its parent still served): the
+        # next build would find the pool empty and fault in a fresh arena. Another spare once this one is READY,
+        # while the budget allows; versions that retire later are kept before it.
+        self._spare_wanted = pooled is not None and path is None and not self.pool.checkpoints()
         try:
             built = build_hosted(loaded, delta, arena, path, label, self.pool.enabled, self._workers)
         except BaseException:
