@@ -5,8 +5,7 @@ and comes back with the same greedy tokens, restarted by `wcache restart` with a
 `status` and `top`, reloaded in place with a version a trainer publishes, and finally stopped with SIGTERM,
 leaving no process, socket, record or shared-memory segment behind. A second launcher
 whose server fails at every start (a --max-model-len vLLM's parser accepts and its engine refuses) backs off
-and says why; a typo is refused before anything starts. A TP 2 launcher, in a group of its own (its own rig, on
-another worker), follows a version a trainer publishes with each rank on its own rank's daemon.
+and says why; a typo is refused before anything starts.
 """
 
 from __future__ import annotations
@@ -292,8 +291,7 @@ def test_a_following_server_serves_each_published_version(rig: DaemonRig, served
     assert served.complete() == followed
 
 
-@pytest.mark.xdist_group("test_serve_vllm-tp2")  # its own rig and server, beside the module's (tests/conftest.py)
-def test_a_tensor_parallel_server_follows_with_each_rank_on_its_own_daemon(rig: DaemonRig) -> None:
+def test_a_tensor_parallel_server_follows_with_each_rank_on_its_own_daemon(rig: DaemonRig, served: Launcher) -> None:
     """At TP 2 the launcher follows the version of its rank 0's daemon once the version's whole group runs; each rank
     reloads from its own rank's daemon of that group, and the tokens are then those of vLLM's own loader reading
     the version's checkpoint from disk."""
