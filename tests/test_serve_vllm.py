@@ -5,7 +5,8 @@ and comes back with the same greedy tokens, restarted by `wcache restart` with a
 `status` and `top`, reloaded in place with a version a trainer publishes, and finally stopped with SIGTERM,
 leaving no process, socket, record or shared-memory segment behind. A second launcher
 whose server fails at every start (a --max-model-len vLLM's parser accepts and its engine refuses) backs off
-and says why; a typo is refused before anything starts.
+and says why; a typo is refused before anything starts. A TP 2 launcher follows a version a trainer publishes,
+each rank reloading from its own rank's daemon.
 """
 
 from __future__ import annotations
