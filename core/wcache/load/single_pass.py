@@ -64,6 +64,7 @@ class _Pass:
         self.progress = progress
         # Outputs stacked from several tensors are hashed back from the arena, so they need a readable one.
         self.schedule = Schedule(plan, spans=read_back is not None)
+        self.hash_stacked = hash_stacked
         # stacked output → bytes not yet written, where the pass hashes it back once they are
         self.unwritten = dict(self.schedule.stacked) if hash_stacked else {}
         self.workers = Workers(HELD_BYTES)
@@ -111,7 +112,7 @@ class _Pass:
             if source is not None:
                 self.processed[output.name] = self.digests[source]
         sha256 = self.shard_sha256.digests if self.shard_sha256 is not None else {}
-        unhashed = tuple(name for name in self.schedule.stacked if name not in self.unwritten)
+        unhashed = () if self.hash_stacked else tuple(self.schedule.stacked)
         return PassResult(self.digests, self.processed, sha256, unhashed)
 
     def _finish_file(self, shard: OpenShard) -> None:

@@ -38,14 +38,16 @@ async def require_control_token(request: Any, call_next: Callable[[Any], Awaitab
     if not _token:
         token = operator_token()
         if token is None:  # started without a token file: nobody may change what it serves
-            from starlette.responses import JSONResponse
-
-            return JSONResponse({"error": "this server takes no request that changes its weights"}, status_code=401)
+            return _unauthorized("this server takes no request that changes its weights")
         _token.append(token)
     offered = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     if not hmac.compare_digest(offered.encode(), _token[0].encode()):
-        from starlette.responses import JSONResponse
-
-        return JSONResponse({"error": "this route changes what the server serves: send its control token "
-                                      "(Authorization: Bearer …)"}, status_code=401)
+        return _unauthorized("this route changes what the server serves: send its control token "
+                             "(Authorization: Bearer …)")
     return await call_next(request)
+
+
+def _unauthorized(error: str) -> Any:
+    from starlette.responses import JSONResponse  # vLLM's server brings it: only a server running this imports it
+
+    return JSONResponse({"error": error}, status_code=401)

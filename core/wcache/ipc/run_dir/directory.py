@@ -242,7 +242,7 @@ def hold_daemon_lock(run_dir: Path, name: str, device: str) -> int:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if _still_at(fd, path):
+                if still_at(fd, path):
                     break
                 os.close(fd)  # its holder removed it after we opened it: lock the file at the path now
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -276,16 +276,16 @@ def release_daemon_lock(run_dir: Path, name: str, fd: int) -> None:
     publishes a version per step would otherwise leave a lock file per step behind."""
     try:
         path = lock_path(run_dir, name)
-        if _still_at(fd, path):
+        if still_at(fd, path):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
     finally:
         os.close(fd)
 
 
-def _still_at(fd: int, path: Path) -> bool:
-    """Whether the file open at `fd` is the one at `path` (its holder may have removed it, and another taken
-    its place)."""
+def still_at(fd: int, path: Path) -> bool:
+    """Whether the file open at `fd` is the one at `path` (a lock file's holder may have removed it, and another
+    taken its place): what every taker of a lock file checks once it holds the lock."""
     try:
         here = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
@@ -314,13 +314,13 @@ def lock_taken_if_free(path: Path) -> Iterator[bool]:
             except BlockingIOError:
                 yield False
                 return
-            if not _still_at(fd, path):
+            if not still_at(fd, path):
                 continue  # removed by its holder as we opened it: look at the file there now
             try:
                 yield True
             finally:
                 # Nobody held it: whoever comes next makes it again (as a daemon's own stop removes it).
-                if _still_at(fd, path):
+                if still_at(fd, path):
                     with contextlib.suppress(FileNotFoundError):
                         path.unlink()
             return

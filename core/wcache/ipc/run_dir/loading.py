@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import msgspec
 
 from wcache.canonical import INT64_BITS
-from wcache.ipc.run_dir.directory import Pid, lock_taken_if_free, read_run_file, run_subdir
+from wcache.ipc.run_dir.directory import Pid, lock_taken_if_free, read_run_file, run_subdir, still_at
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.schema import Schema
 
@@ -74,11 +74,8 @@ def hold_record_lock(path: Path) -> int:
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)  # blocks only while a reader checks it, microseconds
-        try:
-            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
-                return fd
-        except FileNotFoundError:
-            pass
+        if still_at(fd, path):
+            return fd
         os.close(fd)
 
 
