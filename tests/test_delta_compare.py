@@ -8,6 +8,8 @@ densely that it is replaced whole, an empty one, and every element size (bf16, f
 
 from __future__ import annotations
 
+import fcntl
+import math
 import os
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from wcache.checkpoint.identity import FileIdentity
 from wcache.checkpoint.safetensors_write import Entry, write_safetensors
 from wcache.delta.compare import BLOCK_BYTES, THREAD_PREFIX, compare_checkpoints
-from wcache.delta.format import BITS, read_delta
+from wcache.delta.format import BITS, SEALED, DeltaError, read_delta, read_sealed_delta, sealed_delta
 from wcache.delta.make import make_delta
 from wcache.delta.wide_compare import ChangedElements
 from wcache.key.compute import compute_key
@@ -154,6 +156,52 @@ def test_the_written_delta_reads_back_and_applies(crafted: tuple[Path, Path], tm
     with safe_open(str(summary.path), "pt") as f:
         assert dict(f.metadata())["parent"] == parent.key.checkpoint
         assert f.get_tensor("bf16.odd:values").dtype == torch.bfloat16
+
+
+def test_a_sealed_delta_reads_as_its_file_does_and_a_loose_one_is_refused(crafted: tuple[Path, Path],
+                                                                          tmp_path: Path) -> None:
+    """What `publish` sends its parent's daemon: the delta in a sealed memfd, read through a map, not copied."""
+    old, new = crafted
+    compared = compare_checkpoints(old, new)
+    parent = {e.name: e for e in compute_key(old).manifest}
+    from_file = read_delta(make_delta(old, new, tmp_path / "step.safetensors").path, parent)
+    label = Path("memfd:test")
+    sealed = read_sealed_delta(sealed_delta(compared.parent, iter(compared.changed)), label, parent)
+    assert sealed.checkpoint is None and sealed.parent == from_file.parent
+    assert sealed.changes.keys() == from_file.changes.keys()
+    for name, change in sealed.changes.items():
+        assert not change.values.flags.writeable, name  # a view of the read-only map
+        assert np.array_equal(change.values, from_file.changes[name].values), name
+        expected = from_file.changes[name].indices
+        assert (change.indices is None) == (expected is None), name
+        assert change.indices is None or np.array_equal(change.indices, expected), name
+
+    def loose(data: bytes, seals: int = SEALED) -> int:
+        fd = os.memfd_create("test", os.MFD_ALLOW_SEALING)
+        os.write(fd, data)
+        if seals:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        return fd
+
+    good = (tmp_path / "step.safetensors").read_bytes()
+    with pytest.raises(DeltaError, match=r"^memfd:test is not a delta sealed against writes .*; nothing was read\.$"):
+        read_sealed_delta(loose(good, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW), label, parent)
+    with (tmp_path / "step.safetensors").open("rb") as plain, \
+            pytest.raises(DeltaError, match=r"not a delta sealed against writes"):
+        read_sealed_delta(os.dup(plain.fileno()), label, parent)  # a file's descriptor has no seals
+    with pytest.raises(DeltaError, match=r"^the delta memfd:test: the data region holds \d+ bytes but its tensors "
+                                         r"cover \d+\.$"):
+        read_sealed_delta(loose(good + bytes(4096)), label, parent)  # a tail no entry names
+    held = sum(math.prod(e.shape) for e in parent.values())
+    huge = write_safetensors_bytes(tmp_path, [Entry("bf16.dense:tensor", "I64", (held * 2,), np.zeros(held * 2))])
+    with pytest.raises(DeltaError, match=r"data bytes are more than any delta of its parent can hold"):
+        read_sealed_delta(loose(huge), label, parent)
+
+
+def write_safetensors_bytes(where: Path, entries: list[Entry]) -> bytes:
+    path = where / "entries.safetensors"
+    write_safetensors(path, entries, {"format": "wcache.delta/1", "parent": "0" * 64})
+    return path.read_bytes()
 
 
 def test_receipts_the_store_trusts_spare_hashing_the_parent_and_stay(tmp_path: Path) -> None:

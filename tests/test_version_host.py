@@ -17,7 +17,7 @@ from helpers import SAME_AS_DISK, wcache_process
 from wcache.daemon.version_host import ArenaPool
 from wcache.ipc.arenas.daemon_side import CpuArena
 from wcache.ipc.wire.client import request_once
-from wcache.ipc.wire.messages import CheckArena
+from wcache.ipc.wire.messages import BuildNext, BuiltNext, CheckArena
 from wcache_dev.synth import write_training_step
 
 
@@ -125,7 +125,6 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
 def test_a_delta_that_does_not_make_what_it_names_builds_nothing_and_the_parent_serves_on(
         rig: DaemonRig, chain: list[Path], tmp_path: Path) -> None:
     from wcache.ipc.wire.client import DaemonError
-    from wcache.ipc.wire.messages import BuildNext
 
     [parent] = rig.preload(chain[0], "--version-pool", "64MiB")
     delta = tmp_path / "step.safetensors"
@@ -134,15 +133,51 @@ def test_a_delta_that_does_not_make_what_it_names_builds_nothing_and_the_parent_
     lying = tmp_path / "lying.safetensors"
     _rename_claim(delta, lying, "0" * 64)
     with pytest.raises(DaemonError, match=r"gives checkpoint [0-9a-f]{12}, not the 000000000000 the delta names"):
-        request_once(parent.socket, BuildNext(delta=str(lying)))
-    with pytest.raises(DaemonError, match=r"the delta .*config\.json declares a \d+-byte header"):
-        request_once(parent.socket, BuildNext(delta=str(chain[0] / "config.json")))
+        _build_next(parent.socket, lying.read_bytes())
+    with pytest.raises(DaemonError, match=r"the delta memfd:wcache-delta declares a \d+-byte header"):
+        _build_next(parent.socket, (chain[0] / "config.json").read_bytes())
+    with pytest.raises(DaemonError, match=r"is not a delta sealed against writes"):
+        _build_next(parent.socket, delta.read_bytes(), sealed=False)  # its bytes could change under the build
+    with pytest.raises(DaemonError, match=r"build_next needs its delta as one sealed memfd; 0 descriptors"):
+        request_once(parent.socket, BuildNext())
     assert [d.name for d in rig.descriptors()] == [parent.name]
     assert {d["state"] for d in rig.status()["daemons"]} == {"ready"}
+    assert _held_deltas(parent.pid) == []  # every refused delta's descriptor was closed, none kept
     # The arena the refused build wrote was kept for the pool (holding nothing): the next build still makes N+1.
-    built = request_once(parent.socket, BuildNext(delta=str(delta)))
+    built = _build_next(parent.socket, delta.read_bytes())
     assert built.key_id == _key_id(chain[1])
     assert {d.key_id for d in rig.descriptors()} == {parent.key_id, built.key_id}
+    # The built one's indices stay mapped while its step is remembered (an ancestor the pool holds is brought
+    # forward along it): its one map, and the descriptor the map keeps.
+    assert len(_held_deltas(parent.pid)) == 2
+
+
+def _held_deltas(pid: int) -> list[str]:
+    """The test's delta memfds daemon `pid` still holds open or mapped."""
+    import os
+
+    held = [os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir()]
+    held += [line.split(maxsplit=5)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()]
+    return [h for h in held if "test-delta" in h]
+
+
+def _build_next(socket: Path, data: bytes, *, sealed: bool = True) -> BuiltNext:
+    """Ask the daemon at `socket` to build the next version from the delta `data`, sent as a memfd."""
+    import fcntl
+    import os
+
+    from wcache.delta.format import SEALED
+    from wcache.ipc.wire.client import DaemonConnection
+
+    fd = os.memfd_create("test-delta", os.MFD_ALLOW_SEALING)
+    try:
+        os.write(fd, data)
+        if sealed:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALED)
+        with DaemonConnection(socket) as connection:
+            return connection.request(BuildNext(), (fd,))
+    finally:
+        os.close(fd)
 
 
 def _rename_claim(delta: Path, out: Path, checkpoint: str) -> None:

@@ -11,6 +11,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -31,6 +32,12 @@ class Entry:
 
 def write_safetensors(path: Path, entries: Iterable[Entry], metadata: Mapping[str, str]) -> None:
     """Write `entries` and `metadata` to `path` as one safetensors file (created or truncated)."""
+    with path.open("wb") as f:
+        write_safetensors_to(f, entries, metadata)
+
+
+def write_safetensors_to(f: BinaryIO, entries: Iterable[Entry], metadata: Mapping[str, str]) -> None:
+    """Write `entries` and `metadata` as one safetensors file to `f`, open for writing at its start."""
     ordered = sorted(entries, key=lambda e: (-ITEMSIZE[e.dtype], e.name))
     header: dict[str, object] = {"__metadata__": dict(metadata)}
     offset = 0
@@ -40,8 +47,7 @@ def write_safetensors(path: Path, entries: Iterable[Entry], metadata: Mapping[st
         offset += entry.data.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % HEADER_ALIGN)
-    with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(text)))  # the little-endian length prefix
-        f.write(text)
-        for entry in ordered:
-            f.write(np.ascontiguousarray(entry.data).reshape(-1).view(np.uint8).data)
+    f.write(struct.pack("<Q", len(text)))  # the little-endian length prefix
+    f.write(text)
+    for entry in ordered:
+        f.write(np.ascontiguousarray(entry.data).reshape(-1).view(np.uint8).data)

@@ -2,14 +2,15 @@
 
 `publish(parent, changes)` takes the parent daemon (a name or key id) and, by Hugging Face checkpoint name, either
 a whole new tensor or (flat int64 indices, values). The changes are checked as a delta file's entries are (a
-tensor the parent holds, its dtype and shape, indices 1-D, sorted, unique and in range) and written as a delta
-beside the run dir. A refusal raises one sentence and leaves every daemon serving.
+tensor the parent holds, its dtype and shape, indices 1-D, sorted, unique and in range) and written as a delta.
+A refusal raises one sentence and leaves every daemon serving.
 
 Where the parent can build the version in its own process (TP 1, every changed tensor held whole as its checkpoint
-bytes: `wcache.daemon.version_host`), the delta names no result and the parent's process builds, hashes and names
-the version: nothing is hashed here. Otherwise each changed tensor is hashed here as it will be, to name the new
-checkpoint digest, and the delta is built by `start_next_version`, which computes that digest again from the built
-arena before publishing. A sparse change's parent tensor then comes from the parent daemon's arena, mapped zero-copy
+bytes: `wcache.daemon.version_host`), the delta goes to it as a memfd sealed against writes, names no result, and the
+parent's process maps it, builds, hashes and names the version: nothing is hashed or written to disk here.
+Otherwise each changed tensor is hashed here as it will be, to name the new checkpoint digest, and the delta, written
+beside the run dir, is built by `start_next_version`, which computes that digest again from the built arena before
+publishing. A sparse change's parent tensor then comes from the parent daemon's arena, mapped zero-copy
 as the build maps it (`wcache.delta.arena.mapped_parent`), wherever the arena holds it as the checkpoint did,
 checked against the parent's manifest and hashed before and after the change in one pass; where the plan transforms
 the tensor, from the parent's checkpoint on disk (checked likewise); a parent built from a delta has none, and a
@@ -18,6 +19,7 @@ sparse change to such a tensor is one sentence (whole tensors still work).
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ from wcache.checkpoint.manifest import TensorDigest, merkle_root
 from wcache.daemon.groups import parent_group
 from wcache.daemon.launch import start_next_version
 from wcache.delta.arena import ParentTensors, mapped_parent, parent_layout, patched_digests
-from wcache.delta.format import BITS, Change, DeltaError, write_delta
+from wcache.delta.format import BITS, Change, DeltaError, sealed_delta, write_delta
 from wcache.errors import UnavailableError
 from wcache.ipc.run_dir.directory import DaemonDescriptor, default_run_dir, ensure_run_dir
 from wcache.ipc.wire.client import DaemonConnection, DaemonError
@@ -117,13 +119,12 @@ def publish(parent: str, changes: Mapping[str, object], *, run_dir: Path | None 
             if name not in manifest:
                 raise _refuse(name, "the parent checkpoint holds no such tensor")
             made.append(_change(name, changes[name], manifest[name]))
+        if len(group) == 1:
+            built = _build_in_place(connection, head, made)
+            if built is not None:
+                return built
         with tempfile.TemporaryDirectory(prefix="publish-", dir=where) as scratch:
             delta = Path(scratch) / "step.safetensors"
-            if len(group) == 1:
-                write_delta(delta, head.key.checkpoint, None, iter(made))
-                built = _build_in_place(connection, head, delta)
-                if built is not None:
-                    return built
             digests = _new_digests(made, manifest, connection, head)
             new_manifest = tuple(msgspec.structs.replace(e, digest=digests.get(e.name, e.digest))
                                  for e in manifest.values())
@@ -136,13 +137,17 @@ def publish(parent: str, changes: Mapping[str, object], *, run_dir: Path | None 
     return Published(descriptors[0].key, [d.name for d in descriptors])
 
 
-def _build_in_place(connection: DaemonConnection, head: DaemonDescriptor, delta: Path) -> Published | None:
-    """Ask the parent's process to build and serve the version; None when it says another process must."""
+def _build_in_place(connection: DaemonConnection, head: DaemonDescriptor, made: list[Change]) -> Published | None:
+    """Ask the parent's process to build and serve the version, the delta sent as a sealed memfd (written once,
+    mapped by the daemon, never copied again); None when it says another process must."""
+    delta = sealed_delta(head.key.checkpoint, iter(made))
     try:
-        reply = connection.request(BuildNext(delta=str(delta)))
+        reply = connection.request(BuildNext(), (delta,))
     except DaemonError as exc:
         raise UnavailableError(f"daemon {head.name} could not build the next version "
                                f"({str(exc).rstrip('.')}).") from None
+    finally:
+        os.close(delta)
     if reply.elsewhere is not None:
         return None
     if reply.name is None or reply.checkpoint is None:

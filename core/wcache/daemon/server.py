@@ -326,16 +326,23 @@ class DaemonServer:
             return encode(ErrorReply(str(exc)), REPLY_LIMITS)
 
     def _dispatch(self, client: _Client, frame: Frame) -> Reply:
-        for fd in frame.fds:
-            os.close(fd)  # clients never send descriptors; do not leak what a bad one sends
+        sent = list(frame.fds)
         try:
-            request: Request[Any] = read_request(frame)
-        except BadRequestError as exc:
-            self._count("unknown_requests" if exc.unknown else "bad_requests")
-            return ErrorReply(str(exc)), ()
-        handler = getattr(self, f"_handle_{request.TYPE}")
-        result: Reply = handler(client, request)
-        return result
+            try:
+                request: Request[Any] = read_request(frame)
+            except BadRequestError as exc:
+                self._count("unknown_requests" if exc.unknown else "bad_requests")
+                return ErrorReply(str(exc)), ()
+            if isinstance(request, BuildNext):  # its delta comes as the frame's one descriptor, which it takes
+                if len(sent) != 1:
+                    return ErrorReply(f"build_next needs its delta as one sealed memfd; {len(sent)} descriptors "
+                                      "came with it."), ()
+                return self._handle_build_next(client, sent.pop())
+            handler = getattr(self, f"_handle_{request.TYPE}")
+            result: Reply = handler(client, request)
+            return result
+        finally:
+            _close_fds(tuple(sent))  # other requests carry none; do not leak what a bad client sends
 
     def _count(self, name: str, amount: int = 1) -> None:
         with self.shared.lock:
@@ -562,11 +569,12 @@ class DaemonServer:
     def _handle_stats(self, client: _Client, request: Stats) -> Reply:
         return self.stats(), ()
 
-    def _handle_build_next(self, client: _Client, request: BuildNext) -> Reply:
+    def _handle_build_next(self, client: _Client, delta_fd: int) -> Reply:
         if self.host is None:
+            os.close(delta_fd)
             return BuiltNext(elsewhere="this daemon hosts no other version"), ()
         try:
-            return self.host.build(self, Path(request.delta)), ()
+            return self.host.build(self, delta_fd), ()
         except WcacheError as exc:
             return ErrorReply(str(exc)), ()
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Protocol
 
 from wcache.checkpoint.file_record import Verdict
-from wcache.delta.format import Delta, DeltaError, read_delta
+from wcache.delta.format import Delta, DeltaError, read_sealed_delta
 from wcache.delta.hosted_build import HostedBuild, StepChanges, build_hosted, not_in_place
 from wcache.ipc.arenas.daemon_side import ArenaClosedError, CpuArena
 from wcache.ipc.run_dir.directory import (
@@ -46,6 +46,8 @@ from wcache.monitor.events import append_event
 
 log = logging.getLogger("wcache.daemon")
 
+# What names a delta sent with `BuildNext` in messages, and a version built from one as its source.
+DELTA_LABEL = Path("memfd:wcache-delta")
 # The longest path of steps a pooled arena is brought forward along; an ancestor further back is copied whole.
 _STEPS_KEPT = 8
 
@@ -217,13 +219,14 @@ class VersionHost:
                 arena.close()
             self._forget_unreachable()
 
-    def build(self, parent: Served, delta_path: Path) -> BuiltNext:
-        """The next version of `parent`'s with the delta at `delta_path`, served from this process; `elsewhere`
-        says why it must be built by a process of its own instead (nothing else was done)."""
+    def build(self, parent: Served, delta_fd: int) -> BuiltNext:
+        """The next version of `parent`'s with the delta in sealed memfd `delta_fd` (which this takes), served
+        from this process; `elsewhere` says why it must be built by a process of its own instead (nothing else was
+        done)."""
         began = time.perf_counter()
         loaded = parent.loaded
         manifest = {e.name: e for e in loaded.key_file.manifest}
-        delta = read_delta(delta_path, manifest, named=False)
+        delta = read_sealed_delta(delta_fd, DELTA_LABEL, manifest)
         delta.check_parent(loaded.key_file.key.checkpoint, f"daemon {parent.descriptor.name}")
         reason = not_in_place(loaded, set(delta.changes))
         if reason is not None:
@@ -231,7 +234,7 @@ class VersionHost:
         with self._lock:
             if parent not in self._servers:
                 raise DeltaError(f"daemon {parent.descriptor.name} stopped; nothing was built from it.")
-            built, name, lock_fd = self._build_locked(parent, delta, str(delta_path))
+            built, name, lock_fd = self._build_locked(parent, delta, str(DELTA_LABEL))
             spare_wanted = self._spare_wanted
         bytes_read = delta.file_bytes
         del delta  # its values (its indices live on in the step remembered)

@@ -19,9 +19,13 @@ does not match) is one BadInputError sentence naming the file and the tensor.
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import math
+import mmap
+import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +35,7 @@ import numpy as np
 from wcache.checkpoint.dtypes import ITEMSIZE, TORCH_NAMES
 from wcache.checkpoint.manifest import TensorDigest
 from wcache.checkpoint.safetensors_header import TensorInfo
-from wcache.checkpoint.safetensors_write import Entry, write_safetensors
+from wcache.checkpoint.safetensors_write import Entry, write_safetensors, write_safetensors_to
 from wcache.errors import BadInputError, CheckpointError
 from wcache.key.shard_hash import OpenShard
 
@@ -42,6 +46,9 @@ FORMAT = "wcache.delta/1"
 INDICES, VALUES, WHOLE = "indices", "values", "tensor"
 _PARTS = (INDICES, VALUES, WHOLE)
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+# What makes a memfd's bytes fixed for good: a sealed delta is read through a map, never copied.
+SEALED = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # its page tables filled at once, not fault by fault
 
 
 class DeltaError(BadInputError):
@@ -141,9 +148,9 @@ def _fail(path: Path, what: str) -> DeltaError:
     return DeltaError(f"{path} is not a valid wcache delta: {what}.")
 
 
-def _open(path: Path) -> OpenShard:
+def _open(path: Path, fd: int | None = None) -> OpenShard:
     try:
-        return OpenShard(path)
+        return OpenShard(path, fd)
     except CheckpointError as exc:
         raise DeltaError(f"the delta {str(exc)[0].lower()}{str(exc)[1:]}") from None
 
@@ -170,23 +177,81 @@ def read_delta(path: Path, parent: Mapping[str, TensorDigest], *, named: bool = 
     """Read every entry of the delta at `path`, checked against the parent's manifest (name → entry). `named`
     False lets the delta leave out the checkpoint it makes (`Delta.checkpoint` is then None)."""
     with _open(path) as shard:
-        header = shard.header
-        digests = _digests(path, header.metadata, named)
-        parts: dict[str, dict[str, TensorInfo]] = {}
-        for info in header.tensors:
-            tensor, _, part = info.name.rpartition(":")
-            if not tensor or part not in _PARTS:
-                raise _fail(path, f"entry {info.name!r} is not NAME:indices, NAME:values or NAME:tensor")
-            if tensor not in parent:
-                raise _fail(path, f"it changes tensor {tensor!r}, which the parent checkpoint does not hold")
-            parts.setdefault(tensor, {})[part] = info
-        if parts and digests.checkpoint == digests.parent:
-            # Changes that make the very checkpoint they start from: the metadata lies, and applying it would
-            # read as "already served" (the parent's own key) whatever the changes make.
-            raise _fail(path, f"its metadata names its parent's checkpoint {digests.parent[:12]} as the one it "
-                        f"makes, yet it changes {len(parts)} tensor(s)")
-        changes = {name: _change(shard, path, name, found, parent[name]) for name, found in sorted(parts.items())}
-        return Delta(path, digests.parent, digests.checkpoint, changes, shard.identity.size)
+        return _read_changes(shard, path, parent, named, functools.partial(_read, shard))
+
+
+def read_sealed_delta(fd: int, label: Path, parent: Mapping[str, TensorDigest]) -> Delta:
+    """The delta in memfd `fd` (which this takes), sealed against every write, checked as `read_delta` checks a
+    file, `label` naming it in messages; it may leave out the checkpoint it makes. Its entries are views of one
+    read-only map of the memfd, not copies: the seals keep its bytes as they were checked for as long as any view
+    lives, and a view keeps the map."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # not a memfd (or one made without sealing): refused below
+    if seals & SEALED != SEALED:
+        os.close(fd)
+        raise DeltaError(f"{label} is not a delta sealed against writes (a memfd sealed F_SEAL_WRITE, "
+                         "F_SEAL_SHRINK and F_SEAL_GROW); nothing was read.")
+    with _open(label, fd) as shard:
+        size = shard.identity.size
+        _check_bounded(shard, label, parent)
+        mapped = mmap.mmap(shard.fileno(), size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ) \
+            if size else None
+
+        def view(info: TensorInfo) -> np.ndarray:
+            if mapped is None or not info.nbytes:
+                return np.empty(0, dtype=BITS[ITEMSIZE[info.dtype]])
+            return np.frombuffer(mapped, dtype=BITS[ITEMSIZE[info.dtype]], count=info.nbytes // ITEMSIZE[info.dtype],
+                                 offset=shard.header.data_start + info.start)
+
+        return _read_changes(shard, label, parent, False, view)
+
+
+def _check_bounded(shard: OpenShard, label: Path, parent: Mapping[str, TensorDigest]) -> None:
+    """Refuse a delta larger than any delta of `parent` can be before it is mapped: a memfd's holes cost nothing
+    to send but a page each to map (`OpenShard` has checked that its entries cover its data exactly)."""
+    data = shard.identity.size - shard.header.data_start
+    # Indices and values for every element: more than a whole replacement of every tensor.
+    most = sum(math.prod(t.shape) * (ITEMSIZE["I64"] + ITEMSIZE[t.dtype]) for t in parent.values())
+    if data > most:
+        raise _fail(label, f"its {data} data bytes are more than any delta of its parent can hold ({most})")
+
+
+def sealed_delta(parent: str, changes: Iterator[Change]) -> int:
+    """A delta of `changes` to checkpoint `parent`, naming no result, in a memfd sealed against every write
+    (`read_sealed_delta` reads it); its descriptor, the caller's to close."""
+    fd = os.memfd_create("wcache-delta", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        with os.fdopen(os.dup(fd), "wb") as out:
+            write_safetensors_to(out, _entries(changes), {"format": FORMAT, "parent": parent})
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALED | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_changes(shard: OpenShard, path: Path, parent: Mapping[str, TensorDigest], named: bool,
+                  read: Callable[[TensorInfo], np.ndarray]) -> Delta:
+    """Every entry of an open delta, checked against the parent's manifest; `read` gives an entry's elements."""
+    header = shard.header
+    digests = _digests(path, header.metadata, named)
+    parts: dict[str, dict[str, TensorInfo]] = {}
+    for info in header.tensors:
+        tensor, _, part = info.name.rpartition(":")
+        if not tensor or part not in _PARTS:
+            raise _fail(path, f"entry {info.name!r} is not NAME:indices, NAME:values or NAME:tensor")
+        if tensor not in parent:
+            raise _fail(path, f"it changes tensor {tensor!r}, which the parent checkpoint does not hold")
+        parts.setdefault(tensor, {})[part] = info
+    if parts and digests.checkpoint == digests.parent:
+        # Changes that make the very checkpoint they start from: the metadata lies, and applying it would
+        # read as "already served" (the parent's own key) whatever the changes make.
+        raise _fail(path, f"its metadata names its parent's checkpoint {digests.parent[:12]} as the one it "
+                    f"makes, yet it changes {len(parts)} tensor(s)")
+    changes = {name: _change(read, path, name, found, parent[name]) for name, found in sorted(parts.items())}
+    return Delta(path, digests.parent, digests.checkpoint, changes, shard.identity.size)
 
 
 def _read(shard: OpenShard, info: TensorInfo) -> np.ndarray:
@@ -197,7 +262,8 @@ def _read(shard: OpenShard, info: TensorInfo) -> np.ndarray:
     return data.view(BITS[ITEMSIZE[info.dtype]])
 
 
-def _change(shard: OpenShard, path: Path, name: str, found: dict[str, TensorInfo], target: TensorDigest) -> Change:
+def _change(read: Callable[[TensorInfo], np.ndarray], path: Path, name: str, found: dict[str, TensorInfo],
+            target: TensorDigest) -> Change:
     numel = math.prod(target.shape)
     if WHOLE in found:
         if len(found) > 1:
@@ -206,7 +272,7 @@ def _change(shard: OpenShard, path: Path, name: str, found: dict[str, TensorInfo
         if whole.dtype != target.dtype or tuple(whole.shape) != tuple(target.shape):
             raise _fail(path, f"the replacement of {name!r} is {whole.dtype} {list(whole.shape)}, but the parent's "
                               f"tensor is {target.dtype} {list(target.shape)}")
-        return Change(name, target.dtype, tuple(target.shape), _read(shard, whole))
+        return Change(name, target.dtype, tuple(target.shape), read(whole))
     if INDICES not in found or VALUES not in found:
         missing = INDICES if INDICES not in found else VALUES
         raise _fail(path, f"tensor {name!r} has no {entry_name(name, missing)!r} entry")
@@ -220,7 +286,7 @@ def _change(shard: OpenShard, path: Path, name: str, found: dict[str, TensorInfo
                           f"{list(value_info.shape)}")
     if index_info.shape[0] == 0:
         raise _fail(path, f"tensor {name!r} lists no changed elements")
-    indices = _read(shard, index_info)
+    indices = read(index_info)
     if int(indices[0]) < 0 or int(indices[-1]) >= numel:
         bad = int(indices[0]) if int(indices[0]) < 0 else int(indices[-1])
         raise _fail(path, f"index {bad} of {name!r} is outside its {numel} elements")
@@ -229,12 +295,24 @@ def _change(shard: OpenShard, path: Path, name: str, found: dict[str, TensorInfo
         at = int(np.flatnonzero(indices[1:] <= indices[:-1])[0]) + 1
         kind = "repeated" if int(indices[at]) == int(indices[at - 1]) else "not sorted"
         raise _fail(path, f"the indices of {name!r} are {kind} (at position {at})")
-    return Change(name, target.dtype, tuple(target.shape), _read(shard, value_info), indices)
+    return Change(name, target.dtype, tuple(target.shape), read(value_info), indices)
 
 
 def write_delta(path: Path, parent: str, checkpoint: str | None, changes: Iterator[Change]) -> int:
     """Write a delta file (through a temporary name, so a reader never sees half of one); its size in bytes.
     `checkpoint` None leaves the result unnamed, for a daemon that names it from what it builds."""
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        named = {} if checkpoint is None else {"checkpoint": checkpoint}
+        write_safetensors(partial, _entries(changes), {"format": FORMAT, "parent": parent, **named})
+        partial.replace(path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise BadInputError(f"{path} cannot be written ({exc.strerror or exc}).") from None
+    return path.stat().st_size
+
+
+def _entries(changes: Iterator[Change]) -> list[Entry]:
     entries: list[Entry] = []
     for change in changes:
         if change.indices is None:
@@ -243,12 +321,4 @@ def write_delta(path: Path, parent: str, checkpoint: str | None, changes: Iterat
             count = (int(change.indices.size),)
             entries.append(Entry(entry_name(change.name, INDICES), "I64", count, change.indices))
             entries.append(Entry(entry_name(change.name, VALUES), change.dtype, count, change.values))
-    partial = path.with_name(f".{path.name}.partial")
-    try:
-        named = {} if checkpoint is None else {"checkpoint": checkpoint}
-        write_safetensors(partial, entries, {"format": FORMAT, "parent": parent, **named})
-        partial.replace(path)
-    except OSError as exc:
-        partial.unlink(missing_ok=True)
-        raise BadInputError(f"{path} cannot be written ({exc.strerror or exc}).") from None
-    return path.stat().st_size
+    return entries

@@ -116,9 +116,9 @@ def build_hosted(parent: LoadedRank, delta: Delta, arena: CpuArena, path: list[S
         arena.rewrite()
         copied = 0 if path is not None else _copy_whole(parent.arena, arena, workers)
         steps = path or []
-        written = copied + _write(parent.arena, arena, held, steps, delta, workers)
-        touched = set(delta.changes).union(*(step.elements for step in steps))
-        digests, outputs = _hash(arena, parent, held, touched, workers)
+        changed, digests = _write_and_hash(parent.arena, arena, held, steps, delta, workers)
+        written = copied + changed
+        outputs = _outputs(parent, held, digests)
     else:  # a fresh one: pwrite gives it its pages as it copies, where a map would fault each one in
         processed, digests = copy_with_changes(parent.plan, delta, manifest, arena, parent.entries,
                                                os.dup(parent.arena.fd))
@@ -173,15 +173,18 @@ def _copy_whole(parent: CpuArena, arena: CpuArena, workers: ThreadPoolExecutor) 
     return parent.total_bytes
 
 
-def _write(parent: CpuArena, arena: CpuArena, held: Holdings, path: list[StepChanges], delta: Delta,
-           workers: ThreadPoolExecutor) -> int:
+def _write_and_hash(parent: CpuArena, arena: CpuArena, held: Holdings, path: list[StepChanges], delta: Delta,
+                    workers: ThreadPoolExecutor) -> tuple[int, dict[str, str]]:
     """Each tensor a step of `path` changed, copied at those elements from the parent's arena, then the delta's
-    elements written: tensor by tensor on every core (numpy's indexing leaves the GIL). The bytes written."""
-    names = sorted(set(delta.changes).union(*(step.elements for step in path)))
+    elements written, then the tensor hashed (BLAKE3) while its bytes are still in the cache: tensor by tensor, the
+    largest first so no core idles at the end, on every core (numpy's indexing and BLAKE3 leave the GIL). The bytes
+    written, and the digest of every tensor touched."""
+    names = sorted(set(delta.changes).union(*(step.elements for step in path)),
+                   key=lambda name: -held[name][0][1].nbytes)
     target = memoryview(arena.writable())
     try:
         with parent.bytes_at(0, parent.total_bytes) as source:
-            def one(name: str) -> int:
+            def one(name: str) -> tuple[int, str]:
                 written = 0
                 for entry, span in held[name]:
                     itemsize = TORCH_ITEMSIZE[entry.dtype]  # the tensor's own: no cast is held whole
@@ -204,37 +207,27 @@ def _write(parent: CpuArena, arena: CpuArena, held: Holdings, path: list[StepCha
                             else:
                                 new[change.indices] = change.values
                             written += change.values.nbytes
-                return written
+                entry, span = held[name][0]
+                at = entry.offset + span.at
+                return written, blake3.blake3(target[at : at + span.nbytes]).hexdigest()
 
-            return sum(workers.map(one, names))
+            done = list(workers.map(one, names))
     finally:
         target.release()
+    return sum(w for w, _ in done), {name: digest for name, (_, digest) in zip(names, done, strict=True)}
 
 
-def _hash(arena: CpuArena, parent: LoadedRank, held: Holdings, touched: set[str],
-          workers: ThreadPoolExecutor) -> tuple[dict[str, str], OutputDigests]:
-    """BLAKE3 of each touched checkpoint tensor, from `arena`, on every core: (digests by tensor, every output's
-    processed digest). An output holding one touched tensor whole shares its digest; one stacked from several is
-    left for `OutputDigests` to hash once the version is built."""
-    jobs: dict[str, tuple[int, int]] = {}  # what to hash → (offset, nbytes) in the arena
-    for name in touched:
-        entry, span = held[name][0]
-        jobs[name] = (entry.offset + span.at, span.nbytes)
-    outputs = {entry.name: entry for name in touched for entry, _ in held[name]}
-    with arena.bytes_at(0, arena.total_bytes) as whole:
-        def digest(job: tuple[int, int]) -> str:
-            offset, nbytes = job
-            return blake3.blake3(whole[offset : offset + nbytes]).hexdigest()
-
-        order = sorted(jobs, key=lambda k: -jobs[k][1])  # the largest first, so no core idles at the end
-        found = dict(zip(order, workers.map(digest, (jobs[k] for k in order)), strict=True))
+def _outputs(parent: LoadedRank, held: Holdings, digests: dict[str, str]) -> OutputDigests:
+    """Every output's processed digest once the tensors in `digests` changed: an output holding one of them whole
+    shares its digest; one stacked from several is left for `OutputDigests` to hash once the version is built."""
+    where = {name: (held[name][0][0].offset + held[name][0][1].at, held[name][0][1].nbytes) for name in digests}
     processed = dict(parent.processed_digests)
     stacked: dict[str, tuple[int, int]] = {}
-    for entry in outputs.values():
-        same = next((n for n in touched if jobs[n] == (entry.offset, entry.nbytes)), None)
+    for entry in {entry.name: entry for name in digests for entry, _ in held[name]}.values():
+        same = next((n for n in digests if where[n] == (entry.offset, entry.nbytes)), None)
         if same is not None:
-            processed[entry.name] = found[same]
+            processed[entry.name] = digests[same]
         else:
             del processed[entry.name]
             stacked[entry.name] = (entry.offset, entry.nbytes)
-    return found, OutputDigests(processed, stacked)
+    return OutputDigests(processed, stacked)

@@ -98,7 +98,9 @@ class OpenShard:
     to fill its arena from the same buffer.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, fd: int | None = None) -> None:
+        """Open the file at `path`; or, given `fd` (which this shard then owns), read that descriptor's file,
+        `path` naming it in messages."""
         self.path = path
         # Taken before the file is opened: a receipt is dated when reading began, so that a write during the
         # read, stamped with a coarse timestamp that does not move the file's identity, is still inside the
@@ -106,7 +108,7 @@ class OpenShard:
         self.opened_ns = time.time_ns()
         try:
             # O_NONBLOCK: opening a FIFO planted as a shard must fail below, not wait for a writer forever.
-            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            self._fd = fd if fd is not None else os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             raise CheckpointError(f"{path} {why_missing(path)}.") from None
         except OSError as exc:
@@ -125,6 +127,9 @@ class OpenShard:
 
     def __enter__(self) -> OpenShard:
         return self
+
+    def fileno(self) -> int:
+        return self._fd
 
     def __exit__(self, *exc: object) -> None:
         self.close()

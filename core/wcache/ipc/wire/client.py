@@ -77,11 +77,12 @@ class DaemonConnection:
         with contextlib.suppress(OSError):
             self.sock.close()
 
-    def request(self, message: Request[R]) -> R:
-        """Send a request and return its reply; an error reply, or a malformed one, raises DaemonError."""
+    def request(self, message: Request[R], fds: tuple[int, ...] = ()) -> R:
+        """Send a request (with descriptors `fds`, which stay the caller's) and return its reply; an error reply,
+        or a malformed one, raises DaemonError."""
         send_error: OSError | None = None
         try:
-            send(self.sock, message, REQUEST_LIMITS)
+            send(self.sock, message, REQUEST_LIMITS, fds)
         except (BrokenPipeError, ConnectionResetError) as exc:
             # A daemon that refuses a connection (too many clients) says why and closes before reading:
             # its error frame may still be waiting to be read.

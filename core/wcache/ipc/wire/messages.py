@@ -280,11 +280,11 @@ class Shutdown(Request[ShutdownReply], frozen=True, tag="shutdown"):
 
 
 class BuildNext(Request[BuiltNext], frozen=True, tag="build_next"):
-    """Build the next version from this daemon's arena and the delta file at `delta` (a path the daemon reads),
-    and serve it from this daemon's process (`wcache.daemon.version_host`)."""
+    """Build the next version from this daemon's arena and the delta sent with the request (the one descriptor
+    of its frame: a memfd sealed against writes, `wcache.delta.format.sealed_delta`), and serve it from this
+    daemon's process (`wcache.daemon.version_host`). The daemon reads no file a client names."""
 
     REPLY: ClassVar[type[Message]] = BuiltNext
-    delta: str
 
 
 REQUEST_TYPES: tuple[type[Request[Any]], ...] = (Hello, Manifest, MapRequest, Release, CheckArena, Stats, Shutdown,
