@@ -34,8 +34,9 @@ from wcache.monitor.event_types import Ready
 from wcache.monitor.events import read_typed_events
 from wcache_dev.synth import read_tensors, training_step
 
-# publish's steps, in the order it takes them.
-PHASES = ("_change", "_new_digests", "write_delta", "start_next_version")
+# publish's steps, in the order it takes them: the in-place build (sealed_delta, then the parent's build) or, where
+# new processes build the version, the digests, the delta file and their start.
+PHASES = ("_change", "sealed_delta", "_build_in_place", "_new_digests", "write_delta", "start_next_version")
 
 
 def _timed(spent: dict[str, float], name: str) -> None:

@@ -42,11 +42,12 @@ def _key_id(path: Path) -> str:
 
 
 # Publishes N+1, N+2, then N+1 again (N+2's changes undone), stopping each parent once its child serves: the
-# second and third builds find the retired grandparent's arena in the pool.
+# second and third builds find the retired grandparent's arena in the pool, brought forward to the parent.
 _LOOP = """
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 import torch
 from wcache.daemon.publish import publish
@@ -64,15 +65,23 @@ def sparse(before, after):
             changed += where.numel() * new.element_size()
     return changes, changed
 
+def brought_forward():
+    return sum(log.read_text().count("a pooled arena brought forward to")
+               for log in (run_dir / "logs").glob("*rank0.log"))
+
 steps = []
-for before, after in ((n, n1), (n1, n2), (n2, n1)):
+for i, (before, after) in enumerate(((n, n1), (n1, n2), (n2, n1))):
     changes, changed = sparse(before, after)
     published = publish(current, changes, run_dir=run_dir)
     subprocess.run([sys.executable, "-m", "wcache_cli.main", "stop", current, "--run-dir", str(run_dir)], check=True,
                    capture_output=True)
     current = published.daemons[0]
+    # The retired arena is brought forward to the version now served while the loop computes its next step.
+    deadline = time.monotonic() + 30
+    while brought_forward() < i + 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
     steps.append({"key_id": published.key.short_id, "name": current, "written": published.bytes_written,
-                  "changed": changed})
+                  "changed": changed, "brought_forward": brought_forward()})
 print(json.dumps(steps))
 """
 
@@ -86,8 +95,12 @@ def test_a_training_loop_builds_each_version_in_the_parents_process_writing_only
     assert [s["key_id"] for s in steps] == [_key_id(chain[1]), _key_id(chain[2]), _key_id(chain[1])]
     total = parent.weights_bytes
     assert steps[0]["written"] >= total  # no arena retired yet: the parent's copied whole (into the pool's spare)
+    # Each retired version's arena went to the pool and was brought forward to its child, the version served,
+    # before the next publish: that build wrote its own delta alone.
+    assert [s["brought_forward"] for s in steps] == [1, 2, 3]
     for step in steps[1:]:
-        # The pool's arena held the grandparent: the step before is undone and this one written, nothing else.
+        # The pool's arena held the grandparent: the step before was undone at its retirement and this one written,
+        # nothing else (both counted in the step's bytes written).
         assert step["written"] <= 3 * step["changed"], step
         assert step["written"] < total / 10, step
     [last] = rig.descriptors()

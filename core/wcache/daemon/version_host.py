@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import threading
@@ -28,7 +29,7 @@ from typing import Protocol
 
 from wcache.checkpoint.file_record import Verdict
 from wcache.delta.format import Delta, DeltaError, read_sealed_delta
-from wcache.delta.hosted_build import HostedBuild, StepChanges, build_hosted, not_in_place
+from wcache.delta.hosted_build import HostedBuild, StepChanges, bring_forward, build_hosted, not_in_place
 from wcache.ipc.arenas.daemon_side import ArenaClosedError, CpuArena
 from wcache.ipc.run_dir.directory import (
     DaemonDescriptor,
@@ -105,6 +106,7 @@ class ServerFactory(Protocol):
 class _Pooled:
     arena: CpuArena
     checkpoint: str | None  # what it holds; None once a failed build left it half written
+    written: int = 0  # bytes written into it since it retired (brought forward), counted in the next build's
 
 
 class ArenaPool:
@@ -130,6 +132,10 @@ class ArenaPool:
             self._held.remove(victim)
             victim.arena.close()
         return any(p.arena is arena for p in self._held)  # False: it went itself (the caller's close is a no-op)
+
+    def holding(self, arena: CpuArena) -> _Pooled | None:
+        """`arena`'s place in the pool; None once a build took it or the budget closed it."""
+        return next((p for p in self._held if p.arena is arena), None)
 
     def checkpoints(self) -> list[str]:
         """What the pooled arenas hold (those a failed build left half written hold nothing)."""
@@ -214,10 +220,41 @@ class VersionHost:
             arena = server.loaded.arena
             with contextlib.suppress(ArenaClosedError):
                 server.loaded.outputs.result()  # its stacked outputs hashed: nothing reads the arena then
-            if not (isinstance(arena, CpuArena) and leases == 0
-                    and self.pool.offer(arena, server.loaded.key_file.key.checkpoint)):
+            pooled = (isinstance(arena, CpuArena) and leases == 0
+                      and self.pool.offer(arena, server.loaded.key_file.key.checkpoint))
+            if not pooled:
                 arena.close()
             self._forget_unreachable()
+        if pooled:
+            assert isinstance(arena, CpuArena)
+            threading.Thread(target=self._bring_forward, args=(arena,), name="wcache-forward", daemon=True).start()
+
+    def _bring_forward(self, arena: CpuArena) -> None:
+        """Bring pooled `arena` forward to the newest version served that descends from what it holds, while no
+        publish waits (a training loop's next step comes seconds later): the next build then writes only its own
+        delta. A build that takes the arena first brings it forward itself."""
+        with self._lock:
+            pooled = self.pool.holding(arena)
+            if pooled is None or pooled.checkpoint is None:
+                return
+            for server in reversed(self._servers):
+                path = self._path(pooled.checkpoint, server.loaded.key_file.key.checkpoint)
+                if path:
+                    break
+            else:
+                return
+            began = time.perf_counter()
+            try:
+                written = bring_forward(server.loaded, arena, path, self._workers)
+            except Exception:  # half written: it holds nothing now, and the next build copies a parent whole
+                log.exception("a pooled arena could not be brought forward to %s", server.descriptor.name)
+                pooled.checkpoint = None
+                return
+            pooled.written += written
+            pooled.checkpoint = server.loaded.key_file.key.checkpoint
+            self._forget_unreachable()
+        log.info("a pooled arena brought forward to %s's version in %.3f s (%d step(s), %d bytes written)",
+                 server.descriptor.name, time.perf_counter() - began, len(path), written)
 
     def build(self, parent: Served, delta_fd: int) -> BuiltNext:
         """The next version of `parent`'s with the delta in sealed memfd `delta_fd` (which this takes), served
@@ -264,6 +301,8 @@ class VersionHost:
             if not (pooled is not None and self.pool.offer(arena, None)):
                 arena.close()
             raise
+        if pooled is not None and pooled.written:
+            built = dataclasses.replace(built, bytes_written=built.bytes_written + pooled.written)
         self._remember(built.step)
         device = parent.descriptor.device  # a version built here serves where its parent does
         name = daemon_name(device, built.loaded.key_file.key.short_id)

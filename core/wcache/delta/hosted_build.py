@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,7 +33,7 @@ from wcache._version import __version__
 from wcache.checkpoint.dtypes import TORCH_ITEMSIZE
 from wcache.checkpoint.manifest import TensorDigest, merkle_root
 from wcache.delta.arena import copy_with_changes, next_key
-from wcache.delta.format import BITS, Delta, DeltaError
+from wcache.delta.format import BITS, Change, Delta, DeltaError
 from wcache.ipc.arenas.daemon_side import ArenaEntry, CpuArena
 from wcache.key.cache_key import KeyFile
 from wcache.load.byte_spans import Span, byte_spans
@@ -116,7 +116,7 @@ def build_hosted(parent: LoadedRank, delta: Delta, arena: CpuArena, path: list[S
         arena.rewrite()
         copied = 0 if path is not None else _copy_whole(parent.arena, arena, workers)
         steps = path or []
-        changed, digests = _write_and_hash(parent.arena, arena, held, steps, delta, workers)
+        changed, digests = _write_and_hash(parent.arena, arena, held, steps, delta.changes, workers)
         written = copied + changed
         outputs = _outputs(parent, held, digests)
     else:  # a fresh one: pwrite gives it its pages as it copies, where a map would fault each one in
@@ -173,13 +173,31 @@ def _copy_whole(parent: CpuArena, arena: CpuArena, workers: ThreadPoolExecutor) 
     return parent.total_bytes
 
 
-def _write_and_hash(parent: CpuArena, arena: CpuArena, held: Holdings, path: list[StepChanges], delta: Delta,
-                    workers: ThreadPoolExecutor) -> tuple[int, dict[str, str]]:
-    """Each tensor a step of `path` changed, copied at those elements from the parent's arena, then the delta's
+def bring_forward(source: LoadedRank, arena: CpuArena, path: list[StepChanges],
+                  workers: ThreadPoolExecutor) -> int:
+    """Bring pooled `arena`, holding the checkpoint `path` starts from, forward to `source`'s (where `path` ends)
+    by copying from `source`'s arena only the elements each step changed, then check every tensor touched against
+    `source`'s manifest: the bytes written. What a retiring version's arena is given off any publish's path, so
+    the next build writes only its own delta. Raises DeltaError when a tensor differs (the arena then holds
+    nothing)."""
+    manifest = {e.name: e for e in source.key_file.manifest}
+    held, _ = holdings(source.plan, source.entries, manifest)
+    assert isinstance(source.arena, CpuArena)
+    arena.rewrite()
+    written, digests = _write_and_hash(source.arena, arena, held, path, {}, workers)
+    wrong = sorted(name for name, digest in digests.items() if digest != manifest[name].digest)
+    if wrong:
+        raise DeltaError(f"bringing a pooled arena forward left {wrong[0]!r} unlike the version it copied.")
+    return written
+
+
+def _write_and_hash(parent: CpuArena, arena: CpuArena, held: Holdings, path: list[StepChanges],
+                    changes: Mapping[str, Change], workers: ThreadPoolExecutor) -> tuple[int, dict[str, str]]:
+    """Each tensor a step of `path` changed, copied at those elements from the parent's arena, then `changes`'
     elements written, then the tensor hashed (BLAKE3) while its bytes are still in the cache: tensor by tensor, the
     largest first so no core idles at the end, on every core (numpy's indexing and BLAKE3 leave the GIL). The bytes
     written, and the digest of every tensor touched."""
-    names = sorted(set(delta.changes).union(*(step.elements for step in path)),
+    names = sorted(set(changes).union(*(step.elements for step in path)),
                    key=lambda name: -held[name][0][1].nbytes)
     target = memoryview(arena.writable())
     try:
@@ -200,7 +218,7 @@ def _write_and_hash(parent: CpuArena, arena: CpuArena, held: Holdings, path: lis
                             else:
                                 new[indices] = old[indices]
                                 written += indices.size * itemsize
-                        change = delta.changes.get(name)
+                        change = changes.get(name)
                         if change is not None:
                             if change.indices is None:
                                 new[:] = change.values

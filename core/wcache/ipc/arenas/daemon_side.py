@@ -17,6 +17,7 @@ what it receives, viewing it as tensors) is `engine_side`, which imports nothing
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -40,6 +41,22 @@ F_SEAL_FUTURE_WRITE = 0x0010
 MADV_POPULATE_WRITE = 23
 # 256 bytes covers every SIMD width and CUDA's allocation granularity for vectorised loads.
 ALIGNMENT = 256
+
+
+def _populate_write(live: mmap.mmap) -> None:
+    """madvise(MADV_POPULATE_WRITE) over all of `live`, through ctypes so the GIL is released while the kernel
+    allocates the pages: `mmap.madvise` holds it, and a 1.5 GB arena's pages take seconds to allocate on a VM,
+    during which the daemon's other threads (an engine's attach, the reply to the publish that asked for the
+    arena) would wait."""
+    anchor = ctypes.c_char.from_buffer(live)  # the map's address; the map cannot close while this exists
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.madvise(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(len(live)),
+                        MADV_POPULATE_WRITE) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+    finally:
+        del anchor
 
 
 class ArenaClosedError(UnavailableError):
@@ -206,8 +223,8 @@ class CpuArena:
             raise ValueError("only an arena sealed reusable can be written again")
         if self._populated:
             return
-        with contextlib.suppress(OSError, AttributeError):  # an older kernel faults the pages in as written
-            live.madvise(MADV_POPULATE_WRITE)
+        with contextlib.suppress(OSError):  # an older kernel faults the pages in as written
+            _populate_write(live)
         self._populated = True
 
     def writable(self) -> mmap.mmap:
