@@ -35,8 +35,10 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +79,38 @@ def changed_bytes(changes: dict[str, object]) -> int:
     return total
 
 
+class MemfdPeak:
+    """The most memory held at once in wcache's memfds (arenas, the pool's, a delta in flight): the pages allocated
+    to each distinct one the given processes hold open or map, sampled every 10 ms on a thread while inside
+    ``with``; what made up the peak (bytes by memfd name, deltas apart), and the largest delta seen."""
+
+    def __init__(self, pids: Callable[[], list[int]]) -> None:
+        self.pids = pids
+        self.peak = 0
+        self.at_peak: list[tuple[str, int]] = []
+        self.largest_delta = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            held = list(_memfds(self.pids(), "memfd:wcache-").values())
+            self.largest_delta = max([self.largest_delta, *(n for name, n in held if name == "wcache-delta")])
+            if sum(n for _, n in held) > self.peak:
+                self.peak, self.at_peak = sum(n for _, n in held), sorted(held)
+
+    def __enter__(self) -> MemfdPeak:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join()
+
+
 def _get(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url, timeout=30) as response:
         return dict(json.loads(response.read()))
@@ -115,19 +149,33 @@ def _serve(cli: list[str], model: Path, run_dir: Path, env: dict[str, str],
     raise SystemExit(f"the engine exited {process.wait()}: {log.read_text()[-2000:]}")
 
 
-def _arenas(pids: list[int]) -> int:
-    """Distinct arena memfds the processes map or hold open."""
-    inodes: set[int] = set()
+MEMFD = re.compile(r"memfd:(wcache-[a-z-]+)")
+
+
+def _memfds(pids: list[int], named: str) -> dict[int, tuple[str, int]]:
+    """The memfds whose name starts `named` that the processes hold open or map: inode → (name, bytes: the pages
+    allocated to one held open, the map of one only mapped)."""
+    held: dict[int, tuple[str, int]] = {}
     for pid in pids:
         with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                if "memfd:wcache-arena" in line:
-                    inodes.add(int(line.split()[4]))
             for fd in Path(f"/proc/{pid}/fd").iterdir():
                 with contextlib.suppress(OSError):
-                    if "memfd:wcache-arena" in str(fd.readlink()):
-                        inodes.add(fd.stat().st_ino)
-    return len(inodes)
+                    found = MEMFD.search(str(fd.readlink()))
+                    if found and found.group(0).startswith(named):
+                        info = fd.stat()
+                        held[info.st_ino] = (found.group(1), info.st_blocks * 512)
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                found = MEMFD.search(line)
+                if found and found.group(0).startswith(named):
+                    fields = line.split()
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    held.setdefault(int(fields[4]), (found.group(1), end - start))
+    return held
+
+
+def _arenas(pids: list[int]) -> int:
+    """Distinct arena memfds the processes map or hold open."""
+    return len(_memfds(pids, "memfd:wcache-arena"))
 
 
 def _memory(engine: psutil.Process, run_dir: Path) -> dict[str, int]:
@@ -225,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         PROMPT[:] = [i % int(config["vocab_size"]) for i in PROMPT_IDS]
         spawned: list[psutil.Process] = []
         engine_process: subprocess.Popen[str] | None = None
+        engine_pid: list[int] = []
+        shmem = MemfdPeak(lambda: [os.getpid(), *engine_pid, *{d.pid for d in census(run_dir, clean=False).live}])
         try:
             _, ready = timed_preload([*cli, "preload", str(parent), "--detach", "--json", "--version-pool",
                                       args.version_pool], env, run_dir, spawned)
@@ -232,15 +282,17 @@ def main(argv: list[str] | None = None) -> int:
             arena_bytes = int(ready["ranks"][0]["weights_bytes"])
             engine_process, url = _serve(cli, parent, run_dir, env, work / "engine.err")
             engine = psutil.Process(engine_process.pid)
+            engine_pid.append(engine.pid)
             tensors = read_tensors(parent)
             stepped = training_step(tensors, args.fraction, seed=1)
             changes = sparse_changes(tensors, stepped)
-            t = time.perf_counter()
-            published = publish(current, changes, run_dir=run_dir)
-            publish_s = time.perf_counter() - t
-            switched_s, answered_s = _follow(url, published.key.short_id)
-            served = _complete(url, GREEDY_TOKENS)["choices"][0]["token_ids"]
-            stop_version(cli, current, env)
+            with shmem:
+                t = time.perf_counter()
+                published = publish(current, changes, run_dir=run_dir)
+                publish_s = time.perf_counter() - t
+                switched_s, answered_s = _follow(url, published.key.short_id)
+                served = _complete(url, GREEDY_TOKENS)["choices"][0]["token_ids"]
+                stop_version(cli, current, env)
             current = published.daemons[0]
             write_tensors(stepped, config, work / "n1", 1)
             del tensors
@@ -263,13 +315,14 @@ def main(argv: list[str] | None = None) -> int:
                     flat = stepped[name].reshape(-1)
                     flat[change[0]] = (flat[change[0]].float() * (1 + 1 / 16)).to(flat.dtype)
                     step_changes[name] = (change[0], flat[change[0]].clone())
-                t = time.perf_counter()
-                made = publish(current, step_changes, run_dir=run_dir)
-                step_publish_s = time.perf_counter() - t
-                step_switch_s, step_answer_s = _follow(url, made.key.short_id)
-                generated = _complete(url, 4)
-                assert generated["wcache"]["weights_key"] == made.key.short_id
-                stop_version(cli, current, env)
+                with shmem:
+                    t = time.perf_counter()
+                    made = publish(current, step_changes, run_dir=run_dir)
+                    step_publish_s = time.perf_counter() - t
+                    step_switch_s, step_answer_s = _follow(url, made.key.short_id)
+                    generated = _complete(url, 4)
+                    assert generated["wcache"]["weights_key"] == made.key.short_id
+                    stop_version(cli, current, env)
                 current = made.daemons[0]
                 steps.append({"publish_s": step_publish_s, "switch_s": step_switch_s, "answer_s": step_answer_s,
                               "written": made.bytes_written, **_memory(engine, run_dir)})
@@ -307,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
               f"run, median of {len(full_preloads_s)} cold ones ("
               + ", ".join(fmt_seconds(s) for s in full_preloads_s) + f"), {fmt_seconds(full_preload_s)}: "
               f"{full_preload_s / publish_median:.1f}× (target ≥ 4×)")
+        bound = 2 * arena_bytes + shmem.largest_delta
+        print(f"  peak memory in memfds over the publishes and switches: {shmem.peak / 1e9:.3f} GB ("
+              + " + ".join(f"{name} {n / 1e6:,.0f} MB" for name, n in shmem.at_peak)
+              + f"; target ≤ 2 arenas + the delta, {bound / 1e9:.3f} GB: "
+              f"{'met' if shmem.peak <= bound else 'NOT met'})")
         written = [s["written"] for s in warm if s["written"] is not None]
         if written:
             print(f"  bytes written per step: median {statistics.median(written) / changed:.2f}× the changed bytes, "

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives  # noqa: F401
 from helpers import SAME_AS_DISK, wcache_process
-from wcache.daemon.version_host import ArenaPool
+from wcache.daemon.version_host import SPARE_GRACE_S, ArenaPool
 from wcache.ipc.arenas.daemon_side import CpuArena
 from wcache.ipc.wire.client import request_once
 from wcache.ipc.wire.messages import BuildNext, BuiltNext, CheckArena
@@ -73,15 +73,18 @@ steps = []
 for i, (before, after) in enumerate(((n, n1), (n1, n2), (n2, n1))):
     changes, changed = sparse(before, after)
     published = publish(current, changes, run_dir=run_dir)
+    returned = time.monotonic()
     subprocess.run([sys.executable, "-m", "wcache_cli.main", "stop", current, "--run-dir", str(run_dir)], check=True,
                    capture_output=True)
     current = published.daemons[0]
+    stopped_after = time.monotonic() - returned
     # The retired arena is brought forward to the version now served while the loop computes its next step.
     deadline = time.monotonic() + 30
     while brought_forward() < i + 1 and time.monotonic() < deadline:
         time.sleep(0.02)
     steps.append({"key_id": published.key.short_id, "name": current, "written": published.bytes_written,
-                  "changed": changed, "brought_forward": brought_forward()})
+                  "changed": changed, "brought_forward": brought_forward(),
+                  "stopped_after": stopped_after})
 print(json.dumps(steps))
 """
 
@@ -98,6 +101,12 @@ def test_a_training_loop_builds_each_version_in_the_parents_process_writing_only
     # Each retired version's arena went to the pool and was brought forward to its child, the version served,
     # before the next publish: that build wrote its own delta alone.
     assert [s["brought_forward"] for s in steps] == [1, 2, 3]
+    # One spare, allocated at READY: a parent retired within the grace a second one waits for gives its arena
+    # instead, so the rank never holds three (the first build took the spare while N served on). The grace began
+    # before publish returned and the retirement was over when stop returned.
+    [log] = (rig.run_dir / "logs").glob("*rank0.log")
+    late = sum(s["stopped_after"] >= SPARE_GRACE_S for s in steps[:1])
+    assert 1 <= log.read_text().count("the version pool's spare arena allocated") <= 1 + late
     for step in steps[1:]:
         # The pool's arena held the grandparent: the step before was undone at its retirement and this one written,
         # nothing else (both counted in the step's bytes written).

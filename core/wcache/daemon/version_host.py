@@ -51,6 +51,10 @@ log = logging.getLogger("wcache.daemon")
 DELTA_LABEL = Path("memfd:wcache-delta")
 # The longest path of steps a pooled arena is brought forward along; an ancestor further back is copied whole.
 _STEPS_KEPT = 8
+# How long a spare wanted after a build waits for a retiring version to give the pool its arena instead: a loop
+# that stops its parent once engines follow (a step later) never holds three arenas; one that keeps it gets the
+# spare before its next step.
+SPARE_GRACE_S = 3.0
 
 
 def describe(run_dir: Path, loaded: LoadedRank, parent: DaemonDescriptor | None, provenance: Verdict | None = None,
@@ -169,6 +173,8 @@ class VersionHost:
         self._lock = threading.Lock()  # builds one at a time; a retirement waits for a build reading its arena
         self._steps: dict[str, StepChanges] = {}  # by the checkpoint each step made
         self._spare_wanted = False  # the last build took the pool's blank spare and no version had retired
+        self._pooled = 0  # arenas retired into the pool so far
+        self._pool_grew = threading.Condition(self._lock)
         self._workers = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="wcache-build")
 
     def serve(self, first: Served) -> None:
@@ -186,13 +192,18 @@ class VersionHost:
             self.pool.close()
         self._workers.shutdown()
 
-    def prepare_pool(self, total_bytes: int) -> None:
+    def prepare_pool(self, total_bytes: int, unless_retired_within: float = 0.0) -> None:
         """Give the pool one arena of `total_bytes`, its pages allocated, on a thread of its own: the first version
-        a loop publishes then skips a fresh arena's page allocation too (the budget is the user's to spend)."""
+        a loop publishes then skips a fresh arena's page allocation too (the budget is the user's to spend). Not
+        when a version retires into the pool within `unless_retired_within` seconds: its arena serves instead."""
         if total_bytes > self.pool.budget:
             return
 
         def allocate() -> None:
+            with self._lock:
+                before = self._pooled
+                if self._pool_grew.wait_for(lambda: self._pooled != before, unless_retired_within):
+                    return
             try:
                 arena = CpuArena(total_bytes, "wcache-arena-spare")
                 arena.seal(reusable=True)
@@ -201,6 +212,7 @@ class VersionHost:
                 with self._lock:
                     if not self.pool.offer(arena, None):
                         arena.close()
+                log.info("the version pool's spare arena allocated (%d bytes)", total_bytes)
             except Exception:  # the first build then takes a fresh arena, as without a pool
                 log.exception("the version pool's first arena could not be allocated")
 
@@ -222,7 +234,10 @@ class VersionHost:
                 server.loaded.outputs.result()  # its stacked outputs hashed: nothing reads the arena then
             pooled = (isinstance(arena, CpuArena) and leases == 0
                       and self.pool.offer(arena, server.loaded.key_file.key.checkpoint))
-            if not pooled:
+            if pooled:
+                self._pooled += 1
+                self._pool_grew.notify_all()
+            else:
                 arena.close()
             self._forget_unreachable()
         if pooled:
@@ -281,7 +296,7 @@ class VersionHost:
             return BuiltNext(name=name, key_id=key.short_id, checkpoint=key.checkpoint, already_served=True)
         started = self._start(parent, built, lock_fd, bytes_read, time.perf_counter() - began)
         if spare_wanted:
-            self.prepare_pool(loaded.arena.total_bytes)
+            self.prepare_pool(loaded.arena.total_bytes, SPARE_GRACE_S)
         return started
 
     def _build_locked(self, parent: Served, delta: Delta, label: str) -> tuple[HostedBuild, str, int | None]:
