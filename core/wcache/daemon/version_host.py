@@ -52,9 +52,9 @@ DELTA_LABEL = Path("memfd:wcache-delta")
 # The longest path of steps a pooled arena is brought forward along; an ancestor further back is copied whole.
 _STEPS_KEPT = 8
 # How long a spare wanted after a build waits for a retiring version to give the pool its arena instead: a loop
-# that stops its parent once engines follow (a step later) never holds three arenas; one that keeps it gets the
-# spare before its next step.
-SPARE_GRACE_S = 3.0
+# that stops its parent once its engines follow (a reference engine within a second, vLLM's in-place reload within
+# a few on CPU) never allocates one it drops again; one that keeps its parents gets it ten seconds on.
+SPARE_GRACE_S = 10.0
 
 
 def describe(run_dir: Path, loaded: LoadedRank, parent: DaemonDescriptor | None, provenance: Verdict | None = None,
