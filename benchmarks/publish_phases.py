@@ -1,17 +1,18 @@
 """Where one `publish` spends its time: each phase of publishing N+1, then each loop step, on the same change.
 
 In one run, on the ``--preset`` checkpoint (qwen3-0.6b: 1.5 GB bf16, fused plan, TP 1): N is started with
-`start_daemons`, N+1 is N after ``--fraction`` (1.5%) of every tensor's elements moved, handed to `publish` as
-(flat indices, values); each of publish's steps is timed in this process (the changes checked, the parent mapped
-and the changed tensors hashed, the delta written, `start_next_version` where new processes build it), and the new
-rank's own build time (``load_s`` of its ready event): where new processes build the version, it splits
-`start_next_version` into the build and the processes' start; where the parent's process builds it, it is most of
-the publish. Each further
-step publishes the same elements moved again, from the version published last, and stops the one before.
+`start_daemons` (with ``--version-pool``), N+1 is N after ``--fraction`` (1.5%) of every tensor's elements moved,
+handed to `publish` as (flat indices, values); each of publish's steps is timed in this process (the changes
+checked; where the parent's process builds the version, the sealed delta written and the parent's build; else the
+parent mapped and the changed tensors hashed, the delta file written and `start_next_version`), and the new rank's
+own build time (``load_s`` of its ready event), which splits `start_next_version` into the build and the
+processes' start. Each further step publishes the same elements moved again, from the version published last,
+``--gap`` seconds (a training step's compute: the retired arena is brought forward meanwhile) after stopping the one
+before.
 
 Run::
 
-    .venv/bin/python benchmarks/publish_phases.py --steps 3 --workdir DIR
+    .venv/bin/python benchmarks/publish_phases.py --steps 3 --version-pool 2GiB --workdir DIR
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from wcache.daemon.stopping import stop_daemons
 from wcache.ipc.run_dir.directory import census
 from wcache.monitor.event_types import Ready
 from wcache.monitor.events import read_typed_events
+from wcache_cli.byte_size import parse_byte_size
 from wcache_dev.synth import read_tensors, training_step
 
 # publish's steps, in the order it takes them: the in-place build (sealed_delta, then the parent's build) or, where
@@ -60,7 +62,9 @@ def _build_seconds(run_dir: Path, daemon: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = step_options(__doc__.splitlines()[0], 2, "loop steps after N+1").parse_args(argv)
+    parser = step_options(__doc__.splitlines()[0], 2, "loop steps after N+1")
+    parser.add_argument("--gap", type=float, default=1.0, help="seconds from a stop to the next publish")
+    args = parser.parse_args(argv)
     spent: dict[str, float] = {}
     for name in PHASES:
         _timed(spent, name)
@@ -68,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         place = step_workspace(work, args.preset)
         run_dir, parent = place.run_dir, place.parent
         began = time.perf_counter()
-        group = start_daemons(parent, run_dir=run_dir)
+        group = start_daemons(parent, run_dir=run_dir,
+                              version_pool=parse_byte_size(args.version_pool, "--version-pool"))
         group.detach()
         print(f"preload of N: {time.perf_counter() - began:.3f} s")
         current = group.names[0]
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{name.strip('_')} {spent.get(name, 0.0):.3f}" for name in PHASES)
                     + f" (build {build:.3f}, {how})")
                 stop_daemons([d for d in census(run_dir).live if d.name == current])
+                time.sleep(args.gap)
                 current = published.daemons[0]
                 step = {}
                 for name, change in changes.items():
