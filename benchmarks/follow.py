@@ -57,6 +57,9 @@ GREEDY_TOKENS = 16
 SERVING = re.compile(r"SERVING (http://127\.0\.0\.1:\d+)/v1/completions")
 POLL_S = 0.005
 FULL_PRELOADS = 3  # cold preloads of N+1 a publish is weighed against (their median)
+# How often the memfds are counted: a delta lives for a third of a second, and each count reads the engine's and
+# the daemons' /proc maps (a few ms of this process's time, beside the publish it measures).
+SAMPLE_S = 0.05
 
 
 def sparse_changes(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, object]:
@@ -81,7 +84,7 @@ def changed_bytes(changes: dict[str, object]) -> int:
 
 class MemfdPeak:
     """The most memory held at once in wcache's memfds (arenas, the pool's, a delta in flight): the pages allocated
-    to each distinct one the given processes hold open or map, sampled every 10 ms on a thread while inside
+    to each distinct one the given processes hold open or map, sampled every SAMPLE_S on a thread while inside
     ``with``; what made up the peak (bytes by memfd name, deltas apart), and the largest delta seen."""
 
     def __init__(self, pids: Callable[[], list[int]]) -> None:
@@ -93,7 +96,7 @@ class MemfdPeak:
         self._thread: threading.Thread | None = None
 
     def _sample(self) -> None:
-        while not self._stop.wait(0.01):
+        while not self._stop.wait(SAMPLE_S):
             held = list(_memfds(self.pids(), "memfd:wcache-").values())
             self.largest_delta = max([self.largest_delta, *(n for name, n in held if name == "wcache-delta")])
             if sum(n for _, n in held) > self.peak:

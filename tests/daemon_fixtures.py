@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import msgspec
 import psutil
 import pytest
 from helpers import CLI_TIMEOUT_S, cmdline, kill_and_wait, processes_mentioning, run_python, wcache_process
@@ -223,6 +224,12 @@ class DaemonRig:
 
     def descriptors(self) -> list[DaemonDescriptor]:
         return read_descriptors(self.run_dir)
+
+    def settled(self, descriptors: list[DaemonDescriptor] | None = None) -> list[DaemonDescriptor]:
+        """`descriptors` (the run dir's, by default) without `files` and `provenance`, which a cold preload's daemon
+        publishes once more when its SHA-256s are done after READY: what nothing else may change."""
+        return [msgspec.structs.replace(d, files=(), provenance=None)
+                for d in (self.descriptors() if descriptors is None else descriptors)]
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         return [e for e in read_events(self.run_dir) if kind is None or e["kind"] == kind]

@@ -39,7 +39,7 @@ def test_a_delta_claiming_its_parents_own_checkpoint_is_refused(
                      str(rig.run_dir))
     rig._remember_supervisors()
     assert "names its parent's checkpoint" in assert_one_error_sentence(result, str(lying))
-    assert rig.descriptors() == [parent]
+    assert rig.settled() == rig.settled([parent])
 
 
 # Stands for a damaged build of the same key: it holds that key's lock while "loading", publishes nothing, and

@@ -201,7 +201,7 @@ def test_a_delta_for_another_parent_starts_nothing(rig: DaemonRig, versions: dic
     result = rig.cli("preload", "--from", before[0].name, "--delta", str(versions["delta"]), "--detach",
                      "--run-dir", str(rig.run_dir))
     assert result.returncode == 2 and "apply it to its own parent" in assert_one_error_sentence(result)
-    assert rig.descriptors() == before
+    assert rig.settled() == rig.settled(before)
 
 
 def test_a_damaged_delta_publishes_nothing_and_the_parent_serves_on(rig: DaemonRig, versions: dict[str, Path],
@@ -209,7 +209,7 @@ def test_a_damaged_delta_publishes_nothing_and_the_parent_serves_on(rig: DaemonR
     parent = rig.preload(versions["parent"])[0]
     result, _ = _preload_damaged_delta(rig, versions, parent, tmp_path)
     assert result.returncode == 2 and "the delta is damaged" in assert_one_error_sentence(result)
-    assert rig.descriptors() == [parent]
+    assert rig.settled() == rig.settled([parent])
     assert not [p for p in rig.run_dir.glob("*.sock") if p.name != Path(parent.socket).name]
     assert rig.stats(parent)["state"] == "ready" and rig.stats(parent)["leases"] == 0
 

@@ -540,7 +540,7 @@ def test_completing_leaves_a_dead_daemons_descriptor_for_status_to_report(rig: D
              "COMP_CWORD": "2"},
     )
     assert (result.returncode, result.stdout.strip(), result.stderr) == (0, "", "")
-    assert rig.descriptors() == [daemon]
+    assert rig.settled() == rig.settled([daemon])
 
 
 def test_the_wheel_installs_every_man_page_and_completion(tmp_path: Path) -> None:

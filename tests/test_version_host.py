@@ -66,9 +66,14 @@ def sparse(before, after):
     return changes, changed
 
 def brought_forward():
-    return sum(log.read_text().count("a pooled arena brought forward to")
-               for log in (run_dir / "logs").glob("*rank0.log"))
+    return logged("a pooled arena brought forward to")
 
+def logged(text):
+    return sum(log.read_text().count(text) for log in (run_dir / "logs").glob("*rank0.log"))
+
+deadline = time.monotonic() + 30  # the pool's spare, a copy of N's arena, made after READY
+while not logged("the pool's spare holds a copy of") and time.monotonic() < deadline:
+    time.sleep(0.02)
 steps = []
 for i, (before, after) in enumerate(((n, n1), (n1, n2), (n2, n1))):
     changes, changed = sparse(before, after)
@@ -97,15 +102,19 @@ def test_a_training_loop_builds_each_version_in_the_parents_process_writing_only
     steps = json.loads(done.stdout)
     assert [s["key_id"] for s in steps] == [_key_id(chain[1]), _key_id(chain[2]), _key_id(chain[1])]
     total = parent.weights_bytes
-    assert steps[0]["written"] >= total  # no arena retired yet: the parent's copied whole (into the pool's spare)
+    # No version had retired: N+1 was built in the pool's spare, which took a copy of N's arena after READY (its
+    # bytes counted in N+1's), writing only the delta then.
+    assert total <= steps[0]["written"] <= total + 3 * steps[0]["changed"]
+    [log] = (rig.run_dir / "logs").glob("*rank0.log")
+    built = [line for line in log.read_text().splitlines() if "built from daemon" in line]
+    assert len(built) == 3 and all("(a pooled arena brought forward)" in line for line in built), built
     # Each retired version's arena went to the pool and was brought forward to its child, the version served,
     # before the next publish: that build wrote its own delta alone.
     assert [s["brought_forward"] for s in steps] == [1, 2, 3]
-    # One spare, allocated at READY: a parent retired within the grace a second one waits for gives its arena
-    # instead, so the rank never holds three (the first build took the spare while N served on). The grace began
-    # before publish returned and the retirement was over when stop returned.
-    [log] = (rig.run_dir / "logs").glob("*rank0.log")
-    late = sum(s["stopped_after"] >= SPARE_GRACE_S for s in steps[:1])
+    # One spare, allocated at READY: each build took the pool's last arena, and a parent retired within the grace
+    # the next spare waits for gives its arena instead, so the rank never holds three. The grace began before
+    # publish returned and the retirement was over when stop returned.
+    late = sum(s["stopped_after"] >= SPARE_GRACE_S for s in steps)
     assert 1 <= log.read_text().count("the version pool's spare arena allocated") <= 1 + late
     for step in steps[1:]:
         # The pool's arena held the grandparent: the step before was undone at its retirement and this one written,

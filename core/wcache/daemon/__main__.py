@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                          name="wcache-sha256").start()
     assert stop.host is not None
     if isinstance(loaded.arena, CpuArena):
-        stop.host.prepare_pool(loaded.arena.total_bytes)
+        stop.host.prepare_pool(loaded.arena.total_bytes, copy_of=server)
     stop.host.serve(server)  # returns at once, cleaning up, if a stop came during loading
     log.info("stopped: daemon %s and every version built in its process", server.descriptor.name)
     return EXIT_OK

@@ -9,7 +9,8 @@ A retired version whose arena no engine holds goes to the pool when the daemon h
 (`--version-pool`): arenas are then sealed reusable (the future-write seal: no process but this one can ever
 write them, and this one only through the map it already has), and the next build takes one instead of a fresh
 arena's pages. The host remembers what each version it built changed, so a pooled arena that holds an ancestor
-of the parent is brought forward by those elements alone (`wcache.delta.hosted_build`).
+of the parent is brought forward by those elements alone (`wcache.delta.hosted_build`): when it retires, to the
+newest version served that descends from it, off the next publish's path.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from typing import Protocol
 
 from wcache.checkpoint.file_record import Verdict
 from wcache.delta.format import Delta, DeltaError, read_sealed_delta
-from wcache.delta.hosted_build import HostedBuild, StepChanges, bring_forward, build_hosted, not_in_place
+from wcache.delta.hosted_build import (
+    HostedBuild,
+    StepChanges,
+    bring_forward,
+    build_hosted,
+    copy_whole,
+    not_in_place,
+)
 from wcache.ipc.arenas.daemon_side import ArenaClosedError, CpuArena
 from wcache.ipc.run_dir.directory import (
     DaemonDescriptor,
@@ -137,6 +145,10 @@ class ArenaPool:
             victim.arena.close()
         return any(p.arena is arena for p in self._held)  # False: it went itself (the caller's close is a no-op)
 
+    @property
+    def empty(self) -> bool:
+        return not self._held
+
     def holding(self, arena: CpuArena) -> _Pooled | None:
         """`arena`'s place in the pool; None once a build took it or the budget closed it."""
         return next((p for p in self._held if p.arena is arena), None)
@@ -172,7 +184,7 @@ class VersionHost:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()  # builds one at a time; a retirement waits for a build reading its arena
         self._steps: dict[str, StepChanges] = {}  # by the checkpoint each step made
-        self._spare_wanted = False  # the last build took the pool's blank spare and no version had retired
+        self._spare_wanted = False  # the last build took the pool's last arena
         self._pooled = 0  # arenas retired into the pool so far
         self._pool_grew = threading.Condition(self._lock)
         self._workers = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="wcache-build")
@@ -192,10 +204,13 @@ class VersionHost:
             self.pool.close()
         self._workers.shutdown()
 
-    def prepare_pool(self, total_bytes: int, unless_retired_within: float = 0.0) -> None:
+    def prepare_pool(self, total_bytes: int, unless_retired_within: float = 0.0, copy_of: Served | None = None) -> None:
         """Give the pool one arena of `total_bytes`, its pages allocated, on a thread of its own: the first version
         a loop publishes then skips a fresh arena's page allocation too (the budget is the user's to spend). Not
-        when a version retires into the pool within `unless_retired_within` seconds: its arena serves instead."""
+        when a version retires into the pool within `unless_retired_within` seconds: its arena serves instead.
+        With `copy_of` (the version a rank loaded, at READY), the spare takes a copy of its arena while it is
+        served and the version's plan builds here: the first version published from it then writes only its
+        delta, as later ones do into a retired arena brought forward."""
         if total_bytes > self.pool.budget:
             return
 
@@ -210,13 +225,31 @@ class VersionHost:
                 if arena.reusable:
                     arena.rewrite()
                 with self._lock:
-                    if not self.pool.offer(arena, None):
+                    holds, written = self._copy_into_spare(arena, copy_of)
+                    if not self.pool.offer(arena, holds):
                         arena.close()
+                    elif written:
+                        pooled = self.pool.holding(arena)
+                        assert pooled is not None
+                        pooled.written = written
                 log.info("the version pool's spare arena allocated (%d bytes)", total_bytes)
             except Exception:  # the first build then takes a fresh arena, as without a pool
                 log.exception("the version pool's first arena could not be allocated")
 
         threading.Thread(target=allocate, name="wcache-pool", daemon=True).start()
+
+    def _copy_into_spare(self, arena: CpuArena, source: Served | None) -> tuple[str | None, int]:
+        """`source`'s arena copied into spare `arena` where it serves still and its versions build here: the
+        checkpoint the spare then holds and the bytes written (None, 0: it stays blank). Called with the lock
+        held."""
+        if (source is None or source not in self._servers or not arena.reusable
+                or not isinstance(source.loaded.arena, CpuArena) or not_in_place(source.loaded, set()) is not None):
+            return None, 0
+        began = time.perf_counter()
+        written = copy_whole(source.loaded.arena, arena, self._workers)
+        log.info("the pool's spare holds a copy of %s's arena (%.3f s)", source.descriptor.name,
+                 time.perf_counter() - began)
+        return source.loaded.key_file.key.checkpoint, written
 
     def request_stop_all(self) -> None:
         with self._lock:
@@ -306,10 +339,10 @@ class VersionHost:
         pooled = self.pool.take(total, set(self._steps) | {loaded.key_file.key.checkpoint})
         path = None if pooled is None else self._path(pooled.checkpoint, loaded.key_file.key.checkpoint)
         arena = pooled.arena if pooled is not None else CpuArena(total, "wcache-arena-next")
-        # A blank spare taken while no version has retired yet (a loop's first step, its parent still served): the
-        # next build would find the pool empty and fault in a fresh arena. Another spare once this one is READY,
-        # while the budget allows; versions that retire later are kept before it.
-        self._spare_wanted = pooled is not None and path is None and not self.pool.checkpoints()
+        # The pool's last arena taken (a loop's first step takes the spare while its parent serves on): unless a
+        # version retires soon, the next build would find the pool empty and fault in a fresh arena. Another spare
+        # then, while the budget allows; versions that retire later are kept before it.
+        self._spare_wanted = pooled is not None and self.pool.empty
         try:
             built = build_hosted(loaded, delta, arena, path, label, self.pool.enabled, self._workers)
         except BaseException:

@@ -4,7 +4,9 @@ No process starts and nothing is mapped that is not mapped already: the parent's
 The new arena is a fresh one, or a retired one from the version pool (sealed reusable: only this process's map
 can write it). Where that retired arena holds an ancestor of the parent, and the host remembers what each step
 since changed, it is brought forward by copying only those elements from the parent's arena, then the delta's
-elements are written: a step writes O(delta) bytes, not the arena. Otherwise the parent's arena is copied whole
+elements are written: a step writes O(delta) bytes, not the arena. The host brings a retired arena forward when it
+retires (`bring_forward`) and copies a rank's first arena into the pool's spare, so a build usually finds the
+parent's own bytes there and writes its delta alone. Otherwise the parent's arena is copied whole
 first: into a pooled arena through the maps on every core (its pages are present in this process's map), into a
 fresh one streamed with `pwrite` and the changes applied on the way (`wcache.delta.arena.copy_with_changes`: a
 fresh map would fault in every page).
@@ -114,7 +116,7 @@ def build_hosted(parent: LoadedRank, delta: Delta, arena: CpuArena, path: list[S
     assert isinstance(parent.arena, CpuArena)
     if arena.reusable:  # a pooled arena: written through this process's map, its pages present
         arena.rewrite()
-        copied = 0 if path is not None else _copy_whole(parent.arena, arena, workers)
+        copied = 0 if path is not None else copy_whole(parent.arena, arena, workers)
         steps = path or []
         changed, digests = _write_and_hash(parent.arena, arena, held, steps, delta.changes, workers)
         written = copied + changed
@@ -158,8 +160,9 @@ def _elements(buffer: memoryview, entry: ArenaEntry, span: Span, itemsize: int) 
 _COPY_CHUNK = 64 * 1024 * 1024
 
 
-def _copy_whole(parent: CpuArena, arena: CpuArena, workers: ThreadPoolExecutor) -> int:
-    """Every byte of the parent's arena into `arena`, in chunks on every core (numpy's copy leaves the GIL)."""
+def copy_whole(parent: CpuArena, arena: CpuArena, workers: ThreadPoolExecutor) -> int:
+    """Every byte of the parent's arena into pooled `arena` (its pages present), in chunks on every core (numpy's
+    copy leaves the GIL): the bytes written."""
     target = memoryview(arena.writable())
     try:
         with parent.bytes_at(0, parent.total_bytes) as source:
