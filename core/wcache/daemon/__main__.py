@@ -21,7 +21,6 @@ from wcache.daemon.server import DaemonServer
 from wcache.daemon.version_host import VersionHost, describe
 from wcache.delta.arena import build_next, find_parent
 from wcache.errors import EXIT_OK, EXIT_UNAVAILABLE, WcacheError, marked, option
-from wcache.ipc.arenas.daemon_side import CpuArena
 from wcache.ipc.run_dir.directory import (
     DaemonDescriptor,
     DaemonExistsError,
@@ -137,8 +136,6 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=_provenance_after_ready, args=(server, loaded, loading.load.expected), daemon=True,
                          name="wcache-sha256").start()
     assert stop.host is not None
-    if isinstance(loaded.arena, CpuArena):
-        stop.host.prepare_pool(loaded.arena.total_bytes, copy_of=server)
     stop.host.serve(server)  # returns at once, cleaning up, if a stop came during loading
     log.info("stopped: daemon %s and every version built in its process", server.descriptor.name)
     return EXIT_OK

@@ -126,6 +126,7 @@ class ArenaPool:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        self.closed = False  # the process is stopping: nothing is kept any more
         self._held: list[_Pooled] = []
 
     @property
@@ -136,8 +137,8 @@ class ArenaPool:
         """Keep `arena` (holding `checkpoint`) if it is reusable and fits the budget; False: the caller closes it.
         Past the budget, arenas holding nothing go first (a version's can be brought forward by writing only what
         changed since; a blank one must take the parent's bytes whole), then the oldest."""
-        if not (arena.reusable and arena.fd >= 0 and arena.total_bytes <= self.budget):
-            return False  # sealed for good, already closed (released to a copy-mode engine), or too large
+        if self.closed or not (arena.reusable and arena.fd >= 0 and arena.total_bytes <= self.budget):
+            return False  # stopping, sealed for good, already closed (released to a copy-mode engine), or too large
         self._held.append(_Pooled(arena, checkpoint))
         while sum(p.arena.total_bytes for p in self._held) > self.budget:
             victim = next((p for p in self._held if p.checkpoint is None), self._held[0])
@@ -167,6 +168,7 @@ class ArenaPool:
         return chosen
 
     def close(self) -> None:
+        self.closed = True
         for pooled in self._held:
             pooled.arena.close()
         self._held = []
@@ -190,9 +192,12 @@ class VersionHost:
         self._workers = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="wcache-build")
 
     def serve(self, first: Served) -> None:
-        """Serve `first` on this thread, then wait until every version built meanwhile has stopped too."""
+        """Serve `first` on this thread (its pool's spare prepared, a copy of its arena), then wait until every
+        version built meanwhile has stopped too."""
         with self._lock:
             self._servers.append(first)
+        if isinstance(first.loaded.arena, CpuArena):
+            self.prepare_pool(first.loaded.arena.total_bytes, copy_of=first)
         first.serve_forever()
         while True:
             with self._lock:
@@ -202,6 +207,7 @@ class VersionHost:
             threads[0].join(0.5)
         with self._lock:
             self.pool.close()
+            self._pool_grew.notify_all()  # a spare waiting for a retirement is not wanted any more
         self._workers.shutdown()
 
     def prepare_pool(self, total_bytes: int, unless_retired_within: float = 0.0, copy_of: Served | None = None) -> None:
@@ -217,7 +223,7 @@ class VersionHost:
         def allocate() -> None:
             with self._lock:
                 before = self._pooled
-                if self._pool_grew.wait_for(lambda: self._pooled != before, unless_retired_within):
+                if self._pool_grew.wait_for(lambda: self._pooled != before or self.pool.closed, unless_retired_within):
                     return
             try:
                 arena = CpuArena(total_bytes, "wcache-arena-spare")
@@ -242,7 +248,7 @@ class VersionHost:
         """`source`'s arena copied into spare `arena` where it serves still and its versions build here: the
         checkpoint the spare then holds and the bytes written (None, 0: it stays blank). Called with the lock
         held."""
-        if (source is None or source not in self._servers or not arena.reusable
+        if (source is None or self.pool.closed or source not in self._servers or not arena.reusable
                 or not isinstance(source.loaded.arena, CpuArena) or not_in_place(source.loaded, set()) is not None):
             return None, 0
         began = time.perf_counter()
