@@ -118,7 +118,7 @@ class ServerFactory(Protocol):
 class _Pooled:
     arena: CpuArena
     checkpoint: str | None  # what it holds; None once a failed build left it half written
-    written: int = 0  # bytes written into it since it retired (brought forward), counted in the next build's
+    written: int = 0  # bytes written into it since it last served (brought forward, a copy): the next build's
 
 
 class ArenaPool:
@@ -133,13 +133,14 @@ class ArenaPool:
     def enabled(self) -> bool:
         return self.budget > 0
 
-    def offer(self, arena: CpuArena, checkpoint: str | None) -> bool:
-        """Keep `arena` (holding `checkpoint`) if it is reusable and fits the budget; False: the caller closes it.
+    def offer(self, arena: CpuArena, checkpoint: str | None, written: int = 0) -> bool:
+        """Keep `arena` (holding `checkpoint`, `written` bytes written into it since it last served) if it is
+        reusable and fits the budget; False: the caller closes it.
         Past the budget, arenas holding nothing go first (a version's can be brought forward by writing only what
         changed since; a blank one must take the parent's bytes whole), then the oldest."""
         if self.closed or not (arena.reusable and arena.fd >= 0 and arena.total_bytes <= self.budget):
             return False  # stopping, sealed for good, already closed (released to a copy-mode engine), or too large
-        self._held.append(_Pooled(arena, checkpoint))
+        self._held.append(_Pooled(arena, checkpoint, written))
         while sum(p.arena.total_bytes for p in self._held) > self.budget:
             victim = next((p for p in self._held if p.checkpoint is None), self._held[0])
             self._held.remove(victim)
@@ -231,13 +232,8 @@ class VersionHost:
                 if arena.reusable:
                     arena.rewrite()
                 with self._lock:
-                    holds, written = self._copy_into_spare(arena, copy_of)
-                    if not self.pool.offer(arena, holds):
+                    if not self.pool.offer(arena, *self._copy_into_spare(arena, copy_of)):
                         arena.close()
-                    elif written:
-                        pooled = self.pool.holding(arena)
-                        assert pooled is not None
-                        pooled.written = written
                 log.info("the version pool's spare arena allocated (%d bytes)", total_bytes)
             except Exception:  # the first build then takes a fresh arena, as without a pool
                 log.exception("the version pool's first arena could not be allocated")
