@@ -23,6 +23,7 @@ from wcache.ipc.run_dir.directory import (
     lock_held,
     lock_path,
     process_created,
+    read_descriptors,
 )
 from wcache.ipc.run_dir.loading import LoadingRecord, record_lock_path
 from wcache.ipc.wire.client import DaemonError, request_once
@@ -48,10 +49,12 @@ def stop_daemon(descriptor: DaemonDescriptor, *, force: bool = False) -> int:
             wait_exit(daemon_lock(descriptor), descriptor.name)
         except UnavailableError:
             raise UnavailableError(f"daemon {descriptor.name} did not answer ({exc})") from None
+        _wait_process_gone(descriptor)
         return 0
     if not reply.stopping:
         return reply.leases or 1
     wait_exit(daemon_lock(descriptor), descriptor.name)
+    _wait_process_gone(descriptor)
     return 0
 
 
@@ -124,6 +127,33 @@ def wait_exit(lock: Path, name: str) -> None:
         if time.monotonic() >= deadline:
             raise UnavailableError(f"daemon {name} did not exit within {STOP_TIMEOUT_S:g} s of being asked to stop.")
         time.sleep(0.05)
+
+
+def _wait_process_gone(descriptor: DaemonDescriptor) -> None:
+    """Once a daemon's lock is released, wait for its process too where that was the last version it served
+    and it runs in this pid namespace: `stopped` then means gone, not only no longer serving (the process still
+    unmaps and tears down after its lock)."""
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while _same_process(descriptor.pid, descriptor.pid_created) and not _zombie(descriptor.pid):
+        if _serves_another(descriptor):
+            return  # a version built in its process serves on: the process stays, and rightly so
+        if time.monotonic() >= deadline:
+            raise UnavailableError(f"daemon {descriptor.name} stopped serving but its process (pid {descriptor.pid}) "
+                                   f"did not exit within {STOP_TIMEOUT_S:g} s.")
+        time.sleep(0.05)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def _serves_another(descriptor: DaemonDescriptor) -> bool:
+    run_dir = Path(descriptor.socket).parent
+    return any(d.name != descriptor.name and d.pid == descriptor.pid and d.pid_created == descriptor.pid_created
+               for d in read_descriptors(run_dir))
 
 
 def lease_count(descriptor: DaemonDescriptor) -> int:
