@@ -2,7 +2,8 @@
 
 One launcher for the module (`served`, following its weights' newest version): its server is killed with SIGKILL
 and comes back with the same greedy tokens, restarted by `wcache restart` with another --max-model-len, shown by
-`status` and `top`, reloaded in place with a version a trainer publishes, and finally stopped with SIGTERM,
+`status` and `top`, reloaded in place with a version a trainer publishes (and, killed again, taken back to that
+version), and finally stopped with SIGTERM,
 leaving no process, socket, record or shared-memory segment behind. A second launcher
 whose server fails at every start (a --max-model-len vLLM's parser accepts and its engine refuses) backs off
 and says why; a typo is refused before anything starts. A TP 2 launcher follows a version a trainer publishes,
@@ -275,6 +276,17 @@ def test_a_following_server_serves_each_published_version(rig: DaemonRig, served
     _followed(served, next_key_id, next_daemon)
     stopped = rig.cli("stop", daemon, "--run-dir", str(rig.run_dir))
     assert stopped.returncode == 0, stopped.stderr
+    # Killed, the server comes back on N, from which no chain leads any more (N+1 stopped): the launcher takes it
+    # back to N+2, the version its predecessor was moved to.
+    on_step_2 = served.complete()
+    moved = f"→ {next_key_id} (daemon {next_daemon}): vLLM reloaded in place in "
+    record = served.record()
+    assert record is not None and record.pid is not None
+    os.kill(record.pid, signal.SIGKILL)
+    served.serving(restarts=record.restarts + 1)
+    wait_for(lambda: served.said().count(moved) == 2, timeout=120, interval=0.5,
+             what="the restarted server to return to N+2")
+    assert served.complete() == on_step_2
     # No file holds a published version's weights: verify says so rather than compare them with N's.
     unverifiable = rig.cli("verify", served.url, "--greedy")
     assert unverifiable.returncode == 3, unverifiable.stdout + unverifiable.stderr

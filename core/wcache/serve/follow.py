@@ -77,12 +77,15 @@ class AnnouncedKey:
         return key
 
 
-def server_follower(url: str, run_dir: Path, device: str, say: Callable[[str], None]) -> Follower:
-    """The follower of the vLLM server at `url`, not started; `say` gets one line per version it moves to."""
+def server_follower(url: str, run_dir: Path, device: str, say: Callable[[str], None],
+                    resume: dict[str, str]) -> Follower:
+    """The follower of the vLLM server at `url`, not started; `say` gets one line per version it moves to.
+    `resume` is the launcher's, shared by the followers of all its servers: a restarted server, back on the key it
+    started with, returns to the version the server before it was moved to."""
 
     def switch(daemon: str) -> None:
         result = switch_served(url, vllm_version(url), None, daemon)
         say(f"followed {result['previous']['key_id']} → {result['current']['key_id']} (daemon {daemon}): vLLM "
             f"reloaded in place in {result['switch_ms'] / 1000:.2f} s.")
 
-    return Follower(run_dir, device, AnnouncedKey(run_dir, url), lambda: False, switch)
+    return Follower(run_dir, device, AnnouncedKey(run_dir, url), lambda: False, switch, resume=resume)
