@@ -176,7 +176,7 @@ def _memfds(pids: list[int], named: str) -> dict[int, tuple[str, int]]:
     return held
 
 
-def _arenas(pids: list[int]) -> int:
+def arenas_held(pids: list[int]) -> int:
     """Distinct arena memfds the processes map or hold open."""
     return len(_memfds(pids, "memfd:wcache-arena"))
 
@@ -190,7 +190,7 @@ def _memory(engine: psutil.Process, run_dir: Path) -> dict[str, int]:
             daemon_rss += psutil.Process(pid).memory_info().rss
     return {"engine_rss": info.rss, "engine_uss": info.uss, "engine_anon": _anonymous([engine.pid]),
             "daemon_rss": daemon_rss, "daemon_anon": _anonymous(daemons), "daemons": len(daemons),
-            "arenas": _arenas([engine.pid, *daemons])}
+            "arenas": arenas_held([engine.pid, *daemons])}
 
 
 def _anonymous(pids: list[int]) -> int:

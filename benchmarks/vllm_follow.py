@@ -39,7 +39,15 @@ from typing import Any
 
 import torch
 from bench_common import fmt_seconds, stop_preloaded, wcache_command, workspace
-from follow import PROMPT_IDS, changed_bytes, sparse_changes, step_options, step_workspace, stop_version
+from follow import (
+    PROMPT_IDS,
+    arenas_held,
+    changed_bytes,
+    sparse_changes,
+    step_options,
+    step_workspace,
+    stop_version,
+)
 from restart import our_leftovers
 from vllm_restart import free_port
 from wcache.daemon.publish import publish
@@ -128,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         server: Any = None
         steps: list[dict[str, float]] = []
         alternate: dict[str, list[float]] = {"daemon": [], "disk": []}
+        arenas = 0
         try:
             server, url = _serve(cli, parent, run_dir, env, log, args.version_pool)
             [current] = [d.name for d in census(run_dir).live]
-            first = current
             before = _complete(url, GREEDY_TOKENS)
             tensors = read_tensors(parent)
             for step in range(args.steps):
@@ -145,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
                 answered_s = time.perf_counter() - t - publish_s
                 steps.append({"publish_s": publish_s, "announced_s": announced_s, "reload_s": reload_s,
                               "answered_s": answered_s, "changed": changed_bytes(changes)})
-                if current != first:  # the launcher holds a lease on N; a version left behind goes, as a loop's does
-                    stop_version(cli, current, env)
+                # The version left behind goes, as a loop's does (N too: the launcher's leases moved with the server).
+                stop_version(cli, current, env)
                 current, tensors = made.daemons[0], stepped
+            arenas = arenas_held(sorted({d.pid for d in census(run_dir).live}))
             followed = _complete(url, GREEDY_TOKENS)
             write_tensors(tensors, config, work / "last", 1)
             token_file = RunPaths(run_dir).engine_token(server.pid)
@@ -183,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         values = [s[field] for s in steps]
         print(f"  {what}: median {fmt_seconds(statistics.median(values))} "
               f"({', '.join(fmt_seconds(v) for v in values)})")
+    print(f"  arenas the daemons hold after the last step, every version left behind stopped (N too): {arenas} "
+          "(the version served and the pool's)")
     print(f"  the same server reloading the last version from disk with vLLM's own loader: "
           f"{fmt_seconds(disk_reload_s)}")
     if alternate["daemon"]:

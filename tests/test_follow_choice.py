@@ -9,19 +9,12 @@ from pathlib import Path
 import pytest
 from wcache.errors import BadInputError
 from wcache.ipc.attach_summary import AttachSummary
-from wcache.ipc.run_dir.directory import (
-    DaemonDescriptor,
-    ensure_run_dir,
-    hold_daemon_lock,
-    release_daemon_lock,
-    remove_daemon_files,
-    write_descriptor,
-)
+from wcache.ipc.run_dir.directory import DaemonDescriptor
 from wcache.ipc.run_dir.engines import VLLM_ENGINE, EngineDescriptor, write_engine_descriptor
 from wcache.key.cache_key import WeightCacheKey
 from wcache.plan.spec import PlanSpec
 from wcache.serve.follow import AnnouncedKey, served_key
-from wcache.serving.follow import Follower, check_followable, newest_descendant, resumed_version
+from wcache.serving.follow import Follower, check_followable, newest_descendant
 
 
 def _daemon(key_id: str, parent: str | None = None, *, started: str = "2026-01-01T00:00:00+00:00",
@@ -69,59 +62,6 @@ def test_of_two_branches_the_one_started_last() -> None:
 
 def test_a_cycle_of_parents_ends() -> None:
     assert newest_descendant([_daemon("aaaa", "bbbb"), _daemon("bbbb", "aaaa")], "aaaa", "cpu") is not None
-
-
-def test_an_engine_last_moved_to_a_version_resumes_from_it_or_its_newest_descendant() -> None:
-    n, n2, n3 = _daemon("aaaa"), _daemon("cccc", "bbbb"), _daemon("dddd", "cccc")  # N+1 (bbbb) stopped
-    assert newest_descendant([n, n2, n3], "aaaa", "cpu") is None  # no chain leads from N any more
-    assert resumed_version([n, n2, n3], "cccc", "cpu") == n3
-    assert resumed_version([n, n2], "cccc", "cpu") == n2  # nothing newer: the version itself
-    assert resumed_version([n, n3], "cccc", "cpu") == n3  # stopped, but a version built from it runs
-    assert resumed_version([n], "cccc", "cpu") is None
-
-
-def test_a_restarted_server_returns_to_the_version_its_predecessor_was_moved_to(tmp_path: Path) -> None:
-    """A loop stops each version its engines left behind, so once a server restarts on N no chain leads from N to
-    the newest version. The followers of one launcher's servers share a resume memory that takes it there, and
-    further on to what was published while it restarted."""
-    run_dir = ensure_run_dir(tmp_path / "run")
-    locks: dict[str, int] = {}
-
-    def start(descriptor: DaemonDescriptor) -> None:
-        locks[descriptor.name] = hold_daemon_lock(run_dir, descriptor.name, descriptor.device)
-        write_descriptor(run_dir, descriptor)
-
-    def stop(descriptor: DaemonDescriptor) -> None:
-        remove_daemon_files(run_dir, descriptor.name)
-        release_daemon_lock(run_dir, descriptor.name, locks.pop(descriptor.name))
-
-    def server(resume: dict[str, str] | None) -> tuple[Follower, list[str]]:
-        served = ["aaaa"]  # every server of the launcher starts on N
-        return Follower(run_dir, "cpu", lambda: served[-1], lambda: False,
-                        lambda daemon: served.append(daemon.removeprefix("cpu-")), resume=resume), served
-
-    n, n1, n2, n3 = _daemon("aaaa"), _daemon("bbbb", "aaaa"), _daemon("cccc", "bbbb"), _daemon("dddd", "cccc")
-    try:
-        for version in (n, n1):
-            start(version)
-        resume: dict[str, str] = {}
-        first, served = server(resume)
-        assert first.look() == n1.name
-        start(n2)
-        stop(n1)  # once the engine moved on
-        assert first.look() == n2.name and served == ["aaaa", "bbbb", "cccc"]
-        assert resume == {"aaaa": "cccc"}
-        # The server restarts on N; N+3 is published from N+2 meanwhile, and N+2 stopped.
-        start(n3)
-        stop(n2)
-        assert server(None)[0].look() is None  # without the memory it would stay on N
-        restarted, served = server(resume)
-        assert restarted.look() == n3.name and served == ["aaaa", "dddd"]
-        assert resume == {"aaaa": "dddd"}
-    finally:
-        for name, fd in locks.items():
-            remove_daemon_files(run_dir, name)
-            release_daemon_lock(run_dir, name, fd)
 
 
 def test_a_corrupt_or_unkeyed_engine_does_not_look(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from wcache.serve.backoff import Backoff
 from wcache.serve.exit_reason import death_line, how_it_ended
 from wcache.serve.follow import check_follow
 from wcache.serve.option_table import OptionTable, table_of
-from wcache.serve.server_args import check_restart, check_server_args
+from wcache.serve.server_args import EXTRA_CONFIG, check_restart, check_server_args, pinned_restart
 
 
 def union_dict_and_str(value: str) -> object:  # named as vLLM names the type it keeps bad JSON as text with
@@ -98,6 +98,20 @@ def test_a_restart_keeps_the_plan_and_the_address(table: OptionTable) -> None:
     for changed in (["--port", "8012"], ["--port", "8011", "--dtype", "float16"], ["--port", "8011", "-tp", "2"]):
         with pytest.raises(BadInputError, match="a restart keeps --"):
             check_restart(before, check_server_args(changed, table))
+
+
+def test_a_restart_pinned_to_a_followed_version_keeps_the_users_loader_options(table: OptionTable) -> None:
+    """A following server restarts on the version its launcher was last moved to: the loader option naming its
+    daemon (trusted by config, tokenizer and plan) comes last, and passes the same check as the user's."""
+    user = ["--port", "8011", "--model-loader-extra-config", '{"mode": "copy", "wait_s": 5}']
+    first = check_server_args(user, table)
+    argv = [*user, *pinned_restart(first.value(EXTRA_CONFIG), "cpu-0123456789ab")]
+    options = check_server_args(argv, table).value(EXTRA_CONFIG)
+    assert isinstance(options, dict)
+    assert (options["daemon"], options["trust_daemon"], options["mode"], options["wait_s"]) == (
+        "cpu-0123456789ab", True, "copy", 5.0)
+    bare = check_server_args(pinned_restart(None, "cpu-0123456789ab"), table).value(EXTRA_CONFIG)
+    assert isinstance(bare, dict) and (bare["daemon"], bare["mode"]) == ("cpu-0123456789ab", "zero_copy")
 
 
 def test_backoff_doubles_to_its_cap_and_starts_over_after_a_healthy_run() -> None:

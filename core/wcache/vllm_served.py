@@ -357,6 +357,9 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
     if engine.claim is not None and engine.claim.get(FROM_DELTA):
         raise built_from_delta(engine.url, engine.claim.get("key_id"), engine.claim.get("daemon"))
     attach = _served_attach(engine, engine_pids(engine))
+    if attach.daemon is not None and _built_from_delta(engine.run_dir, attach.daemon):
+        # Started on such a version (a following server restarted where it had been moved): no claim says so.
+        raise built_from_delta(engine.url, attach.key_id, attach.daemon)
     # One request for all prompts: vLLM schedules them together, as the disk engine's one generate() does.
     answer = read_answer(CompletionAnswer, call_engine(url, "POST", "/v1/completions", {
         "model": engine.model_name, "prompt": prompts, "max_tokens": max_new_tokens, "temperature": 0,
@@ -381,6 +384,12 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
     problems.append("the engine switched its weights during the verification" if switched else None)
     return GreedyReport(compare_prompts(prompts, served, disk.tokens), attach,
                         next((p for p in problems if p is not None), None))
+
+
+def _built_from_delta(run_dir: Path, daemon: str) -> bool:
+    """Whether daemon `daemon` runs a version built from a delta (its descriptor names a parent)."""
+    live = census(run_dir, clean=False).live if run_dir.exists() else ()
+    return any(d.name == daemon and d.parent is not None for d in live)
 
 
 def _served_attach(engine: ServedVllm, pids: set[int] | None) -> GreedyAttach:

@@ -178,16 +178,19 @@ def _supervise(model: Path, user_argv: list[str], first: ServerArgs, table: Opti
     from wcache.ipc.run_dir.paths import RunPaths
     from wcache.serve.cache_roots import with_keyed_cache
     from wcache.serve.launcher import Launcher, LaunchSpec
-    from wcache.serve.server_args import LOAD_FORMAT, check_restart
+    from wcache.serve.server_args import EXTRA_CONFIG, LOAD_FORMAT, check_restart, pinned_restart
 
     path = resolve_model_path(model)
     guard = ["--middleware", MIDDLEWARE] if follow else []
+    started_on = daemons.names
 
     def server_argv(argv: Sequence[str]) -> list[str]:
         args = _checked(argv, table)
         check_restart(first, args)
         named = [] if args.flags_of("served_model_name") else ["--served-model-name", str(model)]
-        return ["--model", str(path), "--load-format", LOAD_FORMAT, *named, *guard, *argv]
+        # A following server moved to another version comes back on it: the launcher leases that one now.
+        pinned = pinned_restart(args.value(EXTRA_CONFIG), daemons.names[0]) if daemons.names != started_on else []
+        return ["--model", str(path), "--load-format", LOAD_FORMAT, *named, *guard, *argv, *pinned]
 
     paths = RunPaths(where)
     paths.logs.mkdir(mode=0o700, exist_ok=True)
@@ -212,8 +215,9 @@ def _supervise(model: Path, user_argv: list[str], first: ServerArgs, table: Opti
             os.environ[TOKEN_FILE_ENV] = str(made_token)
         spec.env.update({**FOLLOW_ENV, TOKEN_FILE_ENV: os.environ[TOKEN_FILE_ENV]})
         device = daemons.descriptors[0].device
-        resume: dict[str, str] = {}  # outlives each server: a restarted one returns to where its predecessor was
-        spec.watcher = lambda: server_follower(url, where, device, say, resume)
+
+        spec.watcher = lambda: server_follower(url, where, device, daemons, say,
+                                               lambda: launcher.serving_from(daemons.names))
     launcher = Launcher(_starter(cold, paths), spec, notifier, say=say)
     how = "" if cold else " (importing vLLM once first, for warm restarts)"
     out.hint(f"Starting vLLM's server for {printable(str(model))} at {spec.url}{how}; its log is {spec.log}.")

@@ -6,7 +6,9 @@ reused and left running when the launcher stops; a group the launcher started li
 across every restart of its server, and stops with it. Either way the launcher holds a zero-copy lease on every
 rank for as long as it runs (a hello with the daemon's own key, a map, the connection kept open; nothing is
 mapped here): between a server's death and its restart no engine holds one, and a `wcache stop` without
-`--force` then refuses instead of taking the weights the restarted server is about to attach.
+`--force` then refuses instead of taking the weights the restarted server is about to attach. A following
+server's launcher moves its leases to each version the server is moved to (`move_to`), which a restart then
+attaches: the version it started on is left to whoever stops it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,22 @@ class ServedDaemons:
         """Take a zero-copy lease on every rank, held until `stop`; UnavailableError when a rank refuses."""
         for descriptor in self.descriptors:
             self.leases.append(_lease(descriptor))
+
+    def move_to(self, group: list[DaemonDescriptor]) -> None:
+        """Hold the leases on `group` instead: the version a following server is being moved to, which its restart
+        then attaches. The new leases are taken before the old ones end; UnavailableError, nothing changed, when a
+        rank of `group` refuses."""
+        taken: list[DaemonConnection] = []
+        try:
+            for descriptor in group:
+                taken.append(_lease(descriptor))
+        except BaseException:
+            for connection in taken:
+                connection.close()
+            raise
+        for connection in self.leases:
+            connection.close()
+        self.leases, self.descriptors = taken, list(group)
 
     def stop(self) -> None:
         """End the leases, and stop the group if this launcher started it; a reused group keeps serving whoever

@@ -6,7 +6,9 @@ reload in place, reset the prefix cache, resume), so one request never sees two 
 is `newest_descendant`'s rule, from the key the server's rank 0 announces it serves now (its loader announces
 again after every reload); at tensor parallel > 1, the version of rank 0's daemon once its whole group runs, and
 each rank reloads from its own rank's daemon of that group. A version whose switch is refused is not tried again
-by this server, which keeps the weights it had.
+by this server, which keeps the weights it had. The launcher's leases move with the server, and a restarted server
+attaches the version it was last moved to (a loop that stops the versions its engines left behind stops the one
+the server started on too, and no chain leads from it any more).
 
 Moving a vLLM server needs its development endpoints, and those reach every worker: whoever can reach the port
 could reload its weights. Following is therefore refused unless the server listens on a loopback address, and the
@@ -16,16 +18,19 @@ this host.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from wcache.errors import BadInputError, option
+from wcache.errors import BadInputError, UnavailableError, WcacheError, option
 from wcache.integrations.vllm.announce import FOLLOWS_VARIABLE
+from wcache.ipc.run_dir.directory import DaemonDescriptor, census, group_of
 from wcache.ipc.run_dir.engines import VLLM_ENGINE, announced_at
 from wcache.ipc.run_dir.paths import RunPaths
+from wcache.serve.daemons import ServedDaemons
 from wcache.serving.follow import TIMESTAMP_TICK_NS, Follower
 from wcache.vllm_served import DEV_MODE, switch_served, vllm_version
 
@@ -77,15 +82,37 @@ class AnnouncedKey:
         return key
 
 
-def server_follower(url: str, run_dir: Path, device: str, say: Callable[[str], None],
-                    resume: dict[str, str]) -> Follower:
+def server_follower(url: str, run_dir: Path, device: str, daemons: ServedDaemons, say: Callable[[str], None],
+                    moved: Callable[[], None]) -> Follower:
     """The follower of the vLLM server at `url`, not started; `say` gets one line per version it moves to.
-    `resume` is the launcher's, shared by the followers of all its servers: a restarted server, back on the key it
-    started with, returns to the version the server before it was moved to."""
+
+    The launcher's leases (`daemons`) move to a version before the server does, and the old ones end then: the
+    version a restart attaches (`pinned_restart`) is never unleased, and once the server has moved, the version it
+    left is held by nobody here (a loop stops it without --force and its arena goes to the pool). `moved` is
+    called after each move."""
 
     def switch(daemon: str) -> None:
-        result = switch_served(url, vllm_version(url), None, daemon)
+        before = list(daemons.descriptors)
+        daemons.move_to(_group_named(run_dir, daemon))
+        try:
+            result = switch_served(url, vllm_version(url), None, daemon)
+        except BaseException:
+            with contextlib.suppress(WcacheError):  # the server keeps its weights: so do the leases
+                daemons.move_to(before)
+            raise
+        finally:
+            moved()
         say(f"followed {result['previous']['key_id']} → {result['current']['key_id']} (daemon {daemon}): vLLM "
             f"reloaded in place in {result['switch_ms'] / 1000:.2f} s.")
 
-    return Follower(run_dir, device, AnnouncedKey(run_dir, url), lambda: False, switch, resume=resume)
+    return Follower(run_dir, device, AnnouncedKey(run_dir, url), lambda: False, switch)
+
+
+def _group_named(run_dir: Path, daemon: str) -> list[DaemonDescriptor]:
+    """The whole group of daemon `daemon` (the follower's choice: rank 0 of a group whose every rank runs)."""
+    live = list(census(run_dir, clean=False).live)
+    named = [d for d in live if d.name == daemon]
+    if not named:
+        raise UnavailableError(f"daemon {daemon} stopped before the server could move to it.")
+    return sorted(group_of(named[0], live), key=lambda d: d.tp_rank)
+

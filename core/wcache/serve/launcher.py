@@ -91,6 +91,8 @@ class Launcher:
         self.last_ready_s: float | None = None
         self.last_exit: str | None = None
         self._notified_ready = False
+        self._recording = threading.RLock()  # the loop's record and a follower's move write it one at a time
+        self._recorded: tuple[str, int | None] | None = None  # the state and pid last recorded
 
     # -- signals ----------------------------------------------------------------------------------------
 
@@ -113,10 +115,21 @@ class Launcher:
     # -- the record -------------------------------------------------------------------------------------
 
     def _record(self, state: str, pid: int | None) -> None:
-        write_server_record(self.spec.run_dir, ServerRecord(
-            launcher_pid=os.getpid(), started=self.started_at, model=self.spec.model, url=self.spec.url,
-            state=state, pid=pid, restarts=self.restarts, last_ready_s=self.last_ready_s, last_exit=self.last_exit,
-            log=str(self.spec.log), daemons=self.spec.daemons, argv=tuple(self.spec.user_argv)))
+        with self._recording:
+            self._recorded = (state, pid)
+            write_server_record(self.spec.run_dir, ServerRecord(
+                launcher_pid=os.getpid(), started=self.started_at, model=self.spec.model, url=self.spec.url,
+                state=state, pid=pid, restarts=self.restarts, last_ready_s=self.last_ready_s,
+                last_exit=self.last_exit, log=str(self.spec.log), daemons=self.spec.daemons,
+                argv=tuple(self.spec.user_argv)))
+
+    def serving_from(self, daemons: tuple[str, ...]) -> None:
+        """The daemons the server is on now (a following server was moved, from the follower's thread): the record
+        says so at once, for `status` and `top`."""
+        with self._recording:
+            self.spec.daemons = daemons
+            if self._recorded is not None:
+                self._record(*self._recorded)
 
     # -- the loop ---------------------------------------------------------------------------------------
 
@@ -130,7 +143,9 @@ class Launcher:
             self._record(servers.STOPPING, None)
             self.notifier.stopping("stopping the vLLM server")
             self.starter.close()
-            servers.remove_server_files(self.spec.run_dir, os.getpid())
+            with self._recording:
+                servers.remove_server_files(self.spec.run_dir, os.getpid())
+                self._recorded = None  # gone: a move reported late writes nothing back
         return self.flags.stop_signal or signal.SIGTERM
 
     def _serve_once(self) -> None:

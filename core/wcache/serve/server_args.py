@@ -104,6 +104,16 @@ def extra_config(value: str, flag: str = "--model-loader-extra-config") -> dict[
     return options.to_mapping()
 
 
+def pinned_restart(extra: object, daemon: str) -> list[str]:
+    """The loader options that make a restarted following server attach `daemon` (the version its launcher leases
+    now, the last one it was moved to) rather than its MODEL's, the server's other options (`extra`, as checked)
+    kept: a version built from a delta is named by its daemon and trusted by config, tokenizer and plan, as a
+    switch does. vLLM takes the last of two values of an option."""
+    options = dict(extra) if isinstance(extra, dict) else {}
+    options.update(daemon=daemon, trust_daemon=True)
+    return [f"--{EXTRA_CONFIG.replace('_', '-')}", json.dumps(options)]
+
+
 def check_server_args(argv: Sequence[str], table: OptionTable) -> ServerArgs:
     """`argv` checked against `table`; BadInputError with one sentence at the first mistake."""
     by_flag = table.by_flag()

@@ -9,11 +9,6 @@ one request never sees two versions, and the switch releases the old daemon's le
 chain leads from the engine's current key is followed, never an unrelated checkpoint; among versions branched from
 one parent, the one started last. An engine whose weights are known corrupt follows nothing (its completions stay
 refused) until it is switched or restarted on good weights.
-
-A server that is restarted comes back on the key it was started with, and a loop that stops each version its
-engines left behind has stopped the versions between that key and the newest: no chain leads from it any more.
-A launcher therefore gives its successive servers' followers one `resume` memory (the key a server came up on →
-the last version it was moved to), and a restarted server follows from there.
 """
 
 from __future__ import annotations
@@ -47,7 +42,8 @@ def newest_descendant(live: Iterable[DaemonDescriptor], key_id: str, device: str
     (ISO start times, then the name, so the choice is the same on every look). Of a tensor-parallel group, rank 0
     stands for the group (its key is the one rank 0 of an engine serves), and only once every rank is live: an
     engine switched to it attaches each rank to its own."""
-    daemons = _followable(live, device)
+    live = list(live)
+    daemons = [d for d in live if d.device == device and d.tp_rank == 0 and len(group_of(d, live)) == d.tp_size]
     tip: DaemonDescriptor | None = None
     seen = {key_id}
     while True:
@@ -59,31 +55,15 @@ def newest_descendant(live: Iterable[DaemonDescriptor], key_id: str, device: str
         seen.add(key_id)
 
 
-def _followable(live: Iterable[DaemonDescriptor], device: str) -> list[DaemonDescriptor]:
-    """The versions on `device` an engine may be moved to: rank 0 of each whole group (`newest_descendant`)."""
-    live = list(live)
-    return [d for d in live if d.device == device and d.tp_rank == 0 and len(group_of(d, live)) == d.tp_size]
-
-
-def resumed_version(live: Iterable[DaemonDescriptor], key_id: str, device: str) -> DaemonDescriptor | None:
-    """Where an engine that was last moved to `key_id` goes now: the newest version descending from it, else that
-    version itself while it runs."""
-    live = list(live)
-    return newest_descendant(live, key_id, device) or next(
-        (d for d in _followable(live, device) if d.key_id == key_id), None)
-
-
 class Follower:
     """The thread that moves an engine to its weights' newest version: `served_key` says the key it serves now,
     `corrupt` whether it must not move, `switch` moves it to a daemon (by name) and re-announces it."""
 
     def __init__(self, run_dir: Path, device: str, served_key: Callable[[], str | None],
                  corrupt: Callable[[], bool], switch: Callable[[str], object],
-                 interval: float = FOLLOW_INTERVAL_S, resume: dict[str, str] | None = None) -> None:
+                 interval: float = FOLLOW_INTERVAL_S) -> None:
         self.run_dir, self.device, self.interval = run_dir, device, interval
         self._served_key, self._corrupt, self._switch = served_key, corrupt, switch
-        self._resume = resume  # shared with the followers of the engine's earlier servers (see the module's doc)
-        self._came_up_on: str | None = None  # the first key this engine was seen to serve
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="wcache-follow", daemon=True)
         self._looked: tuple[int, str | None] | None = None  # (run dir mtime, key) when last looked
@@ -102,8 +82,6 @@ class Follower:
         key_id = self._served_key()
         if key_id is None or self._corrupt():
             return None
-        if self._came_up_on is None:
-            self._came_up_on = key_id
         try:
             mtime = os.stat(self.run_dir).st_mtime_ns
         except OSError:
@@ -113,11 +91,7 @@ class Follower:
         # A change within the filesystem's timestamp tick would leave the mtime as it was: a fresh mtime is not
         # taken as looked at.
         self._looked = (mtime, key_id) if time.time_ns() - mtime > TIMESTAMP_TICK_NS else None
-        live = census(self.run_dir, clean=False).live
-        tip = newest_descendant(live, key_id, self.device)
-        left_at = None if self._resume is None else self._resume.get(key_id)
-        if tip is None and left_at is not None and left_at != key_id:
-            tip = resumed_version(live, left_at, self.device)
+        tip = newest_descendant(census(self.run_dir, clean=False).live, key_id, self.device)
         if tip is None or tip.name in self._refused:
             return None
         try:
@@ -127,8 +101,6 @@ class Follower:
             self._refused.add(tip.name)
             log.warning("wcache: this engine does not follow %s: %s", tip.name, exc)
             return None
-        if self._resume is not None:
-            self._resume[self._came_up_on] = tip.key_id
         log.info("wcache: followed %s → %s (daemon %s)", key_id, tip.key_id, tip.name)
         return tip.name
 
