@@ -81,6 +81,9 @@ def test_good_arguments_pass_with_their_values(table: OptionTable) -> None:
                                                       "options, and '{mode: copy}' is not JSON"),
     (["--model-loader-extra-config", '{"mode": "cpy"}'], "wcache option mode must be zero_copy or copy, not 'cpy'."),
     (["--model-loader-extra-config", '{"wait": 3}'], "unknown wcache option 'wait' in model_loader_extra_config"),
+    (["--model-loader-extra-config.mode", "copy"], "give wcache's loader options as one JSON object "
+                                                   "(--model-loader-extra-config '{\"mode\": \"copy\"}'), not one key "
+                                                   "at a time (--model-loader-extra-config.mode)."),
 ])
 def test_a_mistake_is_one_sentence(argv: list[str], sentence: str, table: OptionTable) -> None:
     said = refusal(argv, table)

@@ -58,11 +58,13 @@ class Launcher:
         return records[0] if records else None
 
     def serving(self, restarts: int) -> ServerRecord:
-        """Wait until the server has been started `restarts` times after the first and answers /health."""
+        """Wait until the server has been started at least `restarts` times after the first and answers /health.
+        At least: a start can fail on its own before the one a test caused (the port, chosen free, taken meanwhile
+        by another test's engine; the launcher restarts after its backoff)."""
         def ready() -> ServerRecord | None:
             assert self.process.poll() is None, self.output.read_text()[-3000:]
             record = self.record()
-            return record if record and record.state == "serving" and record.restarts == restarts else None
+            return record if record and record.state == "serving" and record.restarts >= restarts else None
         return wait_for(ready, timeout=START_S, interval=1.0, what=f"the server, restart {restarts}, to serve")
 
     def said(self) -> str:
@@ -165,15 +167,16 @@ def test_a_killed_server_comes_back_with_the_same_tokens(served: Launcher) -> No
     before = served.complete()
     record = served.record()
     assert record is not None and record.pid is not None and record.last_ready_s is not None
-    assert record.daemons and "hit from daemon " + record.daemons[0] in Path(record.log).read_text()
+    hits = Path(record.log).read_text().count("hit from daemon " + record.daemons[0])
+    assert record.daemons and hits >= 1
     os.kill(record.pid, signal.SIGKILL)
-    again = served.serving(restarts=1)
+    again = served.serving(restarts=record.restarts + 1)
     assert again.pid != record.pid
     assert again.last_exit == f"the vLLM server (pid {record.pid}) was killed by SIGKILL", again.last_exit
     assert f"{again.last_exit}; restarting in 1 s." in served.said()
     assert served.complete() == before
     # The restarted server attached to the same daemon again (a hit): the launcher kept the group up.
-    assert Path(again.log).read_text().count("hit from daemon " + record.daemons[0]) == 2
+    assert Path(again.log).read_text().count("hit from daemon " + record.daemons[0]) == hits + 1
     # vLLM's start-up caches went under the weights' key (its CPU build writes its model-class inspection cache
     # there with --enforce-eager); the restart used the same directory. Beside it only the inspection cache of
     # the plan's resolution, which ran before the key was known (and depends on vLLM's code, not the weights).

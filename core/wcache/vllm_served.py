@@ -241,9 +241,11 @@ def switch_served(url: str, version: str, model: Path | None, daemon: str | None
     target = _target(engine, model, daemon)
     path = target.checkpoint
     # No pin unpins what an earlier switch pinned, and trust lasts one switch; the rest (run dir, mode, …) stays as
-    # the server started.
+    # the server started. Trust the server started with for one named daemon (a following server restarted on the
+    # version it was moved to) vouched for that daemon alone.
     started = engine.extra_config if engine.load_format == LOAD_FORMAT else {}
-    extra = {**started, "daemon": target.pin, "trust_daemon": target.trusted or bool(started.get("trust_daemon"))}
+    trusted_at_start = bool(started.get("trust_daemon")) and not started.get("daemon")
+    extra = {**started, "daemon": target.pin, "trust_daemon": target.trusted or trusted_at_start}
     pids = engine_pids(engine)
     last = _last_hit(engine.run_dir, pids)
     previous = {"model": str(engine.model), "key_id": (engine.claim or {}).get("key_id")

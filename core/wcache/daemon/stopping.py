@@ -5,6 +5,7 @@ another process (`wcache stop`, `DaemonGroup.stop`, a replace).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -30,6 +31,8 @@ from wcache.ipc.wire.client import DaemonError, request_once
 from wcache.ipc.wire.messages import Shutdown, Stats
 
 STOP_TIMEOUT_S = 15.0
+
+log = logging.getLogger("wcache.daemon")
 
 
 def stop_daemon(descriptor: DaemonDescriptor, *, force: bool = False) -> int:
@@ -138,8 +141,10 @@ def _wait_process_gone(descriptor: DaemonDescriptor) -> None:
         if _serves_another(descriptor):
             return  # a version built in its process serves on: the process stays, and rightly so
         if time.monotonic() >= deadline:
-            raise UnavailableError(f"daemon {descriptor.name} stopped serving but its process (pid {descriptor.pid}) "
-                                   f"did not exit within {STOP_TIMEOUT_S:g} s.")
+            # Stopped all the same (its weights are released): a large version pool may take this long to close.
+            log.warning("daemon %s stopped serving; its process (pid %d) is still exiting after %g s.",
+                        descriptor.name, descriptor.pid, STOP_TIMEOUT_S)
+            return
         time.sleep(0.05)
 
 

@@ -18,14 +18,13 @@ this host.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from wcache.errors import BadInputError, UnavailableError, WcacheError, option
+from wcache.errors import BadInputError, UnavailableError, WcacheError, marked, option
 from wcache.integrations.vllm.announce import FOLLOWS_VARIABLE
 from wcache.ipc.run_dir.directory import DaemonDescriptor, census, group_of
 from wcache.ipc.run_dir.engines import VLLM_ENGINE, announced_at
@@ -84,28 +83,42 @@ class AnnouncedKey:
 
 def server_follower(url: str, run_dir: Path, device: str, daemons: ServedDaemons, say: Callable[[str], None],
                     moved: Callable[[], None]) -> Follower:
-    """The follower of the vLLM server at `url`, not started; `say` gets one line per version it moves to.
+    """The follower of the vLLM server at `url`, not started; it moves the server with `server_switch`."""
+    return Follower(run_dir, device, AnnouncedKey(run_dir, url), lambda: False,
+                    server_switch(url, run_dir, daemons, say, moved))
+
+
+def server_switch(url: str, run_dir: Path, daemons: ServedDaemons, say: Callable[[str], None],
+                  moved: Callable[[], None]) -> Callable[[str], None]:
+    """What moves the vLLM server at `url` to a daemon (by name); `say` gets one line per move.
 
     The launcher's leases (`daemons`) move to a version before the server does, and the old ones end then: the
     version a restart attaches (`pinned_restart`) is never unleased, and once the server has moved, the version it
-    left is held by nobody here (a loop stops it without --force and its arena goes to the pool). `moved` is
-    called after each move."""
+    left is held by nobody here (a loop stops it without --force and its arena goes to the pool). A switch that
+    fails moves them back unless the server's rank 0 announces the new version by then (a reload that failed late:
+    its weights may be the new version's, or mixed, and a restart attaches the new one whole). `moved` is called
+    after each move."""
 
     def switch(daemon: str) -> None:
         before = list(daemons.descriptors)
-        daemons.move_to(_group_named(run_dir, daemon))
+        group = _group_named(run_dir, daemon)
+        daemons.move_to(group)
         try:
             result = switch_served(url, vllm_version(url), None, daemon)
         except BaseException:
-            with contextlib.suppress(WcacheError):  # the server keeps its weights: so do the leases
-                daemons.move_to(before)
+            if served_key(run_dir, url) != group[0].key_id:
+                try:
+                    daemons.move_to(before)
+                except WcacheError as exc:
+                    say(f"the launcher keeps its leases on {daemon}: those on {before[0].name}, whose weights the "
+                        f"server keeps, could not be taken again ({marked(exc)}).")
             raise
         finally:
             moved()
         say(f"followed {result['previous']['key_id']} → {result['current']['key_id']} (daemon {daemon}): vLLM "
             f"reloaded in place in {result['switch_ms'] / 1000:.2f} s.")
 
-    return Follower(run_dir, device, AnnouncedKey(run_dir, url), lambda: False, switch)
+    return switch
 
 
 def _group_named(run_dir: Path, daemon: str) -> list[DaemonDescriptor]:

@@ -136,6 +136,10 @@ def check_server_args(argv: Sequence[str], table: OptionTable) -> ServerArgs:
         option = _lookup(base, table, by_flag)
         if option.dest in SET_BY_LAUNCHER:
             raise BadInputError(f"{base} is set by wcache serve: {SET_BY_LAUNCHER[option.dest]}.")
+        if dotted and option.dest == EXTRA_CONFIG:
+            # vLLM would replace the whole object with the keys given this way, past any check here.
+            raise BadInputError(f"give wcache's loader options as one JSON object ({base} '{{\"mode\": \"copy\"}}'), "
+                                f"not one key at a time ({name}).")
         if dotted:
             if not has_inline:
                 if i >= len(tokens):
