@@ -7,6 +7,7 @@ import argparse
 import json
 import re
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,13 @@ from wcache.serve.backoff import Backoff
 from wcache.serve.exit_reason import death_line, how_it_ended
 from wcache.serve.follow import check_follow
 from wcache.serve.option_table import OptionTable, table_of
-from wcache.serve.server_args import EXTRA_CONFIG, check_restart, check_server_args, pinned_restart
+from wcache.serve.server_args import (
+    EXTRA_CONFIG,
+    check_port_free,
+    check_restart,
+    check_server_args,
+    pinned_restart,
+)
 
 
 def union_dict_and_str(value: str) -> object:  # named as vLLM names the type it keeps bad JSON as text with
@@ -115,6 +122,19 @@ def test_a_restart_pinned_to_a_followed_version_keeps_the_users_loader_options(t
         "cpu-0123456789ab", True, "copy", 5.0)
     bare = check_server_args(pinned_restart(None, "cpu-0123456789ab"), table).value(EXTRA_CONFIG)
     assert isinstance(bare, dict) and (bare["daemon"], bare["mode"]) == ("cpu-0123456789ab", "zero_copy")
+
+
+def test_an_address_another_process_listens_on_is_refused_before_anything_starts(table: OptionTable) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = check_server_args(["--host", "127.0.0.1", "--port", str(port)], table)
+        with pytest.raises(BadInputError) as caught:
+            check_port_free(args)
+        assert str(caught.value) == (f"another process listens on 127.0.0.1 port {port} already; stop it or give "
+                                     "vLLM another --port.")
+    check_port_free(args)  # free again
 
 
 def test_backoff_doubles_to_its_cap_and_starts_over_after_a_healthy_run() -> None:

@@ -113,6 +113,9 @@ def serve(
     user_argv = list(vllm_args or [])
     first = _checked(user_argv, table)
     _url(user_argv)  # a server without a TCP address is refused before anything starts
+    from wcache.serve.server_args import check_port_free
+
+    check_port_free(first)
     if follow:
         from wcache.serve.follow import check_follow
 

@@ -10,13 +10,17 @@ JSON object as a string, so a broken one would only fail inside the loader). The
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import errno
 import json
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from wcache.attach_options import AttachOptions
 from wcache.errors import BadInputError
+from wcache.integrations.vllm.announce import DEFAULT_PORT
 from wcache.serve.option_table import OptionTable, ServerOption
 from wcache.serve.starter import SERVER_MODULE
 
@@ -176,6 +180,27 @@ def _is_number(token: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def check_port_free(args: ServerArgs) -> None:
+    """Refuse to start a server whose address another process listens on already: the server would fail to bind
+    it after loading, and that process's /health would answer for it meanwhile."""
+    host, port = args.value("host"), args.value("port", DEFAULT_PORT)
+    try:
+        places = socket.getaddrinfo(str(host) if host else None, int(str(port)), type=socket.SOCK_STREAM,
+                                    flags=socket.AI_PASSIVE)
+    except (OSError, ValueError):
+        return  # an address this cannot resolve: vLLM says what is wrong with it
+    for family, kind, protocol, _, address in places:
+        with contextlib.suppress(OSError), socket.socket(family, kind, protocol) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM binds: TIME_WAIT is no owner
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    where = f"{host} port {port}" if host else f"port {port}"
+                    raise BadInputError(f"another process listens on {where} already; stop it or give vLLM "
+                                        "another --port.") from None
 
 
 def check_restart(before: ServerArgs, after: ServerArgs) -> None:
