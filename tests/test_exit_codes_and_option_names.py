@@ -52,9 +52,9 @@ def test_no_core_message_names_a_flag_of_wcache() -> None:
 # the `wcache preload` a miss tells its reader to run (`plan.spec.preload_command`).
 _COMMAND_WORD = re.compile(r'"--[a-z-]+",')
 # Nor is a `wcache` command a message tells the user to run, the provenance verdict shown in `wcache key`'s and
-# `status`'s tables, which only `wcache` words, or vLLM's own --host in `wcache serve --follow`'s refusal.
+# `status`'s tables, which only `wcache` words, or vLLM's own --host and --port in `wcache serve`'s refusals.
 _NOT_LEAKS = ("wcache key MODEL", "wcache verify --provenance", "with --expected", "wcache delta --apply",
-              "vLLM's --host")
+              "vLLM's --host", "vLLM's --port")
 
 
 def _flags_of_wcache() -> set[str]:

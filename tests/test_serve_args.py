@@ -133,7 +133,7 @@ def test_an_address_another_process_listens_on_is_refused_before_anything_starts
         with pytest.raises(BadInputError) as caught:
             check_port_free(args)
         assert str(caught.value) == (f"another process listens on 127.0.0.1 port {port} already; stop it or give "
-                                     "vLLM another --port.")
+                                     "the server another port (vLLM's --port).")
     check_port_free(args)  # free again
 
 

@@ -199,8 +199,8 @@ def check_port_free(args: ServerArgs) -> None:
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
                     where = f"{host} port {port}" if host else f"port {port}"
-                    raise BadInputError(f"another process listens on {where} already; stop it or give vLLM "
-                                        "another --port.") from None
+                    raise BadInputError(f"another process listens on {where} already; stop it or give the "
+                                        "server another port (vLLM's --port).") from None
 
 
 def check_restart(before: ServerArgs, after: ServerArgs) -> None:
