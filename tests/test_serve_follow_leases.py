@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-from daemon_fixtures import DaemonRig, copy_checkpoint, preloaded_tiny
+from daemon_fixtures import DaemonRig, copy_checkpoint, preloaded_tiny, wait_for
 from wcache.errors import UnavailableError
 from wcache.integrations.vllm.switch import VllmSwitchError
 from wcache.ipc.run_dir.directory import DaemonDescriptor
@@ -19,8 +19,12 @@ from wcache_dev.synth import overwrite_tensor_bytes
 URL = "http://127.0.0.1:9"  # never reached: the switch is stood in for
 
 
-def _leases(rig: DaemonRig, descriptor: DaemonDescriptor) -> int:
-    return int(rig.stats(descriptor)["leases"])
+def _leases_become(rig: DaemonRig, parent: DaemonDescriptor, version: DaemonDescriptor,
+                   counts: tuple[int, int]) -> None:
+    """Wait until the parent and the version hold `counts` leases: a lease ends when its daemon reads the closed
+    connection, a moment after the launcher closed it."""
+    wait_for(lambda: (int(rig.stats(parent)["leases"]), int(rig.stats(version)["leases"])) == counts,
+             timeout=10.0, what=f"the leases to become {counts}")
 
 
 def test_the_leases_go_back_when_the_switch_is_refused_and_stay_when_the_server_moved(
@@ -46,7 +50,7 @@ def test_the_leases_go_back_when_the_switch_is_refused_and_stay_when_the_server_
             with pytest.raises(VllmSwitchError):
                 switch(version.name)
             assert daemons.names == (parent.name,) and recorded == [(parent.name,)]
-            assert (_leases(rig, parent), _leases(rig, version)) == (1, 0)
+            _leases_become(rig, parent, version, (1, 0))
 
             def failed_late(*args: object) -> NoReturn:
                 announced.append(version.key_id)  # rank 0 reloaded before the switch failed
@@ -56,7 +60,7 @@ def test_the_leases_go_back_when_the_switch_is_refused_and_stay_when_the_server_
             with pytest.raises(UnavailableError):
                 switch(version.name)
             assert daemons.names == (version.name,) and recorded[-1] == (version.name,)
-            assert (_leases(rig, parent), _leases(rig, version)) == (0, 1)
+            _leases_become(rig, parent, version, (0, 1))
             # Nothing here holds N now: a loop stops it without --force.
             stopped = rig.cli("stop", parent.name, "--run-dir", str(rig.run_dir))
             assert stopped.returncode == 0, stopped.stderr
