@@ -218,7 +218,6 @@ def _supervise(model: Path, user_argv: list[str], first: ServerArgs, table: Opti
             os.environ[TOKEN_FILE_ENV] = str(made_token)
         spec.env.update({**FOLLOW_ENV, TOKEN_FILE_ENV: os.environ[TOKEN_FILE_ENV]})
         device = daemons.descriptors[0].device
-
         spec.watcher = lambda: server_follower(url, where, device, daemons, say,
                                                lambda: launcher.serving_from(daemons.names))
     launcher = Launcher(_starter(cold, paths), spec, notifier, say=say)

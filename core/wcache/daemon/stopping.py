@@ -24,6 +24,7 @@ from wcache.ipc.run_dir.directory import (
     lock_held,
     lock_path,
     process_created,
+    process_exited,
     read_descriptors,
 )
 from wcache.ipc.run_dir.loading import LoadingRecord, record_lock_path
@@ -137,7 +138,7 @@ def _wait_process_gone(descriptor: DaemonDescriptor) -> None:
     and it runs in this pid namespace: `stopped` then means gone, not only no longer serving (the process still
     unmaps and tears down after its lock)."""
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    while _same_process(descriptor.pid, descriptor.pid_created) and not _zombie(descriptor.pid):
+    while _same_process(descriptor.pid, descriptor.pid_created) and not process_exited(descriptor.pid):
         if _serves_another(descriptor):
             return  # a version built in its process serves on: the process stays, and rightly so
         if time.monotonic() >= deadline:
@@ -146,13 +147,6 @@ def _wait_process_gone(descriptor: DaemonDescriptor) -> None:
                         descriptor.name, descriptor.pid, STOP_TIMEOUT_S)
             return
         time.sleep(0.05)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return True
 
 
 def _serves_another(descriptor: DaemonDescriptor) -> bool:

@@ -128,4 +128,3 @@ def _group_named(run_dir: Path, daemon: str) -> list[DaemonDescriptor]:
     if not named:
         raise UnavailableError(f"daemon {daemon} stopped before the server could move to it.")
     return sorted(group_of(named[0], live), key=lambda d: d.tp_rank)
-

@@ -350,6 +350,17 @@ def process_created(pid: int) -> float | None:
         return None
 
 
+def process_exited(pid: int) -> bool:
+    """Whether `pid` has exited, reaped or not: a process whose parent has not reaped it yet still has a start
+    time (a rank whose server died is reparented to PID 1, which may reap it only later)."""
+    import psutil
+
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return True
+
+
 def lock_held(path: Path) -> bool:
     """Whether a live process holds `path`'s lock: how wcache tells a running daemon or loading rank from a
     dead one. Never a pid lookup, which another pid namespace (a daemon in its own container sharing the run

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from wcache.ipc.attach_summary import AttachSummary
-from wcache.ipc.run_dir.directory import Pid, process_created, read_run_file, run_subdir
+from wcache.ipc.run_dir.directory import Pid, process_created, process_exited, read_run_file, run_subdir
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.schema import Schema
 
@@ -81,7 +81,7 @@ def _announcements(run_dir: Path) -> Iterator[tuple[Path, EngineDescriptor]]:
 
 def announced_at(run_dir: Path, url: str) -> list[EngineDescriptor]:
     """The live engines (each TP rank's) announced at `url`."""
-    return [d for _, d in _announcements(run_dir) if d.url == url and announcer_alive(d) and not _exited(d.pid)]
+    return [d for _, d in _announcements(run_dir) if d.url == url and announcer_alive(d) and not process_exited(d.pid)]
 
 
 def remove_gone_announcements(run_dir: Path, url: str) -> list[int]:
@@ -93,19 +93,8 @@ def remove_gone_announcements(run_dir: Path, url: str) -> list[int]:
     paths = RunPaths(run_dir)
     removed = []
     for path, descriptor in _announcements(run_dir):
-        if descriptor.url == url and (not announcer_alive(descriptor) or _exited(descriptor.pid)):
+        if descriptor.url == url and (not announcer_alive(descriptor) or process_exited(descriptor.pid)):
             path.unlink(missing_ok=True)
             paths.engine_token(descriptor.pid).unlink(missing_ok=True)
             removed.append(descriptor.pid)
     return removed
-
-
-def _exited(pid: int) -> bool:
-    """Whether `pid` has exited and waits to be reaped: a rank whose server died is reparented to PID 1, which
-    may reap it only later, and until then it still has a start time."""
-    import psutil
-
-    try:
-        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
-    except psutil.Error:
-        return True
