@@ -207,3 +207,40 @@ def test_systemd_hears_ready_once_health_answers_then_reloading_and_stopping(tmp
         finally:
             notified.stop()
         assert sock.recv(4096).decode().startswith("STOPPING=1")
+
+
+def test_another_process_on_the_port_is_not_taken_for_the_server(tmp_path: Path) -> None:
+    """A port chosen free and taken meanwhile by another process: its /health answers, but the launcher waits for its
+    own server, which fails to bind and is restarted until the port is free again."""
+    squatting = Run(tmp_path, [])
+    squatter = subprocess.Popen([sys.executable, "-c", SERVER, "--port", str(squatting.port)],
+                                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline() == b"serving\n"
+        wait_for(lambda: _answers(squatting.spec.url), what="the other process to answer /health")
+        squatting.thread.start()
+        wait_for(lambda: len([s for s in squatting.said if "restarting in" in s]) >= 2, timeout=60,
+                 what="two failed starts")
+        assert all("Address already in use" in s for s in squatting.said if "restarting in" in s), squatting.said
+        record = squatting.record()
+        assert record is not None and record["state"] != "serving" and record["last_ready_s"] is None, record
+    finally:
+        os.killpg(squatter.pid, signal.SIGKILL)
+        squatter.wait()
+    try:
+        served = wait_for(lambda: (r := squatting.record()) is not None and r["state"] == "serving" and r,
+                          timeout=60, what="the server to serve once the port is free")
+        assert served["pid"] == squatting.starter.started[-1].pid and served["restarts"] >= 2, served
+    finally:
+        squatting.stop()
+        for process in squatting.starter.started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=5):
+        return True
+    return False

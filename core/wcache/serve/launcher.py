@@ -29,6 +29,7 @@ from wcache.ipc.run_dir.servers import ServerRecord, take_restart_request, write
 from wcache.serve.backoff import Backoff
 from wcache.serve.exit_reason import death_line, log_size
 from wcache.serve.starter import ServerProcess, ServerStarter
+from wcache.vllm_served import server_pids
 
 POLL_S = 0.25
 HEALTH_TIMEOUT_S = 2.0
@@ -248,7 +249,7 @@ class Launcher:
             event = self._event_or_death(process)
             if event is not None:
                 return event
-            if _health_ok(self.spec.url):
+            if _health_ok(self.spec.url) and _answered_by(process, self.spec.url):
                 return READY
             if time.monotonic() - began > self.spec.ready_timeout_s:
                 self.say(f"the vLLM server (pid {process.pid}) did not answer /health within "
@@ -306,6 +307,13 @@ def _group_alive(group: int) -> bool:
             if os.getpgid(process.pid) == group and process.info["status"] != psutil.STATUS_ZOMBIE:
                 return True
     return False
+
+
+def _answered_by(process: ServerProcess, url: str) -> bool:
+    """Whether `process` (or a process above it) listens at `url`: another process that took the port meanwhile
+    answers /health while this server fails to bind it. Where the listener cannot be told, it is taken as this one."""
+    listening = server_pids(url)
+    return listening is None or process.pid in listening
 
 
 def _health_ok(url: str) -> bool:
