@@ -26,7 +26,7 @@ from wcache.serve.launcher import Launcher, LaunchSpec
 from wcache.serve.starter import ServerProcess
 
 # A server: a child that sleeps (its "engine core", in its group), then /health on the port its argv names, or,
-# with --crash, a traceback and exit 1 as a start-up failure prints them.
+# with --crash, a traceback and exit 1 as a start-up failure prints them; with --shm it maps two /dev/shm segments.
 SERVER = r"""
 import http.server, subprocess, sys, time
 args = sys.argv[1:]
@@ -36,6 +36,13 @@ if "--crash" in args:
     print("Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: max_model_len 99 is too long",
           flush=True)
     sys.exit(1)
+if "--shm" in args:  # as vLLM's workers make theirs (never removed), and another segment of a name not vLLM's
+    import mmap, os
+    held = []
+    for name in (f"vllm_-wcache-test-{os.getpid()}", f"arena-wcache-test-{os.getpid()}"):
+        fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, 4096)
+        held.append(mmap.mmap(fd, 4096))
 port = int(args[args.index("--port") + 1])
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -244,3 +251,28 @@ def _answers(url: str) -> bool:
     with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=5):
         return True
     return False
+
+
+def test_the_shared_memory_a_server_leaves_behind_goes_with_it(tmp_path: Path) -> None:
+    """A segment named as vLLM names its own goes once the server is gone, killed (noted when it served) or
+    stopped; one of another name (an arena a user put in /dev/shm) stays."""
+    run = Run(tmp_path, ["--shm"])
+    run.thread.start()
+    try:
+        first = run.serving(restarts=0)["pid"]
+        assert isinstance(first, int)
+        killed = [Path(f"/dev/shm/{kind}-wcache-test-{first}") for kind in ("vllm_", "arena")]
+        assert all(p.exists() for p in killed)
+        os.kill(first, signal.SIGKILL)
+        second = run.serving(restarts=1)["pid"]
+        assert not killed[0].exists() and killed[1].exists()
+        stopped = [Path(f"/dev/shm/{kind}-wcache-test-{second}") for kind in ("vllm_", "arena")]
+        assert run.stop() == signal.SIGTERM
+        assert not stopped[0].exists() and stopped[1].exists()
+    finally:
+        run.stop()
+        for process in run.starter.started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            for kind in ("vllm_", "arena"):
+                Path(f"/dev/shm/{kind}-wcache-test-{process.pid}").unlink(missing_ok=True)

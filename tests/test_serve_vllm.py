@@ -319,7 +319,7 @@ def test_a_tensor_parallel_server_follows_with_each_rank_on_its_own_daemon(rig: 
     the version's checkpoint from disk."""
     tp2 = _start(rig, rig.base / "small", "--max-model-len", "512", "--tensor-parallel-size", "2", name="tp2",
                  follow=True, env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    daemon = None
+    daemon, shm = None, set()
     try:
         record = tp2.serving(restarts=0)
         group = sorted((d for d in rig.descriptors() if d.name in record.daemons), key=lambda d: d.tp_rank)
@@ -337,6 +337,9 @@ def test_a_tensor_parallel_server_follows_with_each_rank_on_its_own_daemon(rig: 
         assert followed != before, f"the zeroed lm_head must change the tokens; {tp2.story()}"
         reload_from_disk(tp2.url, step, read_token_file(RunPaths(rig.run_dir).engine_token(tp2.process.pid)))
         assert tp2.complete() == followed
+        # Its workers' shared memory (vLLM's CPU TP2 segments, which vLLM itself leaves behind) goes with the server.
+        shm = _shared_memory(_tree(tp2.process.pid))
+        assert any(path.name.startswith("vllm_dist_") for path in shm), shm
     finally:
         _stop(tp2)
         # The version's group was started by the trainer's publish, not by the launcher: the trainer stops it (also
@@ -344,6 +347,7 @@ def test_a_tensor_parallel_server_follows_with_each_rank_on_its_own_daemon(rig: 
         if daemon is not None:
             stopped = rig.cli("stop", daemon, "--group", "--run-dir", str(rig.run_dir))
             assert stopped.returncode == 0, stopped.stderr
+    assert sorted(path for path in shm if path.exists()) == []
 
 
 def test_follow_is_refused_where_the_server_cannot_switch_safely(rig: DaemonRig, served: Launcher,

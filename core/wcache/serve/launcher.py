@@ -3,7 +3,8 @@
 One server at a time, started through a `ServerStarter` (cold, or a warm one plugged in). A death is one line
 (how it ended and its log's last meaningful line) and a restart after a backoff; SIGHUP, or `wcache restart`
 (a request file and a SIGHUP), restarts it at once, perhaps with new arguments; SIGTERM and SIGINT stop it.
-Every stop takes the server's whole process group (engine core, workers): SIGTERM, a grace period, SIGKILL.
+Every stop takes the server's whole process group (engine core, workers): SIGTERM, a grace period, SIGKILL; then
+the shared memory vLLM leaves behind goes too.
 The daemon group stays up across restarts. The run dir's record says what is going on for `status` and `top`.
 """
 
@@ -28,6 +29,7 @@ from wcache.ipc.run_dir.engines import remove_gone_announcements
 from wcache.ipc.run_dir.servers import ServerRecord, take_restart_request, write_server_record
 from wcache.serve.backoff import Backoff
 from wcache.serve.exit_reason import death_line, log_size
+from wcache.serve.process_group import group_members, mapped_segments, remove_segments
 from wcache.serve.starter import ServerProcess, ServerStarter
 from wcache.vllm_served import server_pids
 
@@ -94,6 +96,7 @@ class Launcher:
         self._notified_ready = False
         self._recording = threading.RLock()  # the loop's record and a follower's move write it one at a time
         self._recorded: tuple[str, int | None] | None = None  # the state and pid last recorded
+        self._segments: set[Path] = set()  # the shared memory the server's processes mapped once it served
 
     # -- signals ----------------------------------------------------------------------------------------
 
@@ -170,6 +173,7 @@ class Launcher:
                 serving_since = time.monotonic()
                 self.last_ready_s = serving_since - began
                 self._record(servers.SERVING, process.pid)
+                self._segments = mapped_segments(group_members(process.pid))
                 self._announce_ready(process.pid)
                 watcher = self.spec.watcher() if self.spec.watcher is not None else None
                 if watcher is not None:
@@ -273,21 +277,25 @@ class Launcher:
         return DIED if process.poll() is not None else None
 
     def _stop_group(self, process: ServerProcess) -> None:
-        """Stop the server's whole process group: SIGTERM, the grace period, SIGKILL; wait until it is gone."""
+        """Stop the server's whole process group: SIGTERM, the grace period, SIGKILL; wait until it is gone, then
+        remove the shared memory it left behind (`wcache.serve.process_group`)."""
         group = process.pid
+        segments, self._segments = self._segments | mapped_segments(group_members(group)), set()
         deadline = time.monotonic() + self.spec.stop_grace_s
         _signal_group(group, signal.SIGTERM)
         with contextlib.suppress(Exception):
             process.wait(timeout=self.spec.stop_grace_s)
         # Its engine core and workers may outlive the front process (it was killed outright): they go too.
-        while _group_alive(group) and time.monotonic() < deadline:
+        while group_members(group) and time.monotonic() < deadline:
             time.sleep(POLL_S)
         _signal_group(group, signal.SIGKILL)
         with contextlib.suppress(Exception):
             process.wait(timeout=GROUP_GONE_S)
         deadline = time.monotonic() + GROUP_GONE_S
-        while _group_alive(group) and time.monotonic() < deadline:
+        while group_members(group) and time.monotonic() < deadline:
             time.sleep(0.05)
+        if not group_members(group):  # a member still exiting may still use them
+            remove_segments(segments)
         # Ranks killed by a signal leave their announcements; the next server answers at the same URL.
         remove_gone_announcements(self.spec.run_dir, self.spec.url)
 
@@ -296,17 +304,6 @@ def _signal_group(group: int, sig: int) -> None:
     # The group's id stays taken (never a new process's pid) while any member lives, so this reaches only ours.
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(group, sig)
-
-
-def _group_alive(group: int) -> bool:
-    """Whether any process of the group is left that has not exited (zombies awaiting their parent are gone)."""
-    import psutil
-
-    for process in psutil.process_iter(["status"]):
-        with contextlib.suppress(psutil.Error):
-            if os.getpgid(process.pid) == group and process.info["status"] != psutil.STATUS_ZOMBIE:
-                return True
-    return False
 
 
 def _answered_by(process: ServerProcess, url: str) -> bool:
