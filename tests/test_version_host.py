@@ -8,13 +8,16 @@ pool holds a retired ancestor, be written with only the elements the steps chang
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from daemon_fixtures import DaemonRig, daemon_rig, nothing_survives  # noqa: F401
 from helpers import SAME_AS_DISK, wcache_process
-from wcache.daemon.version_host import SPARE_GRACE_S, ArenaPool
+from wcache.daemon.version_host import SPARE_GRACE_S, ArenaPool, VersionHost
 from wcache.ipc.arenas.daemon_side import CpuArena
 from wcache.ipc.wire.client import request_once
 from wcache.ipc.wire.messages import BuildNext, BuiltNext, CheckArena
@@ -239,3 +242,51 @@ def test_past_its_budget_the_pool_lets_a_blank_arena_go_before_a_version() -> No
         assert sorted(pool.checkpoints()) == ["aaaa", "bbbb"]
     finally:
         pool.close()
+
+
+class _StandIn:
+    """A version's server for the host's bookkeeping only: it serves until asked to stop, and retires as a daemon's
+    server does on its way out."""
+
+    def __init__(self, host: VersionHost, name: str) -> None:
+        self.host, self.stop = host, threading.Event()
+        hashed: Future[None] = Future()
+        hashed.set_result(None)
+        # No CPU arena: the host prepares no pool for it, and closes it as it retires.
+        self.loaded = SimpleNamespace(arena=SimpleNamespace(close=lambda: None), outputs=hashed,
+                                      key_file=SimpleNamespace(key=SimpleNamespace(checkpoint=name)))
+        self.descriptor = SimpleNamespace(name=name)
+
+    def serve_forever(self) -> None:
+        self.stop.wait()
+        self.host.retire(self, leases=1)  # type: ignore[arg-type]
+
+    def request_stop(self) -> None:
+        self.stop.set()
+
+
+def test_the_process_serves_on_while_a_version_begun_from_its_last_one_starts(tmp_path: Path) -> None:
+    """A build begun while its parent served is counted until its version's thread runs: the parent stopping
+    meanwhile (the last version served) does not end the process's serving under the version starting. Stand-ins
+    take the servers' place, and the test takes the places of build() and _start() in the host's bookkeeping."""
+    host = VersionHost(tmp_path, 0.0, 0, make_server=None)  # type: ignore[arg-type]
+    parent = _StandIn(host, "parent")
+    serving = threading.Thread(target=host.serve, args=(parent,), daemon=True)
+    serving.start()
+    with host._lock:  # what build() holds from its parent check until its version's thread runs
+        host._building += 1
+    parent.request_stop()
+    serving.join(0.5)
+    assert serving.is_alive(), "serve() ended while a version was being started"
+    child = _StandIn(host, "child")
+    thread = threading.Thread(target=child.serve_forever, daemon=True)
+    with host._lock:  # what _start does once the version's server is bound
+        host._servers.append(child)  # type: ignore[arg-type]
+        host._threads.append(thread)
+        host._building -= 1
+    thread.start()
+    serving.join(0.5)
+    assert serving.is_alive(), "serve() ended under the version built"
+    host.request_stop_all()
+    serving.join(10)
+    assert not serving.is_alive()

@@ -3,7 +3,8 @@ retired arenas to build it in.
 
 A daemon process serves the version it loaded, and every version built from one it serves (`BuildNext`, what
 `wcache.daemon.publish` sends): each has its own name, socket, lock and descriptor, and stops on its own
-(`wcache stop NAME` retires that version only); the process exits once it serves none. SIGTERM stops them all.
+(`wcache stop NAME` retires that version only); the process exits once it serves none and starts none (a build
+begun from the last version served runs to its version serving). SIGTERM stops them all, one still starting too.
 
 A retired version whose arena no engine holds goes to the pool when the daemon has a budget for one
 (`--version-pool`): arenas are then sealed reusable (the future-write seal: no process but this one can ever
@@ -188,6 +189,8 @@ class VersionHost:
         self._lock = threading.Lock()  # builds one at a time; a retirement waits for a build reading its arena
         self._steps: dict[str, StepChanges] = {}  # by the checkpoint each step made
         self._spare_wanted = False  # the last build took the pool's last arena
+        self._building = 0  # builds begun whose version's thread has not started yet (`serve` waits for them)
+        self._stopping = False  # every version was asked to stop (SIGTERM)
         self._pooled = 0  # arenas retired into the pool so far
         self._pool_grew = threading.Condition(self._lock)
         self._workers = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="wcache-build")
@@ -203,9 +206,13 @@ class VersionHost:
         while True:
             with self._lock:
                 threads = [t for t in self._threads if t.is_alive()]
-            if not threads:
+                building = self._building
+            if threads:
+                threads[0].join(0.5)
+            elif building:  # a build begun while a version it was built from still served: its version serves on
+                time.sleep(0.05)
+            else:
                 break
-            threads[0].join(0.5)
         with self._lock:
             self.pool.close()
             self._pool_grew.notify_all()  # a spare waiting for a retirement is not wanted any more
@@ -255,6 +262,7 @@ class VersionHost:
 
     def request_stop_all(self) -> None:
         with self._lock:
+            self._stopping = True  # a version whose build is under way stops as it starts
             servers = list(self._servers)
         for server in servers:
             server.request_stop()
@@ -323,13 +331,20 @@ class VersionHost:
                 raise DeltaError(f"daemon {parent.descriptor.name} stopped; nothing was built from it.")
             built, name, lock_fd = self._build_locked(parent, delta, str(DELTA_LABEL))
             spare_wanted = self._spare_wanted
-        bytes_read = delta.file_bytes
-        del delta  # its values (its indices live on in the step remembered)
-        release_free_memory()  # a loop's every step would otherwise leave some of the delta's pages behind
-        if lock_fd is None:
-            key = built.loaded.key_file.key
-            return BuiltNext(name=name, key_id=key.short_id, checkpoint=key.checkpoint, already_served=True)
-        started = self._start(parent, built, lock_fd, bytes_read, time.perf_counter() - began)
+            # Counted before the lock goes: `serve` does not end, though the last version served before this one
+            # stops meanwhile, until this version's thread runs (the process would exit under it).
+            self._building += 1
+        try:
+            bytes_read = delta.file_bytes
+            del delta  # its values (its indices live on in the step remembered)
+            release_free_memory()  # a loop's every step would otherwise leave some of the delta's pages behind
+            if lock_fd is None:
+                key = built.loaded.key_file.key
+                return BuiltNext(name=name, key_id=key.short_id, checkpoint=key.checkpoint, already_served=True)
+            started = self._start(parent, built, lock_fd, bytes_read, time.perf_counter() - began)
+        finally:
+            with self._lock:
+                self._building -= 1
         if spare_wanted:
             self.prepare_pool(loaded.arena.total_bytes, SPARE_GRACE_S)
         return started
@@ -384,7 +399,10 @@ class VersionHost:
             self._servers.append(server)
             self._threads.append(thread)
             self._forget_unreachable()
+            stopping = self._stopping
         thread.start()
+        if stopping:
+            server.request_stop()
         append_event(self.run_dir, ev.Ready(
             daemon=descriptor.name, key_id=descriptor.key_id, rank=descriptor.tp_rank, device=descriptor.device,
             source=descriptor.source, weights_bytes=descriptor.weights_bytes, load_s=round(seconds, 3),
