@@ -41,7 +41,7 @@ from wcache.ipc.run_dir.directory import census, default_run_dir, matches
 from wcache.ipc.run_dir.engines import announced_at
 from wcache.key.companion_digest import companion_files, tokenizer_digest
 from wcache.monitor import event_types as ev
-from wcache.monitor.events import engine_events
+from wcache.monitor.events import engine_events, read_typed_events
 from wcache.plan.spec import PlanSpec, preload_command
 from wcache.serving.api import CompletionAnswer
 from wcache.serving.client import (
@@ -359,7 +359,7 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
     if engine.claim is not None and engine.claim.get(FROM_DELTA):
         raise built_from_delta(engine.url, engine.claim.get("key_id"), engine.claim.get("daemon"))
     attach = _served_attach(engine, engine_pids(engine))
-    if attach.daemon is not None and _built_from_delta(engine.run_dir, attach.daemon):
+    if attach.daemon is not None and built_from_delta_daemon(engine.run_dir, attach.daemon):
         # Started on such a version (a following server restarted where it had been moved): no claim says so.
         raise built_from_delta(engine.url, attach.key_id, attach.daemon)
     # One request for all prompts: vLLM schedules them together, as the disk engine's one generate() does.
@@ -388,10 +388,19 @@ def verify_served_vllm(url: str, version: str, prompts: list[str], max_new_token
                         next((p for p in problems if p is not None), None))
 
 
-def _built_from_delta(run_dir: Path, daemon: str) -> bool:
-    """Whether daemon `daemon` runs a version built from a delta (its descriptor names a parent)."""
-    live = census(run_dir, clean=False).live if run_dir.exists() else ()
-    return any(d.name == daemon and d.parent is not None for d in live)
+def built_from_delta_daemon(run_dir: Path, daemon: str) -> bool:
+    """Whether daemon `daemon` runs (or, gone, last ran) a version built from a delta: its descriptor names a parent,
+    else the last READY it announced did. A key served later from files under the same name announced none."""
+    if not run_dir.exists():
+        return False
+    for live in census(run_dir, clean=False).live:
+        if live.name == daemon:
+            return live.parent is not None
+    last = None
+    for event in read_typed_events(run_dir):
+        if isinstance(event, ev.Ready) and event.daemon == daemon:
+            last = event
+    return last is not None and last.parent is not None
 
 
 def _served_attach(engine: ServedVllm, pids: set[int] | None) -> GreedyAttach:
