@@ -38,7 +38,9 @@ def test_the_leases_go_back_when_the_switch_is_refused_and_stay_when_the_server_
         daemons.hold_leases()
         said: list[str] = []
         recorded: list[tuple[str, ...]] = []
-        switch = follow.server_switch(URL, rig.run_dir, daemons, said.append, lambda: recorded.append(daemons.names))
+        restarts: list[None] = []  # a TP 1 server is moved in place, never restarted
+        switch = follow.server_switch(URL, rig.run_dir, daemons, said.append, lambda: recorded.append(daemons.names),
+                                      lambda: restarts.append(None))
         announced = [parent.key_id]  # what the server's rank 0 announces it serves
         monkeypatch.setattr(follow, "vllm_version", lambda url: "0.32.0")
         monkeypatch.setattr(follow, "served_key", lambda run_dir, url: announced[-1])
@@ -64,6 +66,6 @@ def test_the_leases_go_back_when_the_switch_is_refused_and_stay_when_the_server_
             # Nothing here holds N now: a loop stops it without --force.
             stopped = rig.cli("stop", parent.name, "--run-dir", str(rig.run_dir))
             assert stopped.returncode == 0, stopped.stderr
-            assert said == []
+            assert said == [] and restarts == []
         finally:
             daemons.stop()

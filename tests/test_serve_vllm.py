@@ -6,8 +6,8 @@ and comes back with the same greedy tokens, restarted by `wcache restart` with a
 version), and finally stopped with SIGTERM,
 leaving no process, socket, record or shared-memory segment behind. A second launcher
 whose server fails at every start (a --max-model-len vLLM's parser accepts and its engine refuses) backs off
-and says why; a typo is refused before anything starts. A TP 2 launcher follows a version a trainer publishes,
-each rank reloading from its own rank's daemon.
+and says why; a typo is refused before anything starts. A TP 2 launcher follows a version a trainer publishes by
+restarting its server on it, each rank attaching its own rank's daemon.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import pytest
 from daemon_fixtures import DaemonRig, copy_checkpoint, daemon_rig, nothing_survives, wait_for  # noqa: F401
 from helpers import assert_one_error_sentence, environment, free_port, loaded_of, modules_after_cli, one_sentence
 from wcache.integrations.vllm.warm import ZYGOTE_MODULE
-from wcache.ipc.run_dir.engine_token import read_token_file
+from wcache.ipc.run_dir.engine_token import TOKEN_FILE_ENV, read_token_file
 from wcache.ipc.run_dir.paths import RunPaths
 from wcache.ipc.run_dir.servers import ServerRecord, live_server_records
 from wcache_dev.synth import overwrite_tensor_bytes, write_checkpoint
@@ -313,10 +313,13 @@ def test_a_following_server_serves_each_published_version(rig: DaemonRig, served
     assert served.complete() == followed
 
 
-def test_a_tensor_parallel_server_follows_with_each_rank_on_its_own_daemon(rig: DaemonRig, served: Launcher) -> None:
-    """At TP 2 the launcher follows the version of its rank 0's daemon once the version's whole group runs; each rank
-    reloads from its own rank's daemon of that group, and the tokens are then those of vLLM's own loader reading
-    the version's checkpoint from disk."""
+def test_a_tensor_parallel_server_follows_by_restarting_with_each_rank_on_its_own_daemon(rig: DaemonRig,
+                                                                                         served: Launcher) -> None:
+    """At TP 2 the launcher follows the version of its rank 0's daemon once the version's whole group runs, by
+    restarting the server on it (vLLM's in-place reload takes checkpoint tensors, and a rank's daemon holds its
+    shards): each rank attaches its own rank's daemon of that group, and the tokens are then those of vLLM's own
+    loader reading the version's checkpoint from disk. An in-place switch at TP 2 is refused in one sentence and
+    changes nothing."""
     tp2 = _start(rig, rig.base / "small", "--max-model-len", "512", "--tensor-parallel-size", "2", name="tp2",
                  follow=True, env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     daemon, shm = None, set()
@@ -325,18 +328,27 @@ def test_a_tensor_parallel_server_follows_with_each_rank_on_its_own_daemon(rig: 
         group = sorted((d for d in rig.descriptors() if d.name in record.daemons), key=lambda d: d.tp_rank)
         assert [(d.tp_size, d.tp_rank) for d in group] == [(2, 0), (2, 1)], group
         before = tp2.complete()
+        # The step changes a tensor each rank holds a shard of, in rows (lm_head) and in columns (a down_proj).
         step = copy_checkpoint(rig.base / "small", rig.base / "small-tp2-step")
         overwrite_tensor_bytes(step, "lm_head.weight", 2048, bytes(LM_HEAD_BYTES - 2048))
+        overwrite_tensor_bytes(step, "model.layers.0.mlp.down_proj.weight", 0, bytes(4096))
         since = len(rig.events())
         key_id, daemon = rig.publish_step(group[0].name, rig.base / "small", step)
-        _followed(tp2, key_id, daemon)
+        wait_for(lambda: f"→ {key_id} (daemon {daemon}): vLLM restarts on it" in tp2.said(), timeout=120,
+                 interval=0.5, what=f"the launcher to restart the server on {daemon}")
+        again = tp2.serving(restarts=record.restarts + 1)
         version = {d.tp_rank: d.name for d in rig.descriptors() if d.parent in {g.name for g in group}}
+        assert again.daemons == (version[0], version[1]) and version[0] == daemon, (again.daemons, version)
         hits = {e["daemon"] for e in rig.events()[since:] if e["kind"] == "attach_hit" and e["engine"] == "vllm"}
-        assert hits == set(version.values()) and version[0] == daemon, (hits, version)
+        assert hits == set(version.values()), (hits, version)
         followed = tp2.complete()
         assert followed != before, f"the zeroed lm_head must change the tokens; {tp2.story()}"
-        reload_from_disk(tp2.url, step, read_token_file(RunPaths(rig.run_dir).engine_token(tp2.process.pid)))
-        assert tp2.complete() == followed
+        token_file = RunPaths(rig.run_dir).engine_token(tp2.process.pid)
+        refused = rig.cli("switch", tp2.url, "--daemon", group[0].name, env={TOKEN_FILE_ENV: str(token_file)})
+        assert refused.returncode == 3 and "in-place reload cannot take" in one_sentence(refused.stderr), refused.stderr
+        assert tp2.complete() == followed, "a refused switch must leave the version's weights serving"
+        reload_from_disk(tp2.url, step, read_token_file(token_file))
+        assert tp2.complete() == followed, tp2.story()
         # Its workers' shared memory (vLLM's CPU TP2 segments, which vLLM itself leaves behind) goes with the server.
         shm = _shared_memory(_tree(tp2.process.pid))
         assert any(path.name.startswith("vllm_dist_") for path in shm), shm

@@ -36,7 +36,7 @@ from wcache.checkpoint.model_path import resolve_model_path
 from wcache.daemon_choice import lineage_checkpoint
 from wcache.errors import BadInputError, UnavailableError
 from wcache.integrations.registry import GreedyAttach, not_served
-from wcache.integrations.vllm.switch import LOAD_FORMAT, VllmSwitchError, worker_reason
+from wcache.integrations.vllm.switch import LOAD_FORMAT, VllmSwitchError, in_place_refusal, worker_reason
 from wcache.ipc.run_dir.directory import census, default_run_dir, matches
 from wcache.ipc.run_dir.engines import announced_at
 from wcache.key.companion_digest import companion_files, tokenizer_digest
@@ -240,6 +240,9 @@ def switch_served(url: str, version: str, model: Path | None, daemon: str | None
     engine = describe(url, version)
     target = _target(engine, model, daemon)
     path = target.checkpoint
+    refusal = in_place_refusal(engine.tp_size)
+    if refusal is not None:
+        raise VllmSwitchError(f"vLLM keeps serving {engine.model}, no switch to {path}: {refusal}.")
     # No pin unpins what an earlier switch pinned, and trust lasts one switch; the rest (run dir, mode, …) stays as
     # the server started. Trust the server started with for one named daemon (a following server restarted on the
     # version it was moved to) vouched for that daemon alone.

@@ -219,7 +219,8 @@ def _supervise(model: Path, user_argv: list[str], first: ServerArgs, table: Opti
         spec.env.update({**FOLLOW_ENV, TOKEN_FILE_ENV: os.environ[TOKEN_FILE_ENV]})
         device = daemons.descriptors[0].device
         spec.watcher = lambda: server_follower(url, where, device, daemons, say,
-                                               lambda: launcher.serving_from(daemons.names))
+                                               lambda: launcher.serving_from(daemons.names),
+                                               lambda: launcher.request_restart())
     launcher = Launcher(_starter(cold, paths), spec, notifier, say=say)
     how = "" if cold else " (importing vLLM once first, for warm restarts)"
     out.hint(f"Starting vLLM's server for {printable(str(model))} at {spec.url}{how}; its log is {spec.log}.")

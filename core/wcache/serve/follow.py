@@ -5,7 +5,8 @@ launcher, over HTTP, by the switch `wcache switch URL --daemon D` runs (`wcache.
 reload in place, reset the prefix cache, resume), so one request never sees two versions. Which version is newest
 is `newest_descendant`'s rule, from the key the server's rank 0 announces it serves now (its loader announces
 again after every reload); at tensor parallel > 1, the version of rank 0's daemon once its whole group runs, and
-each rank reloads from its own rank's daemon of that group. A version whose switch is refused is not tried again
+the server is restarted on it (each rank attaching its own rank's daemon of that group): vLLM's in-place reload
+takes weights in checkpoint form, which a rank's shards are not. A version whose switch is refused is not tried again
 by this server, which keeps the weights it had. The launcher's leases move with the server, and a restarted server
 attaches the version it was last moved to (a loop that stops the versions its engines left behind stops the one
 the server started on too, and no chain leads from it any more).
@@ -82,14 +83,14 @@ class AnnouncedKey:
 
 
 def server_follower(url: str, run_dir: Path, device: str, daemons: ServedDaemons, say: Callable[[str], None],
-                    moved: Callable[[], None]) -> Follower:
+                    moved: Callable[[], None], restart: Callable[[], None]) -> Follower:
     """The follower of the vLLM server at `url`, not started; it moves the server with `server_switch`."""
     return Follower(run_dir, device, AnnouncedKey(run_dir, url), lambda: False,
-                    server_switch(url, run_dir, daemons, say, moved))
+                    server_switch(url, run_dir, daemons, say, moved, restart))
 
 
 def server_switch(url: str, run_dir: Path, daemons: ServedDaemons, say: Callable[[str], None],
-                  moved: Callable[[], None]) -> Callable[[str], None]:
+                  moved: Callable[[], None], restart: Callable[[], None]) -> Callable[[str], None]:
     """What moves the vLLM server at `url` to a daemon (by name); `say` gets one line per move.
 
     The launcher's leases (`daemons`) move to a version before the server does, and the old ones end then: the
@@ -97,11 +98,25 @@ def server_switch(url: str, run_dir: Path, daemons: ServedDaemons, say: Callable
     left is held by nobody here (a loop stops it without --force and its arena goes to the pool). A switch that
     fails moves them back unless the server's rank 0 announces the new version by then (a reload that failed late:
     its weights may be the new version's, or mixed, and a restart attaches the new one whole). `moved` is called
-    after each move."""
+    after each move.
+
+    At TP > 1 the server is restarted on the version instead (`restart`, the launcher's): vLLM's in-place reload
+    takes weights in checkpoint form, and each rank's daemon holds its shards in vLLM's form, which only a start
+    attaches (`wcache.integrations.vllm.loader.reload_refusal`)."""
+    restarting: set[str] = set()  # the version a restart was asked for: this server's follower asks once
 
     def switch(daemon: str) -> None:
         before = list(daemons.descriptors)
         group = _group_named(run_dir, daemon)
+        if group[0].tp_size > 1:
+            if daemon not in restarting:
+                restarting.add(daemon)
+                daemons.move_to(group)
+                moved()
+                say(f"following {before[0].key_id} → {group[0].key_id} (daemon {daemon}): vLLM restarts on it (at "
+                    f"TP {group[0].tp_size} its in-place reload cannot take a daemon's shards).")
+                restart()
+            return
         daemons.move_to(group)
         try:
             result = switch_served(url, vllm_version(url), None, daemon)

@@ -113,6 +113,10 @@ class Launcher:
         self.flags.wake.set()
 
     def _on_restart(self, signum: int, frame: object) -> None:
+        self.request_restart()
+
+    def request_restart(self) -> None:
+        """Restart the server at once, with the arguments it has (SIGHUP; a follower moving a TP > 1 server)."""
         self.flags.restart = True
         self.flags.wake.set()
 

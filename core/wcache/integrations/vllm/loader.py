@@ -57,6 +57,7 @@ from wcache.integrations.vllm.api import (
     set_default_torch_dtype,
 )
 from wcache.integrations.vllm.plan import plan_of
+from wcache.integrations.vllm.switch import in_place_refusal
 from wcache.integrations.vllm.words import EXTRA_CONFIG, vllm_words
 from wcache.ipc.attach_summary import AttachSummary
 from wcache.ipc.run_dir.directory import default_run_dir, ensure_run_dir
@@ -296,10 +297,14 @@ class WcacheModelLoader(BaseModelLoader):
                  key_id=summary.key_id, tp_rank=get_tensor_model_parallel_rank(),
                  tp_size=get_tensor_model_parallel_world_size())
 
-    def _attach(self, vllm_config: VllmConfig, model_config: ModelConfig) -> AttachedWeights:
-        """The daemon's tensors for this rank; CannotAttachError (with the reason) when there are none."""
+    def _attach(self, vllm_config: VllmConfig, model_config: ModelConfig, reload: bool = False) -> AttachedWeights:
+        """The daemon's tensors for this rank; CannotAttachError (with the reason) when there are none, or, for
+        vLLM's in-place reload (`reload`), none it can take."""
         try:
             plan = plan_for(vllm_config, model_config)
+            refusal = in_place_refusal(plan.tp_size, plan.quantization) if reload else None
+            if refusal is not None:
+                raise CannotAttachError(refusal)
             path = resolve_model_path(model_config.model, model_config.revision)
             with DigestStore.open() as store:
                 options = msgspec.structs.replace(self.options, fallback=False)
@@ -400,7 +405,7 @@ def daemon_weights(loader: WcacheModelLoader, model: nn.Module,
 
     previous = getattr(model, "_wcache_weights", None)
     try:
-        weights = loader._attach(get_current_vllm_config(), model_config)
+        weights = loader._attach(get_current_vllm_config(), model_config, reload=True)
     except CannotAttachError as exc:
         # vLLM already pointed the config at the new path; the engine still runs the old checkpoint's weights.
         if previous is not None:

@@ -42,6 +42,9 @@ def switch(llm: Any, model: str | Path, **options: Any) -> None:
     from wcache.attach_options import AttachOptions
 
     path = resolve_model_path(model).absolute()
+    refusal = in_place_refusal(llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
+    if refusal is not None:
+        raise VllmSwitchError(f"vLLM keeps its previous weights, no switch to {path}: {refusal}.")
     load_config = llm.llm_engine.vllm_config.load_config
     current = dict(load_config.model_loader_extra_config or {}) if load_config.load_format == LOAD_FORMAT else {}
     extra = {**current, **options}
@@ -56,6 +59,24 @@ def switch(llm: Any, model: str | Path, **options: Any) -> None:
         raise VllmSwitchError(f"vLLM keeps its previous weights, no switch to {path}: {worker_reason(exc)}") from None
     llm.reset_prefix_cache()
     llm.llm_engine.vllm_config.model_config.model = str(path)
+
+
+def in_place_refusal(tp_size: int, quantization: str = "none") -> str | None:
+    """Why vLLM's in-place reload cannot take a daemon's tensors for an engine at `tp_size` whose plan quantizes
+    with `quantization` at load time, or None.
+
+    The reload takes weights in checkpoint form (the model's `load_weights` shards and quantizes them itself), and a
+    daemon holds a TP rank's shards and the tensors it quantized only in vLLM's form: vLLM would keep its old
+    weights for every layer it was not given and take the rest, a mix no key names. A start attaches them whole.
+    Refused before any worker is asked: at TP > 1, a worker's refusal leaves vLLM's engine core answering the next
+    call with that refusal."""
+    if tp_size > 1:
+        return (f"at TP {tp_size} each rank's daemon holds its shards in vLLM's form, which vLLM's in-place reload "
+                "cannot take (it loads checkpoint tensors); restart the engine on the daemon instead")
+    if quantization != "none":
+        return (f"the daemon holds the tensors it quantized ({quantization}) in vLLM's form, which vLLM's in-place "
+                "reload cannot take (it loads checkpoint tensors); restart the engine on the daemon instead")
+    return None
 
 
 def worker_reason(exc: BaseException) -> str:
