@@ -31,7 +31,9 @@ def switch(
     VLLM_SERVER_DEV_MODE=1, whose endpoints pause it, reload its weights in place through the wcache load
     format and reset its prefix cache. The request running finishes on the old weights; the next one runs on
     the new. The switch never falls back to disk: when no daemon holds MODEL's key under the engine's plan it
-    is refused with the reason (exit 3) and the engine keeps serving its old weights.
+    is refused with the reason (exit 3) and the engine keeps serving its old weights. So is a vLLM server at
+    tensor parallel > 1, whose in-place reload cannot take a rank's shards: restart it on the daemon instead
+    (wcache serve --follow does).
     """
     from wcache.serving.api import SwitchAnswer
     from wcache.serving.client import read_answer
