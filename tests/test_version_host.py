@@ -280,11 +280,12 @@ def test_the_process_serves_on_while_a_version_begun_from_its_last_one_starts(tm
     assert serving.is_alive(), "serve() ended while a version was being started"
     child = _StandIn(host, "child")
     thread = threading.Thread(target=child.serve_forever, daemon=True)
-    with host._lock:  # what _start does once the version's server is bound
+    with host._lock:  # what _start does once the version's server is bound, then starts its thread
         host._servers.append(child)  # type: ignore[arg-type]
         host._threads.append(thread)
-        host._building -= 1
     thread.start()
+    with host._lock:  # what build() does once _start returned
+        host._building -= 1
     serving.join(0.5)
     assert serving.is_alive(), "serve() ended under the version built"
     host.request_stop_all()
