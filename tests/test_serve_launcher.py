@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from daemon_fixtures import wait_for
+from daemon_fixtures import http_status, wait_for
 from helpers import free_port
 from wcache.daemon.sd_notify import Notifier
 from wcache.ipc.run_dir.paths import RunPaths
@@ -246,10 +246,8 @@ def test_another_process_on_the_port_is_not_taken_for_the_server(tmp_path: Path)
 
 
 def _answers(url: str) -> bool:
-    import urllib.request
-
-    with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=5):
-        return True
+    with contextlib.suppress(OSError):
+        return http_status(f"{url}/health")[0] == 200
     return False
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from wcache.errors import BadInputError, UnavailableError, WcacheError, marked, option
 from wcache.integrations.vllm.announce import FOLLOWS_VARIABLE
+from wcache.integrations.vllm.switch import in_place_refusal
 from wcache.ipc.run_dir.directory import DaemonDescriptor, census, group_of
 from wcache.ipc.run_dir.engines import VLLM_ENGINE, announced_at
 from wcache.ipc.run_dir.paths import RunPaths
@@ -102,13 +103,13 @@ def server_switch(url: str, run_dir: Path, daemons: ServedDaemons, say: Callable
 
     At TP > 1 the server is restarted on the version instead (`restart`, the launcher's): vLLM's in-place reload
     takes weights in checkpoint form, and each rank's daemon holds its shards in vLLM's form, which only a start
-    attaches (`wcache.integrations.vllm.loader.reload_refusal`)."""
+    attaches (`wcache.integrations.vllm.switch.in_place_refusal`, the rule's one owner)."""
     restarting: set[str] = set()  # the version a restart was asked for: this server's follower asks once
 
     def switch(daemon: str) -> None:
         before = list(daemons.descriptors)
         group = _group_named(run_dir, daemon)
-        if group[0].tp_size > 1:
+        if in_place_refusal(group[0].tp_size) is not None:
             if daemon not in restarting:
                 restarting.add(daemon)
                 daemons.move_to(group)
